@@ -1,0 +1,99 @@
+"""The sidecar's error tree. Library errors are translated into these in one place (the
+engine adapter) and mapped to HTTP status codes in one place (`http_status`)."""
+
+from __future__ import annotations
+
+
+class HotswapError(Exception):
+    """Root of every error the sidecar raises on purpose."""
+
+    status = 502
+
+    def __init__(self, message: str, *, model: str | None = None, phase: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.model = model
+        self.phase = phase
+
+    def to_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {"error": type(self).__name__, "message": self.message}
+        if self.model is not None:
+            out["model"] = self.model
+        if self.phase is not None:
+            out["phase"] = self.phase
+        return out
+
+
+class ModelNotFound(HotswapError):
+    status = 404
+
+
+class TransitionConflict(HotswapError):
+    """The requested transition cannot run now (opposite one in flight, or FAILED)."""
+
+    status = 409
+
+
+class Unauthorized(HotswapError):
+    status = 401
+
+
+class EngineError(HotswapError):
+    """The engine answered, but not as it should (5xx, bad body, ok=false from a rank)."""
+
+    status = 502
+
+
+class EngineUnavailable(EngineError):
+    """The engine could not be reached (connection refused or reset)."""
+
+    status = 502
+
+
+class EngineTimeout(EngineError):
+    """The engine did not answer in time; for an RPC the ranks are unknown."""
+
+    status = 504
+
+
+class DrainTimeout(HotswapError):
+    """drain=wait gave up: in-flight requests outlasted the drain timeout; still RUNNING."""
+
+    status = 504
+
+
+class VerificationFailed(EngineError):
+    """A tensor that must survive differs after the wake: the model stays out of rotation."""
+
+    status = 502
+
+    def __init__(self, message: str, *, tensors: list[str], model: str | None = None) -> None:
+        super().__init__(message, model=model, phase="restore_and_verify")
+        self.tensors = tensors
+
+    def to_dict(self) -> dict[str, object]:
+        out = super().to_dict()
+        out["tensors"] = self.tensors
+        return out
+
+
+class BarrierTimeout(EngineError):
+    """Quiesce: some ranks missed the barrier; they are named."""
+
+    status = 504
+
+    def __init__(self, message: str, *, late_ranks: list[int], model: str | None = None) -> None:
+        super().__init__(message, model=model, phase="quiesce")
+        self.late_ranks = late_ranks
+
+    def to_dict(self) -> dict[str, object]:
+        out = super().to_dict()
+        out["late_ranks"] = self.late_ranks
+        return out
+
+
+def http_status(exc: BaseException) -> int:
+    """The one mapping from error class to HTTP status."""
+    if isinstance(exc, HotswapError):
+        return exc.status
+    return 502

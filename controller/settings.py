@@ -1,0 +1,140 @@
+"""One typed settings object, built once at start-up and passed down.
+
+Sources, highest first: CLI flags (the CLI passes them as init kwargs), environment
+variables (`HOTSWAP_` prefix, `__` between nested names, e.g. `HOTSWAP_SERVER__PORT=9000`),
+the YAML models file, then the defaults below.
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from controller.state import Gate
+
+
+class LogFormat(enum.StrEnum):
+    TEXT = "text"
+    JSON = "json"
+
+
+class ServerSettings(BaseModel):
+    host: str = Field("127.0.0.1", description="Bind address of the control API; loopback by default.")
+    port: int = Field(8800, ge=0, le=65535, description="Port of the control API (0 = pick a free one).")
+
+
+class AuthSettings(BaseModel):
+    token: SecretStr | None = Field(
+        None, description="Bearer token for control endpoints; None disables auth (loopback only)."
+    )
+
+
+class TimeoutSettings(BaseModel):
+    """Seconds. Each is an HTTP client timeout: nothing is ever sent as an RPC `timeout`."""
+
+    control_s: float = Field(10.0, gt=0, description="/pause (abort), /resume, /is_paused, /health.")
+    rpc_s: float = Field(
+        120.0, gt=0, description="One /collective_rpc call; generous: a level-1 suspend copies weights."
+    )
+    reload_s: float = Field(600.0, gt=0, description="hotswap_reload: reads the whole checkpoint.")
+    quiesce_s: float = Field(10.0, gt=0, description="Barrier timeout inside the ranks (sent as an argument).")
+    warmup_s: float = Field(60.0, gt=0, description="The 1-token warm-up completion after a wake.")
+    drain_s: float = Field(30.0, ge=0, description="Default drain timeout of a sleep with drain=wait.")
+    probe_s: float = Field(5.0, gt=0, description="Start-up probe of an attached engine.")
+    shutdown_s: float = Field(30.0, ge=0, description="How long shutdown waits for transitions in flight.")
+
+
+class LogSettings(BaseModel):
+    format: LogFormat = Field(LogFormat.TEXT, description="text for humans, json for log pipelines.")
+    level: str = Field("INFO", description="Root log level.")
+
+
+class ModelSettings(BaseModel):
+    """One vLLM OpenAI server the sidecar knows by name."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+    url: str = Field(description="Base URL of the engine, e.g. http://127.0.0.1:8001 (dev endpoints on).")
+    gate: Gate = Field(Gate.GATED, description="How this model counts toward /health.")
+    default_level: int = Field(1, ge=1, le=2, description="Sleep level when a request names none.")
+    served_model_name: str | None = Field(
+        None, description="The `model` field for the warm-up completion; None: ask /v1/models."
+    )
+    # Managed mode (the sidecar starts the engine itself); None = attached.
+    command: list[str] | None = Field(None, description="argv of the engine, when the sidecar starts it.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment of the engine.")
+
+    @field_validator("url")
+    @classmethod
+    def _strip_slash(cls, v: str) -> str:
+        return v.rstrip("/")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="HOTSWAP_", env_nested_delimiter="__", extra="forbid", validate_default=True
+    )
+
+    config_file: Path | None = Field(None, description="YAML models file; its values sit below env vars.")
+    server: ServerSettings = Field(default_factory=ServerSettings)  # type: ignore[arg-type]
+    auth: AuthSettings = Field(default_factory=AuthSettings)  # type: ignore[arg-type]
+    timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)  # type: ignore[arg-type]
+    log: LogSettings = Field(default_factory=LogSettings)  # type: ignore[arg-type]
+    models: list[ModelSettings] = Field(default_factory=list)
+
+    @field_validator("models")
+    @classmethod
+    def _unique_names(cls, v: list[ModelSettings]) -> list[ModelSettings]:
+        names = [m.name for m in v]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate model names: {', '.join(dupes)}")
+        return v
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _YamlSource(settings_cls, init_settings, env_settings))
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    """Reads the models file named by `config_file` (init kwarg or HOTSWAP_CONFIG_FILE)."""
+
+    def __init__(
+        self,
+        settings_cls: type[BaseSettings],
+        init: PydanticBaseSettingsSource,
+        env: PydanticBaseSettingsSource,
+    ) -> None:
+        super().__init__(settings_cls)
+        self._init = init
+        self._env = env
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = self._init().get("config_file") or self._env().get("config_file")
+        if not path:
+            return {}
+        data = yaml.safe_load(Path(path).read_text())
+        if data is None:
+            return {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the models file must be a mapping")
+        return data
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Build the settings; `overrides` are CLI values (None values are dropped)."""
+    return Settings(**{k: v for k, v in overrides.items() if v is not None})

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtualenv and print its path.
+#
+# The venv lives outside the checkout, keyed by a hash of requirements-dev.txt and the
+# Python version, so a fresh clone (CI) on the same machine reuses it in seconds; a change
+# to the pins builds a new one. The project itself is installed editable on every call,
+# because the cached venv may last have pointed at another checkout.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+py=${PYTHON:-python3}
+key=$( { cat "$root/requirements-dev.txt"; "$py" -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)
+cache=${HOTSWAP_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/vllm-hotswap}
+venv="$cache/venv-$key"
+if [ ! -f "$venv/.complete" ]; then
+  echo "bootstrap: building $venv (first run on this machine: about 3 minutes)" >&2
+  rm -rf "$venv"
+  mkdir -p "$cache"
+  "$py" -m venv "$venv"
+  "$venv/bin/pip" install -q --upgrade pip >&2
+  "$venv/bin/pip" install -q -r "$root/requirements-dev.txt" >&2
+  # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break transformers on CPU torch.
+  "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >&2 || true
+  touch "$venv/.complete"
+fi
+"$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$root" >&2
+echo "$venv"
