@@ -1,0 +1,62 @@
+"""Tagged memory pools: the interface the extension drives, one backend per platform.
+
+- `cumem` (CUDA, worker_ext/cumem.py): vLLM's CuMemAllocator records, engine started with
+  --enable-sleep-mode. Pools are the allocator's tags (`weights`, `kv_cache`).
+- `host` (CPU, worker_ext/hostpools.py): vLLM's CPU worker ignores sleep, so the backend
+  frees tensor storage itself and re-makes it on resume.
+
+Level semantics every backend implements:
+- level 1: `weights` kept (CUDA: offloaded to host and copied back), `kv_cache` discarded;
+- level 2: both discarded; weights come back through the reload (vLLM's reload_weights);
+- an explicit `tags` list suspends only those pools (e.g. ["kv_cache"]), with the level's
+  policy for each (weights: offload at level 1, discard at level 2; kv_cache: discard).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+WEIGHTS = "weights"
+KV_CACHE = "kv_cache"
+UNPOOLED = "unpooled"
+ALL_TAGS = (WEIGHTS, KV_CACHE)
+
+OFFLOADED = "offloaded"  # bytes kept on the host, copied back on resume
+DISCARDED = "discarded"  # bytes dropped; content undefined after resume
+
+
+def policy(level: int, tag: str) -> str:
+    """What suspending `tag` at `level` does to its bytes."""
+    if tag == WEIGHTS and level == 1:
+        return OFFLOADED
+    return DISCARDED
+
+
+class PoolBackend(Protocol):
+    name: str
+
+    def pools(self) -> dict[str, int]:
+        """Bytes held by each tag (asleep or not)."""
+        ...
+
+    def tag_of(self, data_ptr: int, nbytes: int) -> str:
+        """The tag of the pool holding [data_ptr, data_ptr+nbytes), or UNPOOLED."""
+        ...
+
+    def suspend(self, level: int, tags: list[str]) -> dict[str, Any]:
+        """Release the given pools per `policy`. Returns {"freed_bytes": {tag: n},
+        "offloaded_bytes": {tag: n}}. Suspending a pool that is already asleep is an error."""
+        ...
+
+    def resume(self, tags: list[str]) -> dict[str, Any]:
+        """Map the given (asleep) pools back at the same addresses where the platform allows,
+        copying offloaded bytes back. Returns {"restored_bytes": {tag: n}}."""
+        ...
+
+    def suspended(self) -> dict[str, str]:
+        """Tags asleep now -> OFFLOADED | DISCARDED."""
+        ...
+
+    def memory(self) -> dict[str, int]:
+        """Device memory (CUDA: cudaMemGetInfo "free"/"total") or host ("rss") of this worker."""
+        ...
