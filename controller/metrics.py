@@ -1,0 +1,155 @@
+"""Prometheus metrics: state gauges read from the manager's snapshots at scrape time, and
+counters/histograms updated by the manager where events happen. The registry is injected."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from controller.state import ModelSnapshot, State
+
+# Seconds: a drain or a level-1 suspend of a large model takes minutes, a quiesce milliseconds.
+SECONDS_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
+
+Snapshots = Iterable[ModelSnapshot] | Mapping[str, ModelSnapshot]
+
+
+class _StateCollector:
+    """Reads the snapshots on every scrape; holds no copy of the state."""
+
+    def __init__(self, snapshots: Callable[[], Snapshots]) -> None:
+        self._snapshots = snapshots
+
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+        return (
+            GaugeMetricFamily(
+                "hotswap_model_state",
+                "1 for the state the model is in, 0 for the others.",
+                labels=["model", "state"],
+            ),
+            GaugeMetricFamily(
+                "hotswap_model_ready",
+                "1 when the model is RUNNING and verified since its last memory transition.",
+                labels=["model"],
+            ),
+            GaugeMetricFamily(
+                "hotswap_model_state_since_seconds",
+                "Unix time of the model's last state change.",
+                labels=["model"],
+            ),
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        state, ready, since = self._families()
+        items = self._snapshots()
+        snaps = items.values() if isinstance(items, Mapping) else items
+        for snap in snaps:
+            for s in State:
+                state.add_metric([snap.name, s.value], 1.0 if snap.state is s else 0.0)
+            ready.add_metric([snap.name], 1.0 if snap.ready else 0.0)
+            since.add_metric([snap.name], snap.since)
+        yield from (state, ready, since)
+
+
+class Metrics:
+    """The sidecar's own metrics (contracts.md section 4)."""
+
+    def __init__(self, registry: CollectorRegistry, snapshots: Callable[[], Snapshots]) -> None:
+        self.registry = registry
+        self._transitions = Counter(
+            "hotswap_transitions_total",
+            "Finished sleep/wake/start transitions.",
+            ["model", "kind", "from_state", "to_state", "result"],
+            registry=registry,
+        )
+        self._transition_seconds = Histogram(
+            "hotswap_transition_duration_seconds",
+            "Duration of a whole transition.",
+            ["model", "kind"],
+            buckets=SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self._phase_seconds = Histogram(
+            "hotswap_phase_duration_seconds",
+            "Duration of one phase of a transition.",
+            ["model", "kind", "phase"],
+            buckets=SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self._released = Counter(
+            "hotswap_bytes_released_total",
+            "Bytes released by sleeps, summed over ranks.",
+            ["model", "pool"],
+            registry=registry,
+        )
+        self._restored = Counter(
+            "hotswap_bytes_restored_total",
+            "Bytes mapped back by wakes, summed over ranks.",
+            ["model", "pool"],
+            registry=registry,
+        )
+        self._verification_failures = Counter(
+            "hotswap_verification_failures_total",
+            "Wakes whose bit-exact verification found a mismatch.",
+            ["model"],
+            registry=registry,
+        )
+        self._rpc_errors = Counter(
+            "hotswap_engine_rpc_errors_total",
+            "Failed calls to an engine (RPC or control endpoint).",
+            ["model", "method", "reason"],
+            registry=registry,
+        )
+        registry.register(_StateCollector(snapshots))
+
+    def transition(
+        self,
+        model: str,
+        kind: str,
+        from_state: str,
+        to_state: str,
+        result: str,
+        duration_s: float | None = None,
+    ) -> None:
+        self._transitions.labels(model, kind, str(from_state), str(to_state), result).inc()
+        if duration_s is not None:
+            self._transition_seconds.labels(model, kind).observe(duration_s)
+
+    def phase(self, model: str, kind: str, phase: str, seconds: float) -> None:
+        self._phase_seconds.labels(model, kind, phase).observe(seconds)
+
+    def bytes(self, model: str, direction: str, pool: str, n: int) -> None:
+        if direction == "released":
+            self._released.labels(model, pool).inc(n)
+        elif direction == "restored":
+            self._restored.labels(model, pool).inc(n)
+        else:
+            raise ValueError(f"direction must be 'released' or 'restored', not {direction!r}")
+
+    def verification_failure(self, model: str) -> None:
+        self._verification_failures.labels(model).inc()
+
+    def rpc_error(self, model: str, method: str, reason: str) -> None:
+        self._rpc_errors.labels(model, method, reason).inc()
