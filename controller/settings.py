@@ -24,8 +24,12 @@ class LogFormat(enum.StrEnum):
 
 
 class ServerSettings(BaseModel):
-    host: str = Field("127.0.0.1", description="Bind address of the control API; loopback by default.")
-    port: int = Field(8800, ge=0, le=65535, description="Port of the control API (0 = pick a free one).")
+    host: str = Field(
+        "127.0.0.1", description="Bind address of the control API; loopback by default."
+    )
+    port: int = Field(
+        8800, ge=0, le=65535, description="Port of the control API (0 = pick a free one)."
+    )
 
 
 class AuthSettings(BaseModel):
@@ -37,20 +41,32 @@ class AuthSettings(BaseModel):
 class TimeoutSettings(BaseModel):
     """Seconds. Each is an HTTP client timeout: nothing is ever sent as an RPC `timeout`."""
 
-    control_s: float = Field(10.0, gt=0, description="/pause (abort), /resume, /is_paused, /health.")
+    control_s: float = Field(
+        10.0, gt=0, description="/pause (abort), /resume, /is_paused, /health."
+    )
     rpc_s: float = Field(
-        120.0, gt=0, description="One /collective_rpc call; generous: a level-1 suspend copies weights."
+        120.0,
+        gt=0,
+        description="One /collective_rpc call; generous: a level-1 suspend copies weights.",
     )
     reload_s: float = Field(600.0, gt=0, description="hotswap_reload: reads the whole checkpoint.")
-    quiesce_s: float = Field(10.0, gt=0, description="Barrier timeout inside the ranks (sent as an argument).")
+    quiesce_s: float = Field(
+        10.0, gt=0, description="Barrier timeout inside the ranks (sent as an argument)."
+    )
     warmup_s: float = Field(60.0, gt=0, description="The 1-token warm-up completion after a wake.")
-    drain_s: float = Field(30.0, ge=0, description="Default drain timeout of a sleep with drain=wait.")
+    drain_s: float = Field(
+        30.0, ge=0, description="Default drain timeout of a sleep with drain=wait."
+    )
     probe_s: float = Field(5.0, gt=0, description="Start-up probe of an attached engine.")
-    shutdown_s: float = Field(30.0, ge=0, description="How long shutdown waits for transitions in flight.")
+    shutdown_s: float = Field(
+        30.0, ge=0, description="How long shutdown waits for transitions in flight."
+    )
 
 
 class LogSettings(BaseModel):
-    format: LogFormat = Field(LogFormat.TEXT, description="text for humans, json for log pipelines.")
+    format: LogFormat = Field(
+        LogFormat.TEXT, description="text for humans, json for log pipelines."
+    )
     level: str = Field("INFO", description="Root log level.")
 
 
@@ -58,15 +74,21 @@ class ModelSettings(BaseModel):
     """One vLLM OpenAI server the sidecar knows by name."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
-    url: str = Field(description="Base URL of the engine, e.g. http://127.0.0.1:8001 (dev endpoints on).")
+    url: str = Field(
+        description="Base URL of the engine, e.g. http://127.0.0.1:8001 (dev endpoints on)."
+    )
     gate: Gate = Field(Gate.GATED, description="How this model counts toward /health.")
     default_level: int = Field(1, ge=1, le=2, description="Sleep level when a request names none.")
     served_model_name: str | None = Field(
         None, description="The `model` field for the warm-up completion; None: ask /v1/models."
     )
     # Managed mode (the sidecar starts the engine itself); None = attached.
-    command: list[str] | None = Field(None, description="argv of the engine, when the sidecar starts it.")
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment of the engine.")
+    command: list[str] | None = Field(
+        None, description="argv of the engine, when the sidecar starts it."
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Extra environment of the engine."
+    )
 
     @field_validator("url")
     @classmethod
@@ -79,7 +101,9 @@ class Settings(BaseSettings):
         env_prefix="HOTSWAP_", env_nested_delimiter="__", extra="forbid", validate_default=True
     )
 
-    config_file: Path | None = Field(None, description="YAML models file; its values sit below env vars.")
+    config_file: Path | None = Field(
+        None, description="YAML models file; its values sit below env vars."
+    )
     server: ServerSettings = Field(default_factory=ServerSettings)  # type: ignore[arg-type]
     auth: AuthSettings = Field(default_factory=AuthSettings)  # type: ignore[arg-type]
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)  # type: ignore[arg-type]
