@@ -16,11 +16,13 @@ if [ ! -f "$venv/.complete" ]; then
   rm -rf "$venv"
   mkdir -p "$cache"
   "$py" -m venv "$venv"
-  "$venv/bin/pip" install -q --upgrade pip >&2
-  "$venv/bin/pip" install -q -r "$root/requirements-dev.txt" >&2
+  log="$cache/install-$key.log"
+  { "$venv/bin/pip" install -q --upgrade pip && "$venv/bin/pip" install -q -r "$root/requirements-dev.txt"; } \
+    >"$log" 2>&1 || { tail -n 40 "$log" >&2; exit 1; }
   # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break transformers on CPU torch.
   "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >&2 || true
   touch "$venv/.complete"
 fi
-"$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$root" >&2
+"$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$root" >"$cache/editable.log" 2>&1 \
+  || { cat "$cache/editable.log" >&2; exit 1; }
 echo "$venv"
