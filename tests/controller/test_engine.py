@@ -1,0 +1,286 @@
+"""EngineClient against httpx.MockTransport: request shapes, error translation, reconnects."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from controller.engine import EngineClient, RankError
+from controller.errors import EngineError, EngineTimeout, EngineUnavailable
+from controller.settings import TimeoutSettings
+
+Handler = Callable[[httpx.Request], httpx.Response]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class Recorder:
+    """A MockTransport handler that records requests and which connection (client) sent them."""
+
+    def __init__(self, answer: Handler) -> None:
+        self.answer = answer
+        self.requests: list[httpx.Request] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        return self.answer(request)
+
+
+def engine(handler: Handler, **timeouts: float) -> EngineClient:
+    return EngineClient(
+        "http://engine:8000/",
+        transport=httpx.MockTransport(handler),
+        timeouts=TimeoutSettings(**timeouts),  # type: ignore[arg-type]
+    )
+
+
+def ok_ranks(n: int = 2, **extra: Any) -> httpx.Response:
+    return httpx.Response(
+        200, json={"results": [{"ok": True, "rank": r, **extra} for r in range(n)]}
+    )
+
+
+@pytest.mark.anyio
+async def test_rpc_body_has_method_args_kwargs_and_never_timeout() -> None:
+    rec = Recorder(lambda r: ok_ranks(2, barrier_s=0.001, late_ranks=[]))
+    e = engine(rec)
+    ranks = await e.rpc("hotswap_quiesce", 7.5, timeout_s=3.0, extra="x")
+    assert [r["rank"] for r in ranks] == [0, 1]
+    (req,) = rec.requests
+    assert req.method == "POST"
+    assert req.url.path == "/collective_rpc"
+    body = json.loads(req.content)
+    assert body == {"method": "hotswap_quiesce", "args": [7.5], "kwargs": {"extra": "x"}}
+    assert "timeout" not in body
+    # The HTTP client timeout carries the budget instead.
+    assert req.extensions["timeout"]["read"] == 3.0
+    await e.aclose()
+
+
+@pytest.mark.anyio
+async def test_rpc_rank_not_ok_keeps_every_rank_report() -> None:
+    def answer(r: httpx.Request) -> httpx.Response:
+        return httpx.Response(
+            200,
+            json={
+                "results": [
+                    {"ok": True, "rank": 0},
+                    {"ok": False, "rank": 1, "error": "boom on rank 1"},
+                ]
+            },
+        )
+
+    e = engine(answer)
+    with pytest.raises(RankError) as info:
+        await e.rpc("hotswap_prepare", 1, timeout_s=1.0)
+    assert "boom on rank 1" in info.value.message
+    assert [r["rank"] for r in info.value.ranks] == [0, 1]
+    assert [r["rank"] for r in info.value.failed] == [1]
+    assert info.value.status == 502
+    await e.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"result": []},  # wrong key
+        {"results": []},  # no rank answered
+        {"results": ["True"]},  # vLLM str()-ed a non-dict return value
+        {"results": [{"ok": True}, None]},
+        [1, 2],
+    ],
+)
+async def test_rpc_bad_bodies_are_engine_errors(body: Any) -> None:
+    e = engine(lambda r: httpx.Response(200, json=body))
+    with pytest.raises(EngineError) as info:
+        await e.rpc("hotswap_info", timeout_s=1.0)
+    assert not isinstance(info.value, RankError)
+    await e.aclose()
+
+
+@pytest.mark.anyio
+async def test_rpc_body_not_json_is_engine_error() -> None:
+    e = engine(lambda r: httpx.Response(200, text="<html>"))
+    with pytest.raises(EngineError, match="not JSON"):
+        await e.rpc("hotswap_info", timeout_s=1.0)
+    await e.aclose()
+
+
+@pytest.mark.anyio
+async def test_5xx_is_engine_error_and_the_next_call_uses_a_new_connection() -> None:
+    clients: list[int] = []
+    answers = [
+        httpx.Response(
+            500, json={"error": {"message": "Call to collective_rpc method failed: x", "code": 500}}
+        ),
+        httpx.Response(200, json={"is_paused": True}),
+    ]
+    e = engine(lambda r: answers.pop(0))
+    clients.append(id(e._client))
+    with pytest.raises(EngineError, match="HTTP 500: Call to collective_rpc method failed") as info:
+        await e.rpc("hotswap_suspend", 1, timeout_s=1.0)
+    assert type(info.value) is EngineError
+    clients.append(id(e._client))
+    assert await e.is_paused() is True
+    assert e.connections_dropped == 1
+    assert clients[0] != clients[1]
+    await e.aclose()
+
+
+@pytest.mark.anyio
+async def test_4xx_is_engine_error_without_dropping_the_connection() -> None:
+    e = engine(lambda r: httpx.Response(404, json={"detail": "Not Found"}))
+    with pytest.raises(EngineError, match="HTTP 404: Not Found"):
+        await e.resume()
+    assert e.connections_dropped == 0
+    await e.aclose()
+
+
+@pytest.mark.anyio
+async def test_timeout_is_engine_timeout_with_a_new_connection() -> None:
+    def answer(r: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("timed out", request=r)
+
+    e = engine(answer)
+    with pytest.raises(EngineTimeout, match="within 2 s") as info:
+        await e.rpc("hotswap_suspend", 1, timeout_s=2.0)
+    assert isinstance(info.value.__cause__, httpx.ReadTimeout)
+    assert info.value.status == 504
+    assert e.connections_dropped == 1
+    await e.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "exc_type", [httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError]
+)
+async def test_transport_errors_are_engine_unavailable(
+    exc_type: type[httpx.TransportError],
+) -> None:
+    def answer(r: httpx.Request) -> httpx.Response:
+        raise exc_type("nope", request=r)
+
+    e = engine(answer)
+    with pytest.raises(EngineUnavailable) as info:
+        await e.health()
+    assert isinstance(info.value.__cause__, exc_type)
+    assert e.connections_dropped == 1
+    await e.aclose()
+
+
+@pytest.mark.anyio
+async def test_injected_client_is_replaced_after_an_error_but_not_closed() -> None:
+    calls: list[str] = []
+
+    def answer(r: httpx.Request) -> httpx.Response:
+        calls.append(r.url.path)
+        return httpx.Response(503) if len(calls) == 1 else httpx.Response(200)
+
+    transport = httpx.MockTransport(answer)
+    own = httpx.AsyncClient(base_url="http://engine:8000", transport=transport)
+    e = EngineClient("http://engine:8000", own, transport=transport, timeouts=TimeoutSettings())
+    assert await e.health() is False  # 503: vLLM's dead engine
+    assert await e.health() is True
+    assert e._client is not own
+    assert not own.is_closed
+    await e.aclose()
+    assert not own.is_closed
+    await own.aclose()
+
+
+@pytest.mark.anyio
+async def test_pause_resume_flags_and_timeouts() -> None:
+    rec = Recorder(
+        lambda r: httpx.Response(
+            200,
+            json={
+                "/pause": {"status": "paused"},
+                "/resume": {"status": "resumed"},
+                "/is_paused": {"is_paused": False},
+                "/is_sleeping": {"is_sleeping": True},
+            }[r.url.path],
+        )
+    )
+    e = engine(rec, control_s=4.0)
+    await e.pause("wait", timeout_s=12.0)
+    await e.pause("abort")
+    await e.resume()
+    assert await e.is_paused() is False
+    assert await e.is_sleeping() is True
+    wait, abort, resume = rec.requests[:3]
+    assert dict(wait.url.params) == {"mode": "wait", "clear_cache": "true"}
+    assert wait.extensions["timeout"]["read"] == 12.0
+    assert dict(abort.url.params) == {"mode": "abort", "clear_cache": "true"}
+    assert abort.extensions["timeout"]["read"] == 4.0
+    assert resume.method == "POST"
+    assert resume.url.path == "/resume"
+    with pytest.raises(ValueError, match="mode"):
+        await e.pause("sideways")  # type: ignore[arg-type]
+    await e.aclose()
+
+
+@pytest.mark.anyio
+async def test_flag_with_a_bad_body_is_engine_error() -> None:
+    e = engine(lambda r: httpx.Response(200, json={"is_paused": "yes"}))
+    with pytest.raises(EngineError, match="is_paused"):
+        await e.is_paused()
+    await e.aclose()
+
+
+@pytest.mark.anyio
+async def test_warmup_sends_one_greedy_token_as_token_ids_to_the_served_model() -> None:
+    def answer(r: httpx.Request) -> httpx.Response:
+        if r.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "tiny"}]})
+        return httpx.Response(200, json={"choices": [{"text": "", "finish_reason": "length"}]})
+
+    rec = Recorder(answer)
+    e = engine(rec, warmup_s=9.0)
+    seconds = await e.warmup()
+    assert seconds >= 0
+    models, completion = rec.requests
+    assert models.url.path == "/v1/models"
+    body = json.loads(completion.content)
+    assert body["model"] == "tiny"
+    assert body["max_tokens"] == 1
+    assert body["temperature"] == 0
+    assert isinstance(body["prompt"], list)
+    assert all(isinstance(t, int) for t in body["prompt"])
+    assert completion.extensions["timeout"]["read"] == 9.0
+    # A named model skips /v1/models.
+    await e.warmup("named")
+    assert [r.url.path for r in rec.requests[2:]] == ["/v1/completions"]
+    await e.aclose()
+
+
+@pytest.mark.anyio
+async def test_warmup_without_choices_is_engine_error() -> None:
+    e = engine(lambda r: httpx.Response(200, json={"choices": []}))
+    with pytest.raises(EngineError, match="warm-up"):
+        await e.warmup("m")
+    await e.aclose()
+
+
+@pytest.mark.anyio
+async def test_in_flight_sums_running_and_waiting_from_prometheus_text() -> None:
+    text = (
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+        "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 3.0\n'
+        "# HELP vllm:other Other.\n# TYPE vllm:other gauge\nvllm:other 9.0\n"
+    )
+    e = engine(lambda r: httpx.Response(200, text=text))
+    assert await e.in_flight() == 5
+    assert "vllm:other" in await e.metrics_text()
+    await e.aclose()
