@@ -1,0 +1,391 @@
+"""The HTTP surface: app factory, thin routes, bearer auth, and the one error -> status mapping.
+
+Routes only translate HTTP to manager calls and snapshots to JSON; every decision lives in
+the manager and the state machine. Readiness (/health) reads snapshots from memory and never
+calls an engine. Nothing here answers 500: anything unexpected becomes a 502 with a reason.
+"""
+
+from __future__ import annotations
+
+import hmac
+import http
+import logging
+import math
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from fastapi import Body, Depends, FastAPI, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from controller.errors import HotswapError, Unauthorized, http_status
+from controller.manager import Manager, ModelManager, Outcome
+from controller.metrics import Metrics
+from controller.settings import Settings
+from controller.state import ModelSnapshot, PhaseRecord, TransitionRecord, overall_ready
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- JSON shapes
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-safe copy of a rank report: NaN/inf would make the response itself fail."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)
+
+
+def phase_dict(p: PhaseRecord) -> dict[str, Any]:
+    return {
+        "name": p.name,
+        "duration_s": p.duration_s,
+        "ok": p.ok,
+        "ranks": _plain(p.ranks),
+        "detail": _plain(p.detail),
+    }
+
+
+def transition_dict(t: TransitionRecord | None) -> dict[str, Any] | None:
+    if t is None:
+        return None
+    return {
+        "kind": t.kind,
+        "from_state": t.from_state.value,
+        "to_state": t.to_state.value,
+        "result": t.result,
+        "level": t.level,
+        "started_at": t.started_at,
+        "ended_at": t.ended_at,
+        "duration_s": t.duration_s,
+        "error": t.error,
+        "failed_phase": t.failed_phase,
+        "phases": [phase_dict(p) for p in t.phases],
+    }
+
+
+def snapshot_dict(s: ModelSnapshot) -> dict[str, Any]:
+    return {
+        "name": s.name,
+        "state": s.state.value,
+        "since": s.since,
+        "gate": s.gate.value,
+        "verified": s.verified,
+        "ready": s.ready,
+        "level": s.level,
+        "last_transition": transition_dict(s.last_transition),
+        "last_error": s.last_error,
+        "extra": _plain(s.extra),
+    }
+
+
+def outcome_dict(name: str, outcome: Outcome) -> dict[str, Any]:
+    snap = outcome.snapshot
+    return {
+        "model": name,
+        "action": outcome.action.value,
+        "state": snap.state.value,
+        "verified": snap.verified,
+        "level": snap.level,
+        "transition": transition_dict(outcome.transition),
+    }
+
+
+def _health_entry(s: ModelSnapshot, ready: bool) -> dict[str, Any]:
+    return {"state": s.state.value, "verified": s.verified, "gate": s.gate.value, "ready": ready}
+
+
+def error_body(exc: HotswapError, request: Request | None = None) -> dict[str, Any]:
+    body = exc.to_dict()
+    if "model" not in body and request is not None and "name" in request.path_params:
+        body["model"] = request.path_params["name"]
+    return body
+
+
+# ----------------------------------------------------------------------------- dependencies
+
+
+@dataclass(frozen=True)
+class AppContext:
+    """What the routes need, held on `app.state.hotswap` for the app's lifetime."""
+
+    settings: Settings
+    manager: Manager
+    registry: CollectorRegistry
+
+
+def get_context(request: Request) -> AppContext:
+    ctx: AppContext = request.app.state.hotswap
+    return ctx
+
+
+ContextDep = Annotated[AppContext, Depends(get_context)]
+
+
+def get_manager(ctx: ContextDep) -> Manager:
+    return ctx.manager
+
+
+ManagerDep = Annotated[Manager, Depends(get_manager)]
+
+
+def get_model(name: str, manager: ManagerDep) -> ModelManager:
+    """The named model's manager; ModelNotFound (404) for a name the sidecar does not know."""
+    return manager.get(name)
+
+
+ModelDep = Annotated[ModelManager, Depends(get_model)]
+
+
+def require_token(request: Request, ctx: ContextDep) -> None:
+    """Bearer auth for control endpoints; a no-op when no token is configured."""
+    token = ctx.settings.auth.token
+    if token is None:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    # compare_digest on bytes: constant time, and no TypeError on non-ASCII input.
+    expected = token.get_secret_value().encode()
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+        raise Unauthorized("a valid bearer token is required")
+
+
+# ----------------------------------------------------------------------------- request bodies
+
+Level = Annotated[int, Field(ge=1, le=2, strict=True, description="Sleep level: 1 or 2.")]
+
+
+class SleepBody(BaseModel):
+    """POST /models/{name}/sleep; every field optional (defaults from the settings)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    level: Level | None = None
+    drain: Literal["wait", "abort"] = "wait"
+    drain_timeout_s: float | None = Field(
+        None, ge=0, allow_inf_nan=False, description="Seconds; default drain_s (wait) or 0 (abort)."
+    )
+
+
+# ----------------------------------------------------------------------------- routes
+
+
+async def sleep_model(
+    name: str,
+    model: ModelDep,
+    body: Annotated[SleepBody | None, Body()] = None,
+    wait: bool = True,
+) -> Response:
+    req = body if body is not None else SleepBody.model_validate({})
+    # None: the manager applies the model's default level and the drain timeout's default.
+    if not wait:
+        started = model.begin_sleep(req.level, req.drain, req.drain_timeout_s)
+        return _accepted(name, started)
+    outcome = await model.sleep(req.level, req.drain, req.drain_timeout_s)
+    return JSONResponse(outcome_dict(name, outcome))
+
+
+async def wake_model(name: str, model: ModelDep, wait: bool = True) -> Response:
+    if not wait:
+        return _accepted(name, model.begin_wake())
+    outcome = await model.wake()
+    return JSONResponse(outcome_dict(name, outcome))
+
+
+def _accepted(name: str, started: Outcome) -> Response:
+    """202 for ?wait=false: the transition runs on; GET the Location to follow it."""
+    body = outcome_dict(name, started)
+    body["location"] = f"/models/{name}"
+    return JSONResponse(body, status_code=202, headers={"Location": f"/models/{name}"})
+
+
+async def list_models(manager: ManagerDep) -> dict[str, Any]:
+    return {"models": [snapshot_dict(s) for s in manager.snapshots().values()]}
+
+
+async def get_model_state(model: ModelDep) -> dict[str, Any]:
+    return snapshot_dict(model.snapshot())
+
+
+async def audit_model(
+    name: str,
+    model: ModelDep,
+    level: Annotated[int | None, Query(ge=1, le=2)] = None,
+) -> dict[str, Any]:
+    lvl = level if level is not None else model.settings.default_level
+    ranks = await model.audit(lvl)
+    return {"model": name, "level": lvl, "ranks": _plain(ranks)}
+
+
+async def health(manager: ManagerDep) -> Response:
+    snaps = manager.snapshots()
+    ready = overall_ready(snaps)
+    body = {
+        "ready": ready,
+        "models": {n: _health_entry(s, s.counts_ready) for n, s in snaps.items()},
+    }
+    return JSONResponse(body, status_code=200 if ready else 503)
+
+
+async def model_health(name: str, model: ModelDep) -> Response:
+    snap = model.snapshot()
+    body = {"ready": snap.ready, "models": {name: _health_entry(snap, snap.ready)}}
+    return JSONResponse(body, status_code=200 if snap.ready else 503)
+
+
+async def livez() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+async def metrics(ctx: ContextDep) -> Response:
+    return Response(generate_latest(ctx.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+async def _hotswap_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HotswapError)
+    status = http_status(exc)
+    if status >= 500:
+        log.warning(
+            "%s %s -> %d %s: %s",
+            request.method,
+            request.url.path,
+            status,
+            type(exc).__name__,
+            exc.message,
+            extra={"model": exc.model or request.path_params.get("name"), "phase": exc.phase},
+        )
+    headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else None
+    return JSONResponse(error_body(exc, request), status_code=status, headers=headers)
+
+
+async def _validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    # Only loc/msg/type: `input` and `ctx` may hold bytes or exceptions that JSON cannot carry.
+    details = [
+        {
+            "loc": [str(x) for x in e.get("loc", ())],
+            "msg": str(e.get("msg", "")),
+            "type": str(e.get("type", "")),
+        }
+        for e in exc.errors()
+    ]
+    message = "; ".join(f"{'.'.join(d['loc'])}: {d['msg']}" for d in details) or "invalid request"
+    body = {"error": "ValidationError", "message": message, "details": details}
+    if "name" in request.path_params:
+        body["model"] = request.path_params["name"]
+    return JSONResponse(body, status_code=422)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    try:
+        phrase = http.HTTPStatus(exc.status_code).phrase
+    except ValueError:
+        phrase = "HTTPError"
+    body = {"error": phrase.replace(" ", "").replace("-", ""), "message": str(exc.detail)}
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
+class NeverFiveHundred:
+    """Outermost catch-all: an unexpected exception becomes a logged 502 with a reason.
+
+    A plain ASGI middleware rather than an `Exception` handler: Starlette re-raises after
+    running such a handler, which would put a traceback (and a 500) in the server's path.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise  # headers are gone: nothing better can be sent
+            body = {"error": type(exc).__name__, "message": f"internal error: {exc}"}
+            await JSONResponse(body, status_code=502)(scope, receive, send)
+
+
+# ----------------------------------------------------------------------------- factory
+
+
+def create_app(
+    settings: Settings,
+    manager: Manager | None = None,
+    registry: CollectorRegistry | None = None,
+) -> FastAPI:
+    """The sidecar's app. Without `manager`, one is built from `settings` with its metrics on
+    `registry` (a fresh one when None). With `manager`, pass the registry its metrics use;
+    otherwise /metrics serves a fresh registry with only the state series read from it."""
+    token = settings.auth.token
+    if token is not None and not token.get_secret_value():
+        raise ValueError("auth.token is set but empty; unset it to disable auth")
+    reg = registry if registry is not None else CollectorRegistry()
+    # The collector reads `mgr` at scrape time, so it may be bound after the Metrics is made.
+    if manager is None:
+        mgr = Manager(settings, Metrics(reg, lambda: mgr.snapshots().values()))
+    else:
+        mgr = manager
+        if registry is None:
+            Metrics(reg, lambda: mgr.snapshots().values())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await mgr.start()
+        log.info(
+            "managing %d model(s): %s", len(settings.models), [m.name for m in settings.models]
+        )
+        try:
+            yield
+        finally:
+            await mgr.stop()
+            log.info("manager stopped")
+
+    app = FastAPI(title="vllm-hotswap", version="0.1.0", lifespan=lifespan)
+    app.state.hotswap = AppContext(settings=settings, manager=mgr, registry=reg)
+
+    app.add_exception_handler(HotswapError, _hotswap_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_middleware(NeverFiveHundred)
+
+    # Open: probes and scrapes must work without the token.
+    app.add_api_route("/livez", livez, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/models/{name}/health", model_health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+
+    auth = [Depends(require_token)]
+    app.add_api_route("/models", list_models, methods=["GET"], dependencies=auth)
+    app.add_api_route("/models/{name}", get_model_state, methods=["GET"], dependencies=auth)
+    app.add_api_route("/models/{name}/audit", audit_model, methods=["GET"], dependencies=auth)
+    app.add_api_route("/models/{name}/sleep", sleep_model, methods=["POST"], dependencies=auth)
+    app.add_api_route("/models/{name}/wake", wake_model, methods=["POST"], dependencies=auth)
+    return app

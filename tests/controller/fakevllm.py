@@ -1,0 +1,189 @@
+"""A fake vLLM OpenAI server with the hotswap worker extension, behind httpx.MockTransport.
+
+It keeps just enough state (paused, suspended pools, level) for the manager's sleep and
+wake sequences and answers each `hotswap_*` RPC with one plausible dict per rank. Tests
+steer it per method: block until an asyncio.Event is set, or fail in a chosen way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+Failure = Literal["rank", "http500", "timeout", "unreachable", "mismatch"]
+
+POOL_BYTES = {"weights": 4096, "kv_cache": 2048}
+
+
+@dataclass
+class FakeVllm:
+    name: str = "fake"
+    world_size: int = 2
+    paused: bool = False
+    level: int | None = None
+    suspended: dict[str, str] = field(default_factory=dict)
+    in_flight: int = 0
+    # method (an RPC name like "hotswap_suspend" or a path like "/pause") -> how it fails
+    fail: dict[str, Failure] = field(default_factory=dict)
+    # method -> event the answer waits for; `entered[method]` is set when the call arrives
+    gates: dict[str, asyncio.Event] = field(default_factory=dict)
+    entered: dict[str, asyncio.Event] = field(default_factory=dict)
+    calls: list[str] = field(default_factory=list)
+
+    def transport(self) -> httpx.MockTransport:
+        return httpx.MockTransport(self.handle)
+
+    def block(self, method: str) -> asyncio.Event:
+        """Make `method` wait for the returned event; `entered[method]` says it arrived."""
+        self.gates[method] = asyncio.Event()
+        self.entered[method] = asyncio.Event()
+        return self.gates[method]
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        method = path
+        body: dict[str, Any] = {}
+        if path == "/collective_rpc":
+            body = json.loads(request.content)
+            method = str(body["method"])
+        self.calls.append(method)
+        if method in self.entered:
+            self.entered[method].set()
+        if method in self.gates:
+            await self.gates[method].wait()
+        failure = self.fail.get(method)
+        if failure == "timeout":
+            raise httpx.ReadTimeout(f"fake {method} timed out", request=request)
+        if failure == "unreachable":
+            raise httpx.ConnectError("fake connection refused", request=request)
+        if failure == "http500":
+            return httpx.Response(500, json={"error": {"message": f"fake {method} broke"}})
+        if path == "/collective_rpc":
+            results = [self._rank(method, r, body, failure) for r in range(self.world_size)]
+            return httpx.Response(200, json={"results": results})
+        return self._http(path, request)
+
+    def _http(self, path: str, request: httpx.Request) -> httpx.Response:
+        if path == "/health":
+            return httpx.Response(200)
+        if path == "/is_paused":
+            return httpx.Response(200, json={"is_paused": self.paused})
+        if path == "/is_sleeping":
+            return httpx.Response(200, json={"is_sleeping": self.paused or bool(self.suspended)})
+        if path == "/pause":
+            self.paused = True
+            return httpx.Response(200, json={"status": "paused"})
+        if path == "/resume":
+            self.paused = False
+            return httpx.Response(200, json={"status": "resumed"})
+        if path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": self.name}]})
+        if path == "/v1/completions":
+            return httpx.Response(200, json={"choices": [{"index": 0, "text": " a"}]})
+        if path == "/metrics":
+            text = (
+                "# TYPE vllm:num_requests_running gauge\n"
+                f'vllm:num_requests_running{{model_name="{self.name}"}} {self.in_flight}\n'
+                "# TYPE vllm:num_requests_waiting gauge\n"
+                f'vllm:num_requests_waiting{{model_name="{self.name}"}} 0\n'
+            )
+            return httpx.Response(200, text=text)
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    def _rank(
+        self, method: str, rank: int, body: dict[str, Any], failure: str | None
+    ) -> dict[str, Any]:
+        args: list[Any] = list(body.get("args") or [])
+        kwargs: dict[str, Any] = dict(body.get("kwargs") or {})
+        out: dict[str, Any] = {"ok": True, "rank": rank, "elapsed_s": 0.001}
+        if failure == "rank" and rank == self.world_size - 1:
+            return {"ok": False, "rank": rank, "elapsed_s": 0.001, "error": f"fake {method} failed"}
+        if method == "hotswap_info":
+            out.update(
+                world_size=self.world_size,
+                platform="cpu",
+                backend="host",
+                vllm_version="0.0.fake",
+                model="FakeForCausalLM",
+                pools=dict(POOL_BYTES),
+                device_memory={"rss": 1 << 20},
+                suspended=dict(self.suspended),
+                level=self.level,
+            )
+        elif method == "hotswap_quiesce":
+            out.update(barrier_s=0.0005, late_ranks=[])
+        elif method == "hotswap_audit":
+            level = int(args[0] if args else kwargs.get("level", 1))
+            tensors = [
+                {
+                    "name": "model.embed_scale",
+                    "bytes": 4,
+                    "kind": "attribute",
+                    "pool": "weights",
+                    "restored": level == 1,
+                    "at_risk": level == 2,
+                },
+                {
+                    "name": "model.layers.0.weight",
+                    "bytes": 4096,
+                    "kind": "parameter",
+                    "pool": "weights",
+                    "restored": True,
+                    "at_risk": False,
+                },
+            ]
+            risky = [t["name"] for t in tensors if t["at_risk"]]
+            out.update(
+                tensors=tensors,
+                count=len(tensors),
+                bytes=sum(int(t["bytes"]) for t in tensors),
+                at_risk=risky,
+                at_risk_bytes=4 * len(risky),
+            )
+        elif method == "hotswap_prepare":
+            out.update(
+                protected=1, protected_bytes=4, fingerprinted=2, at_risk=["model.embed_scale"]
+            )
+        elif method == "hotswap_suspend":
+            level = int(args[0] if args else kwargs.get("level", 1))
+            tags = list(POOL_BYTES)
+            offloaded = {"weights": POOL_BYTES["weights"]} if level == 1 else {}
+            if rank == 0:
+                self.level = level
+                self.suspended = {t: "offloaded" if t in offloaded else "discarded" for t in tags}
+            out.update(
+                level=level,
+                tags=tags,
+                freed_bytes=dict(POOL_BYTES),
+                offloaded_bytes=offloaded,
+                memory_before=1 << 20,
+                memory_after=(1 << 20) - sum(POOL_BYTES.values()),
+            )
+        elif method == "hotswap_resume":
+            tags = args[0] if args else kwargs.get("tags")
+            tags = list(tags) if tags else list(self.suspended)
+            if rank == self.world_size - 1:
+                for t in tags:
+                    self.suspended.pop(t, None)
+                if not self.suspended:
+                    self.level = None
+            out.update(
+                tags=tags,
+                restored_bytes={t: POOL_BYTES.get(t, 0) for t in tags},
+                memory_before=1 << 19,
+                memory_after=1 << 20,
+            )
+        elif method == "hotswap_reload":
+            pass
+        elif method == "hotswap_restore_and_verify":
+            mismatched = ["model.embed_scale"] if failure == "mismatch" else []
+            out.update(restored=1, rebound=[], verified=2, mismatched=mismatched)
+            if mismatched:
+                out.update(ok=False, error="fingerprint mismatch: model.embed_scale")
+        else:
+            return {"ok": False, "rank": rank, "elapsed_s": 0.0, "error": f"no method {method}"}
+        return out

@@ -1,0 +1,569 @@
+"""The HTTP API against the real Manager, whose engines are fake vLLM servers (MockTransport).
+
+Each test runs the app's lifespan (the manager probes the fakes at start-up) and talks to it
+in-process through httpx.ASGITransport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+from fakevllm import FakeVllm
+from prometheus_client import CollectorRegistry
+
+from controller import api
+from controller.engine import EngineClient
+from controller.manager import Manager
+from controller.metrics import Metrics
+from controller.settings import ModelSettings, Settings, TimeoutSettings
+from controller.state import Gate
+
+TOKEN = "s3cret-token"
+
+
+def run(coro: Coroutine[Any, Any, None]) -> None:
+    asyncio.run(coro)
+
+
+def make_settings(fakes: dict[str, FakeVllm], token: str | None = None, **models: Any) -> Settings:
+    return Settings(
+        models=[
+            ModelSettings(name=n, url=f"http://{n}.engine.test", **models.get(n, {})) for n in fakes
+        ],
+        auth={"token": token},
+        timeouts=TimeoutSettings(drain_s=5.0, shutdown_s=2.0),
+    )
+
+
+def make_manager(
+    settings: Settings, fakes: dict[str, FakeVllm], registry: CollectorRegistry
+) -> Manager:
+    by_url = {m.url: fakes[m.name] for m in settings.models}
+    holder: list[Manager] = []
+    metrics = Metrics(registry, lambda: holder[0].snapshots())
+
+    def engine_factory(model: ModelSettings, timeouts: TimeoutSettings) -> EngineClient:
+        return EngineClient(model.url, transport=by_url[model.url].transport(), timeouts=timeouts)
+
+    manager = Manager(settings, metrics, engine_factory=engine_factory)
+    holder.append(manager)
+    return manager
+
+
+@asynccontextmanager
+async def sidecar(
+    fakes: dict[str, FakeVllm], token: str | None = None, models: dict[str, Any] | None = None
+) -> AsyncIterator[httpx.AsyncClient]:
+    settings = make_settings(fakes, token, **(models or {}))
+    registry = CollectorRegistry()
+    app = api.create_app(settings, make_manager(settings, fakes, registry), registry)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://sidecar", headers=headers
+        ) as client,
+    ):
+        yield client
+
+
+Body = Callable[[httpx.AsyncClient, dict[str, FakeVllm]], Awaitable[None]]
+
+
+def scenario(
+    fakes: Callable[[], dict[str, FakeVllm]] | None = None,
+    token: str | None = None,
+    models: dict[str, Any] | None = None,
+) -> Callable[[Body], Callable[[], None]]:
+    """Run an async test body against a fresh sidecar over `fakes()` (default: one model "a")."""
+
+    def wrap(body: Body) -> Callable[[], None]:
+        def test() -> None:
+            async def main() -> None:
+                f = fakes() if fakes is not None else {"a": FakeVllm(name="a")}
+                async with sidecar(f, token, models) as client:
+                    await body(client, f)
+
+            run(main())
+
+        test.__name__ = body.__name__
+        test.__doc__ = body.__doc__
+        return test
+
+    return wrap
+
+
+def two_models() -> dict[str, FakeVllm]:
+    return {"a": FakeVllm(name="a"), "b": FakeVllm(name="b")}
+
+
+async def poll_state(
+    client: httpx.AsyncClient, name: str, want: str, limit_s: float = 5.0
+) -> dict[str, Any]:
+    """GET /models/{name} until its state is `want` (bounded in time)."""
+    deadline = asyncio.get_running_loop().time() + limit_s
+    while True:
+        snap: dict[str, Any] = (await client.get(f"/models/{name}")).json()
+        if snap["state"] == want:
+            return snap
+        assert asyncio.get_running_loop().time() < deadline, f"{name} stuck in {snap['state']}"
+        await asyncio.sleep(0.01)
+
+
+# ----------------------------------------------------------------------------- happy paths
+
+
+@scenario()
+async def test_livez_and_models_after_start(
+    client: httpx.AsyncClient, f: dict[str, FakeVllm]
+) -> None:
+    r = await client.get("/livez")
+    assert (r.status_code, r.json()) == (200, {"status": "ok"})
+    r = await client.get("/models")
+    assert r.status_code == 200
+    (model,) = r.json()["models"]
+    assert model["name"] == "a"
+    assert model["state"] == "RUNNING"
+    assert model["gate"] == "gated"
+    assert set(model) >= {"since", "verified", "level", "last_transition", "last_error"}
+    one = (await client.get("/models/a")).json()
+    assert one["name"] == "a"
+    assert one["state"] == "RUNNING"
+
+
+@scenario()
+async def test_sleep_then_wake_report_phases_and_ranks(
+    client: httpx.AsyncClient, f: dict[str, FakeVllm]
+) -> None:
+    r = await client.post("/models/a/sleep", json={"level": 1})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"] == "a"
+    assert body["action"] == "begin"
+    assert body["state"] == "SUSPENDED"
+    t = body["transition"]
+    assert t["kind"] == "sleep"
+    assert t["result"] == "ok"
+    assert (t["from_state"], t["to_state"]) == ("RUNNING", "SUSPENDED")
+    assert t["duration_s"] >= 0
+    phases = {p["name"]: p for p in t["phases"]}
+    assert phases, "a sleep reports its phases"
+    assert all(p["duration_s"] >= 0 for p in phases.values())
+    # Per-rank reports travel through: the fake has two ranks.
+    suspend = [p for p in t["phases"] if any(r.get("freed_bytes") for r in p["ranks"])]
+    assert suspend, t["phases"]
+    assert [r["rank"] for r in suspend[0]["ranks"]] == [0, 1]
+    assert f["a"].suspended, "the engine was really asked to suspend"
+    assert "hotswap_suspend" in f["a"].calls
+
+    snap = (await client.get("/models/a")).json()
+    assert snap["state"] == "SUSPENDED"
+    assert snap["level"] == 1
+    assert snap["last_transition"]["kind"] == "sleep"
+
+    r = await client.post("/models/a/wake")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert (body["action"], body["state"]) == ("begin", "RUNNING")
+    assert body["verified"] is True
+    assert body["transition"]["kind"] == "wake"
+    assert f["a"].suspended == {}
+    assert f["a"].paused is False
+    r = await client.get("/health")
+    assert r.status_code == 200
+
+
+@scenario(models={"a": {"default_level": 2}})
+async def test_sleep_defaults_and_noop(client: httpx.AsyncClient, f: dict[str, FakeVllm]) -> None:
+    """No body: the model's default level (2 here), drain=wait; a second sleep is a no-op."""
+    r = await client.post("/models/a/sleep")
+    assert r.status_code == 200, r.text
+    assert r.json()["state"] == "SUSPENDED"
+    assert r.json()["transition"]["level"] == 2
+    assert "/pause" in f["a"].calls
+    r = await client.post("/models/a/sleep", json={})
+    assert r.status_code == 200
+    assert (r.json()["action"], r.json()["state"]) == ("noop", "SUSPENDED")
+    r = await client.post("/models/a/wake")
+    assert r.json()["action"] == "begin"
+    r = await client.post("/models/a/wake")
+    assert (r.json()["action"], r.json()["state"]) == ("noop", "RUNNING")
+
+
+@scenario()
+async def test_audit_per_rank(client: httpx.AsyncClient, f: dict[str, FakeVllm]) -> None:
+    r = await client.get("/models/a/audit", params={"level": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert (body["model"], body["level"]) == ("a", 2)
+    assert [rank["rank"] for rank in body["ranks"]] == [0, 1]
+    assert body["ranks"][0]["at_risk"] == ["model.embed_scale"]
+    r = await client.get("/models/a/audit")
+    assert r.json()["level"] == 1
+    assert r.json()["ranks"][0]["at_risk"] == []
+
+
+@scenario()
+async def test_metrics_exposes_hotswap_series(
+    client: httpx.AsyncClient, f: dict[str, FakeVllm]
+) -> None:
+    await client.post("/models/a/sleep", json={"level": 1})
+    r = await client.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    assert 'hotswap_model_state{model="a",state="SUSPENDED"} 1.0' in text
+    assert 'hotswap_model_ready{model="a"} 0.0' in text
+    assert "hotswap_transitions_total{" in text
+    assert "hotswap_phase_duration_seconds_bucket{" in text
+
+
+# ----------------------------------------------------------------------------- readiness
+
+
+@scenario(two_models)
+async def test_health_names_each_model(client: httpx.AsyncClient, f: dict[str, FakeVllm]) -> None:
+    r = await client.get("/health")
+    assert r.status_code == 200
+    assert r.json()["ready"] is True
+    assert {n: m["state"] for n, m in r.json()["models"].items()} == {
+        "a": "RUNNING",
+        "b": "RUNNING",
+    }
+    await client.post("/models/a/sleep", json={"level": 1})
+    r = await client.get("/health")
+    assert r.status_code == 503
+    body = r.json()
+    assert body["ready"] is False
+    assert body["models"]["a"] == {
+        "state": "SUSPENDED",
+        "verified": False,
+        "gate": "gated",
+        "ready": False,
+    }
+    assert body["models"]["b"]["state"] == "RUNNING"
+    assert body["models"]["b"]["ready"] is True
+    assert (await client.get("/models/a/health")).status_code == 503
+    r = await client.get("/models/b/health")
+    assert r.status_code == 200
+    assert r.json()["models"] == {
+        "b": {"state": "RUNNING", "verified": True, "gate": "gated", "ready": True}
+    }
+
+
+@scenario(two_models, models={"b": {"gate": Gate.SWAPPABLE}})
+async def test_swappable_model_counts_ready_while_asleep(
+    client: httpx.AsyncClient, f: dict[str, FakeVllm]
+) -> None:
+    await client.post("/models/b/sleep", json={"level": 1})
+    r = await client.get("/health")
+    assert r.status_code == 200, r.json()
+    assert r.json()["models"]["b"] == {
+        "state": "SUSPENDED",
+        "verified": False,
+        "gate": "swappable",
+        "ready": True,
+    }
+    # The per-model probe stays strict whatever the gate.
+    assert (await client.get("/models/b/health")).status_code == 503
+
+
+@scenario()
+async def test_wait_false_202_then_poll_and_health_during_transition(
+    client: httpx.AsyncClient, f: dict[str, FakeVllm]
+) -> None:
+    gate = f["a"].block("hotswap_suspend")
+    r = await client.post("/models/a/sleep", params={"wait": "false"}, json={"level": 1})
+    assert r.status_code == 202, r.text
+    assert r.headers["location"] == "/models/a"
+    await asyncio.wait_for(f["a"].entered["hotswap_suspend"].wait(), 5)
+    assert (await client.get("/models/a")).json()["state"] == "SUSPENDING"
+    r = await client.get("/health")
+    assert r.status_code == 503
+    assert r.json()["models"]["a"]["state"] == "SUSPENDING"
+    # Readiness answers from memory: no engine call while the RPC is stuck.
+    calls = len(f["a"].calls)
+    await client.get("/health")
+    await client.get("/models/a/health")
+    assert len(f["a"].calls) == calls
+    gate.set()
+    snap = await poll_state(client, "a", "SUSPENDED")
+    assert snap["last_transition"]["result"] == "ok"
+
+    gate = f["a"].block("hotswap_restore_and_verify")
+    r = await client.post("/models/a/wake", params={"wait": "false"})
+    assert r.status_code == 202
+    assert r.headers["location"] == "/models/a"
+    await asyncio.wait_for(f["a"].entered["hotswap_restore_and_verify"].wait(), 5)
+    r = await client.get("/health")
+    assert (r.status_code, r.json()["models"]["a"]["state"]) == (503, "RESUMING")
+    gate.set()
+    snap = await poll_state(client, "a", "RUNNING")
+    assert snap["verified"] is True
+    assert (await client.get("/health")).status_code == 200
+    assert (await client.get("/models/a/health")).status_code == 200
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def assert_error(r: httpx.Response, status: int, error: str | None = None) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    body: dict[str, Any] = r.json()
+    assert isinstance(body["message"], str)
+    assert body["message"]
+    if error is not None:
+        assert body["error"] == error, body
+    return body
+
+
+@scenario()
+async def test_unknown_model_404(client: httpx.AsyncClient, f: dict[str, FakeVllm]) -> None:
+    for method, path in [
+        ("GET", "/models/nope"),
+        ("POST", "/models/nope/sleep"),
+        ("POST", "/models/nope/wake"),
+        ("GET", "/models/nope/audit"),
+        ("GET", "/models/nope/health"),
+    ]:
+        body = assert_error(await client.request(method, path), 404, "ModelNotFound")
+        assert "nope" in body["message"]
+    assert_error(await client.get("/no/such/route"), 404)
+    assert_error(await client.get("/models/a/sleep"), 405)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"json": {"level": 3}}, "level"),
+        ({"json": {"level": "1"}}, "level"),
+        ({"json": {"drain": "x"}}, "drain"),
+        ({"json": {"drain_timeout_s": -1}}, "drain_timeout_s"),
+        ({"json": {"lvl": 1}}, "lvl"),
+        ({"json": [1, 2]}, "body"),
+        ({"content": b"{not json", "headers": {"content-type": "application/json"}}, "body"),
+        ({"content": b"level=1", "headers": {"content-type": "text/plain"}}, "body"),
+        ({"params": {"wait": "maybe"}}, "wait"),
+    ],
+)
+def test_bad_sleep_request_422(kwargs: dict[str, Any], field: str) -> None:
+    async def main() -> None:
+        fake = FakeVllm(name="a")
+        async with sidecar({"a": fake}) as client:
+            calls = len(fake.calls)
+            r = await client.post("/models/a/sleep", **kwargs)
+            body = assert_error(r, 422, "ValidationError")
+            assert body["model"] == "a"
+            assert any(field in d["loc"] for d in body["details"]), body
+            assert field in body["message"]
+            assert len(fake.calls) == calls, "a refused request reaches no engine"
+            assert (await client.get("/models/a")).json()["state"] == "RUNNING"
+
+    run(main())
+
+
+@scenario()
+async def test_bad_audit_level_422(client: httpx.AsyncClient, f: dict[str, FakeVllm]) -> None:
+    assert_error(await client.get("/models/a/audit", params={"level": 5}), 422, "ValidationError")
+    assert_error(await client.post("/models/a/wake", params={"wait": "x"}), 422, "ValidationError")
+
+
+@scenario()
+async def test_conflicting_transition_409(
+    client: httpx.AsyncClient, f: dict[str, FakeVllm]
+) -> None:
+    gate = f["a"].block("hotswap_suspend")
+    sleeping = asyncio.create_task(client.post("/models/a/sleep", json={"level": 1}))
+    await asyncio.wait_for(f["a"].entered["hotswap_suspend"].wait(), 5)
+    body = assert_error(await client.post("/models/a/wake"), 409, "TransitionConflict")
+    assert body["model"] == "a"
+    gate.set()
+    r = await sleeping
+    assert (r.status_code, r.json()["state"]) == (200, "SUSPENDED")
+
+    gate = f["a"].block("hotswap_restore_and_verify")
+    waking = asyncio.create_task(client.post("/models/a/wake"))
+    await asyncio.wait_for(f["a"].entered["hotswap_restore_and_verify"].wait(), 5)
+    assert_error(await client.post("/models/a/sleep"), 409, "TransitionConflict")
+    gate.set()
+    assert (await waking).json()["state"] == "RUNNING"
+
+
+def failing(method: str, how: Any) -> Callable[[], dict[str, FakeVllm]]:
+    def make() -> dict[str, FakeVllm]:
+        return {"a": FakeVllm(name="a", fail={method: how})}
+
+    return make
+
+
+@scenario(failing("hotswap_suspend", "rank"))
+async def test_rank_failure_502_then_failed(
+    client: httpx.AsyncClient, f: dict[str, FakeVllm]
+) -> None:
+    body = assert_error(await client.post("/models/a/sleep", json={"level": 1}), 502)
+    assert body["model"] == "a"
+    assert "fake hotswap_suspend failed" in body["message"]
+    snap = (await client.get("/models/a")).json()
+    assert snap["state"] == "FAILED"
+    assert snap["last_error"]
+    assert snap["last_transition"]["result"] == "failed"
+    assert (await client.get("/health")).status_code == 503
+    # FAILED refuses both transitions: restart the engine, never retry.
+    assert_error(await client.post("/models/a/wake"), 409, "TransitionConflict")
+    metrics = (await client.get("/metrics")).text
+    assert 'hotswap_model_state{model="a",state="FAILED"} 1.0' in metrics
+
+
+@scenario(failing("hotswap_quiesce", "timeout"))
+async def test_rpc_timeout_504(client: httpx.AsyncClient, f: dict[str, FakeVllm]) -> None:
+    body = assert_error(
+        await client.post("/models/a/sleep", json={"level": 1}), 504, "EngineTimeout"
+    )
+    assert body["model"] == "a"
+    assert (await client.get("/models/a")).json()["state"] == "FAILED"
+
+
+@scenario(failing("hotswap_restore_and_verify", "mismatch"))
+async def test_verification_failure_502_names_tensor(
+    client: httpx.AsyncClient, f: dict[str, FakeVllm]
+) -> None:
+    assert (await client.post("/models/a/sleep", json={"level": 2})).status_code == 200
+    r = await client.post("/models/a/wake")
+    body = assert_error(r, 502)
+    assert "model.embed_scale" in r.text
+    assert body["model"] == "a"
+    snap = (await client.get("/models/a")).json()
+    assert (snap["state"], snap["verified"]) == ("FAILED", False)
+
+
+@scenario()
+async def test_drain_timeout_504_stays_running(
+    client: httpx.AsyncClient, f: dict[str, FakeVllm]
+) -> None:
+    # MockTransport has no clock: the pause's HTTP timeout is simulated by the fake.
+    f["a"].fail["/pause"] = "timeout"
+    f["a"].in_flight = 1
+    r = await client.post("/models/a/sleep", json={"drain": "wait", "drain_timeout_s": 0.05})
+    assert_error(r, 504, "DrainTimeout")
+    snap = (await client.get("/models/a")).json()
+    assert snap["state"] == "RUNNING"
+    assert "hotswap_suspend" not in f["a"].calls
+
+
+def test_unexpected_error_is_502_never_500(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Anything unexpected, in a route or in the manager, becomes a logged 502 with a reason."""
+
+    async def boom(self: object, level: int) -> list[dict[str, Any]]:
+        raise RuntimeError("kaboom in audit")
+
+    async def main() -> None:
+        fake = FakeVllm(name="a")
+        settings = make_settings({"a": fake})
+        registry = CollectorRegistry()
+        app = api.create_app(settings, make_manager(settings, {"a": fake}, registry), registry)
+
+        async def broken() -> None:
+            raise ZeroDivisionError("division in a route")
+
+        app.add_api_route("/broken", broken, methods=["GET"])
+        model_cls = type(app.state.hotswap.manager.get("a"))
+        monkeypatch.setattr(model_cls, "audit", boom)
+        transport = httpx.ASGITransport(app=app)  # raise_app_exceptions: a leak would raise here
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=transport, base_url="http://sidecar") as client,
+        ):
+            body = assert_error(await client.get("/broken"), 502, "ZeroDivisionError")
+            assert "division in a route" in body["message"]
+            body = assert_error(await client.get("/models/a/audit"), 502, "RuntimeError")
+            assert "kaboom in audit" in body["message"]
+            assert (await client.get("/livez")).status_code == 200
+
+    run(main())
+
+
+# ----------------------------------------------------------------------------- auth
+
+
+@scenario(token=TOKEN)
+async def test_auth_token_accepted(client: httpx.AsyncClient, f: dict[str, FakeVllm]) -> None:
+    assert (await client.get("/models")).status_code == 200
+    assert (await client.post("/models/a/sleep", json={"level": 1})).status_code == 200
+
+
+@scenario(token=TOKEN)
+async def test_auth_required_on_control_endpoints(
+    client: httpx.AsyncClient, f: dict[str, FakeVllm]
+) -> None:
+    control = [
+        ("GET", "/models"),
+        ("GET", "/models/a"),
+        ("GET", "/models/a/audit"),
+        ("POST", "/models/a/sleep"),
+        ("POST", "/models/a/wake"),
+        ("GET", "/models/unknown"),  # 401 before 404: no probing for names
+    ]
+    bad_headers: list[dict[str, str | bytes]] = [
+        {"Authorization": ""},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": f"Basic {TOKEN}"},
+        {"Authorization": f"Bearer {TOKEN}x"},
+        {"Authorization": "Bearer ünïcode".encode("latin-1")},
+    ]
+    calls = len(f["a"].calls)
+    for method, path in control:
+        for headers in bad_headers:
+            r = await client.request(method, path, headers=headers)
+            body = assert_error(r, 401, "Unauthorized")
+            assert r.headers["www-authenticate"] == "Bearer"
+            assert TOKEN not in r.text
+            assert body["message"]
+    assert len(f["a"].calls) == calls
+    # Probes and scrapes stay open.
+    for path in ("/livez", "/health", "/models/a/health", "/metrics"):
+        r = await client.get(path, headers={"Authorization": ""})
+        assert r.status_code == 200, (path, r.text)
+
+
+def test_empty_token_refused() -> None:
+    settings = make_settings({"a": FakeVllm()}, token="")
+    with pytest.raises(ValueError, match="empty"):
+        api.create_app(settings)
+
+
+# ----------------------------------------------------------------------------- default wiring
+
+
+def test_create_app_builds_its_own_manager_and_metrics() -> None:
+    """Without an injected manager: a real EngineClient to a closed port -> FAILED, 503."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again below: connecting is refused at once
+
+    async def main() -> None:
+        settings = Settings(
+            models=[ModelSettings(name="gone", url=f"http://127.0.0.1:{port}")],
+            timeouts=TimeoutSettings(probe_s=2.0, control_s=2.0, shutdown_s=1.0),
+        )
+        app = api.create_app(settings)
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://s"
+            ) as client,
+        ):
+            r = await client.get("/health")
+            assert r.status_code == 503
+            assert r.json()["models"]["gone"]["state"] == "FAILED"
+            text = (await client.get("/metrics")).text
+            assert 'hotswap_model_state{model="gone",state="FAILED"} 1.0' in text
+
+    run(main())
