@@ -1,0 +1,271 @@
+"""Table tests for the pure swap policy: budgets, LRU, pinning, minimum awake time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from controller.policy import (
+    Budget,
+    Decision,
+    ModelView,
+    budget_from_info,
+    footprint_from_info,
+    footprint_from_sleep,
+    plan_wake,
+    restart_delay,
+)
+from controller.state import PhaseRecord, State, TransitionRecord
+
+S = State
+MIB = 1 << 20
+NOW = 1000.0
+
+
+def v(
+    name: str,
+    state: State = S.SUSPENDED,
+    mib: int | None = 100,
+    used: float = 0.0,
+    since: float | None = 0.0,
+    pinned: bool = False,
+    device: str = "0",
+) -> ModelView:
+    return ModelView(
+        name=name,
+        state=state,
+        footprint_bytes=None if mib is None else mib * MIB,
+        last_used=used,
+        awake_since=since,
+        pinned=pinned,
+        device=device,
+    )
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    target: str
+    models: tuple[ModelView, ...]
+    budget: Budget
+    decision: Decision
+    evict: tuple[str, ...] = ()
+    allow_evict: bool = True
+    reason_has: str = ""
+    retry: float | None = None
+
+
+CASES = [
+    Case("running is a noop", "a", (v("a", S.RUNNING),), Budget(100 * MIB), Decision.NOOP),
+    Case("resuming is a noop", "a", (v("a", S.RESUMING),), Budget(100 * MIB), Decision.NOOP),
+    Case(
+        "failed is refused",
+        "a",
+        (v("a", S.FAILED),),
+        Budget(),
+        Decision.REFUSE,
+        reason_has="FAILED",
+    ),
+    Case("no budget: wake", "a", (v("a"), v("b", S.RUNNING)), Budget(), Decision.WAKE),
+    Case(
+        "fits in bytes",
+        "a",
+        (v("a", mib=100), v("b", S.RUNNING, mib=100)),
+        Budget(200 * MIB),
+        Decision.WAKE,
+        reason_has="fits",
+    ),
+    Case(
+        "bytes over: evict the only one",
+        "a",
+        (v("a", mib=100), v("b", S.RUNNING, mib=100)),
+        Budget(150 * MIB),
+        Decision.EVICT,
+        evict=("b",),
+        reason_has="LRU",
+    ),
+    Case(
+        "count over: evict the least recently used",
+        "a",
+        (v("a"), v("b", S.RUNNING, used=50), v("c", S.RUNNING, used=10)),
+        Budget(max_awake=2),
+        Decision.EVICT,
+        evict=("c",),
+    ),
+    Case(
+        "evict as many as needed, LRU first",
+        "a",
+        (
+            v("a", mib=200),
+            v("b", S.RUNNING, mib=100, used=30),
+            v("c", S.RUNNING, mib=100, used=10),
+            v("d", S.RUNNING, mib=100, used=20),
+        ),
+        Budget(300 * MIB),
+        Decision.EVICT,
+        evict=("c", "d"),
+    ),
+    Case(
+        "pinned is never evicted",
+        "a",
+        (v("a"), v("b", S.RUNNING, used=1, pinned=True), v("c", S.RUNNING, used=99)),
+        Budget(max_awake=2),
+        Decision.EVICT,
+        evict=("c",),
+    ),
+    Case(
+        "only pinned awake: refuse, no retry",
+        "a",
+        (v("a"), v("b", S.RUNNING, pinned=True)),
+        Budget(max_awake=1),
+        Decision.REFUSE,
+        reason_has="pinned: b",
+    ),
+    Case(
+        "evict=false refuses and names who would go",
+        "a",
+        (v("a"), v("b", S.RUNNING)),
+        Budget(max_awake=1),
+        Decision.REFUSE,
+        evict=("b",),
+        allow_evict=False,
+        reason_has="evict=false",
+    ),
+    Case(
+        "evict=false is fine when it fits",
+        "a",
+        (v("a"), v("b", S.RUNNING)),
+        Budget(max_awake=2),
+        Decision.WAKE,
+        allow_evict=False,
+    ),
+    Case(
+        "min awake time protects a fresh model; retry when it expires",
+        "a",
+        (v("a"), v("b", S.RUNNING, since=NOW - 2.0)),
+        Budget(max_awake=1, min_awake_s=5.0),
+        Decision.REFUSE,
+        reason_has="min_awake_s",
+        retry=3.0,
+    ),
+    Case(
+        "min awake time: evict the old one, not the fresh one",
+        "a",
+        (
+            v("a"),
+            v("b", S.RUNNING, used=1, since=NOW - 1.0),
+            v("c", S.RUNNING, used=500, since=NOW - 60.0),
+        ),
+        Budget(max_awake=2, min_awake_s=5.0),
+        Decision.EVICT,
+        evict=("c",),
+    ),
+    Case(
+        "larger than the whole budget",
+        "a",
+        (v("a", mib=500),),
+        Budget(400 * MIB),
+        Decision.REFUSE,
+        reason_has="whole budget",
+    ),
+    Case(
+        "a model still suspending holds memory and is busy: retry",
+        "a",
+        (v("a"), v("b", S.SUSPENDING)),
+        Budget(max_awake=1),
+        Decision.REFUSE,
+        reason_has="busy: b (SUSPENDING)",
+        retry=1.0,
+    ),
+    Case(
+        "other devices do not count",
+        "a",
+        (v("a", device="0"), v("b", S.RUNNING, device="1")),
+        Budget(max_awake=1),
+        Decision.WAKE,
+    ),
+    Case(
+        "unmeasured target counts as the largest measured",
+        "a",
+        (v("a", mib=None), v("b", S.RUNNING, mib=300)),
+        Budget(500 * MIB),
+        Decision.EVICT,
+        evict=("b",),
+    ),
+    Case(
+        "nothing measured: assume the device to itself",
+        "a",
+        (v("a", mib=None), v("b", S.RUNNING, mib=None)),
+        Budget(500 * MIB),
+        Decision.EVICT,
+        evict=("b",),
+    ),
+    Case(
+        "asleep models hold nothing",
+        "a",
+        (v("a", mib=100), v("b", mib=100), v("c", mib=100)),
+        Budget(100 * MIB, max_awake=1),
+        Decision.WAKE,
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_plan_wake(case: Case) -> None:
+    plan = plan_wake(case.target, case.models, case.budget, NOW, allow_evict=case.allow_evict)
+    assert plan.decision is case.decision, plan.reason
+    assert plan.evict == case.evict
+    assert case.reason_has in plan.reason
+    assert plan.retry_after_s == case.retry
+    assert plan.to_dict()["decision"] == case.decision.value
+
+
+def test_unknown_target_raises() -> None:
+    with pytest.raises(KeyError):
+        plan_wake("x", [v("a")], Budget(), NOW)
+
+
+def test_footprint_from_info_sums_pools_over_ranks() -> None:
+    ranks = [
+        {"ok": True, "rank": 0, "pools": {"weights": 10, "kv_cache": 5}},
+        {"ok": True, "rank": 1, "pools": {"weights": 10, "kv_cache": 5}},
+    ]
+    assert footprint_from_info(ranks) == 30
+    assert footprint_from_info([{"ok": True, "rank": 0, "pools": {}}]) is None
+
+
+def _sleep(result: str, freed: list[dict[str, int]]) -> TransitionRecord:
+    ranks = tuple({"ok": True, "rank": i, "freed_bytes": f} for i, f in enumerate(freed))
+    return TransitionRecord(
+        kind="sleep",
+        from_state=S.RUNNING,
+        to_state=S.SUSPENDED,
+        result=result,
+        started_at=0.0,
+        ended_at=1.0,
+        phases=(PhaseRecord("drain", 0.1), PhaseRecord("suspend", 0.2, ranks=ranks)),
+    )
+
+
+def test_footprint_from_sleep() -> None:
+    assert footprint_from_sleep(_sleep("ok", [{"weights": 7, "kv_cache": 3}, {"weights": 7}])) == 17
+    assert footprint_from_sleep(_sleep("gave_up", [{"weights": 7}])) is None
+    assert footprint_from_sleep(None) is None
+
+
+def test_budget_from_info_is_the_tightest_cuda_rank() -> None:
+    cuda = [
+        {"platform": "cuda", "device_memory": {"free": 80, "total": 100}},
+        {"platform": "cuda", "device_memory": {"free": 60, "total": 100}},
+    ]
+    assert budget_from_info(cuda) == 60
+    assert budget_from_info([{"platform": "cpu", "device_memory": {"rss": 5}}]) is None
+
+
+@pytest.mark.parametrize(
+    ("failures", "expected"),
+    [(0, 0.0), (1, 1.0), (2, 2.0), (3, 4.0), (6, 30.0), (100, 30.0)],
+)
+def test_restart_delay_is_bounded_exponential(failures: int, expected: float) -> None:
+    assert restart_delay(failures, 1.0, 30.0) == expected
