@@ -1,0 +1,846 @@
+"""ModelManager and Manager against a fake engine world played by httpx.MockTransport.
+
+The world keeps the little state the sequences need (paused, suspended pools, level) and
+answers like vLLM 0.32 with the hotswap extension (the pause semantics as measured, see
+docs/contracts.md). Each call advances a fake clock by a cost the test chooses, so phase
+durations are exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from controller.engine import EngineClient
+from controller.errors import (
+    BarrierTimeout,
+    DrainTimeout,
+    EngineError,
+    EngineTimeout,
+    EngineUnavailable,
+    ModelNotFound,
+    TransitionConflict,
+    VerificationFailed,
+)
+from controller.manager import Manager, ModelManager
+from controller.metrics import Metrics
+from controller.settings import ModelSettings, Settings, TimeoutSettings
+from controller.state import Action, State
+
+Override = Callable[[httpx.Request], Awaitable[httpx.Response]]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def mono(self) -> float:
+        return self.t
+
+    def wall(self) -> float:
+        return 1_700_000_000.0 + self.t
+
+
+class World:
+    """One fake vLLM server with the extension; `calls` lists what it was asked, in order."""
+
+    def __init__(self, clock: FakeClock, ranks: int = 2) -> None:
+        self.clock = clock
+        self.ranks = ranks
+        self.paused = False
+        self.suspended: dict[str, str] = {}
+        self.level: int | None = None
+        self.in_flight_s = 0.0  # how long in-flight requests still need to finish
+        self.costs: dict[str, float] = {}  # call name -> fake seconds it takes
+        self.overrides: dict[str, Override] = {}
+        self.gates: dict[str, asyncio.Event] = {}
+        self.calls: list[str] = []
+        self.requests: list[httpx.Request] = []
+
+    def block(self, name: str) -> asyncio.Event:
+        self.gates[name] = asyncio.Event()
+        return self.gates[name]
+
+    def rpc_calls(self) -> list[str]:
+        return [c for c in self.calls if c.startswith("hotswap_")]
+
+    def ranks_ok(self, **extra: Any) -> httpx.Response:
+        return httpx.Response(
+            200,
+            json={
+                "results": [
+                    {"ok": True, "rank": r, "elapsed_s": 0.001, **extra} for r in range(self.ranks)
+                ]
+            },
+        )
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        body: dict[str, Any] = json.loads(request.content) if request.content else {}
+        name = body["method"] if path == "/collective_rpc" else path
+        if path == "/pause":
+            name = f"/pause?{request.url.params['mode']}"
+        self.calls.append(name)
+        self.requests.append(request)
+        self.clock.t += self.costs.get(name, 0.0)
+        if name in self.gates:
+            await self.gates[name].wait()
+        if name in self.overrides:
+            return await self.overrides[name](request)
+        return self.answer(name, request, body)
+
+    def answer(self, name: str, request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        args = body.get("args", [])
+        if name == "/health":
+            return httpx.Response(200)
+        if name == "/is_paused":
+            return httpx.Response(200, json={"is_paused": self.paused})
+        if name == "/pause?wait":
+            budget = request.extensions["timeout"]["read"]
+            self.paused = True  # measured: set at once, kept after a client timeout
+            if self.in_flight_s > budget:
+                self.clock.t += budget
+                self.in_flight_s -= budget
+                raise httpx.ReadTimeout("timed out", request=request)
+            self.clock.t += self.in_flight_s
+            self.in_flight_s = 0.0
+            return httpx.Response(200, json={"status": "paused"})
+        if name == "/pause?abort":
+            self.paused, self.in_flight_s = True, 0.0
+            return httpx.Response(200, json={"status": "paused"})
+        if name == "/resume":
+            self.paused = False
+            return httpx.Response(200, json={"status": "resumed"})
+        if name == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "tiny"}]})
+        if name == "/v1/completions":
+            if self.paused or self.suspended:
+                return httpx.Response(500, json={"error": {"message": "would hang"}})
+            return httpx.Response(200, json={"choices": [{"text": "", "finish_reason": "length"}]})
+        if name == "hotswap_info":
+            return self.ranks_ok(suspended=dict(self.suspended), level=self.level, pools={})
+        if name == "hotswap_quiesce":
+            assert self.paused, "quiesce on an unpaused engine"
+            return self.ranks_ok(barrier_s=0.001, late_ranks=[])
+        if name == "hotswap_prepare":
+            return self.ranks_ok(protected=1, protected_bytes=8, fingerprinted=3, at_risk=["a.b"])
+        if name == "hotswap_suspend":
+            (level,) = args
+            self.level = level
+            kind = "offloaded" if level == 1 else "discarded"
+            self.suspended = {"weights": kind, "kv_cache": "discarded"}
+            return self.ranks_ok(
+                level=level, freed_bytes={"weights": 1000, "kv_cache": 500}, offloaded_bytes={}
+            )
+        if name == "hotswap_resume":
+            (tags,) = args
+            for tag in tags:
+                self.suspended.pop(tag, None)
+            return self.ranks_ok(
+                tags=tags, restored_bytes={t: {"weights": 1000, "kv_cache": 500}[t] for t in tags}
+            )
+        if name == "hotswap_reload":
+            return self.ranks_ok()
+        if name == "hotswap_restore_and_verify":
+            self.level = None
+            return self.ranks_ok(restored=1, rebound=[], verified=3, mismatched=[])
+        if name == "hotswap_audit":
+            return self.ranks_ok(count=3, bytes=100, at_risk=[], at_risk_bytes=0)
+        raise AssertionError(f"unexpected call {name}")
+
+
+class Rig:
+    def __init__(self, world: World, manager: Manager, registry: CollectorRegistry) -> None:
+        self.world = world
+        self.manager = manager
+        self.registry = registry
+        self.m: ModelManager = manager.get("m")
+
+    def sample(self, name: str, **labels: str) -> float:
+        value = self.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+
+def make_rig(
+    clock: FakeClock | None = None,
+    ranks: int = 2,
+    wrap: Callable[[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport] | None = None,
+    **timeouts: float,
+) -> Rig:
+    clock = clock or FakeClock()
+    world = World(clock, ranks)
+    settings = Settings(
+        models=[ModelSettings(name="m", url="http://m:8000")],  # type: ignore[call-arg]
+        timeouts=TimeoutSettings(**timeouts),  # type: ignore[arg-type]
+    )
+    registry = CollectorRegistry()
+    holder: list[Manager] = []
+    metrics = Metrics(registry, lambda: holder[0].snapshots())
+
+    def factory(m: ModelSettings, t: TimeoutSettings) -> EngineClient:
+        transport: httpx.AsyncBaseTransport = httpx.MockTransport(world)
+        if wrap is not None:
+            transport = wrap(transport)
+        return EngineClient(m.url, transport=transport, timeouts=t)
+
+    manager = Manager(settings, metrics, factory, clock.wall, monotonic=clock.mono)
+    holder.append(manager)
+    return Rig(world, manager, registry)
+
+
+async def started(**kw: Any) -> Rig:
+    rig = make_rig(**kw)
+    await rig.manager.start()
+    rig.world.calls.clear()
+    rig.world.requests.clear()
+    return rig
+
+
+SLEEP_CALLS = [
+    "/pause?wait",
+    "/is_paused",
+    "hotswap_quiesce",
+    "hotswap_prepare",
+    "hotswap_suspend",
+]
+WAKE_CALLS_1 = [
+    "hotswap_resume",
+    "hotswap_resume",
+    "hotswap_restore_and_verify",
+    "/resume",
+    "/is_paused",
+    "/v1/models",
+    "/v1/completions",
+]
+
+
+@pytest.mark.anyio
+async def test_start_probes_running_engine() -> None:
+    rig = make_rig()
+    assert rig.m.snapshot().state is State.UNKNOWN
+    await rig.manager.start()
+    snap = rig.m.snapshot()
+    assert snap.state is State.RUNNING
+    assert snap.verified
+    assert snap.ready
+    assert rig.world.calls == ["/health", "hotswap_info"]
+    assert rig.sample("hotswap_model_state", model="m", state="RUNNING") == 1.0
+    assert rig.sample("hotswap_model_ready", model="m") == 1.0
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_start_probes_suspended_engine_and_keeps_its_level() -> None:
+    rig = make_rig()
+    rig.world.suspended = {"weights": "discarded", "kv_cache": "discarded"}
+    rig.world.level = 2
+    await rig.manager.start()
+    snap = rig.m.snapshot()
+    assert snap.state is State.SUSPENDED
+    assert snap.level == 2
+    assert not snap.verified
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_start_unreachable_engine_is_failed_with_reason() -> None:
+    rig = make_rig()
+
+    async def refuse(r: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=r)
+
+    rig.world.overrides["/health"] = refuse
+    await rig.manager.start()
+    snap = rig.m.snapshot()
+    assert snap.state is State.FAILED
+    assert snap.last_error is not None
+    assert "connection refused" in snap.last_error
+    assert snap.last_transition is not None
+    assert snap.last_transition.failed_phase == "health"
+    with pytest.raises(TransitionConflict, match="FAILED"):
+        await rig.m.wake()
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_sleep_and_wake_level_1_in_sequence_order_with_timed_phases() -> None:
+    rig = await started(quiesce_s=3.0)
+    w = rig.world
+    w.costs = {"hotswap_quiesce": 0.01, "hotswap_suspend": 0.5, "hotswap_resume": 0.2}
+    out = await rig.m.sleep(1)
+    assert out.action is Action.BEGIN
+    assert w.calls == SLEEP_CALLS
+    quiesce = json.loads(w.requests[2].content)
+    assert quiesce == {"method": "hotswap_quiesce", "args": [3.0], "kwargs": {}}
+    assert [json.loads(w.requests[i].content)["args"] for i in (3, 4)] == [[1], [1]]
+    snap = rig.m.snapshot()
+    assert snap.state is State.SUSPENDED
+    assert snap.level == 1
+    assert not snap.verified
+    rec = out.transition
+    assert rec is not None
+    assert rec is snap.last_transition
+    assert rec.result == "ok"
+    assert [p.name for p in rec.phases] == ["drain", "quiesce", "prepare", "suspend"]
+    assert [p.duration_s for p in rec.phases] == pytest.approx([0.0, 0.01, 0.0, 0.5])
+    assert rec.duration_s == pytest.approx(0.51)
+    suspend = rec.phases[-1]
+    assert [r["rank"] for r in suspend.ranks] == [0, 1]
+    assert suspend.detail["freed_bytes"] == {"weights": 2000, "kv_cache": 1000}
+    assert rig.sample("hotswap_bytes_released_total", model="m", pool="weights") == 2000
+    assert rig.sample("hotswap_model_state", model="m", state="SUSPENDED") == 1.0
+
+    w.calls.clear()
+    w.requests.clear()
+    out = await rig.m.wake()
+    assert out.action is Action.BEGIN
+    assert w.calls == WAKE_CALLS_1
+    assert [json.loads(w.requests[i].content)["args"] for i in (0, 1)] == [
+        [["weights"]],
+        [["kv_cache"]],
+    ]
+    snap = rig.m.snapshot()
+    assert snap.state is State.RUNNING
+    assert snap.verified
+    assert snap.level is None
+    assert out.transition is not None
+    assert [p.name for p in out.transition.phases] == [
+        "resume_weights",
+        "resume_kv_cache",
+        "restore_and_verify",
+        "resume_engine",
+        "warmup",
+    ]
+    assert out.transition.duration_s == pytest.approx(0.4)
+    assert rig.sample("hotswap_bytes_restored_total", model="m", pool="kv_cache") == 1000
+    labels = {"model": "m", "kind": "sleep", "phase": "suspend"}
+    assert rig.sample("hotswap_phase_duration_seconds_count", **labels) == 1
+    assert rig.sample("hotswap_phase_duration_seconds_sum", **labels) == pytest.approx(0.5)
+    ok = {"model": "m", "kind": "wake", "from_state": "SUSPENDED", "to_state": "RUNNING"}
+    assert rig.sample("hotswap_transitions_total", result="ok", **ok) == 1
+    assert rig.sample(
+        "hotswap_transition_duration_seconds_sum", model="m", kind="wake"
+    ) == pytest.approx(0.4)
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_level_2_wake_reloads_between_the_resumes_with_the_reload_timeout() -> None:
+    rig = await started(reload_s=321.0)
+    await rig.m.sleep(2)
+    assert rig.world.suspended == {"weights": "discarded", "kv_cache": "discarded"}
+    rig.world.calls.clear()
+    rig.world.requests.clear()
+    out = await rig.m.wake()
+    assert rig.world.calls[:5] == [
+        "hotswap_resume",
+        "hotswap_reload",
+        "hotswap_resume",
+        "hotswap_restore_and_verify",
+        "/resume",
+    ]
+    assert rig.world.requests[1].extensions["timeout"]["read"] == 321.0
+    assert out.transition is not None
+    assert out.transition.level == 2
+    assert rig.m.snapshot().state is State.RUNNING
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_noop_requests_answer_the_current_state_without_engine_calls() -> None:
+    rig = await started()
+    out = await rig.m.wake()
+    assert out.action is Action.NOOP
+    assert out.transition is None
+    assert out.snapshot.state is State.RUNNING
+    await rig.m.sleep(1)
+    rig.world.calls.clear()
+    out = await rig.m.sleep(2)
+    assert out.action is Action.NOOP
+    assert rig.world.calls == []
+    assert rig.m.snapshot().level == 1
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_concurrent_wakes_coalesce_into_one_engine_sequence() -> None:
+    rig = await started()
+    await rig.m.sleep(1)
+    rig.world.calls.clear()
+    gate = rig.world.block("hotswap_restore_and_verify")
+    first = asyncio.create_task(rig.m.wake())
+    await asyncio.sleep(0)
+    assert rig.m.snapshot().state is State.RESUMING
+    others = [asyncio.create_task(rig.m.wake()) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    gate.set()
+    outs = await asyncio.gather(first, *others)
+    assert [o.action for o in outs] == [Action.BEGIN] + [Action.JOIN] * 3
+    assert len({id(o.transition) for o in outs}) == 1
+    assert rig.world.calls == WAKE_CALLS_1
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_opposite_requests_in_flight_conflict_and_same_ones_join() -> None:
+    rig = await started()
+    gate = rig.world.block("hotswap_suspend")
+    sleeping = asyncio.create_task(rig.m.sleep(1))
+    await asyncio.sleep(0.01)
+    assert rig.m.snapshot().state is State.SUSPENDING
+    assert not rig.m.snapshot().ready  # admission closed at once
+    with pytest.raises(TransitionConflict, match="sleep is in flight") as info:
+        await rig.m.wake()
+    assert info.value.status == 409
+    joined = asyncio.create_task(rig.m.sleep(2))
+    await asyncio.sleep(0)
+    gate.set()
+    a, b = await asyncio.gather(sleeping, joined)
+    assert (a.action, b.action) == (Action.BEGIN, Action.JOIN)
+    assert rig.world.rpc_calls().count("hotswap_suspend") == 1
+
+    gate = rig.world.block("hotswap_restore_and_verify")
+    waking = asyncio.create_task(rig.m.wake())
+    await asyncio.sleep(0.01)
+    with pytest.raises(TransitionConflict, match="wake is in flight"):
+        await rig.m.sleep(1)
+    gate.set()
+    await waking
+    assert rig.m.snapshot().state is State.RUNNING
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_drain_wait_gives_up_resumes_and_stays_running() -> None:
+    rig = await started()
+    rig.world.in_flight_s = 10.0
+    with pytest.raises(DrainTimeout) as info:
+        await rig.m.sleep(1, drain="wait", drain_timeout_s=2.0)
+    assert info.value.status == 504
+    assert rig.world.calls == ["/pause?wait", "/resume", "/is_paused"]
+    assert not rig.world.paused
+    snap = rig.m.snapshot()
+    assert snap.state is State.RUNNING
+    assert snap.verified
+    assert snap.ready
+    assert snap.last_transition is not None
+    assert snap.last_transition.result == "gave_up"
+    assert snap.last_transition.duration_s == pytest.approx(2.0)
+    gave_up = {"model": "m", "kind": "sleep", "from_state": "RUNNING", "to_state": "RUNNING"}
+    assert rig.sample("hotswap_transitions_total", result="gave_up", **gave_up) == 1
+    # The model can sleep again once the requests are gone.
+    rig.world.in_flight_s = 0.0
+    assert (await rig.m.sleep(1)).snapshot.state is State.SUSPENDED
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_drain_wait_that_cannot_resume_is_failed() -> None:
+    rig = await started()
+    rig.world.in_flight_s = 10.0
+
+    async def stuck(r: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"status": "resumed"})  # ...but nothing resumes
+
+    rig.world.overrides["/resume"] = stuck
+    with pytest.raises(EngineError, match="still paused"):
+        await rig.m.sleep(1, drain_timeout_s=1.0)
+    assert rig.m.snapshot().state is State.FAILED
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_drain_abort_without_grace_aborts_at_once() -> None:
+    rig = await started()
+    rig.world.in_flight_s = 10.0
+    out = await rig.m.sleep(1, drain="abort")
+    assert rig.world.calls[:2] == ["/pause?abort", "/is_paused"]
+    assert out.transition is not None
+    assert out.transition.phases[0].duration_s == 0.0
+    assert rig.m.snapshot().state is State.SUSPENDED
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("in_flight_s", "calls"), [(0.5, ["/pause?wait"]), (5.0, ["/pause?wait", "/pause?abort"])]
+)
+async def test_drain_abort_grace_lets_requests_finish_then_aborts(
+    in_flight_s: float, calls: list[str]
+) -> None:
+    rig = await started()
+    rig.world.in_flight_s = in_flight_s
+    out = await rig.m.sleep(1, drain="abort", drain_timeout_s=1.0)
+    assert rig.world.calls[: len(calls) + 1] == [*calls, "/is_paused"]
+    assert out.transition is not None
+    assert out.transition.phases[0].duration_s == pytest.approx(min(in_flight_s, 1.0))
+    assert rig.m.snapshot().state is State.SUSPENDED
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_pause_that_does_not_hold_fails_before_memory_is_touched() -> None:
+    rig = await started()
+
+    async def resumed_meanwhile(r: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"status": "paused"})  # measured: not proof of a pause
+
+    rig.world.overrides["/pause?wait"] = resumed_meanwhile
+    with pytest.raises(EngineError, match="not paused"):
+        await rig.m.sleep(1)
+    assert rig.world.rpc_calls() == []
+    assert rig.m.snapshot().state is State.FAILED
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_slow_engine_rpc_timeout_is_failed_and_never_resent() -> None:
+    rig = await started(rpc_s=7.0)
+
+    async def slow(r: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("timed out", request=r)
+
+    rig.world.overrides["hotswap_suspend"] = slow
+    with pytest.raises(EngineTimeout) as info:
+        await rig.m.sleep(1)
+    assert info.value.status == 504
+    assert info.value.model == "m"
+    assert info.value.phase == "suspend"
+    assert rig.world.rpc_calls().count("hotswap_suspend") == 1
+    snap = rig.m.snapshot()
+    assert snap.state is State.FAILED
+    assert not snap.ready
+    assert snap.last_transition is not None
+    assert snap.last_transition.result == "failed"
+    assert snap.last_transition.failed_phase == "suspend"
+    assert snap.last_error is not None
+    assert "within 7 s" in snap.last_error
+    err = {"model": "m", "method": "hotswap_suspend", "reason": "timeout"}
+    assert rig.sample("hotswap_engine_rpc_errors_total", **err) == 1
+    failed = {"model": "m", "kind": "sleep", "from_state": "RUNNING", "to_state": "FAILED"}
+    assert rig.sample("hotswap_transitions_total", result="failed", **failed) == 1
+    # FAILED refuses both directions: restart the engine.
+    for call in (rig.m.sleep, rig.m.wake):
+        with pytest.raises(TransitionConflict, match="restart"):
+            await call()
+    assert rig.world.rpc_calls().count("hotswap_suspend") == 1
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_failing_engine_500_is_failed_502() -> None:
+    rig = await started()
+
+    async def boom(r: httpx.Request) -> httpx.Response:
+        return httpx.Response(500, json={"error": {"message": "Call to collective_rpc failed"}})
+
+    rig.world.overrides["hotswap_prepare"] = boom
+    with pytest.raises(EngineError) as info:
+        await rig.m.sleep(1)
+    assert type(info.value) is EngineError
+    assert info.value.status == 502
+    assert rig.m.snapshot().state is State.FAILED
+    assert rig.m.engine.connections_dropped == 1
+    assert "hotswap_suspend" not in rig.world.calls
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_unreachable_engine_during_wake_is_failed() -> None:
+    rig = await started()
+    await rig.m.sleep(1)
+
+    async def gone(r: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=r)
+
+    rig.world.overrides["hotswap_resume"] = gone
+    with pytest.raises(EngineUnavailable):
+        await rig.m.wake()
+    snap = rig.m.snapshot()
+    assert snap.state is State.FAILED
+    assert snap.last_transition is not None
+    assert snap.last_transition.failed_phase == "resume_weights"
+    err = {"model": "m", "method": "hotswap_resume", "reason": "unavailable"}
+    assert rig.sample("hotswap_engine_rpc_errors_total", **err) == 1
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_rank_not_ok_is_failed_with_every_rank_report_kept() -> None:
+    rig = await started()
+
+    async def rank1_fails(r: httpx.Request) -> httpx.Response:
+        return httpx.Response(
+            200,
+            json={
+                "results": [
+                    {"ok": True, "rank": 0, "protected": 0},
+                    {"ok": False, "rank": 1, "error": "RuntimeError: host copy failed"},
+                ]
+            },
+        )
+
+    rig.world.overrides["hotswap_prepare"] = rank1_fails
+    with pytest.raises(EngineError, match="rank 1: RuntimeError: host copy failed"):
+        await rig.m.sleep(1)
+    snap = rig.m.snapshot()
+    assert snap.state is State.FAILED
+    assert snap.last_transition is not None
+    phase = snap.last_transition.phases[-1]
+    assert phase.name == "prepare"
+    assert not phase.ok
+    assert [(r["rank"], r["ok"]) for r in phase.ranks] == [(0, True), (1, False)]
+    err = {"model": "m", "method": "hotswap_prepare", "reason": "rank_failed"}
+    assert rig.sample("hotswap_engine_rpc_errors_total", **err) == 1
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_late_ranks_are_named() -> None:
+    rig = await started(ranks=4)
+
+    async def late(r: httpx.Request) -> httpx.Response:
+        reports = [
+            {"ok": rank not in (2, 3), "rank": rank, "barrier_s": 10.0, "late_ranks": [2, 3]}
+            for rank in range(4)
+        ]
+        for rep in reports:
+            if not rep["ok"]:
+                rep["error"] = "barrier timed out"
+        return httpx.Response(200, json={"results": reports})
+
+    rig.world.overrides["hotswap_quiesce"] = late
+    with pytest.raises(BarrierTimeout, match=r"ranks \[2, 3\]") as info:
+        await rig.m.sleep(1)
+    assert info.value.late_ranks == [2, 3]
+    assert info.value.status == 504
+    assert info.value.to_dict()["late_ranks"] == [2, 3]
+    snap = rig.m.snapshot()
+    assert snap.state is State.FAILED
+    assert snap.last_error is not None
+    assert "[2, 3]" in snap.last_error
+    assert snap.last_transition is not None
+    assert len(snap.last_transition.phases[-1].ranks) == 4
+    assert "hotswap_prepare" not in rig.world.calls
+    err = {"model": "m", "method": "hotswap_quiesce", "reason": "barrier_timeout"}
+    assert rig.sample("hotswap_engine_rpc_errors_total", **err) == 1
+    await rig.manager.stop()
+
+
+class HangQuiesce(httpx.AsyncBaseTransport):
+    """The world for every call but hotswap_quiesce, which goes to a socket that never answers."""
+
+    def __init__(self, world: httpx.AsyncBaseTransport, port: int) -> None:
+        self.world = world
+        self.real = httpx.AsyncHTTPTransport()
+        self.port = port
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/collective_rpc" and b"hotswap_quiesce" in request.content:
+            moved = httpx.Request(
+                request.method,
+                request.url.copy_with(host="127.0.0.1", port=self.port),
+                headers=request.headers,
+                content=request.content,
+                extensions=request.extensions,
+            )
+            return await self.real.handle_async_request(moved)
+        return await self.world.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.real.aclose()
+
+
+@pytest.mark.anyio
+async def test_hanging_engine_times_out_over_a_real_socket() -> None:
+    """The HTTP client timeout, not the fake, ends a call to an engine that never answers."""
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+
+    server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    rig = make_rig(wrap=lambda t: HangQuiesce(t, port), rpc_s=0.2, quiesce_s=0.05, control_s=0.05)
+    await rig.manager.start()
+    loop = asyncio.get_running_loop()
+    started_at = loop.time()
+    with pytest.raises(EngineTimeout, match="ranks unknown"):
+        await rig.m.sleep(1, drain="abort")
+    elapsed = loop.time() - started_at
+    assert 0.2 <= elapsed < 5.0
+    assert rig.m.snapshot().state is State.FAILED
+    assert len(accepted) == 1  # sent once, never resent
+    assert "hotswap_prepare" not in rig.world.calls
+    await rig.manager.stop()
+    for writer in accepted:
+        writer.close()
+    server.close()
+    await server.wait_closed()
+
+
+@pytest.mark.anyio
+async def test_verification_mismatch_names_the_tensors_and_stays_out_of_rotation() -> None:
+    rig = await started()
+    await rig.m.sleep(1)
+
+    async def mismatch(r: httpx.Request) -> httpx.Response:
+        return httpx.Response(
+            200,
+            json={
+                "results": [
+                    {
+                        "ok": False,
+                        "rank": 0,
+                        "error": "2 mismatched",
+                        "mismatched": ["a.scale", "b"],
+                    },
+                    {"ok": False, "rank": 1, "error": "1 mismatched", "mismatched": ["a.scale"]},
+                ]
+            },
+        )
+
+    rig.world.overrides["hotswap_restore_and_verify"] = mismatch
+    with pytest.raises(VerificationFailed) as info:
+        await rig.m.wake()
+    assert info.value.tensors == ["a.scale", "b"]
+    assert info.value.phase == "restore_and_verify"
+    assert "/resume" not in rig.world.calls[-3:]  # never re-enters scheduling
+    snap = rig.m.snapshot()
+    assert snap.state is State.FAILED
+    assert not snap.verified
+    assert snap.last_transition is not None
+    assert snap.last_transition.failed_phase == "restore_and_verify"
+    assert rig.sample("hotswap_verification_failures_total", model="m") == 1
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_cancelled_caller_does_not_cancel_the_sequence() -> None:
+    rig = await started()
+    gate = rig.world.block("hotswap_suspend")
+    caller = asyncio.create_task(rig.m.sleep(1))
+    await asyncio.sleep(0.01)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    gate.set()
+    task = rig.m.task
+    assert task is not None
+    assert task.get_name() == "hotswap-sleep-m"
+    await task
+    assert rig.m.snapshot().state is State.SUSPENDED
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_begin_returns_at_once_and_the_outcome_lands_in_the_snapshot() -> None:
+    rig = await started()
+    gate = rig.world.block("hotswap_suspend")
+    out = rig.m.begin_sleep(1)
+    assert out.action is Action.BEGIN
+    assert out.snapshot.state is State.SUSPENDING
+    assert rig.world.calls == []
+    gate.set()
+    task = rig.m.task
+    assert task is not None
+    await task
+    assert rig.m.snapshot().state is State.SUSPENDED
+    assert rig.m.begin_sleep().action is Action.NOOP
+    out = rig.m.begin_wake()
+    assert out.snapshot.state is State.RESUMING
+    task = rig.m.task
+    assert task is not None
+    await task
+    assert rig.m.snapshot().state is State.RUNNING
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_begin_sleep_failure_is_kept_in_the_snapshot() -> None:
+    rig = await started()
+
+    async def boom(r: httpx.Request) -> httpx.Response:
+        return httpx.Response(500, json={"error": {"message": "x"}})
+
+    rig.world.overrides["hotswap_suspend"] = boom
+    rig.m.begin_sleep(1)
+    task = rig.m.task
+    assert task is not None
+    await asyncio.wait([task])
+    snap = rig.m.snapshot()
+    assert snap.state is State.FAILED
+    assert snap.last_transition is not None
+    assert snap.last_transition.failed_phase == "suspend"
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_stop_cancels_transitions_that_outlast_the_shutdown_timeout() -> None:
+    rig = await started(shutdown_s=0.05)
+    rig.world.block("hotswap_suspend")  # never released
+    rig.m.begin_sleep(1)
+    await asyncio.sleep(0.01)
+    await rig.manager.stop()
+    snap = rig.m.snapshot()
+    assert snap.state is State.FAILED
+    assert snap.last_error is not None
+    assert "cancelled" in snap.last_error
+    assert snap.last_transition is not None
+    assert snap.last_transition.failed_phase == "suspend"
+
+
+@pytest.mark.anyio
+async def test_audit_and_info_pass_through_per_rank_lists() -> None:
+    rig = await started()
+    ranks = await rig.m.audit(2)
+    assert [r["rank"] for r in ranks] == [0, 1]
+    body = json.loads(rig.world.requests[-1].content)
+    assert body == {"method": "hotswap_audit", "args": [2, True], "kwargs": {}}
+    assert len(await rig.m.info()) == 2
+    assert rig.m.snapshot().state is State.RUNNING
+
+    async def boom(r: httpx.Request) -> httpx.Response:
+        return httpx.Response(500, json={"error": {"message": "x"}})
+
+    rig.world.overrides["hotswap_audit"] = boom
+    with pytest.raises(EngineError):
+        await rig.m.audit(1)
+    assert rig.m.snapshot().state is State.FAILED
+    with pytest.raises(TransitionConflict):
+        await rig.m.info()
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_manager_get_unknown_model_and_snapshots() -> None:
+    rig = await started()
+    with pytest.raises(ModelNotFound) as info:
+        rig.manager.get("nope")
+    assert info.value.status == 404
+    assert set(rig.manager.snapshots()) == {"m"}
+    assert rig.sample("hotswap_model_state_since_seconds", model="m") == rig.m.snapshot().since
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_bad_request_values_are_refused_before_anything_changes() -> None:
+    rig = await started()
+    with pytest.raises(ValueError, match="level"):
+        await rig.m.sleep(3)
+    with pytest.raises(ValueError, match="drain"):
+        await rig.m.sleep(1, drain="later")  # type: ignore[arg-type]
+    assert rig.m.snapshot().state is State.RUNNING
+    assert rig.world.calls == []
+    await rig.manager.stop()
