@@ -10,9 +10,10 @@ from __future__ import annotations
 import enum
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from controller.state import Gate
@@ -35,6 +36,9 @@ class ServerSettings(BaseModel):
 class AuthSettings(BaseModel):
     token: SecretStr | None = Field(
         None, description="Bearer token for control endpoints; None disables auth (loopback only)."
+    )
+    guard_gateway: bool = Field(
+        True, description="The token (when set) also guards the gateway's /v1 routes."
     )
 
 
@@ -70,6 +74,64 @@ class LogSettings(BaseModel):
     level: str = Field("INFO", description="Root log level.")
 
 
+class GatewaySettings(BaseModel):
+    """The OpenAI-compatible gateway: routes /v1 requests by `model`, waking models on demand."""
+
+    enabled: bool | None = Field(
+        None, description="Serve the gateway; None = on when any model is managed (has a command)."
+    )
+    host: str = Field("127.0.0.1", description="Bind address of the gateway; loopback by default.")
+    port: int = Field(
+        8801, ge=0, le=65535, description="Port of the gateway (0 = pick a free one)."
+    )
+    queue_size: int = Field(
+        16, ge=0, description="Requests held per model while it wakes; one more answers 429."
+    )
+    hold_timeout_s: float = Field(
+        120.0, gt=0, description="Seconds a request may wait for its model; then 503 Retry-After."
+    )
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="HTTP timeout of one forwarded request (long generations)."
+    )
+    retry_after_s: int = Field(5, ge=0, description="Retry-After (seconds) sent with a 503.")
+
+
+class SwapSettings(BaseModel):
+    """The memory budget and eviction policy (controller.policy) per device."""
+
+    budget_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="Bytes the awake models of one device may hold; None = measured at boot "
+        "(CUDA: free memory with every model asleep) or no byte limit (CPU).",
+    )
+    max_awake: int | None = Field(
+        None, ge=1, description="At most this many awake models per device; None = no count limit."
+    )
+    min_awake_s: float = Field(
+        2.0, ge=0, description="A model woken less than this long ago is not evicted (no thrash)."
+    )
+    evict_drain_timeout_s: float = Field(
+        30.0, ge=0, description="drain=wait timeout when a model is put to sleep to make room."
+    )
+
+
+class SupervisorSettings(BaseModel):
+    """Managed engines: boot, crash detection, restart with bounded exponential backoff."""
+
+    boot_timeout_s: float = Field(300.0, gt=0, description="An engine must answer /health by then.")
+    restart_backoff_s: float = Field(1.0, gt=0, description="First restart delay after a crash.")
+    restart_backoff_max_s: float = Field(60.0, gt=0, description="Cap of the doubling delay.")
+    stable_s: float = Field(
+        60.0, ge=0, description="Up this long after a start: the failure count resets."
+    )
+    poll_s: float = Field(0.5, gt=0, description="How often processes are checked for exits.")
+    stop_grace_s: float = Field(15.0, ge=0, description="SIGTERM grace before SIGKILL at stop.")
+    log_dir: Path | None = Field(
+        None, description="Engine logs (one file per model); None = a temporary folder."
+    )
+
+
 class ModelSettings(BaseModel):
     """One vLLM OpenAI server the sidecar knows by name."""
 
@@ -89,11 +151,50 @@ class ModelSettings(BaseModel):
     env: dict[str, str] = Field(
         default_factory=dict, description="Extra environment of the engine."
     )
+    port: int | None = Field(
+        None, ge=1, le=65535, description="Managed: the engine's port; it binds 127.0.0.1 only."
+    )
+    pinned: bool = Field(False, description="Never put to sleep to make room for another model.")
+    footprint_bytes: int | None = Field(
+        None, ge=0, description="Awake footprint if known; None = measured from the engine."
+    )
+    device: str = Field("0", description="Models on one device share its memory budget.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _managed_url(cls, data: Any) -> Any:
+        # A managed engine is always on loopback: its URL follows from its port.
+        if isinstance(data, dict) and data.get("command") and not data.get("url"):
+            if data.get("port") is None:
+                raise ValueError("a managed model (command set) needs a port")
+            return {**data, "url": f"http://127.0.0.1:{data['port']}"}
+        return data
 
     @field_validator("url")
     @classmethod
     def _strip_slash(cls, v: str) -> str:
         return v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _managed_on_loopback(self) -> ModelSettings:
+        if self.command is None:
+            return self
+        if not self.command:
+            raise ValueError("command must not be empty")
+        parts = urlsplit(self.url)
+        if parts.hostname != "127.0.0.1":
+            raise ValueError("a managed engine must listen on 127.0.0.1 (dev endpoints stay local)")
+        if self.port is not None and parts.port != self.port:
+            raise ValueError(f"url {self.url} and port {self.port} disagree")
+        if "--host" in self.command:
+            host = self.command[self.command.index("--host") + 1 :][:1]
+            if host != ["127.0.0.1"]:
+                raise ValueError("a managed engine's --host must be 127.0.0.1")
+        return self
+
+    @property
+    def managed(self) -> bool:
+        return self.command is not None
 
 
 class Settings(BaseSettings):
@@ -108,6 +209,9 @@ class Settings(BaseSettings):
     auth: AuthSettings = Field(default_factory=AuthSettings)  # type: ignore[arg-type]
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)  # type: ignore[arg-type]
     log: LogSettings = Field(default_factory=LogSettings)  # type: ignore[arg-type]
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)  # type: ignore[arg-type]
+    swap: SwapSettings = Field(default_factory=SwapSettings)  # type: ignore[arg-type]
+    supervisor: SupervisorSettings = Field(default_factory=SupervisorSettings)  # type: ignore[arg-type]
     models: list[ModelSettings] = Field(default_factory=list)
 
     @field_validator("models")
@@ -118,6 +222,27 @@ class Settings(BaseSettings):
         if dupes:
             raise ValueError(f"duplicate model names: {', '.join(dupes)}")
         return v
+
+    @property
+    def managed(self) -> bool:
+        """The sidecar starts and supervises (some of) its engines."""
+        return any(m.managed for m in self.models)
+
+    @property
+    def gateway_enabled(self) -> bool:
+        return self.gateway.enabled if self.gateway.enabled is not None else self.managed
+
+    @model_validator(mode="after")
+    def _hot_swap_gates(self) -> Settings:
+        # Behind the gateway a sleeping model is healthy: it wakes on the next request.
+        if self.gateway_enabled:
+            self.models = [
+                m.model_copy(update={"gate": Gate.SWAPPABLE})
+                if m.managed and "gate" not in m.model_fields_set
+                else m
+                for m in self.models
+            ]
+        return self
 
     @classmethod
     def settings_customise_sources(
