@@ -1,0 +1,355 @@
+"""The `hotswap` command: argument parsing into Settings, and the client commands against a
+live sidecar (uvicorn in a thread, engines faked), and `serve` as a real process."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from fakevllm import FakeVllm
+from prometheus_client import CollectorRegistry
+
+from controller import api, cli
+from controller.engine import EngineClient
+from controller.manager import Manager
+from controller.metrics import Metrics
+from controller.settings import LogFormat, ModelSettings, Settings, TimeoutSettings
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The developer's own HOTSWAP_* variables must not leak into these tests."""
+    for key in list(os.environ):
+        if key.startswith("HOTSWAP_"):
+            monkeypatch.delenv(key)
+
+
+def serve_settings(*argv: str) -> Settings:
+    args = cli.build_parser().parse_args(["serve", *argv])
+    return cli.settings_from_args(args)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+# ----------------------------------------------------------------------------- serve arguments
+
+
+def test_serve_flags_become_settings() -> None:
+    s = serve_settings(
+        *("--host", "0.0.0.0", "--port", "9001", "--token", "tok"),
+        *("--log-format", "json", "--log-level", "DEBUG"),
+        *("--engine", "a=http://127.0.0.1:8001/", "--engine", "b=http://127.0.0.1:8002"),
+    )
+    assert (s.server.host, s.server.port) == ("0.0.0.0", 9001)
+    assert s.auth.token is not None
+    assert s.auth.token.get_secret_value() == "tok"
+    assert (s.log.format, s.log.level) == (LogFormat.JSON, "DEBUG")
+    assert [(m.name, m.url) for m in s.models] == [
+        ("a", "http://127.0.0.1:8001"),
+        ("b", "http://127.0.0.1:8002"),
+    ]
+
+
+def test_serve_defaults_without_flags() -> None:
+    s = serve_settings()
+    assert (s.server.host, s.server.port, s.auth.token, s.models) == ("127.0.0.1", 8800, None, [])
+
+
+def test_env_twins_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOTSWAP_SERVER__PORT", "9100")
+    monkeypatch.setenv("HOTSWAP_SERVER__HOST", "127.0.0.2")
+    monkeypatch.setenv("HOTSWAP_LOG__FORMAT", "json")
+    monkeypatch.setenv("HOTSWAP_AUTH__TOKEN", "from-env")
+    monkeypatch.setenv("HOTSWAP_ENGINES", "x=http://127.0.0.1:7001, y=http://127.0.0.1:7002")
+    s = serve_settings()
+    assert (s.server.host, s.server.port, s.log.format) == ("127.0.0.2", 9100, LogFormat.JSON)
+    assert s.auth.token is not None
+    assert s.auth.token.get_secret_value() == "from-env"
+    assert [m.name for m in s.models] == ["x", "y"]
+    s = serve_settings("--port", "9200", "--token", "cli", "--engine", "z=http://127.0.0.1:7003")
+    # The flag wins; the untouched sibling field still comes from the environment.
+    assert (s.server.host, s.server.port) == ("127.0.0.2", 9200)
+    assert s.auth.token is not None
+    assert s.auth.token.get_secret_value() == "cli"
+    assert [m.name for m in s.models] == ["z"]
+
+
+def test_config_file_and_engine_replaces_its_models(tmp_path: Path) -> None:
+    cfg = tmp_path / "models.yaml"
+    cfg.write_text(
+        "server: {port: 8900}\n"
+        "models:\n"
+        "  - {name: big, url: 'http://127.0.0.1:8101', default_level: 2, gate: swappable}\n"
+    )
+    s = serve_settings("--config", str(cfg))
+    assert s.server.port == 8900
+    assert [(m.name, m.default_level, m.gate.value) for m in s.models] == [("big", 2, "swappable")]
+    s = serve_settings("--config", str(cfg), "--engine", "small=http://127.0.0.1:8102")
+    assert s.server.port == 8900
+    assert [m.name for m in s.models] == ["small"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "why"),
+    [
+        ("noequals", "expected NAME=URL"),
+        ("a=", "expected NAME=URL"),
+        ("=http://127.0.0.1:1", "expected NAME=URL"),
+        ("a=127.0.0.1:8001", "http://"),
+        ("bad name!=http://127.0.0.1:1", "pattern"),
+    ],
+)
+def test_bad_engine_is_a_clear_error(
+    spec: str, why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(cli.CliError, match=why):
+        cli.parse_engine(spec)
+    assert cli.main(["serve", "--engine", spec]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("hotswap: --engine")
+    assert spec in err
+    assert "Traceback" not in err
+
+
+def test_duplicate_engines_and_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["serve", "--engine", "a=http://127.0.0.1:1", "--engine", "a=http://127.0.0.1:2"]
+    assert cli.main(argv) == cli.EXIT_USAGE
+    assert "duplicate model names: a" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "--log-format", "xml"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit):
+        cli.main(["sleep", "a", "--level", "3"])
+
+
+# ----------------------------------------------------------------------------- client commands
+
+
+class LiveSidecar:
+    """The real app on 127.0.0.1 (uvicorn in a thread), engines faked."""
+
+    def __init__(self, fakes: dict[str, FakeVllm], token: str | None = None) -> None:
+        self.fakes = fakes
+        self.settings = Settings(
+            models=[
+                ModelSettings.model_validate({"name": n, "url": f"http://{n}.test"}) for n in fakes
+            ],
+            auth={"token": token},
+            timeouts=TimeoutSettings(shutdown_s=2.0),
+        )
+        registry = CollectorRegistry()
+        holder: list[Manager] = []
+
+        def factory(m: ModelSettings, timeouts: TimeoutSettings) -> EngineClient:
+            return EngineClient(m.url, transport=fakes[m.name].transport(), timeouts=timeouts)
+
+        manager = Manager(
+            self.settings, Metrics(registry, lambda: holder[0].snapshots()), engine_factory=factory
+        )
+        holder.append(manager)
+        app = api.create_app(self.settings, manager, registry)
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="live-sidecar", daemon=True)
+
+    def __enter__(self) -> LiveSidecar:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert self.thread.is_alive(), "the sidecar thread died while starting"
+            assert time.monotonic() < deadline, "the sidecar did not start"
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
+        assert not self.thread.is_alive()
+
+    def hotswap(self, *argv: str, url: bool = True) -> tuple[int, str]:
+        out = io.StringIO()
+        extra = ["--url", self.url] if url else []
+        code = cli.main([*argv, *extra], out=out)
+        return code, out.getvalue()
+
+    def state(self, name: str) -> str:
+        headers = {}
+        if self.settings.auth.token is not None:
+            headers["Authorization"] = f"Bearer {self.settings.auth.token.get_secret_value()}"
+        state: str = httpx.get(f"{self.url}/models/{name}", headers=headers).json()["state"]
+        return state
+
+
+@pytest.fixture
+def live() -> Iterator[LiveSidecar]:
+    with LiveSidecar({"a": FakeVllm(name="a"), "b": FakeVllm(name="b")}) as sidecar:
+        yield sidecar
+
+
+def wait_for(sidecar: LiveSidecar, name: str, state: str, limit_s: float = 10) -> None:
+    deadline = time.monotonic() + limit_s
+    while sidecar.state(name) != state:
+        assert time.monotonic() < deadline, f"{name} never reached {state}"
+        time.sleep(0.02)
+
+
+def test_status_sleep_wake(live: LiveSidecar) -> None:
+    code, out = live.hotswap("status")
+    assert code == 0, out
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["MODEL", "STATE", "LEVEL"]
+    rows = {line.split()[0]: line.split() for line in lines[1:3]}
+    assert rows["a"][1] == "RUNNING"
+    assert rows["b"][1] == "RUNNING"
+    assert lines[-1] == "sidecar ready: yes"
+
+    code, out = live.hotswap("sleep", "a", "--level", "2", "--drain", "abort")
+    assert code == 0, out
+    assert out.startswith("a: SUSPENDED (action begin), sleep ok in ")
+    assert "suspend" in out
+    assert "ranks=2" in out
+    assert live.fakes["a"].level == 2
+    assert "/pause" in live.fakes["a"].calls
+
+    code, out = live.hotswap("status")
+    row = next(line.split() for line in out.splitlines() if line.startswith("a "))
+    assert row[1:5] == ["SUSPENDED", "2", "no", "no"]
+    assert "sleep ok in" in out
+    assert out.splitlines()[-1] == "sidecar ready: no"
+
+    code, out = live.hotswap("wake", "a", "--no-wait")
+    assert code == 0, out
+    assert out.startswith("a: accepted")
+    assert f"poll {live.url}/models/a" in out
+    wait_for(live, "a", "RUNNING")
+    code, out = live.hotswap("wake", "a")
+    assert (code, out.strip()) == (0, "a: RUNNING (action noop)")
+
+
+def test_sleep_drain_timeout_flag_and_no_wait(
+    live: LiveSidecar, capsys: pytest.CaptureFixture[str]
+) -> None:
+    live.fakes["b"].fail["/pause"] = "timeout"
+    code, out = live.hotswap("sleep", "b", "--drain-timeout", "0.05")
+    assert (code, out) == (cli.EXIT_HTTP_ERROR, "")
+    err = capsys.readouterr().err
+    assert "HTTP 504" in err
+    assert "DrainTimeout" in err
+    assert "within 0.05 s" in err, "the flag's timeout reached the manager"
+    assert live.state("b") == "RUNNING"
+    del live.fakes["b"].fail["/pause"]
+    code, out = live.hotswap("sleep", "b", "--no-wait")
+    assert code == 0
+    assert out.startswith("b: accepted")
+    wait_for(live, "b", "SUSPENDED")
+
+
+def test_http_errors_exit_non_zero_with_reason(
+    live: LiveSidecar, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _ = live.hotswap("sleep", "nope")
+    assert code == cli.EXIT_HTTP_ERROR
+    err = capsys.readouterr().err
+    assert "HTTP 404" in err
+    assert "ModelNotFound" in err
+    assert "nope" in err
+
+    live.fakes["a"].fail["hotswap_suspend"] = "rank"
+    code, _ = live.hotswap("sleep", "a")
+    assert code == cli.EXIT_HTTP_ERROR
+    err = capsys.readouterr().err
+    assert "HTTP 502" in err
+    assert "fake hotswap_suspend failed" in err
+    code, _ = live.hotswap("wake", "a")
+    assert code == cli.EXIT_HTTP_ERROR
+    assert "HTTP 409" in capsys.readouterr().err
+
+
+def test_token_flag_and_env(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with LiveSidecar({"a": FakeVllm(name="a")}, token="t0k") as live:
+        code, _ = live.hotswap("status")
+        assert code == cli.EXIT_HTTP_ERROR
+        assert "HTTP 401" in capsys.readouterr().err
+        code, _ = live.hotswap("status", "--token", "wrong")
+        assert code == cli.EXIT_HTTP_ERROR
+        code, out = live.hotswap("status", "--token", "t0k")
+        assert code == 0, out
+        monkeypatch.setenv("HOTSWAP_TOKEN", "t0k")
+        monkeypatch.setenv("HOTSWAP_URL", live.url)
+        code, out = live.hotswap("status", url=False)
+        assert code == 0, out
+        assert "RUNNING" in out
+
+
+def test_unreachable_sidecar(capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    assert cli.main(["status", "--url", url, "--timeout", "5"]) == cli.EXIT_UNREACHABLE
+    assert "no answer from the sidecar" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- serve, for real
+
+
+def test_serve_process_answers_and_stops_on_sigterm(tmp_path: Path) -> None:
+    """`python -m controller serve`: JSON logs, the API up, SIGTERM -> graceful exit 143."""
+    port, engine_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOTSWAP_")}
+    env["HOTSWAP_AUTH__TOKEN"] = "env-token"
+    env["PYTHONPATH"] = str(REPO)
+    argv = [
+        *(sys.executable, "-m", "controller", "serve", "--port", str(port)),
+        *("--engine", f"gone=http://127.0.0.1:{engine_port}", "--log-format", "json"),
+    ]
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(argv, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, log_path.read_text()
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        # The engine's port is closed: probed FAILED, so not ready.
+        assert r.status_code == 503
+        assert r.json()["models"]["gone"]["state"] == "FAILED"
+        r = httpx.get(f"http://127.0.0.1:{port}/models")
+        assert r.status_code == 401  # the token came from the environment twin
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    messages = [entry["msg"] for entry in lines]
+    assert any("manager stopped" in m for m in messages), messages
+    failed: list[dict[str, Any]] = [e for e in lines if e.get("model") == "gone"]
+    assert failed, "the manager's lines carry the model"
