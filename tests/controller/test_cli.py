@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import signal
 import socket
@@ -353,3 +354,20 @@ def test_serve_process_answers_and_stops_on_sigterm(tmp_path: Path) -> None:
     assert any("manager stopped" in m for m in messages), messages
     failed: list[dict[str, Any]] = [e for e in lines if e.get("model") == "gone"]
     assert failed, "the manager's lines carry the model"
+
+
+def test_demo_without_launcher_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    monkeypatch.setitem(sys.modules, "controller.launcher", None)  # import now fails
+    try:
+        assert cli.main(["serve", "--demo", "--port", "0"]) == cli.EXIT_USAGE
+    finally:
+        for h in [h for h in root.handlers if h not in handlers]:
+            root.removeHandler(h)
+        root.setLevel(level)
+    err = capsys.readouterr().err
+    assert "--demo needs controller.launcher" in err
+    assert "Traceback" not in err
