@@ -28,6 +28,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from controller.api import create_app
+from controller.errors import HotswapError
 from controller.logs import configure_logging
 from controller.settings import LogFormat, ModelSettings, Settings, load_settings
 
@@ -406,6 +407,9 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     except CliError as exc:
         print(f"hotswap: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except HotswapError as exc:  # serve: e.g. a demo engine that would not start
+        print(f"hotswap: {type(exc).__name__}: {exc.message}", file=sys.stderr)
+        return EXIT_STARTUP
     except HttpFailure as exc:
         print(f"hotswap: {exc}", file=sys.stderr)
         return EXIT_HTTP_ERROR

@@ -3,6 +3,7 @@ live sidecar (uvicorn in a thread, engines faked), and `serve` as a real process
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -38,6 +39,17 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in list(os.environ):
         if key.startswith("HOTSWAP_"):
             monkeypatch.delenv(key)
+
+
+@pytest.fixture(autouse=True)
+def restore_logging() -> Iterator[None]:
+    """`serve` installs a root handler on the captured stderr; take it away afterwards."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in [h for h in root.handlers if h not in handlers]:
+        root.removeHandler(h)
+    root.setLevel(level)
 
 
 def serve_settings(*argv: str) -> Settings:
@@ -359,15 +371,60 @@ def test_serve_process_answers_and_stops_on_sigterm(tmp_path: Path) -> None:
 def test_demo_without_launcher_is_a_clear_error(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
     monkeypatch.setitem(sys.modules, "controller.launcher", None)  # import now fails
-    try:
-        assert cli.main(["serve", "--demo", "--port", "0"]) == cli.EXIT_USAGE
-    finally:
-        for h in [h for h in root.handlers if h not in handlers]:
-            root.removeHandler(h)
-        root.setLevel(level)
+    assert cli.main(["serve", "--demo", "--port", "0"]) == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert "--demo needs controller.launcher" in err
+    assert "Traceback" not in err
+
+
+def test_demo_models_replace_configured_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--demo serves the launcher's models while its context is open, then leaves it."""
+    import contextlib
+
+    from controller import launcher
+
+    seen: dict[str, Any] = {}
+    demo = [ModelSettings.model_validate({"name": "tiny-a", "url": "http://127.0.0.1:9"})]
+
+    @contextlib.asynccontextmanager
+    async def fake_demo(workdir: Path | None = None) -> Any:
+        seen["workdir"] = workdir
+        seen["open"] = True
+        yield demo
+        seen["open"] = False
+
+    async def fake_run(settings: Settings) -> int:
+        seen["models"] = [m.name for m in settings.models]
+        seen["open_while_serving"] = seen["open"]
+        return 0
+
+    monkeypatch.setattr(launcher, "demo_engines", fake_demo)
+    monkeypatch.setattr(cli, "run_server", fake_run)
+    settings = serve_settings("--engine", "mine=http://127.0.0.1:8001")
+    assert asyncio.run(cli.serve(settings, True, Path("demo-dir"))) == 0
+    assert seen == {
+        "workdir": Path("demo-dir"),
+        "open": False,
+        "models": ["tiny-a"],
+        "open_while_serving": True,
+    }
+
+
+def test_demo_engine_start_failure_is_reported(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import contextlib
+
+    from controller import launcher
+
+    @contextlib.asynccontextmanager
+    async def broken_demo(workdir: Path | None = None) -> Any:
+        raise launcher.EngineStartError("tiny-a exited with 1: no extension")
+        yield []
+
+    monkeypatch.setattr(launcher, "demo_engines", broken_demo)
+    assert cli.main(["serve", "--demo"]) == cli.EXIT_STARTUP
+    err = capsys.readouterr().err
+    assert "EngineStartError: tiny-a exited with 1" in err
     assert "Traceback" not in err
