@@ -22,6 +22,9 @@ case "$cmd" in
     mkdir -p "$cache/vllm"
     export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$cache/vllm}
     unset VLLM_CPU_KVCACHE_SPACE
+    # Models (seeded, so reusable) and engine logs persist here between runs.
+    export HOTSWAP_DEMO_DIR=${HOTSWAP_DEMO_DIR:-$cache/demo}
+    echo "dev: engine logs in $HOTSWAP_DEMO_DIR/logs; the sidecar listens on 127.0.0.1:8800 unless --port says otherwise" >&2
     run_tmp=$(mktemp -d "${TMPDIR:-/tmp}/hotswap-serve.XXXXXX")
     trap 'rm -rf "$run_tmp"' EXIT
     # Not exec: the trap must run after the sidecar (and the engines it started) have stopped.
