@@ -30,7 +30,7 @@ from controller.metrics import Metrics
 from controller.settings import Settings
 from controller.state import ModelSnapshot, PhaseRecord, TransitionRecord, overall_ready
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("hotswap.api")
 
 
 # ----------------------------------------------------------------------------- JSON shapes

@@ -32,7 +32,7 @@ from controller.errors import HotswapError
 from controller.logs import configure_logging
 from controller.settings import LogFormat, ModelSettings, Settings, load_settings
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("hotswap.cli")
 
 DEFAULT_URL = "http://127.0.0.1:8800"
 # A wait=true sleep or wake can legitimately take minutes (a level-2 reload reads a checkpoint).
