@@ -1,0 +1,19 @@
+"""vLLM worker extension for verified hot swap.
+
+`HotSwapExtension` is exported lazily: `python -m worker_ext.devmodels` (and anything else
+that only needs a submodule) must not pay for importing torch and vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["HotSwapExtension"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "HotSwapExtension":
+        from worker_ext.extension import HotSwapExtension
+
+        return HotSwapExtension
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

