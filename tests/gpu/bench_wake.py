@@ -1,0 +1,394 @@
+"""Level-1 sleep/wake benchmark on one GPU: raw vLLM against the hot-swap path, same process.
+
+    python tests/gpu/bench_wake.py --shape llama3-8b [--via extension|backend] [--cycles 2]
+
+Not a pytest module (no test_ prefix). Runs on the lent device (tests/gpu/run-on-device.sh).
+One in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0: the worker is this process, so its
+RSS is ours to read and the caller-side times are the worker's times), dummy bf16 weights,
+enforce_eager. Order: pinned-copy bandwidth (torch, this process) -> engine -> raw vLLM
+llm.sleep(1)/llm.wake_up() cycles -> torch's cached pinned blocks emptied -> our cycles.
+Both are timed the same way, caller-side around the calls. Our wake is timed from the
+first resume call to the end of restore+verify (extension) or to the end of the copies
+(backend: no verification there). Tokens and logprobs are compared after every cycle.
+
+`--via extension` drives worker_ext.HotSwapExtension over collective_rpc (prepare, suspend,
+resume weights, resume kv_cache, restore_and_verify); `--via backend` drives
+worker_ext.cumem.CuMemBackend directly through in-process callables.
+Prints a table and writes one JSON line to $OUT/bench.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+GB = 1e9
+GiB = 1 << 30
+
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "tiny": (
+        "llama",
+        {
+            "vocab_size": 1024,
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 2048,
+        },
+    ),
+    "llama3-8b": (
+        "llama",
+        {
+            "vocab_size": 128256,
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": 8192,
+            "rope_theta": 500000.0,
+        },
+    ),
+    "qwen25-14b": (
+        "qwen2",
+        {
+            "vocab_size": 152064,
+            "hidden_size": 5120,
+            "intermediate_size": 13824,
+            "num_hidden_layers": 48,
+            "num_attention_heads": 40,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": 32768,
+            "rope_theta": 1000000.0,
+        },
+    ),
+}
+UTIL = {"tiny": 0.05, "llama3-8b": 0.45, "qwen25-14b": 0.5}
+
+
+def log(*a: Any) -> None:
+    print("[bench]", *a, flush=True)
+
+
+def rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def write_config(shape: str, d: str) -> str:
+    import transformers
+
+    fam, kw = SHAPES[shape]
+    cls = transformers.LlamaConfig if fam == "llama" else transformers.Qwen2Config
+    arch = "LlamaForCausalLM" if fam == "llama" else "Qwen2ForCausalLM"
+    cfg = cls(architectures=[arch], **kw)
+    cfg.torch_dtype = "bfloat16"
+    cfg.save_pretrained(d)
+    return d
+
+
+def bandwidth(nbytes: int = 2 * GiB, reps: int = 5) -> dict[str, float]:
+    """Best-of-reps pinned H2D and D2H bandwidth (the strictest bound), plain torch."""
+    import torch
+
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host.fill_(1)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+    def best(dst: Any, src: Any) -> float:
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        return nbytes / min(times)
+
+    out = {"h2d_Bps": best(dev, host), "d2h_Bps": best(host, dev)}
+    del host, dev
+    torch.cuda.empty_cache()
+    torch._C._host_emptyCache()  # give the pinned test buffer back: RSS is measured later
+    return out
+
+
+def gen(llm: Any, n: int = 16) -> tuple[list[int], list[float]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1, detokenize=False
+    )
+    out = llm.generate(
+        TokensPrompt(prompt_token_ids=[2, 5, 9, 12, 7, 3, 11, 4]), sp, use_tqdm=False
+    )
+    c = out[0].outputs[0]
+    lps = [step[t].logprob for t, step in zip(c.token_ids, c.logprobs or [], strict=False)]
+    return list(c.token_ids), lps
+
+
+def timed(fn: Any, *a: Any, **k: Any) -> tuple[Any, float]:
+    t = time.perf_counter()
+    r = fn(*a, **k)
+    return r, time.perf_counter() - t
+
+
+class Direct:
+    """Drive CuMemBackend through in-process callables (engine in this process)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self.backend: Any = None
+
+    def _b(self, wrapper: Any) -> Any:
+        if self.backend is None:
+            from worker_ext.cumem import CuMemBackend
+
+            self.backend = CuMemBackend(wrapper.worker)
+        return self.backend
+
+    def call(self, fn: Any) -> Any:
+        return self.llm.collective_rpc(lambda w: fn(self._b(w)))[0]
+
+    def warm(self) -> dict[str, Any]:
+        return self.call(lambda b: b.warm_host(wait=True))  # type: ignore[no-any-return]
+
+    def pools(self) -> dict[str, int]:
+        return self.call(lambda b: b.pools())  # type: ignore[no-any-return]
+
+    def sleep(self) -> tuple[dict[str, Any], float]:
+        self.llm.reset_prefix_cache()  # what the controller's pause(clear_cache=true) does
+        return timed(self.call, lambda b: b.suspend(1, ["weights", "kv_cache"]))
+
+    def wake(self) -> tuple[dict[str, Any], float, float]:
+        t = time.perf_counter()
+        r1 = self.call(lambda b: b.resume(["weights"]))
+        r2 = self.call(lambda b: b.resume(["kv_cache"]))
+        self.call(lambda b: b.synchronize())
+        return {"weights": r1, "kv_cache": r2}, time.perf_counter() - t, 0.0
+
+
+def find_backend(worker: Any) -> Any:
+    from worker_ext.cumem import CuMemBackend
+
+    for value in vars(worker).values():
+        if isinstance(value, CuMemBackend):
+            return value
+    raise RuntimeError("no CuMemBackend on the worker")
+
+
+class ViaExtension:
+    """Drive the worker extension's RPC methods, in the controller's order."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def rpc(self, method: str, *args: Any) -> dict[str, Any]:
+        r = self.llm.collective_rpc(method, args=args)[0]
+        if not r.get("ok"):
+            raise RuntimeError(f"{method} failed: {r.get('error')}")
+        return r  # type: ignore[no-any-return]
+
+    def warm(self) -> dict[str, Any]:
+        info = self.rpc("hotswap_info")
+        # The extension made its backend on that first RPC; pin its host buffer now and wait
+        # (in-process callable: find the backend object on the worker, whatever its name).
+        self.llm.collective_rpc(lambda w: find_backend(w.worker).warm_host(wait=True))
+        return info
+
+    def pools(self) -> dict[str, int]:
+        return self.rpc("hotswap_info")["pools"]  # type: ignore[no-any-return]
+
+    def sleep(self) -> tuple[dict[str, Any], float]:
+        self.llm.reset_prefix_cache()
+        q, tq = timed(self.rpc, "hotswap_quiesce", 30.0)
+        p, tp = timed(self.rpc, "hotswap_prepare", 1)
+        s, ts = timed(self.rpc, "hotswap_suspend", 1)
+        return {"quiesce": q, "prepare": p, "prepare_s": tp, "quiesce_s": tq, "suspend": s}, ts
+
+    def wake(self) -> tuple[dict[str, Any], float, float]:
+        t = time.perf_counter()
+        r1 = self.rpc("hotswap_resume", ["weights"])
+        r2 = self.rpc("hotswap_resume", ["kv_cache"])
+        v, tv = timed(self.rpc, "hotswap_restore_and_verify")
+        return {"weights": r1, "kv_cache": r2, "verify": v}, time.perf_counter() - t, tv
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    ap.add_argument("--via", choices=("extension", "backend"), default="extension")
+    ap.add_argument("--cycles", type=int, default=2)
+    ap.add_argument("--raw-cycles", type=int, default=2)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HOTSWAP_PIN_HOST_BACKUP", "lazy")  # warmed explicitly below, timed
+    import torch
+    import vllm
+    from vllm import LLM
+
+    res: dict[str, Any] = {
+        "shape": args.shape,
+        "via": args.via,
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "cmd": " ".join(sys.argv),
+    }
+    bw = bandwidth()
+    res.update(bw)
+    log(f"pinned H2D {bw['h2d_Bps'] / GB:.1f} GB/s, D2H {bw['d2h_Bps'] / GB:.1f} GB/s")
+    d = write_config(args.shape, tempfile.mkdtemp(prefix=f"{args.shape}-"))
+    kw: dict[str, Any] = {
+        "model": d,
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "enable_sleep_mode": True,
+        "enforce_eager": True,
+        "max_model_len": args.max_model_len,
+        "gpu_memory_utilization": UTIL[args.shape],
+        "dtype": "bfloat16",
+        "seed": 0,
+        "max_num_seqs": 8,
+        "disable_log_stats": True,
+    }
+    if args.via == "extension":
+        kw["worker_extension_cls"] = "worker_ext.HotSwapExtension"
+    llm, res["llm_start_s"] = timed(LLM, **kw)
+    base = gen(llm)
+    res["deterministic"] = gen(llm) == base
+    equal: list[bool] = []
+
+    # raw vLLM
+    raw: list[dict[str, Any]] = []
+    rss0 = rss()
+    for _ in range(args.raw_cycles):
+        _, ts = timed(llm.sleep, 1)
+        r_asleep = rss()
+        _, tw = timed(llm.wake_up)
+        equal.append(gen(llm) == base)
+        raw.append({"sleep_s": ts, "wake_s": tw, "rss_asleep_delta": r_asleep - rss0})
+        log("raw", raw[-1], "equal", equal[-1])
+    res["raw"] = raw
+    t = time.perf_counter()
+    torch._C._host_emptyCache()  # vLLM's per-record pinned backups stay cached after wake
+    res["raw_host_empty_cache_s"] = time.perf_counter() - t
+
+    drv: Any = Direct(llm) if args.via == "backend" else ViaExtension(llm)
+    pools = drv.pools()
+    res["pools"] = pools
+    weights = int(pools["weights"])
+    rss1 = rss()
+    warm, res["warm_host_s"] = timed(drv.warm)
+    res["warm"] = warm
+    ours: list[dict[str, Any]] = []
+    for _ in range(args.cycles):
+        s, ts = drv.sleep()
+        r_asleep = rss()
+        w, tw, tv = drv.wake()
+        equal.append(gen(llm) == base)
+        ours.append(
+            {
+                "sleep_s": ts,
+                "wake_s": tw,
+                "verify_s": tv,
+                "rss_asleep_delta": r_asleep - rss1,
+                "sleep": s,
+                "wake": w,
+            }
+        )
+        log("ours", {k: v for k, v in ours[-1].items() if k.endswith("_s")}, "equal", equal[-1])
+    res["ours"] = ours
+    res["tokens_equal_every_cycle"] = all(equal) and res["deterministic"]
+    h2d_bound = weights / bw["h2d_Bps"]
+    d2h_bound = weights / bw["d2h_Bps"]
+    res["h2d_bound_s"], res["d2h_bound_s"] = h2d_bound, d2h_bound
+
+    rows = [
+        ("weights pool", f"{weights / GB:.2f} GB", ""),
+        ("pinned H2D / D2H", f"{bw['h2d_Bps'] / GB:.1f} / {bw['d2h_Bps'] / GB:.1f} GB/s", ""),
+        ("H2D bound (weights / H2D)", f"{h2d_bound:.3f} s", "1.00x"),
+        ("D2H bound (weights / D2H)", f"{d2h_bound:.3f} s", "1.00x"),
+    ]
+    for i, r in enumerate(raw):
+        rows.append(
+            (
+                f"raw vLLM sleep #{i + 1}",
+                f"{r['sleep_s']:.3f} s",
+                f"{r['sleep_s'] / d2h_bound:.2f}x D2H",
+            )
+        )
+        rows.append(
+            (
+                f"raw vLLM wake #{i + 1}",
+                f"{r['wake_s']:.3f} s",
+                f"{r['wake_s'] / h2d_bound:.2f}x H2D",
+            )
+        )
+    rows.append(
+        ("raw vLLM host RSS asleep / weights", f"{raw[0]['rss_asleep_delta'] / weights:.3f}", "")
+        if raw
+        else ("", "", "")
+    )
+    rows.append(("ours: pin host buffer (ahead of sleep)", f"{res['warm_host_s']:.3f} s", ""))
+    for i, r in enumerate(ours):
+        rows.append(
+            (
+                f"ours sleep #{i + 1}",
+                f"{r['sleep_s']:.3f} s",
+                f"{r['sleep_s'] / d2h_bound:.2f}x D2H",
+            )
+        )
+        rows.append(
+            (f"ours wake #{i + 1}", f"{r['wake_s']:.3f} s", f"{r['wake_s'] / h2d_bound:.2f}x H2D")
+        )
+        if r["verify_s"]:
+            rows.append(
+                (
+                    f"ours verify share #{i + 1}",
+                    f"{r['verify_s']:.4f} s",
+                    f"{100 * r['verify_s'] / r['wake_s']:.1f}% of wake",
+                )
+            )
+        rows.append(
+            (
+                f"ours host RSS asleep / weights #{i + 1}",
+                f"{r['rss_asleep_delta'] / weights:.3f}",
+                "",
+            )
+        )
+    rows.append(
+        ("tokens+logprobs equal after every cycle", str(res["tokens_equal_every_cycle"]), "")
+    )
+    print(f"\n| {args.shape} ({args.via}) | value | ratio |\n|---|---|---|")
+    for a, b, c in rows:
+        if a:
+            print(f"| {a} | {b} | {c} |")
+    print(flush=True)
+    out = os.environ.get("OUT", ".")
+    with open(os.path.join(out, "bench.jsonl"), "a") as f:
+        f.write(json.dumps(res, default=str) + "\n")
+    # Whole-wake breakdown through the sidecar (controller -> HTTP -> collective_rpc) goes
+    # here once the controller exists: same table, plus per-phase times from its transition.
+    return 0 if res["tokens_equal_every_cycle"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

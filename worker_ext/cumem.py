@@ -1,0 +1,498 @@
+"""CUDA pool backend on vLLM's CuMemAllocator (engine started with --enable-sleep-mode).
+
+Pools are the allocator's tags: every `pointer_to_data` record is one cuMem segment with
+its tag (`weights` while the model loads, `kv_cache` while the KV cache is set up). The
+backend releases and re-maps records itself, per record, with vLLM's `unmap_and_release`
+and `create_and_map`, because vLLM 0.26's `CuMemAllocator.sleep` cannot release one tag
+alone and its `wake_up` does not check `is_asleep`. Each record's `is_asleep` is kept
+truthful. Do not mix this backend with vLLM's own /sleep and /wake_up on one engine.
+
+The fast path (why it is faster than vLLM's sleep/wake, which copy one record at a time
+with a synchronous cudaMemcpy into a power-of-two rounded pinned tensor per record):
+
+- one host buffer of exactly the weights' bytes (anonymous mmap, page-locked with
+  cudaHostRegister in REGISTER_BYTES pieces), one slice per record, so host RAM held by
+  a sleeping model is its weights and nothing more;
+- the buffer is made ahead of time in a background thread (HOTSWAP_PIN_HOST_BACKUP=early,
+  the default: when the backend is created) or at the first level-1 suspend (`lazy`);
+- copies are cudaMemcpyAsync of at most CHUNK_BYTES on N_STREAMS streams, never crossing a
+  registration; suspend unmaps each record as soon as its copies are done; resume maps
+  each record and queues its copies at once, so mapping overlaps the transfer;
+- resume returns with the copies ordered before any later work on the worker's current
+  stream (no host wait), so a following `kv_cache` resume maps while weights still copy;
+  `synchronize()` waits for them, and every later backend call does so first.
+
+After a wake the host buffer is kept for the next sleep unless HOTSWAP_KEEP_HOST_BACKUP=0.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from worker_ext.pools import ALL_TAGS, DISCARDED, KV_CACHE, OFFLOADED, UNPOOLED, WEIGHTS, policy
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 64 << 20  # one cudaMemcpyAsync; large enough to run at link speed
+REGISTER_BYTES = 4 * CHUNK_BYTES  # one cudaHostRegister: short enough not to stall serving
+N_STREAMS = 2
+_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the unified address space
+_HOST_REGISTER_PORTABLE = 1  # pinned for every context, whichever thread registered it
+_PROT_RW = 0x1 | 0x2
+_MAP_PRIVATE_ANON = 0x02 | 0x20
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default).strip().lower()
+
+
+def keep_host_backup() -> bool:
+    """HOTSWAP_KEEP_HOST_BACKUP (default 1): keep the pinned buffer after a wake."""
+    return _env("HOTSWAP_KEEP_HOST_BACKUP", "1") not in ("0", "false", "no")
+
+
+def pin_mode() -> str:
+    """HOTSWAP_PIN_HOST_BACKUP: `early` (default, background at creation) or `lazy`."""
+    mode = _env("HOTSWAP_PIN_HOST_BACKUP", "early")
+    return mode if mode in ("early", "lazy") else "early"
+
+
+class _CudaRT:
+    """The few CUDA runtime calls torch does not expose without holding the GIL."""
+
+    def __init__(self) -> None:
+        from vllm.utils.system_utils import find_loaded_library
+
+        path = find_loaded_library("libcudart")
+        if path is None:
+            raise RuntimeError("libcudart is not loaded in this process")
+        lib = ctypes.CDLL(path)  # CDLL calls release the GIL
+        lib.cudaMemcpyAsync.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        ]
+        lib.cudaMemcpyAsync.restype = ctypes.c_int
+        lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        lib.cudaHostRegister.restype = ctypes.c_int
+        lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
+        lib.cudaHostUnregister.restype = ctypes.c_int
+        lib.cudaSetDevice.argtypes = [ctypes.c_int]
+        lib.cudaSetDevice.restype = ctypes.c_int
+        lib.cudaGetErrorString.argtypes = [ctypes.c_int]
+        lib.cudaGetErrorString.restype = ctypes.c_char_p
+        self._lib = lib
+
+    def check(self, err: int, what: str) -> None:
+        if err != 0:
+            msg = self._lib.cudaGetErrorString(err)
+            raise RuntimeError(f"{what} failed: CUDA error {err} ({msg.decode() if msg else '?'})")
+
+    def memcpy_async(self, dst: int, src: int, n: int, stream: int) -> None:
+        self.check(self._lib.cudaMemcpyAsync(dst, src, n, _MEMCPY_DEFAULT, stream), "memcpy")
+
+    def host_register(self, ptr: int, n: int) -> None:
+        self.check(self._lib.cudaHostRegister(ptr, n, _HOST_REGISTER_PORTABLE), "register")
+
+    def host_unregister(self, ptr: int) -> None:
+        self.check(self._lib.cudaHostUnregister(ptr), "cudaHostUnregister")
+
+    def set_device(self, index: int) -> None:
+        self.check(self._lib.cudaSetDevice(index), "cudaSetDevice")
+
+
+class HostBuffer:
+    """Exactly `nbytes` of page-aligned anonymous memory, page-locked piece by piece."""
+
+    def __init__(self, nbytes: int, cudart: _CudaRT) -> None:
+        self.nbytes = nbytes
+        self._cudart = cudart
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._libc.mmap.restype = ctypes.c_void_p
+        self._libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
+        self._libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        ptr = self._libc.mmap(None, max(nbytes, 1), _PROT_RW, _MAP_PRIVATE_ANON, -1, 0)
+        if ptr is None or ptr == ctypes.c_void_p(-1).value:
+            raise MemoryError(f"mmap of {nbytes} bytes failed (errno {ctypes.get_errno()})")
+        self.ptr: int = ptr
+        self._registered: list[int] = []
+
+    def pin(self) -> float:
+        """Touch then register every piece (touching first makes registering ~5x faster)."""
+        t0 = time.perf_counter()
+        for off in range(0, self.nbytes, REGISTER_BYTES):
+            n = min(REGISTER_BYTES, self.nbytes - off)
+            ctypes.memset(self.ptr + off, 0, n)  # populate the pages; releases the GIL
+            self._cudart.host_register(self.ptr + off, n)
+            self._registered.append(self.ptr + off)
+        return time.perf_counter() - t0
+
+    def free(self) -> None:
+        for p in self._registered:
+            self._cudart.host_unregister(p)
+        self._registered.clear()
+        if self.ptr:
+            self._libc.munmap(self.ptr, max(self.nbytes, 1))
+            self.ptr = 0
+
+
+class CuMemBackend:
+    """pools.PoolBackend over vLLM's CuMemAllocator records, with the fast copy path."""
+
+    name = "cumem"
+
+    def __init__(self, worker: Any) -> None:
+        import torch
+        from vllm.device_allocator.cumem import CuMemAllocator, create_and_map, unmap_and_release
+
+        self._torch = torch
+        self._worker = worker
+        self._alloc = CuMemAllocator.get_instance()
+        self._create_and_map = create_and_map
+        self._unmap_and_release = unmap_and_release
+        device = getattr(worker, "device", None)
+        self._device = device if device is not None else torch.device("cuda", 0)
+        self._cudart = _CudaRT()
+        self._streams: list[Any] = []
+        self._suspended: dict[str, str] = {}
+        self._level: int | None = None
+        self._offloaded_layout: dict[int, tuple[int, int]] = {}  # ptr -> (host offset, size)
+        self._index_key: tuple[int, int] = (-1, -1)
+        self._starts: list[int] = []
+        self._sizes: list[int] = []
+        self._pending: list[Any] = []  # streams whose queued copies nobody has waited for
+        self._release_host_after_pending = False
+        self._host: HostBuffer | None = None
+        self._host_lock = threading.Lock()
+        self._host_thread: threading.Thread | None = None
+        self._host_error: str | None = None
+        self._host_pin_s: float | None = None
+        if pin_mode() == "early":
+            self.warm_host(wait=False)
+
+    # -- reading the records -------------------------------------------------------------
+
+    def _records(self) -> dict[int, Any]:
+        return self._alloc.pointer_to_data  # type: ignore[no-any-return]
+
+    def _tag_records(self, tag: str) -> list[tuple[int, Any]]:
+        return sorted((p, d) for p, d in self._records().items() if d.tag == tag)
+
+    def pools(self) -> dict[str, int]:
+        out = dict.fromkeys(ALL_TAGS, 0)
+        for data in self._records().values():
+            out[data.tag] = out.get(data.tag, 0) + int(data.handle[1])
+        return out
+
+    def _rebuild_index(self) -> None:
+        recs = self._records()
+        self._starts = sorted(recs)
+        self._sizes = [int(recs[p].handle[1]) for p in self._starts]
+        self._index_key = (len(recs), sum(recs))
+
+    def tag_of(self, data_ptr: int, nbytes: int) -> str:
+        recs = self._records()
+        if self._index_key != (len(recs), sum(recs)):
+            self._rebuild_index()
+        for attempt in range(2):
+            i = bisect.bisect_right(self._starts, data_ptr) - 1
+            if i >= 0:
+                start, size = self._starts[i], self._sizes[i]
+                rec = recs.get(start)
+                if rec is not None and int(rec.handle[1]) == size:
+                    if data_ptr + max(nbytes, 1) <= start + size:
+                        return str(rec.tag)
+                    return UNPOOLED
+            if attempt == 0:
+                self._rebuild_index()  # an entry went stale under the same key: look again
+        return UNPOOLED
+
+    def suspended(self) -> dict[str, str]:
+        return dict(self._suspended)
+
+    def level(self) -> int | None:
+        return self._level if self._suspended else None
+
+    def memory(self) -> dict[str, int]:
+        free, total = self._torch.cuda.mem_get_info(self._device)
+        return {"free": int(free), "total": int(total)}
+
+    def describe(self) -> dict[str, Any]:
+        """Host-buffer state for hotswap_info (plain values)."""
+        state = "none"
+        if self._host_thread is not None and self._host_thread.is_alive():
+            state = "pinning"
+        elif self._host is not None:
+            state = "ready"
+        return {
+            "host_backup_bytes": self._host.nbytes if self._host is not None else 0,
+            "host_backup_state": state,
+            "host_backup_pin_s": self._host_pin_s,
+            "host_backup_error": self._host_error,
+            "records": len(self._records()),
+        }
+
+    # -- the host buffer -----------------------------------------------------------------
+
+    def _make_host(self, nbytes: int) -> None:
+        try:
+            self._cudart.set_device(self._device.index or 0)
+            buf = HostBuffer(nbytes, self._cudart)
+            try:
+                pin_s = buf.pin()
+            except Exception:
+                buf.free()
+                raise
+            with self._host_lock:
+                old, self._host = self._host, buf
+                self._host_pin_s = pin_s
+                self._host_error = None
+            if old is not None:
+                old.free()
+        except Exception as exc:  # reported through describe(); suspend retries in the foreground
+            self._host_error = f"{type(exc).__name__}: {exc}"
+            log.warning("hotswap: pinning the host backup failed: %s", self._host_error)
+
+    def warm_host(self, wait: bool = False) -> dict[str, Any]:
+        """Start (or join) pinning a host buffer of exactly the weights' bytes."""
+        need = self.pools().get(WEIGHTS, 0)
+        with self._host_lock:
+            have = self._host.nbytes if self._host is not None else 0
+            running = self._host_thread is not None and self._host_thread.is_alive()
+            if need > 0 and have < need and not running:
+                self._host_thread = threading.Thread(
+                    target=self._make_host, args=(need,), name="hotswap-pin", daemon=True
+                )
+                self._host_thread.start()
+        if wait:
+            self._join_host()
+        return self.describe()
+
+    def _join_host(self) -> None:
+        thread = self._host_thread
+        if thread is not None:
+            thread.join()
+
+    def _host_for(self, nbytes: int) -> HostBuffer:
+        self._join_host()
+        if self._host is None or self._host.nbytes < nbytes:
+            self._make_host(nbytes)  # foreground: the first sleep pays the pinning
+        if self._host is None or self._host.nbytes < nbytes:
+            raise RuntimeError(f"no host backup buffer: {self._host_error}")
+        return self._host
+
+    def _release_host(self) -> None:
+        with self._host_lock:
+            buf, self._host = self._host, None
+        if buf is not None:
+            buf.free()
+
+    # -- copies --------------------------------------------------------------------------
+
+    def _get_streams(self) -> list[Any]:
+        if not self._streams:
+            self._streams = [self._torch.cuda.Stream(self._device) for _ in range(N_STREAMS)]
+        return self._streams
+
+    def _queue(self, dev: int, host: int, host_off: int, size: int, to_host: bool, k: int) -> int:
+        """Queue one record's copies in CHUNK_BYTES pieces (cut at host-offset multiples, so
+        no copy spans two registrations) round-robin over the streams; returns the next k."""
+        streams = self._get_streams()
+        pos = 0
+        while pos < size:
+            off = host_off + pos
+            n = min(size - pos, (off // CHUNK_BYTES + 1) * CHUNK_BYTES - off)
+            s = streams[k % len(streams)]
+            if to_host:
+                self._cudart.memcpy_async(host + off, dev + pos, n, s.cuda_stream)
+            else:
+                self._cudart.memcpy_async(dev + pos, host + off, n, s.cuda_stream)
+            pos += n
+            k += 1
+        return k
+
+    def synchronize(self) -> None:
+        """Wait for copies a resume queued; release the host buffer if so configured."""
+        for s in self._pending:
+            s.synchronize()
+        self._pending = []
+        if self._release_host_after_pending and not self._offloaded_layout:
+            self._release_host()
+        self._release_host_after_pending = False
+
+    # -- suspend / resume ----------------------------------------------------------------
+
+    def suspend(self, level: int, tags: list[str]) -> dict[str, Any]:
+        torch = self._torch
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, not {level!r}")
+        tags = list(dict.fromkeys(tags))
+        unknown = [t for t in tags if t not in ALL_TAGS]
+        if unknown or not tags:
+            raise ValueError(f"tags must be a non-empty subset of {list(ALL_TAGS)}: {tags}")
+        asleep = [t for t in tags if t in self._suspended]
+        if asleep:
+            raise RuntimeError(f"already suspended: {asleep}")
+        plan = {t: policy(level, t) for t in tags}
+        recs = {t: self._tag_records(t) for t in tags}
+        stray = [p for t in tags for p, d in recs[t] if d.is_asleep]
+        if stray:
+            raise RuntimeError(f"{len(stray)} records already asleep (vLLM's own sleep?)")
+
+        t0 = time.perf_counter()
+        self.synchronize()
+        torch.cuda.synchronize(self._device)
+        before = self.memory()["free"]
+        timings: dict[str, float] = {}
+        offload = [(p, d) for t in tags if plan[t] == OFFLOADED for p, d in recs[t]]
+        events: list[tuple[int, Any, Any]] = []
+        layout: dict[int, tuple[int, int]] = {}
+        if offload:
+            t = time.perf_counter()
+            host = self._host_for(sum(int(d.handle[1]) for _, d in offload))
+            timings["host_wait_s"] = time.perf_counter() - t
+            t = time.perf_counter()
+            current = torch.cuda.current_stream(self._device)
+            for s in self._get_streams():
+                s.wait_stream(current)
+            off, k = 0, 0
+            for ptr, data in offload:
+                size = int(data.handle[1])
+                k = self._queue(ptr, host.ptr, off, size, True, k)
+                layout[ptr] = (off, size)
+                done = [s.record_event() for s in self._get_streams()]
+                events.append((ptr, data, done))
+                off += size
+            timings["queue_s"] = time.perf_counter() - t
+        # Discarded pools need no copy: release them while the offload copies run.
+        t = time.perf_counter()
+        for tag in tags:
+            if plan[tag] == DISCARDED:
+                for _ptr, data in recs[tag]:
+                    self._unmap_and_release(data.handle)
+                    data.is_asleep = True
+        timings["discard_s"] = time.perf_counter() - t
+        if events:
+            t = time.perf_counter()
+            for _ptr, data, done in events:  # unmap each record as soon as it is copied
+                for ev in done:
+                    ev.synchronize()
+                self._unmap_and_release(data.handle)
+                data.is_asleep = True
+            timings["copy_unmap_s"] = time.perf_counter() - t
+        self._offloaded_layout.update(layout)
+        self._suspended.update(plan)
+        self._level = level
+        after = self.memory()["free"]
+        freed = {t: sum(int(d.handle[1]) for _, d in recs[t]) for t in tags}
+        offloaded = {t: freed[t] if plan[t] == OFFLOADED else 0 for t in tags}
+        return {
+            "freed_bytes": freed,
+            "offloaded_bytes": offloaded,
+            "memory_before": before,
+            "memory_after": after,
+            "backend_s": time.perf_counter() - t0,
+            "timings": timings,
+            "host_backup_bytes": self._host.nbytes if self._host is not None else 0,
+        }
+
+    def resume(self, tags: list[str]) -> dict[str, Any]:
+        torch = self._torch
+        want = list(dict.fromkeys(tags))
+        unknown = [t for t in want if t not in ALL_TAGS]
+        if unknown:
+            raise ValueError(f"unknown tags {unknown}; expected a subset of {list(ALL_TAGS)}")
+        t0 = time.perf_counter()
+        self.synchronize()
+        before = self.memory()["free"]
+        restored = dict.fromkeys(want, 0)
+        # Weights first: their copies start at once and the KV mapping overlaps them.
+        ordered = sorted(want, key=lambda t: (t != WEIGHTS, t))
+        copying = False
+        k = 0
+        host = self._host
+        was_level = self._level
+        timings: dict[str, float] = {}
+        for tag in ordered:
+            mode = self._suspended.get(tag)
+            if mode is None:
+                continue
+            t = time.perf_counter()
+            if mode == OFFLOADED and not copying:
+                current = torch.cuda.current_stream(self._device)
+                for s in self._get_streams():
+                    s.wait_stream(current)
+                copying = True
+            for ptr, data in self._tag_records(tag):
+                if not data.is_asleep:
+                    continue
+                self._create_and_map(data.handle)
+                data.is_asleep = False
+                if mode == OFFLOADED:
+                    if host is None:
+                        raise RuntimeError("offloaded bytes but no host buffer")
+                    off, size = self._offloaded_layout.pop(ptr)
+                    k = self._queue(ptr, host.ptr, off, size, False, k)
+                restored[tag] += int(data.handle[1])
+            timings[f"{tag}_s"] = time.perf_counter() - t
+            del self._suspended[tag]
+        if copying:
+            current = torch.cuda.current_stream(self._device)
+            for s in self._get_streams():
+                current.wait_stream(s)  # later work on this stream sees the bytes
+            self._pending = list(self._get_streams())
+            self._release_host_after_pending = not keep_host_backup()
+        side = self._after_resume(restored, was_level)
+        if not self._suspended:
+            self._level = None
+        if _env("HOTSWAP_RESUME_SYNC", "0") in ("1", "true", "yes"):
+            self.synchronize()
+        return {
+            "restored_bytes": restored,
+            "memory_before": before,
+            "memory_after": self.memory()["free"],
+            "backend_s": time.perf_counter() - t0,
+            "timings": timings,
+            "side_effects": side,
+        }
+
+    def _after_resume(self, restored: dict[str, int], was_level: int | None) -> list[str]:
+        """The side effects of vLLM 0.26's Worker.wake_up that this path skips, by feature.
+
+        - V2 runner `post_kv_cache_wake_up` rebuilds the block-table pointer/size tensors
+          whose storage lives in the kv_cache pool (undefined after a discard): called.
+        - V1 runner `post_kv_cache_wake_up` (= init_fp8_kv_scales) only acts on a quantized
+          KV cache, where it zeroes the discarded KV and resets calibrated k/v scales to 1.0,
+          scales that level 1 restores and the snapshot protects: not called.
+        - level 2: the draft model's fused KV metadata buffers are rebuilt, as vLLM does.
+        """
+        done: list[str] = []
+        runner = getattr(self._worker, "model_runner", None)
+        if KV_CACHE in restored and restored[KV_CACHE] and runner is not None:
+            v1_fp8_reset = hasattr(runner, "init_fp8_kv_scales")
+            if hasattr(runner, "post_kv_cache_wake_up") and not v1_fp8_reset:
+                runner.post_kv_cache_wake_up()
+                done.append("post_kv_cache_wake_up")
+        if WEIGHTS in restored and restored[WEIGHTS] and was_level == 2:
+            get_draft = getattr(self._worker, "get_draft_model", None)
+            draft = get_draft() if callable(get_draft) else None
+            inner = getattr(draft, "model", None) if draft is not None else None
+            if inner is not None and hasattr(inner, "_build_fused_kv_buffers"):
+                inner._build_fused_kv_buffers()
+                done.append("draft._build_fused_kv_buffers")
+        return done
