@@ -97,3 +97,26 @@ def http_status(exc: BaseException) -> int:
     if isinstance(exc, HotswapError):
         return exc.status
     return 502
+
+
+class WakeRefused(TransitionConflict):
+    """The swap policy will not wake the model now (over budget, evict=false, pinned peers)."""
+
+    status = 409
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        plan: dict[str, object],
+        retry_after_s: float | None = None,
+        model: str | None = None,
+    ) -> None:
+        super().__init__(message, model=model, phase="policy")
+        self.plan = plan
+        self.retry_after_s = retry_after_s
+
+    def to_dict(self) -> dict[str, object]:
+        out = super().to_dict()
+        out["plan"] = self.plan
+        return out

@@ -1,0 +1,411 @@
+"""The OpenAI-compatible gateway: routes /v1 requests by `model` and wakes models on demand.
+
+Only three paths exist: POST /v1/completions, POST /v1/chat/completions (streaming passed
+through byte for byte) and GET /v1/models. Nothing else is forwarded, so no request to the
+gateway ever reaches an engine's dev endpoints (/collective_rpc, /sleep, /pause, ...).
+
+A request for a model that is not RUNNING (or whose admission is closed because it is being
+put to sleep) is held in a bounded per-model queue while the swap coordinator wakes it:
+429 when the queue is full, 503 with Retry-After when the wake fails or does not finish in
+time. Admitted requests are counted in flight per model, so a drain=wait sleep waits for
+them. Served on its own port by the same process as the control API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from controller.errors import HotswapError, ModelNotFound, WakeRefused
+from controller.manager import Manager
+from controller.settings import Settings
+from controller.state import State
+from controller.swap import SwapCoordinator, SwapResult
+from controller.swapmetrics import SwapMetrics
+
+log = logging.getLogger("hotswap.gateway")
+
+FORWARDED = ("/v1/completions", "/v1/chat/completions")
+# How often a held request looks at its model's state (a wake takes far longer).
+HOLD_POLL_S = 0.02
+# States from which a model comes back by itself (a managed engine booting).
+COMING = (State.STARTING, State.UNKNOWN, State.SUSPENDING, State.RESUMING)
+# Response headers worth passing back (hop-by-hop and length are the server's own business).
+_PASS_HEADERS = ("content-type", "cache-control", "x-request-id")
+
+
+class Refusal(Exception):
+    """A request the gateway answers itself, with an OpenAI-shaped error body."""
+
+    def __init__(
+        self,
+        status: int,
+        reason: str | None,
+        message: str,
+        *,
+        retry_after_s: float | None = None,
+        detail: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason  # the hotswap_gateway_refused_total label, when it counts
+        self.message = message
+        self.retry_after_s = retry_after_s
+        self.detail = detail or {}
+
+    def response(self) -> JSONResponse:
+        body: dict[str, Any] = {
+            "error": {
+                "message": self.message,
+                "type": _ERROR_TYPES.get(self.status, "error"),
+                "param": None,
+                "code": self.status,
+            }
+        }
+        if self.reason is not None:
+            body["error"]["reason"] = self.reason
+        body["error"].update(self.detail)
+        headers = {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowed",
+    429: "RateLimitError",
+    502: "BadGateway",
+    503: "ServiceUnavailable",
+}
+
+
+class Gateway:
+    """Admission, holding and forwarding; one per process, owned by the gateway app."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        manager: Manager,
+        coordinator: SwapCoordinator,
+        metrics: SwapMetrics,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.cfg = settings.gateway
+        self.manager = manager
+        self.coordinator = coordinator
+        self.traffic = coordinator.traffic
+        self.metrics = metrics
+        self._mono = monotonic
+        self._urls = {m.name: m.url for m in settings.models}
+        self._waiting: dict[str, int] = {}
+        self._wakes: dict[str, asyncio.Task[SwapResult]] = {}
+        self._retry_at: dict[str, float] = {}
+        timeout = httpx.Timeout(self.cfg.request_timeout_s, connect=settings.timeouts.control_s)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        self.client = httpx.AsyncClient(transport=transport, timeout=timeout, limits=limits)
+
+    async def aclose(self) -> None:
+        for task in self._wakes.values():
+            task.cancel()
+        await self.client.aclose()
+
+    # ---- auth and parsing ------------------------------------------------------------------
+
+    def check_token(self, request: Request) -> None:
+        token = self.settings.auth.token
+        if token is None or not self.settings.auth.guard_gateway:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        expected = token.get_secret_value().encode()
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+            raise Refusal(401, "unauthorized", "a valid bearer token is required")
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def _admissible(self, name: str) -> bool:
+        snap = self.manager.get(name).snapshot()
+        return snap.state is State.RUNNING and not self.traffic.is_closed(name)
+
+    def _set_waiting(self, name: str, delta: int) -> None:
+        n = self._waiting.get(name, 0) + delta
+        self._waiting[name] = n
+        self.metrics.queue_depth(name, n)
+
+    async def admit(self, name: str) -> float:
+        """Count the request in flight once its model is RUNNING; returns seconds held."""
+        self.coordinator.touch(name)
+        if self._admissible(name):
+            self.traffic.enter(name)
+            return 0.0
+        if self._waiting.get(name, 0) >= self.cfg.queue_size:
+            raise Refusal(
+                429,
+                "queue_full",
+                f"{self.cfg.queue_size} requests already wait for {name} to wake",
+                retry_after_s=self.cfg.retry_after_s,
+            )
+        self._set_waiting(name, +1)
+        t0 = self._mono()
+        ticket = self.traffic.wait(name)
+        try:
+            await self._hold(name, ticket, t0 + self.cfg.hold_timeout_s)
+        except BaseException:
+            if self.traffic.forget(name, ticket):
+                self.traffic.leave(name)  # admitted just as it gave up: uncount it
+            raise
+        finally:
+            self._set_waiting(name, -1)
+        if not self.traffic.forget(name, ticket):
+            self.traffic.enter(name)  # admitted by its own look at the state, not handed over
+        held = self._mono() - t0
+        self.metrics.hold(name, held)
+        return held
+
+    async def _hold(self, name: str, ticket: asyncio.Future[None], deadline: float) -> None:
+        """Return when admitted; Refusal (503) when the model's wake fails or is late."""
+        mm = self.manager.get(name)
+        while not ticket.done() and not self._admissible(name):
+            now = self._mono()
+            if now >= deadline:
+                raise Refusal(
+                    503,
+                    "wake_timeout",
+                    f"{name} did not become RUNNING within {self.cfg.hold_timeout_s:g} s "
+                    f"(state {mm.snapshot().state.value})",
+                    retry_after_s=self.cfg.retry_after_s,
+                )
+            snap = mm.snapshot()
+            if snap.state in (State.FAILED, State.STOPPED):
+                raise Refusal(
+                    503,
+                    "wake_failed",
+                    f"{name} is {snap.state.value}: {snap.last_error or 'engine not running'}",
+                    retry_after_s=self.cfg.retry_after_s,
+                )
+            task = self._wakes.get(name)
+            if task is not None and task.done():
+                self._wakes.pop(name, None)
+                self._judge(name, task)
+                task = None
+            wakeable = snap.state is State.SUSPENDED and not self.traffic.is_closed(name)
+            if task is None and wakeable and now >= self._retry_at.get(name, 0.0):
+                task = asyncio.create_task(self.coordinator.wake(name), name=f"gateway-wake-{name}")
+                task.add_done_callback(_retrieve)
+                self._wakes[name] = task
+            waits: set[asyncio.Future[Any]] = {ticket} if task is None else {ticket, task}
+            poll = HOLD_POLL_S if task is None else HOLD_POLL_S * 10
+            await asyncio.wait(
+                waits, timeout=min(poll, deadline - now), return_when=asyncio.FIRST_COMPLETED
+            )
+
+    def _judge(self, name: str, task: asyncio.Task[SwapResult]) -> None:
+        """A finished wake: fine, retry later (a refusal that passes), or give up (503)."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None:
+            return
+        if isinstance(exc, WakeRefused) and exc.retry_after_s is not None:
+            self._retry_at[name] = self._mono() + exc.retry_after_s
+            return
+        message = exc.message if isinstance(exc, HotswapError) else str(exc)
+        detail = {"plan": exc.plan} if isinstance(exc, WakeRefused) else {}
+        raise Refusal(
+            503,
+            "wake_failed",
+            f"waking {name} failed: {message}",
+            retry_after_s=self.cfg.retry_after_s,
+            detail=detail,
+        )
+
+    # ---- forwarding ------------------------------------------------------------------------
+
+    async def forward(self, request: Request, path: str) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        name = body.get("model") if isinstance(body, dict) else None
+        label = name if isinstance(name, str) and name in self._urls else ""
+        try:
+            self.check_token(request)
+            if not isinstance(body, dict):
+                raise Refusal(400, None, "the request body must be a JSON object")
+            if not isinstance(name, str) or not name:
+                raise Refusal(400, None, "`model` is required: the name of a served model")
+            if name not in self._urls:
+                raise Refusal(404, "unknown_model", f"The model `{name}` does not exist.")
+            held = await self.admit(name)
+        except Refusal as refusal:
+            if refusal.reason is not None:
+                self.metrics.refused(label, refusal.reason)
+            self.metrics.request(label, refusal.status)
+            if refusal.status >= 500 or refusal.status == 429:
+                log.warning(
+                    "%s %s -> %d %s",
+                    path,
+                    label,
+                    refusal.status,
+                    refusal.message,
+                    extra={"model": label or None, "phase": "gateway"},
+                )
+            return refusal.response()
+        if held:
+            log.info("%s: request held %.3f s", name, held, extra={"model": name})
+        return await self._send(name, path, raw, request, stream=body.get("stream") is True)
+
+    async def _send(
+        self, name: str, path: str, raw: bytes, request: Request, *, stream: bool
+    ) -> Response:
+        """Forward an admitted request; the in-flight count drops when its answer is done."""
+        headers = {"content-type": "application/json"}
+        if accept := request.headers.get("accept"):
+            headers["accept"] = accept
+        req = self.client.build_request(
+            "POST", self._urls[name] + path, content=raw, headers=headers
+        )
+        left = _Once(lambda: self.traffic.leave(name))
+        try:
+            resp = await self.client.send(req, stream=stream)
+        except httpx.HTTPError as exc:
+            left()
+            self.metrics.request(name, 502)
+            log.warning("%s: forwarding %s failed: %s", name, path, exc, extra={"model": name})
+            return Refusal(502, None, f"{name}: the engine did not answer: {exc}").response()
+        except BaseException:
+            left()
+            raise
+        self.metrics.request(name, resp.status_code)
+        out_headers = {k: v for k, v in resp.headers.items() if k.lower() in _PASS_HEADERS}
+        if not stream:
+            left()
+            return Response(resp.content, status_code=resp.status_code, headers=out_headers)
+
+        async def passthrough() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in resp.aiter_raw():
+                    yield chunk
+            finally:
+                await resp.aclose()
+                left()
+
+        return StreamingResponse(passthrough(), status_code=resp.status_code, headers=out_headers)
+
+    def models(self) -> dict[str, Any]:
+        snaps = self.manager.snapshots()
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "vllm-hotswap",
+                    "state": snaps[name].state.value if name in snaps else None,
+                }
+                for name in self._urls
+            ],
+        }
+
+
+class _Once:
+    """Call `fn` at most once (a stream's end and an error path may both try)."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn: Callable[[], None] | None = fn
+
+    def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # judged by the waiters; never "exception was never retrieved"
+
+
+def create_gateway(
+    settings: Settings,
+    manager: Manager,
+    coordinator: SwapCoordinator,
+    metrics: SwapMetrics,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> FastAPI:
+    """The gateway app. Its lifespan only closes the HTTP client: the manager and the
+    coordinator belong to the control API's app, which runs in the same process."""
+    gw = Gateway(settings, manager, coordinator, metrics, transport=transport)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await gw.aclose()
+
+    app = FastAPI(
+        title="vllm-hotswap gateway",
+        version="0.1.0",
+        lifespan=lifespan,
+        openapi_url=None,  # only the three routes below exist
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.gateway = gw
+
+    async def completions(request: Request) -> Response:
+        return await _guarded(lambda: gw.forward(request, "/v1/completions"))
+
+    async def chat(request: Request) -> Response:
+        return await _guarded(lambda: gw.forward(request, "/v1/chat/completions"))
+
+    async def list_models(request: Request) -> Response:
+        try:
+            gw.check_token(request)
+        except Refusal as refusal:
+            gw.metrics.refused("", "unauthorized")
+            return refusal.response()
+        return JSONResponse(gw.models())
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        return Refusal(exc.status_code, None, str(exc.detail)).response()
+
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
+    app.add_api_route("/v1/models", list_models, methods=["GET"])
+    return app
+
+
+async def _guarded(call: Callable[[], Awaitable[Response]]) -> Response:
+    """Nothing unexpected becomes a 500: it is logged and answered 502 with the reason."""
+    try:
+        return await call()
+    except ModelNotFound as exc:
+        return Refusal(404, None, exc.message).response()
+    except Exception as exc:
+        log.exception("gateway: unexpected error")
+        return Refusal(502, None, f"internal error: {type(exc).__name__}: {exc}").response()
