@@ -1,0 +1,376 @@
+"""deploy/k8s as rendered by `kubectl kustomize`: every document validates against the
+Kubernetes schemas (kubernetes-validate, offline, strict), the ServiceMonitor against the CRD
+schema kept in deploy/crds; and the properties the product relies on hold in every variant."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from deploytools import K8S, SERVICEMONITOR_CRD, kustomize_dirs, labels_match, one, render
+
+from controller.cli import build_parser
+from controller.settings import Settings
+
+# The Kubernetes version the manifests are checked against.
+K8S_VERSION = "1.30.0"
+CONTROL_PORT = 8800
+GATEWAY_PORT = 8801
+VLLM_PORT = 8000
+EXTENSION = "worker_ext.HotSwapExtension"
+
+VARIANTS = {p.relative_to(K8S).as_posix(): p for p in kustomize_dirs()}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def variant(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
+    name: str = request.param
+    return name, render(VARIANTS[name])
+
+
+def test_every_variant_is_found() -> None:
+    assert {"base", "overlays/managed", "overlays/tp2"} <= set(VARIANTS)
+
+
+# ----------------------------------------------------------------------------- schemas
+
+
+def _strict(schema: Any) -> Any:
+    """Reject fields the schema does not name, like a strict API server (metadata excepted)."""
+    if isinstance(schema, dict):
+        out = {k: _strict(v) for k, v in schema.items()}
+        if "properties" in schema and "additionalProperties" not in schema:
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [_strict(v) for v in schema]
+    return schema
+
+
+def _crd_schema(crd: dict[str, Any], version: str) -> dict[str, Any]:
+    served = {v["name"]: v for v in crd["spec"]["versions"]}
+    schema = copy.deepcopy(served[version]["schema"]["openAPIV3Schema"])
+    schema = _strict(schema)
+    schema["properties"]["metadata"] = {"type": "object"}
+    schema["properties"]["apiVersion"] = {"const": f"{crd['spec']['group']}/{version}"}
+    schema["properties"]["kind"] = {"const": crd["spec"]["names"]["kind"]}
+    return dict(schema)
+
+
+CUSTOM = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): _crd_schema(
+        yaml.safe_load(SERVICEMONITOR_CRD.read_text()), "v1"
+    ),
+}
+
+
+def validate(doc: dict[str, Any]) -> None:
+    key = (doc["apiVersion"], doc["kind"])
+    if key in CUSTOM:
+        jsonschema.validate(doc, CUSTOM[key])
+    else:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_every_document_validates(variant: tuple[str, list[dict[str, Any]]]) -> None:
+    name, docs = variant
+    assert docs, f"{name} rendered nothing"
+    for doc in docs:
+        try:
+            validate(doc)
+        except (kubernetes_validate.ValidationError, jsonschema.ValidationError) as exc:
+            pytest.fail(f"{name}: {doc['kind']}/{doc['metadata']['name']}: {exc}")
+
+
+def test_the_servicemonitor_crd_subset_is_a_valid_crd() -> None:
+    kubernetes_validate.validate(
+        yaml.safe_load(SERVICEMONITOR_CRD.read_text()), K8S_VERSION, strict=True
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (("spec", "endpoints", 0, "prot"), "control"),  # a typo'd field
+        (("spec", "endpoints", 0, "scheme"), "tcp"),  # not in the enum
+        (("spec", "endpoints", 0, "interval"), "15 seconds"),  # not a duration
+        (("spec", "selector"), None),  # required
+    ],
+)
+def test_the_servicemonitor_schema_rejects_mistakes(path: tuple[Any, ...], value: Any) -> None:
+    doc = copy.deepcopy(one(render(K8S / "base"), "ServiceMonitor"))
+    validate(doc)
+    target: Any = doc
+    for key in path[:-1]:
+        target = target[key]
+    if value is None:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = value
+    with pytest.raises(jsonschema.ValidationError):
+        validate(doc)
+
+
+def test_kubernetes_validation_is_strict() -> None:
+    service = copy.deepcopy(one(render(K8S / "base"), "Service"))
+    service["spec"]["ports"][0]["targetport"] = "control"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate(service)
+
+
+# ----------------------------------------------------------------------------- pod shape
+
+
+def _pod(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    spec: dict[str, Any] = one(docs, "Deployment")["spec"]["template"]
+    return spec
+
+
+def _models_file(docs: list[dict[str, Any]], pod: dict[str, Any], path: str) -> dict[str, Any]:
+    """The models file a container reads at `path`, from the ConfigMap mounted there."""
+    mount_dir, _, key = path.rpartition("/")
+    for container in pod["spec"]["containers"]:
+        for mount in container.get("volumeMounts", []):
+            if mount["mountPath"] == mount_dir:
+                volume = next(v for v in pod["spec"]["volumes"] if v["name"] == mount["name"])
+                cm_name = volume["configMap"]["name"]
+                cm = next(
+                    d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == cm_name
+                )
+                data: dict[str, Any] = yaml.safe_load(cm["data"][key])
+                return data
+    raise AssertionError(f"nothing is mounted at {mount_dir}")
+
+
+def _controller(pod: dict[str, Any]) -> dict[str, Any]:
+    """The container that runs `hotswap serve` (sidecar or managed)."""
+    found = [
+        c
+        for c in pod["spec"]["containers"]
+        if "serve" in c.get("args", []) and c.get("command", ["hotswap"])[0] == "hotswap"
+    ]
+    assert len(found) == 1, [c["name"] for c in pod["spec"]["containers"]]
+    return found[0]
+
+
+def _flag(argv: list[str], flag: str) -> str | None:
+    """The value of `--flag=value` or `--flag value`; '' for a bare flag; None when absent."""
+    for i, arg in enumerate(argv):
+        if arg == flag:
+            nxt = argv[i + 1] if i + 1 < len(argv) else ""
+            return "" if nxt.startswith("--") else nxt
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _engine_argvs(
+    docs: list[dict[str, Any]], pod: dict[str, Any]
+) -> list[tuple[list[str], dict[str, str]]]:
+    """Every vLLM server argv with its env: containers that run it, and managed models."""
+    out = []
+    for c in pod["spec"]["containers"]:
+        argv = [*c.get("command", []), *c.get("args", [])]
+        if "vllm.entrypoints.openai.api_server" in argv or argv[:2] == ["vllm", "serve"]:
+            env = {e["name"]: e.get("value", "") for e in c.get("env", [])}
+            out.append((argv, env))
+    config = _flag(_controller(pod)["args"], "--config")
+    if config:
+        for model in _models_file(docs, pod, config).get("models", []):
+            if model.get("command"):
+                out.append((model["command"], model.get("env", {})))
+    return out
+
+
+def test_vllm_runs_with_sleep_mode_and_the_extension_on_loopback_only(
+    variant: tuple[str, list[dict[str, Any]]],
+) -> None:
+    name, docs = variant
+    engines = _engine_argvs(docs, _pod(docs))
+    assert engines, f"{name}: no vLLM server found"
+    for argv, env in engines:
+        assert _flag(argv, "--host") == "127.0.0.1", argv
+        assert _flag(argv, "--enable-sleep-mode") == "", argv
+        assert _flag(argv, "--worker-extension-cls") == EXTENSION, argv
+        assert env.get("VLLM_SERVER_DEV_MODE") == "1", argv
+
+
+def test_the_models_file_is_valid_settings(
+    variant: tuple[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    name, docs = variant
+    pod = _pod(docs)
+    controller = _controller(pod)
+    config = _flag(controller["args"], "--config")
+    assert config, f"{name}: the controller reads no models file"
+    path = tmp_path / "models.yaml"
+    path.write_text(yaml.safe_dump(_models_file(docs, pod, config)))
+    settings = Settings(config_file=path)
+    assert settings.models, f"{name}: the models file names no model"
+    managed = any(m.command for m in settings.models)
+    for model in settings.models:
+        assert re.match(r"^http://127\.0\.0\.1:\d+$", model.url), model.url
+        if model.command:
+            # The controller reaches the engine where the engine was told to listen.
+            assert _flag(model.command, "--port") == model.url.rsplit(":", 1)[1], model.name
+            assert _flag(model.command, "--served-model-name") == model.served_model_name
+        # Managed pods stay ready while models sleep; attached pods gate readiness strictly.
+        assert model.gate.value == ("swappable" if managed else "gated"), model.name
+    assert managed == name.endswith("managed")
+
+
+def test_the_controller_command_line_parses(variant: tuple[str, list[dict[str, Any]]]) -> None:
+    controller = _controller(_pod(variant[1]))
+    args = build_parser().parse_args(controller["args"])
+    assert args.command == "serve"
+
+
+def test_probes_point_at_the_sidecar(variant: tuple[str, list[dict[str, Any]]]) -> None:
+    pod = _pod(variant[1])
+    controller = _controller(pod)
+    ports = {p["name"]: p["containerPort"] for p in controller["ports"]}
+    assert ports == {"control": CONTROL_PORT, "gateway": GATEWAY_PORT}
+    env = {e["name"]: e for e in controller["env"]}
+    assert env["HOTSWAP_SERVER__PORT"]["value"] == str(CONTROL_PORT)
+    assert env["HOTSWAP_SERVER__HOST"]["value"] == "0.0.0.0"  # the kubelet probes the pod IP
+    for probe, path in (("readinessProbe", "/health"), ("livenessProbe", "/livez")):
+        get = controller[probe]["httpGet"]
+        assert (get["path"], ports.get(get["port"], get["port"])) == (path, CONTROL_PORT), probe
+    assert "startupProbe" in controller
+
+
+def test_model_load_has_a_startup_budget(variant: tuple[str, list[dict[str, Any]]]) -> None:
+    """Attached: vLLM's own container waits out the model load (startup probe sized for it),
+    and the sidecar starts only once vLLM answers (postStart hook)."""
+    name, docs = variant
+    pod = _pod(docs)
+    for c in pod["spec"]["containers"]:
+        argv = [*c.get("command", []), *c.get("args", [])]
+        if "vllm.entrypoints.openai.api_server" not in argv:
+            continue
+        probe = c["startupProbe"]
+        budget_s = probe["periodSeconds"] * probe["failureThreshold"]
+        # Minutes, not seconds: a 7B checkpoint alone takes minutes to download and load.
+        assert budget_s >= 20 * 60, f"{name}: {c['name']} startup budget {budget_s} s"
+        assert "127.0.0.1:8000/health" in " ".join(probe["exec"]["command"])
+        hook = " ".join(c["lifecycle"]["postStart"]["exec"]["command"])
+        assert "127.0.0.1:8000/health" in hook
+        names = [x["name"] for x in pod["spec"]["containers"]]
+        assert names.index(c["name"]) < names.index(_controller(pod)["name"])
+
+
+def test_the_token_comes_from_a_secret(variant: tuple[str, list[dict[str, Any]]]) -> None:
+    env = {e["name"]: e for e in _controller(_pod(variant[1]))["env"]}
+    ref = env["HOTSWAP_AUTH__TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert ref["name"]
+    assert ref["key"]
+    assert "value" not in env["HOTSWAP_AUTH__TOKEN"]
+
+
+def test_gpus_are_requested(variant: tuple[str, list[dict[str, Any]]]) -> None:
+    name, docs = variant
+    pod = _pod(docs)
+    gpu_containers = [
+        c
+        for c in pod["spec"]["containers"]
+        if "nvidia.com/gpu" in c.get("resources", {}).get("requests", {})
+    ]
+    assert gpu_containers, f"{name}: no container requests nvidia.com/gpu"
+    for c in pod["spec"]["containers"]:
+        res = c["resources"]
+        assert {"cpu", "memory"} <= set(res["requests"]), c["name"]
+        # Extended resources cannot be overcommitted: limits must equal requests.
+        if "nvidia.com/gpu" in res["requests"]:
+            assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"]
+    if name.endswith("tp2"):
+        argv = _engine_argvs(docs, pod)[0][0]
+        gpus = gpu_containers[0]["resources"]["requests"]["nvidia.com/gpu"]
+        assert _flag(argv, "--tensor-parallel-size") == gpus == "2"
+
+
+def test_images_are_tagged(variant: tuple[str, list[dict[str, Any]]]) -> None:
+    for c in _pod(variant[1])["spec"]["containers"]:
+        image = c["image"]
+        tag = image.rsplit(":", 1)[1] if ":" in image.rsplit("/", 1)[-1] else ""
+        assert tag not in ("", "latest"), f"{c['name']}: {image}"
+
+
+# ----------------------------------------------------------------------------- networking
+
+
+def test_the_service_exposes_only_the_sidecar(variant: tuple[str, list[dict[str, Any]]]) -> None:
+    docs = variant[1]
+    service = one(docs, "Service")
+    pod = _pod(docs)
+    assert labels_match({"matchLabels": service["spec"]["selector"]}, pod["metadata"]["labels"])
+    named = {
+        p["name"]: p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])
+    }
+    assert VLLM_PORT not in named.values()
+    targets = {}
+    for port in service["spec"]["ports"]:
+        target = port["targetPort"]
+        targets[port["port"]] = named[target] if isinstance(target, str) else target
+    assert targets == {CONTROL_PORT: CONTROL_PORT, GATEWAY_PORT: GATEWAY_PORT}
+
+
+def test_the_servicemonitor_scrapes_the_control_port(
+    variant: tuple[str, list[dict[str, Any]]],
+) -> None:
+    docs = variant[1]
+    monitor, service = one(docs, "ServiceMonitor"), one(docs, "Service")
+    assert labels_match(monitor["spec"]["selector"], service["metadata"]["labels"])
+    ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert ports[endpoint["port"]] == CONTROL_PORT
+    assert endpoint["path"] == "/metrics"
+
+
+def test_the_networkpolicy_admits_only_the_sidecar_ports(
+    variant: tuple[str, list[dict[str, Any]]],
+) -> None:
+    docs = variant[1]
+    policy = one(docs, "NetworkPolicy")
+    assert labels_match(policy["spec"]["podSelector"], _pod(docs)["metadata"]["labels"])
+    assert "Ingress" in policy["spec"]["policyTypes"]
+    admitted = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+    assert admitted == {CONTROL_PORT, GATEWAY_PORT}
+    # Prometheus (another namespace) can reach the metrics.
+    assert any(
+        CONTROL_PORT in {p["port"] for p in rule["ports"]}
+        and any("namespaceSelector" in peer for peer in rule["from"])
+        for rule in policy["spec"]["ingress"]
+    )
+
+
+def test_the_pdb_covers_the_pods_and_allows_drains(
+    variant: tuple[str, list[dict[str, Any]]],
+) -> None:
+    docs = variant[1]
+    pdb = one(docs, "PodDisruptionBudget")
+    deployment = one(docs, "Deployment")
+    assert labels_match(pdb["spec"]["selector"], _pod(docs)["metadata"]["labels"])
+    replicas = deployment["spec"].get("replicas", 1)
+    if "maxUnavailable" in pdb["spec"]:
+        assert int(pdb["spec"]["maxUnavailable"]) >= 1
+    else:
+        # A minAvailable equal to the replicas would block every node drain.
+        assert int(pdb["spec"]["minAvailable"]) < replicas
+
+
+def test_no_manifest_names_the_vllm_port_outside_loopback() -> None:
+    """Port 8000 appears only in loopback URLs and vLLM's own --port flag."""
+    for path in K8S.rglob("*.yaml"):
+        for n, text in enumerate(path.read_text().splitlines(), 1):
+            line = text.split("#", 1)[0]  # comments may talk about it
+            for m in re.finditer(r"\b8000\b", line):
+                before = line[: m.start()]
+                assert before.endswith(("127.0.0.1:", "--port=")), (
+                    f"{path.relative_to(K8S)}:{n}: {line.strip()}"
+                )
