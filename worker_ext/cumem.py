@@ -46,6 +46,7 @@ _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the unified address spa
 _HOST_REGISTER_PORTABLE = 1  # pinned for every context, whichever thread registered it
 _PROT_RW = 0x1 | 0x2
 _MAP_PRIVATE_ANON = 0x02 | 0x20
+_MADV_HUGEPAGE = 14
 
 
 def _env(name: str, default: str) -> str:
@@ -58,9 +59,19 @@ def keep_host_backup() -> bool:
 
 
 def pin_mode() -> str:
-    """HOTSWAP_PIN_HOST_BACKUP: `early` (default, background at creation) or `lazy`."""
-    mode = _env("HOTSWAP_PIN_HOST_BACKUP", "early")
-    return mode if mode in ("early", "lazy") else "early"
+    """HOTSWAP_PIN_HOST_BACKUP: `early` (background, when the backend is made) or `lazy`
+    (at the first level-1 suspend). Default: early, or lazy when the buffer is not kept."""
+    default = "early" if keep_host_backup() else "lazy"
+    mode = _env("HOTSWAP_PIN_HOST_BACKUP", default)
+    return mode if mode in ("early", "lazy") else default
+
+
+def pin_threads() -> int:
+    """HOTSWAP_PIN_THREADS (default 4): threads that populate and register the buffer."""
+    try:
+        return max(1, int(os.environ.get("HOTSWAP_PIN_THREADS", "4")))
+    except ValueError:
+        return 4
 
 
 class _CudaRT:
@@ -112,9 +123,10 @@ class _CudaRT:
 class HostBuffer:
     """Exactly `nbytes` of page-aligned anonymous memory, page-locked piece by piece."""
 
-    def __init__(self, nbytes: int, cudart: _CudaRT) -> None:
+    def __init__(self, nbytes: int, cudart: _CudaRT, device_index: int = 0) -> None:
         self.nbytes = nbytes
         self._cudart = cudart
+        self._device_index = device_index
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._libc.mmap.restype = ctypes.c_void_p
         self._libc.mmap.argtypes = [
@@ -126,20 +138,45 @@ class HostBuffer:
             ctypes.c_long,
         ]
         self._libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self._libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         ptr = self._libc.mmap(None, max(nbytes, 1), _PROT_RW, _MAP_PRIVATE_ANON, -1, 0)
         if ptr is None or ptr == ctypes.c_void_p(-1).value:
             raise MemoryError(f"mmap of {nbytes} bytes failed (errno {ctypes.get_errno()})")
         self.ptr: int = ptr
         self._registered: list[int] = []
 
-    def pin(self) -> float:
-        """Touch then register every piece (touching first makes registering ~5x faster)."""
+    def pin(self, threads: int) -> float:
+        """Touch then register every piece (touching first makes registering ~5x faster),
+        pieces spread over `threads` threads; huge pages asked for to cut page faults."""
         t0 = time.perf_counter()
-        for off in range(0, self.nbytes, REGISTER_BYTES):
-            n = min(REGISTER_BYTES, self.nbytes - off)
-            ctypes.memset(self.ptr + off, 0, n)  # populate the pages; releases the GIL
-            self._cudart.host_register(self.ptr + off, n)
-            self._registered.append(self.ptr + off)
+        self._libc.madvise(ctypes.c_void_p(self.ptr), ctypes.c_size_t(self.nbytes), _MADV_HUGEPAGE)
+        pieces = list(range(0, self.nbytes, REGISTER_BYTES))
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+
+        def work(mine: list[int]) -> None:
+            try:
+                self._cudart.set_device(self._device_index)
+                for off in mine:
+                    n = min(REGISTER_BYTES, self.nbytes - off)
+                    ctypes.memset(self.ptr + off, 0, n)  # populate the pages; releases the GIL
+                    self._cudart.host_register(self.ptr + off, n)
+                    with lock:
+                        self._registered.append(self.ptr + off)
+            except BaseException as exc:
+                errors.append(exc)
+
+        n_threads = max(1, min(threads, len(pieces)))
+        workers = [
+            threading.Thread(target=work, args=(pieces[i::n_threads],), daemon=True)
+            for i in range(n_threads)
+        ]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        if errors:
+            raise errors[0]
         return time.perf_counter() - t0
 
     def free(self) -> None:
@@ -252,9 +289,9 @@ class CuMemBackend:
     def _make_host(self, nbytes: int) -> None:
         try:
             self._cudart.set_device(self._device.index or 0)
-            buf = HostBuffer(nbytes, self._cudart)
+            buf = HostBuffer(nbytes, self._cudart, self._device.index or 0)
             try:
-                pin_s = buf.pin()
+                pin_s = buf.pin(pin_threads())
             except Exception:
                 buf.free()
                 raise
@@ -418,7 +455,7 @@ class CuMemBackend:
         if unknown:
             raise ValueError(f"unknown tags {unknown}; expected a subset of {list(ALL_TAGS)}")
         t0 = time.perf_counter()
-        self.synchronize()
+        # No wait for copies still in flight: a kv_cache resume maps while weights copy.
         before = self.memory()["free"]
         restored = dict.fromkeys(want, 0)
         # Weights first: their copies start at once and the KV mapping overlaps them.
@@ -456,7 +493,9 @@ class CuMemBackend:
             for s in self._get_streams():
                 current.wait_stream(s)  # later work on this stream sees the bytes
             self._pending = list(self._get_streams())
-            self._release_host_after_pending = not keep_host_backup()
+            if not keep_host_backup():
+                self._release_host_after_pending = True
+                self.synchronize()  # the buffer goes back now, so wait for its copies
         side = self._after_resume(restored, was_level)
         if not self._suspended:
             self._level = None

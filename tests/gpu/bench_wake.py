@@ -187,8 +187,9 @@ def find_backend(worker: Any) -> Any:
     from worker_ext.cumem import CuMemBackend
 
     for value in vars(worker).values():
-        if isinstance(value, CuMemBackend):
-            return value
+        for candidate in (value, getattr(value, "backend", None)):  # the extension's state
+            if isinstance(candidate, CuMemBackend):
+                return candidate
     raise RuntimeError("no CuMemBackend on the worker")
 
 

@@ -117,12 +117,13 @@ def main() -> int:
         state["buffers"] = {n: x.detach().cpu().clone() for n, x in model.named_buffers()}
         return len(state["params"])
 
+    @torch.inference_mode()
     def reload(w: Any, b: Any) -> None:
         w.worker.reload_weights(
             weights_iterator=iter(state["params"].items()), is_checkpoint_format=False
         )
         for n, x in w.worker.get_model().named_buffers():
-            x.data.copy_(state["buffers"][n])
+            x.copy_(state["buffers"][n])
 
     rpc(save)
     llm.reset_prefix_cache()
