@@ -10,6 +10,8 @@ import pytest
 
 from tests.gpu.conftest import Engine
 
+pytestmark = pytest.mark.gpu
+
 GRAPHS = {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL"}, "enforce_eager": False}
 
 
