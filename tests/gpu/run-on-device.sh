@@ -15,7 +15,7 @@ for step in "$@"; do
   case "$name" in
     smoke) budget=${SMOKE_BUDGET_S:-150}; cmd=(python3 tests/gpu/smoke_cumem.py) ;;
     tests) budget=${TESTS_BUDGET_S:-300}
-           cmd=(python3 -m pytest tests/gpu --confcutdir tests/gpu -p no:warnings -p no:cacheprovider -x -q -rA --timeout 280) ;;
+           cmd=(python3 -m pytest tests/gpu --confcutdir tests/gpu -p no:warnings -p no:cacheprovider -q -rA --timeout 250) ;;
     bench) budget=${BENCH_BUDGET_S:-300}
            cmd=(python3 tests/gpu/bench_wake.py --shape "${shape:-llama3-8b}" --via "${via:-extension}") ;;
     *) echo "unknown step $step"; exit 2 ;;
