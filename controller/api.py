@@ -7,11 +7,12 @@ calls an engine. Nothing here answers 500: anything unexpected becomes a 502 wit
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import http
 import logging
 import math
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -28,7 +29,10 @@ from controller.errors import HotswapError, Unauthorized, http_status
 from controller.manager import Manager, ModelManager, Outcome
 from controller.metrics import Metrics
 from controller.settings import Settings
-from controller.state import ModelSnapshot, PhaseRecord, TransitionRecord, overall_ready
+from controller.state import Action, ModelSnapshot, PhaseRecord, TransitionRecord, overall_ready
+from controller.supervisor import Supervisor
+from controller.swap import SwapCoordinator
+from controller.swapmetrics import SwapMetrics
 
 log = logging.getLogger("hotswap.api")
 
@@ -125,6 +129,8 @@ class AppContext:
     settings: Settings
     manager: Manager
     registry: CollectorRegistry
+    coordinator: SwapCoordinator | None = None  # hot-swap mode: wakes go through the policy
+    supervisor: Supervisor | None = None  # managed mode: the sidecar runs the engines
 
 
 def get_context(request: Request) -> AppContext:
@@ -185,23 +191,61 @@ class SleepBody(BaseModel):
 async def sleep_model(
     name: str,
     model: ModelDep,
+    ctx: ContextDep,
     body: Annotated[SleepBody | None, Body()] = None,
     wait: bool = True,
 ) -> Response:
     req = body if body is not None else SleepBody.model_validate({})
+    swap = ctx.coordinator
     # None: the manager applies the model's default level and the drain timeout's default.
     if not wait:
-        started = model.begin_sleep(req.level, req.drain, req.drain_timeout_s)
-        return _accepted(name, started)
-    outcome = await model.sleep(req.level, req.drain, req.drain_timeout_s)
+        if swap is None:
+            started = model.begin_sleep(req.level, req.drain, req.drain_timeout_s)
+            return _accepted(name, started)
+        _background(swap.sleep(name, req.level, req.drain, req.drain_timeout_s), f"sleep-{name}")
+        return _accepted(name, Outcome(Action.BEGIN, model.snapshot()))
+    if swap is None:
+        outcome = await model.sleep(req.level, req.drain, req.drain_timeout_s)
+    else:
+        # Hot-swap mode: the gateway's requests in flight are drained too.
+        outcome = await swap.sleep(name, req.level, req.drain, req.drain_timeout_s)
     return JSONResponse(outcome_dict(name, outcome))
 
 
-async def wake_model(name: str, model: ModelDep, wait: bool = True) -> Response:
+async def wake_model(
+    name: str, model: ModelDep, ctx: ContextDep, wait: bool = True, evict: bool = True
+) -> Response:
+    """Hot-swap mode: the swap policy decides (evicting LRU models unless evict=false, which
+    answers 409 with the reason instead); its decision is in the answer's `policy`."""
+    swap = ctx.coordinator
     if not wait:
-        return _accepted(name, model.begin_wake())
-    outcome = await model.wake()
-    return JSONResponse(outcome_dict(name, outcome))
+        if swap is None:
+            return _accepted(name, model.begin_wake())
+        _background(swap.wake(name, evict=evict), f"wake-{name}")
+        return _accepted(name, Outcome(Action.BEGIN, model.snapshot()))
+    if swap is None:
+        return JSONResponse(outcome_dict(name, await model.wake()))
+    result = await swap.wake(name, evict=evict)
+    outcome = result.outcome or Outcome(Action.NOOP, model.snapshot())
+    body = outcome_dict(name, outcome)
+    body["policy"] = result.to_dict()
+    return JSONResponse(body)
+
+
+_BACKGROUND: set[asyncio.Task[Any]] = set()
+
+
+def _background(coro: Coroutine[Any, Any, Any], name: str) -> None:
+    """A ?wait=false transition through the coordinator: its outcome lands in the snapshot."""
+    task = asyncio.create_task(coro, name=f"hotswap-api-{name}")
+    _BACKGROUND.add(task)
+
+    def done(t: asyncio.Task[Any]) -> None:
+        _BACKGROUND.discard(t)
+        if not t.cancelled() and (exc := t.exception()) is not None:
+            log.warning("%s ended: %s", t.get_name(), exc)
+
+    task.add_done_callback(done)
 
 
 def _accepted(name: str, started: Outcome) -> Response:
@@ -340,6 +384,9 @@ def create_app(
     settings: Settings,
     manager: Manager | None = None,
     registry: CollectorRegistry | None = None,
+    *,
+    coordinator: SwapCoordinator | None = None,
+    supervisor: Supervisor | None = None,
 ) -> FastAPI:
     """The sidecar's app. Without `manager`, one is built from `settings` with its metrics on
     `registry` (a fresh one when None). With `manager`, pass the registry its metrics use;
@@ -355,10 +402,19 @@ def create_app(
         mgr = manager
         if registry is None:
             Metrics(reg, lambda: mgr.snapshots().values())
+    # Hot swap (a budget, managed engines, the gateway): the swap policy's coordinator, and
+    # the supervisor of the engines this process starts.
+    if coordinator is None and settings.hot_swap:
+        coordinator = SwapCoordinator(mgr, settings, SwapMetrics(reg))
+    if supervisor is None and settings.managed and coordinator is not None:
+        supervisor = Supervisor(mgr, coordinator, settings, coordinator.metrics)
+    sup = supervisor
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await mgr.start()
+        if sup is not None:
+            sup.start()  # staggered boot in the background: /livez answers meanwhile
         log.info(
             "managing %d model(s): %s", len(settings.models), [m.name for m in settings.models]
         )
@@ -367,9 +423,18 @@ def create_app(
         finally:
             await mgr.stop()
             log.info("manager stopped")
+            if sup is not None:
+                await sup.stop()
+                log.info("managed engines stopped")
 
     app = FastAPI(title="vllm-hotswap", version="0.1.0", lifespan=lifespan)
-    app.state.hotswap = AppContext(settings=settings, manager=mgr, registry=reg)
+    app.state.hotswap = AppContext(
+        settings=settings,
+        manager=mgr,
+        registry=reg,
+        coordinator=coordinator,
+        supervisor=supervisor,
+    )
 
     app.add_exception_handler(HotswapError, _hotswap_error)
     app.add_exception_handler(RequestValidationError, _validation_error)

@@ -14,8 +14,10 @@ import contextlib
 import logging
 import math
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
@@ -29,6 +31,7 @@ from pydantic import ValidationError
 
 from controller.api import create_app
 from controller.errors import HotswapError
+from controller.gateway import create_gateway
 from controller.logs import configure_logging
 from controller.settings import LogFormat, ModelSettings, Settings, load_settings
 
@@ -215,9 +218,32 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+class _GatewayServer(uvicorn.Server):
+    """The gateway's server: it follows the control API's, which alone handles signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
 async def run_server(settings: Settings) -> int:
-    """Serve until a signal; the app's lifespan starts and stops the manager."""
+    """Serve until a signal; the app's lifespan starts and stops the manager (and, in
+    managed mode, the engines). With the gateway on, it is served next to it, on its port."""
     app = create_app(settings)
+    ctx = app.state.hotswap
+    gateway: _GatewayServer | None = None
+    if settings.gateway_enabled and ctx.coordinator is not None:
+        gw_app = create_gateway(settings, ctx.manager, ctx.coordinator, ctx.coordinator.metrics)
+        gateway = _GatewayServer(
+            uvicorn.Config(
+                gw_app,
+                host=settings.gateway.host,
+                port=settings.gateway.port,
+                log_config=None,
+                lifespan="on",
+                timeout_graceful_shutdown=math.ceil(settings.timeouts.shutdown_s),
+            )
+        )
     config = uvicorn.Config(
         app,
         host=settings.server.host,
@@ -227,22 +253,59 @@ async def run_server(settings: Settings) -> int:
         timeout_graceful_shutdown=math.ceil(settings.timeouts.shutdown_s),
     )
     server = _Server(config)
-    await server.serve()
+    if gateway is None:
+        await server.serve()
+    else:
+        gw_task = asyncio.create_task(_serve_gateway(gateway, server), name="hotswap-gateway")
+        try:
+            await server.serve()
+        finally:
+            gateway.should_exit = True
+            await gw_task
+        if not gateway.started:
+            return EXIT_STARTUP
     if server.signals:
         return 128 + server.signals[0]  # the shell's convention for "ended by signal N"
     return EXIT_OK if server.started else EXIT_STARTUP
+
+
+async def _serve_gateway(gateway: uvicorn.Server, control: uvicorn.Server) -> None:
+    """Run the gateway; if it cannot start (port taken), stop the control API too."""
+    try:
+        await gateway.serve()
+    except (SystemExit, OSError) as exc:  # uvicorn exits when it cannot bind
+        log.error("the gateway did not start: %s", exc)
+    if not gateway.started:
+        control.should_exit = True
+
+
+def demo_settings(settings: Settings, models: list[ModelSettings], workdir: Path) -> Settings:
+    """The embedded default: managed engines behind the gateway, a budget of one awake
+    model (unless one is configured), engine logs in the demo's work dir."""
+    data = settings.model_dump()
+    data["models"] = [m.model_dump(exclude_unset=True) for m in models]
+    if settings.swap.budget_bytes is None and settings.swap.max_awake is None:
+        data["swap"]["max_awake"] = 1
+    if settings.supervisor.log_dir is None:
+        data["supervisor"]["log_dir"] = workdir / "logs"
+    return Settings.model_validate(data)
 
 
 async def serve(settings: Settings, demo: bool, demo_dir: Path | None) -> int:
     if not demo:
         return await run_server(settings)
     try:
-        from controller.launcher import demo_engines  # heavy (starts vLLM): only for --demo
+        from controller.launcher import demo_models  # only for --demo
     except ImportError as exc:
         raise CliError(f"--demo needs controller.launcher, which is not available: {exc}") from exc
-    async with demo_engines(demo_dir) as models:
-        demo_settings = settings.model_copy(update={"models": list(models)})
-        return await run_server(demo_settings)
+    own = demo_dir is None
+    workdir = Path(tempfile.mkdtemp(prefix="hotswap-demo-")) if demo_dir is None else demo_dir
+    try:
+        models = await demo_models(workdir)
+        return await run_server(demo_settings(settings, models, workdir))
+    finally:
+        if own:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -94,12 +94,34 @@ class EngineSpec:
     python: str = sys.executable
     extra_args: tuple[str, ...] = ()
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    command: tuple[str, ...] | None = None  # a models file's own argv (managed mode), as given
+
+    @classmethod
+    def from_command(
+        cls, name: str, command: Sequence[str], port: int, env: Mapping[str, str]
+    ) -> EngineSpec:
+        """A managed model's engine: its argv, on 127.0.0.1 at `port` unless it says so."""
+        argv = list(command)
+        if "--host" not in argv:
+            argv += ["--host", LOOPBACK]
+        if "--port" not in argv:
+            argv += ["--port", str(port)]
+        return cls(
+            model=Path(),
+            port=port,
+            served_model_name=name,
+            uni=False,  # the command's env decides the executor
+            command=tuple(argv),
+            extra_env=dict(env),
+        )
 
     @property
     def base_url(self) -> str:
         return f"http://{LOOPBACK}:{self.port}"
 
     def argv(self) -> list[str]:
+        if self.command is not None:
+            return list(self.command)
         args = [
             self.python,
             "-m",
@@ -357,3 +379,27 @@ async def demo_engines(
             await asyncio.to_thread(engine.stop)
         if own:
             shutil.rmtree(root, ignore_errors=True)
+
+
+async def demo_models(workdir: Path, *, uni: bool = True) -> list[ModelSettings]:
+    """The embedded default under managed mode: the tiny models (written to `workdir` unless
+    there), each with its engine's argv, env and loopback port; the sidecar starts them."""
+    await write_demo_models(workdir / "models")
+    models = []
+    for m in DEMO_MODELS:
+        spec = EngineSpec(
+            model=workdir / "models" / m.name, port=free_port(), served_model_name=m.name, uni=uni
+        )
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if uni else {}
+        models.append(
+            ModelSettings.model_validate(
+                {
+                    "name": m.name,
+                    "command": spec.argv(),
+                    "env": env,
+                    "port": spec.port,
+                    "served_model_name": m.name,
+                }
+            )
+        )
+    return models

@@ -591,7 +591,11 @@ class ModelManager:
                 return self._snap
             suspended = [r for r in ranks if r.get("suspended")]
             self._set_phase(None)
-            if suspended:
+            if self._snap.state is State.STARTING:
+                # A managed engine just booted: it serves (nothing of it can be suspended yet).
+                rec = self._record(run, State.RUNNING, "ok")
+                self._apply(Event.STARTED, verified=True, level=None, last_transition=rec)
+            elif suspended:
                 level = next(
                     (r["level"] for r in suspended if isinstance(r.get("level"), int)), None
                 )
@@ -606,6 +610,15 @@ class ModelManager:
                 rec = self._record(run, State.RUNNING, "ok")
                 self._apply(Event.PROBED_RUNNING, verified=True, level=None, last_transition=rec)
             return self._snap
+
+    def mark_starting(self) -> None:
+        """Managed engine: its process is being (re)started; `probe` then makes it RUNNING."""
+        self._apply(Event.START, verified=False, level=None)
+
+    def mark_failed(self, reason: str) -> None:
+        """Managed engine: its process died, or it is restarted after a FAILED transition."""
+        if self._snap.state is not State.FAILED:
+            self._apply(Event.FAIL, verified=False, last_error=reason)
 
     async def _probe_health(self) -> list[dict[str, Any]]:
         if not await self.engine.health(timeout_s=self.timeouts.probe_s):
@@ -690,8 +703,9 @@ class Manager:
         return {name: m.snapshot() for name, m in self._models.items()}
 
     async def start(self) -> None:
-        """Probe every engine at once; an unreachable one is FAILED, not fatal to the sidecar."""
-        await asyncio.gather(*(m.probe() for m in self._models.values()))
+        """Probe every engine at once; an unreachable one is FAILED, not fatal to the sidecar.
+        Managed engines are left UNKNOWN: the supervisor starts and probes them."""
+        await asyncio.gather(*(m.probe() for m in self._models.values() if not m.settings.managed))
 
     async def stop(self) -> None:
         """Wait up to timeouts.shutdown_s for transitions in flight, cancel the rest, close."""

@@ -232,6 +232,12 @@ class Settings(BaseSettings):
     def gateway_enabled(self) -> bool:
         return self.gateway.enabled if self.gateway.enabled is not None else self.managed
 
+    @property
+    def hot_swap(self) -> bool:
+        """Wakes go through the swap policy (a budget, managed engines or the gateway)."""
+        budget = self.swap.budget_bytes is not None or self.swap.max_awake is not None
+        return budget or self.managed or self.gateway_enabled
+
     @model_validator(mode="after")
     def _hot_swap_gates(self) -> Settings:
         # Behind the gateway a sleeping model is healthy: it wakes on the next request.

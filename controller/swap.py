@@ -13,6 +13,7 @@ in between (the gateway holds those for the next wake).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -307,6 +308,28 @@ class SwapCoordinator:
                 extra=fields,
             )
             return result
+
+    def device_lock(self, name: str) -> asyncio.Lock:
+        """The lock every wake plan of `name`'s device runs under (boots take it too)."""
+        return self._lock(self.device(name))
+
+    async def make_room(self, name: str) -> tuple[str, ...]:
+        """Holding the device lock: put to sleep what a wake of `name` would evict, so its
+        engine (re)starts with its footprint free. A refusal is logged, not raised."""
+        views = [
+            dataclasses.replace(v, state=State.SUSPENDED) if v.name == name else v
+            for v in self.views()
+        ]
+        plan = plan_wake(name, views, self.budget(self.device(name)), self._clock())
+        fields = {"model": name, "phase": "policy"}
+        log.info("%s: start %s: %s", name, plan.decision.value, plan.reason, extra=fields)
+        evicted = []
+        if plan.decision is Decision.EVICT:
+            for victim in plan.evict:
+                await self.sleep(victim, drain="wait", reason="evict")
+                self.metrics.eviction(victim, "restart")
+                evicted.append(victim)
+        return tuple(evicted)
 
     async def _settle(self, device: str, name: str) -> None:
         """Wait (bounded) for transitions in flight on the device, so the plan sees where

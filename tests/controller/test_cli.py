@@ -379,51 +379,52 @@ def test_demo_without_launcher_is_a_clear_error(
 
 
 def test_demo_models_replace_configured_ones(monkeypatch: pytest.MonkeyPatch) -> None:
-    """--demo serves the launcher's models while its context is open, then leaves it."""
-    import contextlib
-
+    """--demo serves the launcher's tiny models under managed mode behind the gateway, with
+    a budget of one awake model and swappable gates."""
     from controller import launcher
 
     seen: dict[str, Any] = {}
-    demo = [ModelSettings.model_validate({"name": "tiny-a", "url": "http://127.0.0.1:9"})]
+    demo = [
+        ModelSettings.model_validate({"name": n, "command": ["engine", n], "port": p})
+        for n, p in (("tiny-a", 9001), ("tiny-b", 9002))
+    ]
 
-    @contextlib.asynccontextmanager
-    async def fake_demo(workdir: Path | None = None) -> Any:
+    async def fake_demo(workdir: Path) -> list[ModelSettings]:
         seen["workdir"] = workdir
-        seen["open"] = True
-        yield demo
-        seen["open"] = False
+        return demo
 
     async def fake_run(settings: Settings) -> int:
         seen["models"] = [m.name for m in settings.models]
-        seen["open_while_serving"] = seen["open"]
+        seen["gates"] = {m.gate.value for m in settings.models}
+        seen["gateway"] = settings.gateway_enabled
+        seen["max_awake"] = settings.swap.max_awake
+        seen["log_dir"] = settings.supervisor.log_dir
         return 0
 
-    monkeypatch.setattr(launcher, "demo_engines", fake_demo)
+    monkeypatch.setattr(launcher, "demo_models", fake_demo)
     monkeypatch.setattr(cli, "run_server", fake_run)
     settings = serve_settings("--engine", "mine=http://127.0.0.1:8001")
     assert asyncio.run(cli.serve(settings, True, Path("demo-dir"))) == 0
     assert seen == {
         "workdir": Path("demo-dir"),
-        "open": False,
-        "models": ["tiny-a"],
-        "open_while_serving": True,
+        "models": ["tiny-a", "tiny-b"],
+        "gates": {"swappable"},
+        "gateway": True,
+        "max_awake": 1,
+        "log_dir": Path("demo-dir") / "logs",
     }
 
 
 def test_demo_engine_start_failure_is_reported(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import contextlib
 
     from controller import launcher
 
-    @contextlib.asynccontextmanager
-    async def broken_demo(workdir: Path | None = None) -> Any:
+    async def broken_demo(workdir: Path) -> list[ModelSettings]:
         raise launcher.EngineStartError("tiny-a exited with 1: no extension")
-        yield []
 
-    monkeypatch.setattr(launcher, "demo_engines", broken_demo)
+    monkeypatch.setattr(launcher, "demo_models", broken_demo)
     assert cli.main(["serve", "--demo"]) == cli.EXIT_STARTUP
     err = capsys.readouterr().err
     assert "EngineStartError: tiny-a exited with 1" in err

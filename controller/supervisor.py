@@ -1,0 +1,273 @@
+"""Managed mode: the sidecar starts its vLLM servers itself and keeps them running.
+
+Boot is staggered per device: start one engine, wait until it answers /health, probe it
+(STARTING -> RUNNING), put it to sleep, then start the next, because vLLM sizes its KV
+cache from the memory it sees free at start. Pinned models stay awake. A background task
+watches every process: an engine that exits, or a model left FAILED by a transition, is
+restarted after a bounded exponential backoff, logged with the model's name. Engines in
+the models file without a `command` are attached: someone else runs them, and this module
+leaves them alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import urlsplit
+
+from controller.errors import HotswapError
+from controller.launcher import EngineProcess, EngineSpec
+from controller.manager import Manager
+from controller.policy import budget_from_info, footprint_from_info, restart_delay
+from controller.settings import ModelSettings, Settings
+from controller.state import ModelSnapshot, State
+from controller.swap import SwapCoordinator
+from controller.swapmetrics import SwapMetrics
+
+log = logging.getLogger("hotswap.supervisor")
+
+
+class Engine(Protocol):
+    """What the supervisor needs of an engine process (launcher.EngineProcess has it)."""
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def start(self) -> None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def wait_ready(self, timeout_s: float = ..., interval_s: float = ...) -> float: ...
+
+    def stop(self, grace_s: float = ...) -> int | None: ...
+
+    def kill(self) -> int | None: ...
+
+
+EngineFactory = Callable[[ModelSettings], Engine]
+
+
+def process_factory(log_dir: Path) -> EngineFactory:
+    """Real engines: the model's argv and env on 127.0.0.1 at its port, one log per model."""
+
+    def make(model: ModelSettings) -> Engine:
+        port = model.port if model.port is not None else urlsplit(model.url).port
+        if model.command is None or port is None:
+            raise ValueError(f"{model.name}: a managed model needs a command and a port")
+        spec = EngineSpec.from_command(model.name, model.command, port, model.env)
+        return EngineProcess(spec, log_dir / f"{model.name}.log")
+
+    return make
+
+
+def _info_ranks(snap: ModelSnapshot) -> list[dict[str, object]]:
+    """The `hotswap_info` reports of the start probe, kept in its transition record."""
+    if snap.last_transition is None:
+        return []
+    for phase in snap.last_transition.phases:
+        if phase.name == "info":
+            return [dict(r) for r in phase.ranks]
+    return []
+
+
+class Supervisor:
+    def __init__(
+        self,
+        manager: Manager,
+        coordinator: SwapCoordinator,
+        settings: Settings,
+        metrics: SwapMetrics,
+        *,
+        engine_factory: EngineFactory | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.manager = manager
+        self.coordinator = coordinator
+        self.settings = settings
+        self.cfg = settings.supervisor
+        self.metrics = metrics
+        self._mono = monotonic
+        self.models = [m for m in settings.models if m.managed]
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if engine_factory is None:
+            log_dir = self.cfg.log_dir
+            if log_dir is None:
+                self._tmp = tempfile.TemporaryDirectory(prefix="hotswap-engines-")
+                log_dir = Path(self._tmp.name)
+            engine_factory = process_factory(log_dir)
+        self._factory = engine_factory
+        self.engines: dict[str, Engine] = {}
+        self.failures: dict[str, int] = {}
+        self._started_at: dict[str, float] = {}
+        self._restarts: dict[str, asyncio.Task[None]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self.booted = asyncio.Event()
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Boot, then watch, in one named background task (the API serves meanwhile)."""
+        self._task = asyncio.create_task(self._run(), name="hotswap-supervisor")
+        self._task.add_done_callback(self._died)
+
+    def _died(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            log.info("supervisor stopped")
+        elif (exc := task.exception()) is not None:
+            log.error("supervisor died: %s: %s", type(exc).__name__, exc, exc_info=exc)
+
+    async def _run(self) -> None:
+        await self.boot()
+        await self.watch()
+
+    async def stop(self) -> None:
+        """Stop watching and restarting, then stop every engine (SIGTERM, then SIGKILL)."""
+        tasks = [t for t in (self._task, *self._restarts.values()) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(
+            *(asyncio.to_thread(e.stop, self.cfg.stop_grace_s) for e in self.engines.values()),
+            return_exceptions=True,
+        )
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    # ---- boot ----------------------------------------------------------------------------
+
+    async def boot(self) -> None:
+        """Start every managed engine, one at a time per device, each asleep before the next."""
+        for m in self.models:
+            async with self.coordinator.device_lock(m.name):
+                await self._start(m)
+        await self._measure_budgets()
+        self.booted.set()
+        log.info("managed engines booted: %s", self._states())
+
+    def _states(self) -> str:
+        snaps = self.manager.snapshots()
+        return ", ".join(f"{m.name}={snaps[m.name].state.value}" for m in self.models)
+
+    async def _start(self, m: ModelSettings) -> bool:
+        """Start one engine (the caller holds its device's lock); True when it serves or sleeps."""
+        mm = self.manager.get(m.name)
+        fields = {"model": m.name, "phase": "start"}
+        mm.mark_starting()
+        engine = self._factory(m)
+        self.engines[m.name] = engine
+        t0 = self._mono()
+        try:
+            await asyncio.to_thread(engine.start)
+            await asyncio.to_thread(engine.wait_ready, self.cfg.boot_timeout_s)
+        except (HotswapError, OSError) as exc:
+            reason = f"engine did not start: {exc}"
+            log.error("%s: %s", m.name, reason, extra=fields)
+            await asyncio.to_thread(engine.kill)
+            mm.mark_failed(reason)
+            return False
+        self._started_at[m.name] = self._mono()
+        snap = await mm.probe()
+        if snap.state is not State.RUNNING:
+            log.error("%s: started but the probe failed: %s", m.name, snap.last_error, extra=fields)
+            return False
+        self.coordinator.learn_footprint(
+            m.name, footprint_from_info(_info_ranks(snap)), "hotswap_info pools at start"
+        )
+        log.info("%s: engine ready after %.1f s", m.name, self._mono() - t0, extra=fields)
+        if m.pinned:
+            return True
+        try:
+            await self.coordinator.sleep(m.name, reason="boot")
+        except HotswapError as exc:
+            log.error("%s: could not put it to sleep after start: %s", m.name, exc, extra=fields)
+            return False
+        return True
+
+    async def _measure_budgets(self) -> None:
+        """No configured byte budget: measure one per device with everything asleep (CUDA
+        reports free memory; the pinned models, awake, count toward it)."""
+        if self.settings.swap.budget_bytes is not None:
+            return
+        seen: set[str] = set()
+        for m in self.models:
+            if m.device in seen or self.manager.get(m.name).snapshot().state not in (
+                State.SUSPENDED,
+                State.RUNNING,
+            ):
+                continue
+            seen.add(m.device)
+            try:
+                ranks = await self.manager.get(m.name).info()
+            except HotswapError as exc:
+                log.warning("%s: could not measure the budget: %s", m.name, exc)
+                continue
+            free = budget_from_info(ranks)
+            if free is None:
+                continue
+            pinned = sum(
+                self.coordinator.footprint(p.name) or 0
+                for p in self.models
+                if p.device == m.device and p.pinned
+            )
+            self.coordinator.set_measured_budget(m.device, free + pinned)
+
+    # ---- watch and restart ---------------------------------------------------------------
+
+    async def watch(self) -> None:
+        """Restart engines that exit, or whose model a transition left FAILED."""
+        while True:
+            for m in self.models:
+                if m.name in self._restarts and not self._restarts[m.name].done():
+                    continue
+                engine = self.engines.get(m.name)
+                snap = self.manager.get(m.name).snapshot()
+                if snap.state is State.STARTING:
+                    continue
+                if snap.state is State.FAILED:
+                    why = f"FAILED: {snap.last_error}"
+                elif engine is not None and not engine.is_alive():
+                    why = f"engine exited with code {engine.returncode}"
+                else:
+                    continue
+                self._restarts[m.name] = asyncio.create_task(
+                    self._restart(m, why), name=f"hotswap-restart-{m.name}"
+                )
+            await asyncio.sleep(self.cfg.poll_s)
+
+    async def _restart(self, m: ModelSettings, why: str) -> None:
+        mm = self.manager.get(m.name)
+        fields = {"model": m.name, "phase": "restart"}
+        up = self._mono() - self._started_at.get(m.name, self._mono())
+        if up >= self.cfg.stable_s:
+            self.failures[m.name] = 0  # it ran long enough: a fresh crash starts the backoff over
+        self.failures[m.name] = n = self.failures.get(m.name, 0) + 1
+        delay = restart_delay(n, self.cfg.restart_backoff_s, self.cfg.restart_backoff_max_s)
+        log.warning("%s: %s; restart #%d in %g s", m.name, why, n, delay, extra=fields)
+        in_flight = mm.task
+        if in_flight is not None:
+            # The transition fails by itself on a dead engine: let it record its own reason.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(in_flight), self.settings.timeouts.rpc_s)
+        mm.mark_failed(why)
+        engine = self.engines.get(m.name)
+        if engine is not None and engine.is_alive():
+            await asyncio.to_thread(engine.stop, self.cfg.stop_grace_s)
+        await asyncio.sleep(delay)
+        async with self.coordinator.device_lock(m.name):
+            await self.coordinator.make_room(m.name)
+            ok = await self._start(m)
+        self.metrics.restart(m.name)
+        log.info(
+            "%s: restart #%d %s (%s)",
+            m.name,
+            n,
+            "done" if ok else "failed",
+            mm.snapshot().state.value,
+            extra=fields,
+        )

@@ -1,0 +1,261 @@
+"""Managed mode over fake engine processes: staggered boot, pinning, crash -> FAILED ->
+restart with bounded exponential backoff. Each fake process fronts a fresh FakeVllm; while
+it is not alive, every HTTP call to it is refused, like a dead server's port."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+from fakevllm import POOL_BYTES, FakeVllm
+from prometheus_client import CollectorRegistry
+
+from controller.engine import EngineClient
+from controller.launcher import EngineStartError
+from controller.manager import Manager
+from controller.metrics import Metrics
+from controller.settings import ModelSettings, Settings, TimeoutSettings
+from controller.state import Gate, State
+from controller.supervisor import Supervisor
+from controller.swap import SwapCoordinator
+from controller.swapmetrics import SwapMetrics
+
+
+@dataclass
+class Fleet:
+    """The fake machine: processes by model, the order things happened in."""
+
+    events: list[tuple[str, str]] = field(default_factory=list)
+    vllm: dict[str, FakeVllm] = field(default_factory=dict)
+    procs: dict[str, FakeProcess] = field(default_factory=dict)
+    start_failures: dict[str, int] = field(default_factory=dict)  # model -> starts that fail
+
+
+class FakeProcess:
+    def __init__(self, model: ModelSettings, fleet: Fleet) -> None:
+        self.name = model.name
+        self.fleet = fleet
+        self.alive = False
+        self.rc: int | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.rc
+
+    def start(self) -> None:
+        self.fleet.events.append(("start", self.name))
+        self.fleet.vllm[self.name] = FakeVllm(name=self.name, world_size=1)
+        self.alive = True
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def wait_ready(self, timeout_s: float = 0.0, interval_s: float = 0.0) -> float:
+        if self.fleet.start_failures.get(self.name, 0) > 0:
+            self.fleet.start_failures[self.name] -= 1
+            self.alive, self.rc = False, 1
+            raise EngineStartError(f"engine {self.name} exited with code 1", model=self.name)
+        self.fleet.events.append(("ready", self.name))
+        return 0.0
+
+    def stop(self, grace_s: float = 0.0) -> int | None:
+        self.alive, self.rc = False, 0
+        return 0
+
+    def kill(self) -> int | None:
+        self.alive, self.rc = False, -9
+        return -9
+
+
+class Router(httpx.AsyncBaseTransport):
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        name = request.url.host.split(".")[0] if request.url.port is None else ""
+        name = name or next(n for n, p in PORTS.items() if p == request.url.port)
+        proc = self.fleet.procs.get(name)
+        if proc is None or not proc.alive:
+            raise httpx.ConnectError("connection refused", request=request)
+        vllm = self.fleet.vllm[name]
+        if request.url.path == "/collective_rpc" and b"hotswap_suspend" in request.content:
+            self.fleet.events.append(("suspend", name))
+        return await vllm.handle(request)
+
+
+PORTS = {"a": 9101, "b": 9102, "c": 9103}
+
+
+@dataclass
+class World:
+    fleet: Fleet
+    manager: Manager
+    coordinator: SwapCoordinator
+    supervisor: Supervisor
+    registry: CollectorRegistry
+
+    def state(self, name: str) -> State:
+        return self.manager.get(name).snapshot().state
+
+    async def until(self, name: str, state: State, timeout_s: float = 5.0) -> None:
+        for _ in range(int(timeout_s / 0.01)):
+            if self.state(name) is state:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"{name} is {self.state(name).value}, not {state.value}")
+
+
+@asynccontextmanager
+async def world(
+    names: tuple[str, ...] = ("a", "b"), pinned: tuple[str, ...] = (), **supervisor: Any
+) -> AsyncIterator[World]:
+    fleet = Fleet()
+    settings = Settings(
+        models=[
+            ModelSettings.model_validate(
+                {"name": n, "command": ["engine", n], "port": PORTS[n], "pinned": n in pinned}
+            )
+            for n in names
+        ],
+        timeouts=TimeoutSettings(drain_s=1.0, shutdown_s=1.0),
+        swap={"max_awake": 1, "min_awake_s": 0.0},
+        supervisor={
+            "restart_backoff_s": 0.05,
+            "restart_backoff_max_s": 0.2,
+            "poll_s": 0.01,
+            **supervisor,
+        },
+    )
+    router = Router(fleet)
+    registry = CollectorRegistry()
+    holder: list[Manager] = []
+    metrics = Metrics(registry, lambda: holder[0].snapshots())
+
+    def factory(model: ModelSettings, timeouts: TimeoutSettings) -> EngineClient:
+        return EngineClient(model.url, transport=router, timeouts=timeouts)
+
+    manager = Manager(settings, metrics, engine_factory=factory)
+    holder.append(manager)
+    swap_metrics = SwapMetrics(registry)
+    coordinator = SwapCoordinator(manager, settings, swap_metrics)
+
+    def make(model: ModelSettings) -> FakeProcess:
+        proc = FakeProcess(model, fleet)
+        fleet.procs[model.name] = proc
+        return proc
+
+    sup = Supervisor(manager, coordinator, settings, swap_metrics, engine_factory=make)
+    await manager.start()
+    try:
+        yield World(fleet, manager, coordinator, sup, registry)
+    finally:
+        await manager.stop()
+        await sup.stop()
+
+
+def run(coro: Coroutine[Any, Any, None]) -> None:
+    asyncio.run(asyncio.wait_for(coro, 20))
+
+
+def test_boot_is_staggered_each_engine_asleep_before_the_next_starts() -> None:
+    async def body() -> None:
+        async with world(("a", "b", "c")) as w:
+            assert {w.state(n) for n in "abc"} == {State.UNKNOWN}  # the manager left them
+            await w.supervisor.boot()
+            assert w.fleet.events == [
+                ("start", "a"),
+                ("ready", "a"),
+                ("suspend", "a"),
+                ("start", "b"),
+                ("ready", "b"),
+                ("suspend", "b"),
+                ("start", "c"),
+                ("ready", "c"),
+                ("suspend", "c"),
+            ]
+            for n in "abc":
+                assert w.state(n) is State.SUSPENDED
+                snap = w.manager.get(n).snapshot()
+                assert snap.gate is Gate.SWAPPABLE  # managed behind the gateway
+                assert snap.counts_ready  # asleep by policy is healthy
+                assert not snap.ready  # the strict per-model readiness is not
+                assert w.coordinator.footprint(n) == sum(POOL_BYTES.values())
+
+    run(body())
+
+
+def test_pinned_models_stay_awake_after_boot() -> None:
+    async def body() -> None:
+        async with world(("a", "b"), pinned=("a",)) as w:
+            await w.supervisor.boot()
+            assert w.state("a") is State.RUNNING
+            assert w.state("b") is State.SUSPENDED
+            assert ("suspend", "a") not in w.fleet.events
+
+    run(body())
+
+
+def test_a_crashed_engine_is_failed_then_restarted_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def body() -> None:
+        async with world(("a", "b")) as w:
+            w.supervisor.start()
+            await asyncio.wait_for(w.supervisor.booted.wait(), 5)
+            await w.coordinator.wake("a")
+            w.fleet.procs["a"].kill()
+            await w.until("a", State.FAILED)
+            assert "exited with code -9" in (w.manager.get("a").snapshot().last_error or "")
+            await w.until("a", State.SUSPENDED)  # restarted, then asleep like at boot
+            assert w.registry.get_sample_value("hotswap_engine_restarts_total", {"model": "a"}) == 1
+            assert w.fleet.events.count(("start", "a")) == 2
+            assert (await w.coordinator.wake("a")).outcome is not None
+            assert w.state("a") is State.RUNNING
+
+    with caplog.at_level(logging.INFO, logger="hotswap.supervisor"):
+        run(body())
+    restarts = [r for r in caplog.records if "restart #1" in r.getMessage()]
+    assert restarts
+    assert all(getattr(r, "model", None) == "a" for r in restarts)
+
+
+def test_a_failed_transition_restarts_the_engine() -> None:
+    async def body() -> None:
+        async with world(("a", "b")) as w:
+            w.supervisor.start()
+            await asyncio.wait_for(w.supervisor.booted.wait(), 5)
+            w.fleet.vllm["a"].fail["hotswap_resume"] = "rank"
+            with pytest.raises(Exception, match="hotswap_resume"):
+                await w.coordinator.wake("a")
+            assert w.state("a") in (State.FAILED, State.STARTING)
+            await w.until("a", State.SUSPENDED)
+            assert w.fleet.events.count(("start", "a")) == 2
+            await w.coordinator.wake("a")  # the fresh engine has no injected failure
+            assert w.state("a") is State.RUNNING
+
+    run(body())
+
+
+def test_restarts_back_off_exponentially_up_to_the_cap(caplog: pytest.LogCaptureFixture) -> None:
+    async def body() -> None:
+        async with world(("a",)) as w:
+            w.fleet.start_failures["a"] = 4  # the boot and three restarts fail
+            w.supervisor.start()
+            await w.until("a", State.SUSPENDED, timeout_s=10)
+            assert w.fleet.events.count(("start", "a")) == 5
+            assert w.supervisor.failures["a"] == 4
+
+    with caplog.at_level(logging.WARNING, logger="hotswap.supervisor"):
+        run(body())
+    delays = [
+        float(r.getMessage().split(" in ")[-1].split(" s")[0])
+        for r in caplog.records
+        if "restart #" in r.getMessage()
+    ]
+    assert delays == [0.05, 0.1, 0.2, 0.2]  # doubling, capped at restart_backoff_max_s
