@@ -52,6 +52,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 if SKIP_REASON is None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    # This process touches CUDA (skip check, model writing): engines must be spawned.
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *(p for p in paths if p != str(ROOT))])
     for key, value in {
