@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Developer entry point.
-#   scripts/dev.sh serve [ARGS]   the sidecar on the embedded default: two tiny models on real
-#                                 CPU vLLM servers it starts for you (hotswap serve --demo ARGS)
+#   scripts/dev.sh serve [ARGS]   the sidecar on the embedded default: two tiny managed models on real
+#                                 CPU vLLM servers, gateway in front (hotswap serve --demo ARGS)
 #   scripts/dev.sh test [ARGS]    every check and every test (scripts/check.sh; ARGS go to pytest)
 #   scripts/dev.sh fix            ruff format + ruff check --fix
 #   scripts/dev.sh models OUTDIR  write the tiny test models (llama seeds 0 and 1, tokenizers)
@@ -24,7 +24,7 @@ case "$cmd" in
     unset VLLM_CPU_KVCACHE_SPACE
     # Models (seeded, so reusable) and engine logs persist here between runs.
     export HOTSWAP_DEMO_DIR=${HOTSWAP_DEMO_DIR:-$cache/demo}
-    echo "dev: engine logs in $HOTSWAP_DEMO_DIR/logs; the sidecar listens on 127.0.0.1:8800 unless --port says otherwise" >&2
+    echo "dev: engine logs in $HOTSWAP_DEMO_DIR/logs; control API on 127.0.0.1:8800 (--port), gateway on 127.0.0.1:8801 (HOTSWAP_GATEWAY__PORT)" >&2
     run_tmp=$(mktemp -d "${TMPDIR:-/tmp}/hotswap-serve.XXXXXX")
     trap 'rm -rf "$run_tmp"' EXIT
     # Not exec: the trap must run after the sidecar (and the engines it started) have stopped.
