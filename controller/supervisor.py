@@ -261,8 +261,8 @@ class Supervisor:
         await asyncio.sleep(delay)
         async with self.coordinator.device_lock(m.name):
             await self.coordinator.make_room(m.name)
+            self.metrics.restart(m.name)
             ok = await self._start(m)
-        self.metrics.restart(m.name)
         log.info(
             "%s: restart #%d %s (%s)",
             m.name,
