@@ -42,7 +42,8 @@ step "lint-imports"
 "$venv/bin/lint-imports"
 step "pytest $*"
 rc=0
-"$venv/bin/python" -m pytest "$@" || rc=$?
+# --durations: the slowest steps (engine start-ups) are where CI time goes.
+"$venv/bin/python" -m pytest --durations=15 "$@" || rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "check: FAILED: pytest collected no test at all (exit 5); a run that tests nothing is not green" >&2
   exit 1
