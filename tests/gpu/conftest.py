@@ -67,7 +67,8 @@ if SKIP_REASON is None:
 
 def write_gemma3n(path: Path, seed: int = 0) -> Path:
     """A tiny Gemma3n text model vLLM 0.26's Gemma3nForCausalLM loads: tied embeddings
-    (it has no lm_head), one KV-shared layer, real seeded safetensors."""
+    (it has no lm_head), real seeded safetensors; no KV-shared layer (HF writes no k_norm
+    for one, which vLLM 0.26 then misses at load)."""
     import torch
     import transformers
 
@@ -84,7 +85,7 @@ def write_gemma3n(path: Path, seed: int = 0) -> Path:
         max_position_embeddings=256,
         sliding_window=64,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        num_kv_shared_layers=1,
+        num_kv_shared_layers=0,
         laurel_rank=16,
         activation_sparsity_pattern=[0.0, 0.0, 0.0],
         tie_word_embeddings=True,
