@@ -223,6 +223,8 @@ def test_the_models_file_is_valid_settings(
         # Managed pods stay ready while models sleep; attached pods gate readiness strictly.
         assert model.gate.value == ("swappable" if managed else "gated"), model.name
     assert managed == name.endswith("managed")
+    # vLLM listens on loopback only: inference reaches the pod through the gateway alone.
+    assert settings.gateway_enabled, f"{name}: the gateway is off"
 
 
 def test_the_controller_command_line_parses(variant: tuple[str, list[dict[str, Any]]]) -> None:
@@ -239,6 +241,8 @@ def test_probes_point_at_the_sidecar(variant: tuple[str, list[dict[str, Any]]]) 
     env = {e["name"]: e for e in controller["env"]}
     assert env["HOTSWAP_SERVER__PORT"]["value"] == str(CONTROL_PORT)
     assert env["HOTSWAP_SERVER__HOST"]["value"] == "0.0.0.0"  # the kubelet probes the pod IP
+    assert env["HOTSWAP_GATEWAY__HOST"]["value"] == "0.0.0.0"  # the Service reaches the pod IP
+    assert env["HOTSWAP_GATEWAY__PORT"]["value"] == str(GATEWAY_PORT)
     for probe, path in (("readinessProbe", "/health"), ("livenessProbe", "/livez")):
         get = controller[probe]["httpGet"]
         assert (get["path"], ports.get(get["port"], get["port"])) == (path, CONTROL_PORT), probe
