@@ -184,6 +184,7 @@ class Gateway:
     async def _hold(self, name: str, ticket: asyncio.Future[None], deadline: float) -> None:
         """Return when admitted; Refusal (503) when the model's wake fails or is late."""
         mm = self.manager.get(name)
+        seen: set[asyncio.Task[SwapResult]] = set()  # wakes that ran while this one waited
         while not ticket.done() and not self._admissible(name):
             now = self._mono()
             if now >= deadline:
@@ -205,13 +206,16 @@ class Gateway:
             task = self._wakes.get(name)
             if task is not None and task.done():
                 self._wakes.pop(name, None)
-                self._judge(name, task)
+                if task in seen:  # an older request's wake that ended before: not ours to judge
+                    self._judge(name, task)
                 task = None
             wakeable = snap.state is State.SUSPENDED and not self.traffic.is_closed(name)
             if task is None and wakeable and now >= self._retry_at.get(name, 0.0):
                 task = asyncio.create_task(self.coordinator.wake(name), name=f"gateway-wake-{name}")
                 task.add_done_callback(_retrieve)
                 self._wakes[name] = task
+            if task is not None:
+                seen.add(task)
             waits: set[asyncio.Future[Any]] = {ticket} if task is None else {ticket, task}
             poll = HOLD_POLL_S if task is None else HOLD_POLL_S * 10
             await asyncio.wait(

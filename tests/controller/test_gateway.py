@@ -424,3 +424,22 @@ def test_min_awake_time_holds_the_request_until_the_swap_may_happen() -> None:
             assert w.sample("hotswap_swaps_total", model="b", result="refused") >= 1
 
     run(body)
+
+
+def test_a_past_failed_wake_does_not_fail_a_later_request() -> None:
+    async def body() -> None:
+        async with world() as w:
+            w.engines["b"].fake.fail["hotswap_resume"] = "rank"
+            assert (await ask(w, "b")).status_code == 503
+            assert (await ask(w, "b")).status_code == 503  # FAILED: refused at once
+            # The engine is back (what a restart does): a fresh engine, probed asleep.
+            w.engines["b"] = Engine(FakeVllm(name="b", world_size=1))
+            w.engines["b"].fake.suspended = {"weights": "offloaded", "kv_cache": "discarded"}
+            w.engines["b"].fake.level = 1
+            await w.manager.get("b").probe()
+            assert w.state("b") is State.SUSPENDED
+            r = await ask(w, "b")
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == "b"
+
+    run(body)
