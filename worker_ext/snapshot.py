@@ -1,16 +1,8 @@
 """Protect at-risk tensors across a sleep and prove bit for bit that everything came back.
 
-Fingerprint: the storage's bytes viewed as int32 words w_0..w_{n-1} (a tail of 1-3 bytes
-as extra words) reduced on the tensor's device to two int64 sums, modulo 2**64:
-
-    s1 = sum(w_i)            s2 = sum((i + 1) * w_i)
-
-- One changed word changes s1 by d = w' - w with 0 < |d| < 2**33, never a multiple of 2**64.
-  Any single changed element (one bit of a bf16, one float32, one int64 half) changes at
-  least one word; a change confined to one word is therefore always detected.
-- Swapping two different words i < j keeps s1 but changes s2 by (j - i) * (w_i - w_j),
-  nonzero and below 2**64 in magnitude while j - i < 2**31 (storages under 8 GiB).
-The sums run chunk by chunk so the int64 temporaries stay bounded.
+Fingerprints (worker_ext.fingerprint) are taken of every non-KV storage at prepare and
+again at verify, all tensors in one batch per device with one host transfer; verification
+is an exact comparison of those fingerprints.
 """
 
 from __future__ import annotations
@@ -20,50 +12,14 @@ from typing import Any
 
 import torch
 
+from worker_ext.fingerprint import ROW_WORDS, Plan, fingerprint, storage_bytes
 from worker_ext.ownership import TensorRecord, storage_key
 
-CHUNK_WORDS = 1 << 22  # 16 MiB of int32 per step: 32 MiB of int64 temporaries
-_MASK = (1 << 64) - 1
-_positions: dict[tuple[str, int], Any] = {}
+# Older name of the fingerprint's reduction granularity (tests/worker_ext/test_units.py
+# patches it); it has no effect on the values.
+CHUNK_WORDS = ROW_WORDS
 
-
-def _pos(device: Any, n: int) -> Any:
-    key = (str(device), n)
-    p = _positions.get(key)
-    if p is None:
-        p = torch.arange(1, n + 1, dtype=torch.int64, device=device)
-        _positions[key] = p
-    return p
-
-
-def storage_bytes(t: Any) -> Any:
-    """A uint8 tensor over the whole storage of `t` (all aliases, any view offset)."""
-    st = t.untyped_storage()
-    out = torch.empty(0, dtype=torch.uint8, device=t.device)
-    out.set_(st, 0, (st.nbytes(),), (1,))
-    return out
-
-
-def fingerprint(t: Any) -> tuple[int, int, int]:
-    """(nbytes, s1, s2) of the storage under `t`."""
-    raw = storage_bytes(t)
-    n = raw.numel()
-    nwords = n // 4
-    s1 = torch.zeros((), dtype=torch.int64, device=raw.device)
-    s2 = torch.zeros((), dtype=torch.int64, device=raw.device)
-    if nwords:
-        words = raw[: nwords * 4].view(torch.int32)
-        for a in range(0, nwords, CHUNK_WORDS):
-            w = words[a : a + CHUNK_WORDS].to(torch.int64)
-            ws = w.sum()
-            s1 += ws
-            # sum((a + j + 1) * w_j) = a * sum(w) + sum((j + 1) * w_j)
-            s2 += ws * a + (w * _pos(raw.device, w.numel())).sum()
-    if n % 4:
-        tail = raw[nwords * 4 :].to(torch.int64)
-        s1 += tail.sum()
-        s2 += (tail * (_pos(raw.device, tail.numel()) + nwords)).sum()
-    return n, int(s1.item()) & _MASK, int(s2.item()) & _MASK
+__all__ = ["Snapshot", "fingerprint", "prepare", "rebind", "restore", "storage_bytes", "verify"]
 
 
 @dataclass
@@ -80,6 +36,7 @@ class _Entry:
 class Snapshot:
     level: int
     entries: list[_Entry] = field(default_factory=list)
+    plan: Plan | None = None  # fingerprints the entries' original storages, in order
 
     @property
     def protected(self) -> list[_Entry]:
@@ -89,16 +46,18 @@ class Snapshot:
 def prepare(level: int, records: list[TensorRecord], at_risk: set[str], pin: bool) -> Snapshot:
     """Fingerprint every record but the KV cache; copy the at-risk ones to host memory."""
     snap = Snapshot(level)
-    for rec in records:
-        if rec.is_kv:
-            continue
+    kept = [rec for rec in records if not rec.is_kv]
+    aliases = [rec.tensor.detach() for rec in kept]
+    plan = Plan(aliases)
+    fps = plan.run()
+    for rec, alias, fp in zip(kept, aliases, fps, strict=True):
         t = rec.tensor
         entry = _Entry(
             record=rec,
             original=t,
-            alias=t.detach(),
+            alias=alias,
             slot_values=[s.get() for s in rec.slots],
-            fp=fingerprint(t),
+            fp=fp,
         )
         if rec.name in at_risk:
             raw = storage_bytes(t)
@@ -106,6 +65,7 @@ def prepare(level: int, records: list[TensorRecord], at_risk: set[str], pin: boo
             backup.copy_(raw, non_blocking=pin)
             entry.backup = backup
         snap.entries.append(entry)
+    snap.plan = plan
     if pin and torch.cuda.is_available():
         torch.cuda.synchronize()
     return snap
@@ -155,5 +115,7 @@ def restore(snap: Snapshot) -> int:
 
 def verify(snap: Snapshot) -> tuple[int, list[str]]:
     """(count checked, names whose bytes differ from prepare time)."""
-    mismatched = [e.record.name for e in snap.entries if fingerprint(e.alias) != e.fp]
+    plan = snap.plan if snap.plan is not None else Plan([e.alias for e in snap.entries])
+    now = plan.run()
+    mismatched = [e.record.name for e, fp in zip(snap.entries, now, strict=True) if fp != e.fp]
     return len(snap.entries), mismatched
