@@ -27,8 +27,18 @@ case "$cmd" in
     echo "dev: engine logs in $HOTSWAP_DEMO_DIR/logs; control API on 127.0.0.1:8800 (--port), gateway on 127.0.0.1:8801 (HOTSWAP_GATEWAY__PORT)" >&2
     run_tmp=$(mktemp -d "${TMPDIR:-/tmp}/hotswap-serve.XXXXXX")
     trap 'rm -rf "$run_tmp"' EXIT
-    # Not exec: the trap must run after the sidecar (and the engines it started) have stopped.
-    TMPDIR=$run_tmp "$v/bin/hotswap" serve --demo "$@"
+    # Not exec: the cleanup must run after the sidecar (and the engines it started) stopped.
+    # A signal to this script (not only Ctrl-C to the terminal's group) reaches the sidecar.
+    TMPDIR=$run_tmp "$v/bin/hotswap" serve --demo "$@" &
+    child=$!
+    # TERM for both: a background child starts with SIGINT ignored; the sidecar stops on TERM.
+    trap 'kill -TERM "$child" 2>/dev/null || true' INT TERM
+    rc=0
+    while :; do
+      wait "$child" && rc=0 || rc=$?
+      kill -0 "$child" 2>/dev/null || break # wait was cut short by a trapped signal
+    done
+    exit "$rc"
     ;;
   test)
     HOTSWAP_VENV=$(venv) scripts/check.sh "$@"
