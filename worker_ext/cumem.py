@@ -66,6 +66,14 @@ def pin_mode() -> str:
     return mode if mode in ("early", "lazy") else default
 
 
+def kv_map_mode() -> str:
+    """HOTSWAP_RESUME_KV: `wait` (default: a resume waits for the weights copies still in
+    flight before mapping the KV pool) or `overlap` (weights records all mapped first, then
+    all their copies queued, and the KV pool mapped while that DMA runs)."""
+    mode = _env("HOTSWAP_RESUME_KV", "wait")
+    return mode if mode in ("wait", "overlap") else "wait"
+
+
 def pin_threads() -> int:
     """HOTSWAP_PIN_THREADS (default 4): threads that populate and register the buffer."""
     try:
@@ -455,10 +463,13 @@ class CuMemBackend:
         if unknown:
             raise ValueError(f"unknown tags {unknown}; expected a subset of {list(ALL_TAGS)}")
         t0 = time.perf_counter()
-        # Wait for copies still in flight before mapping more: measured on an H200 (8B
-        # shape), mapping the KV pool during the weights copy slowed the copy by more than
-        # the mapping costs (wake 0.45 s overlapped against 0.38 s in sequence).
-        self.synchronize()
+        overlap = kv_map_mode() == "overlap"
+        only_discarded = all(self._suspended.get(t) != OFFLOADED for t in want)
+        # `wait`: copies still in flight finish before more is mapped (measured on an H200,
+        # 8B shape: mapping the KV pool record by record during the copy slowed it down).
+        # `overlap`: a resume that copies nothing maps during the DMA queued before it.
+        if not (overlap and only_discarded):
+            self.synchronize()
         before = self.memory()["free"]
         restored = dict.fromkeys(want, 0)
         # Weights first: their copies start at once and the KV mapping overlaps them.
@@ -478,6 +489,7 @@ class CuMemBackend:
                 for s in self._get_streams():
                     s.wait_stream(current)
                 copying = True
+            mapped: list[int] = []
             for ptr, data in self._tag_records(tag):
                 if not data.is_asleep:
                     continue
@@ -486,9 +498,17 @@ class CuMemBackend:
                 if mode == OFFLOADED:
                     if host is None:
                         raise RuntimeError("offloaded bytes but no host buffer")
+                    if overlap:
+                        mapped.append(ptr)  # queued below, once every record is mapped
+                    else:
+                        off, size = self._offloaded_layout.pop(ptr)
+                        k = self._queue(ptr, host.ptr, off, size, False, k)
+                restored[tag] += int(data.handle[1])
+            if mapped and host is not None:
+                timings[f"{tag}_map_s"] = time.perf_counter() - t
+                for ptr in mapped:
                     off, size = self._offloaded_layout.pop(ptr)
                     k = self._queue(ptr, host.ptr, off, size, False, k)
-                restored[tag] += int(data.handle[1])
             timings[f"{tag}_s"] = time.perf_counter() - t
             del self._suspended[tag]
         if copying:

@@ -230,6 +230,49 @@ class ViaExtension:
         return {"weights": r1, "kv_cache": r2, "verify": v}, time.perf_counter() - t, tv
 
 
+def fingerprint_bench(llm: Any, reps: int = 5) -> dict[str, Any]:
+    """Time worker_ext.fingerprint on what prepare fingerprints (every non-KV record), in the
+    worker (in-process callable): the whole batch against the row-sum kernels alone."""
+
+    def work(wrapper: Any) -> dict[str, Any]:
+        import torch
+
+        from worker_ext import fingerprint, ownership
+
+        worker = wrapper.worker
+        recs = ownership.walk(worker.model_runner.get_model(), worker.model_runner)
+        tensors = [r.tensor.detach() for r in recs if not r.is_kv]
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        plan = fingerprint.Plan(tensors)
+        build = time.perf_counter() - t
+        plan.run()
+        runs, rows = [], []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            plan.run()
+            runs.append(time.perf_counter() - t)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for it in plan._items:
+                if it.row_views is not None:
+                    torch.sum(it.row_views, dim=1)
+            torch.cuda.synchronize()
+            rows.append(time.perf_counter() - t)
+        return {
+            "tensors": len(tensors),
+            "storages": len(plan._items),
+            "bytes": sum(it.nbytes for it in plan._items),
+            "reps": reps,
+            "build_s": build,
+            "run_s": min(runs),
+            "rows_only_s": min(rows),
+        }
+
+    return llm.collective_rpc(work)[0]  # type: ignore[no-any-return]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
@@ -237,6 +280,11 @@ def main() -> int:
     ap.add_argument("--cycles", type=int, default=2)
     ap.add_argument("--raw-cycles", type=int, default=2)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument(
+        "--kv-modes",
+        default="wait,overlap",
+        help="HOTSWAP_RESUME_KV variants, each run for --cycles cycles, in this order",
+    )
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HOTSWAP_PIN_HOST_BACKUP", "lazy")  # warmed explicitly below, timed
@@ -300,22 +348,34 @@ def main() -> int:
     warm, res["warm_host_s"] = timed(drv.warm)
     res["warm"] = warm
     ours: list[dict[str, Any]] = []
-    for _ in range(args.cycles):
-        s, ts = drv.sleep()
-        r_asleep = rss()
-        w, tw, tv = drv.wake()
-        equal.append(gen(llm) == base)
-        ours.append(
-            {
-                "sleep_s": ts,
-                "wake_s": tw,
-                "verify_s": tv,
-                "rss_asleep_delta": r_asleep - rss1,
-                "sleep": s,
-                "wake": w,
-            }
-        )
-        log("ours", {k: v for k, v in ours[-1].items() if k.endswith("_s")}, "equal", equal[-1])
+    for mode in [m.strip() for m in args.kv_modes.split(",") if m.strip()]:
+        os.environ["HOTSWAP_RESUME_KV"] = mode  # in-process worker: read at every resume
+        for _ in range(args.cycles):
+            s, ts = drv.sleep()
+            r_asleep = rss()
+            w, tw, tv = drv.wake()
+            equal.append(gen(llm) == base)
+            ours.append(
+                {
+                    "kv_mode": mode,
+                    "sleep_s": ts,
+                    "wake_s": tw,
+                    "verify_s": tv,
+                    "rss_asleep_delta": r_asleep - rss1,
+                    "sleep": s,
+                    "wake": w,
+                }
+            )
+            log(
+                "ours",
+                mode,
+                {k: v for k, v in ours[-1].items() if k.endswith("_s")},
+                "equal",
+                equal[-1],
+            )
+    if args.via == "extension":
+        res["fingerprint"] = fingerprint_bench(llm)
+        log("fingerprint", res["fingerprint"])
     res["ours"] = ours
     res["tokens_equal_every_cycle"] = all(equal) and res["deterministic"]
     h2d_bound = weights / bw["h2d_Bps"]
@@ -350,27 +410,28 @@ def main() -> int:
     )
     rows.append(("ours: pin host buffer (ahead of sleep)", f"{res['warm_host_s']:.3f} s", ""))
     for i, r in enumerate(ours):
+        tag = f"{r['kv_mode']} #{i + 1}"
         rows.append(
             (
-                f"ours sleep #{i + 1}",
+                f"ours sleep {tag}",
                 f"{r['sleep_s']:.3f} s",
                 f"{r['sleep_s'] / d2h_bound:.2f}x D2H",
             )
         )
         rows.append(
-            (f"ours wake #{i + 1}", f"{r['wake_s']:.3f} s", f"{r['wake_s'] / h2d_bound:.2f}x H2D")
+            (f"ours wake {tag}", f"{r['wake_s']:.3f} s", f"{r['wake_s'] / h2d_bound:.2f}x H2D")
         )
         if r["verify_s"]:
             rows.append(
                 (
-                    f"ours verify share #{i + 1}",
+                    f"ours verify share {tag}",
                     f"{r['verify_s']:.4f} s",
                     f"{100 * r['verify_s'] / r['wake_s']:.1f}% of wake",
                 )
             )
         rows.append(
             (
-                f"ours host RSS asleep / weights #{i + 1}",
+                f"ours host RSS asleep / weights {tag}",
                 f"{r['rss_asleep_delta'] / weights:.3f}",
                 "",
             )
@@ -383,6 +444,25 @@ def main() -> int:
         if a:
             print(f"| {a} | {b} | {c} |")
     print(flush=True)
+    if args.via == "extension" and ours:
+        print("| cycle | resume weights | resume kv_cache | restore_and_verify | wake | prepare |")
+        print("|---|---|---|---|---|---|")
+        for i, r in enumerate(ours):
+            w = r["wake"]
+            print(
+                f"| {r['kv_mode']} #{i + 1} | {w['weights']['elapsed_s']:.4f} s"
+                f" | {w['kv_cache']['elapsed_s']:.4f} s | {w['verify']['elapsed_s']:.4f} s"
+                f" | {r['wake_s']:.4f} s | {r['sleep']['prepare']['elapsed_s']:.4f} s"
+                f" ({r['sleep']['prepare']['fingerprinted']} tensors) |"
+            )
+        fb = res.get("fingerprint") or {}
+        if fb:
+            print(
+                f"\nfingerprint of {fb['tensors']} tensors ({fb['bytes'] / GB:.2f} GB), best of"
+                f" {fb['reps']}: plan build {fb['build_s']:.4f} s; run (s1+s2, one host copy)"
+                f" {fb['run_s']:.4f} s; row sums alone (s1 lower bound) {fb['rows_only_s']:.4f} s"
+            )
+        print(flush=True)
     out = os.environ.get("OUT", ".")
     with open(os.path.join(out, "bench.jsonl"), "a") as f:
         f.write(json.dumps(res, default=str) + "\n")

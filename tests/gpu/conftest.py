@@ -65,14 +65,37 @@ if SKIP_REASON is None:
         os.environ.setdefault(key, value)
 
 
-def write_gemma3n(path: Path, seed: int = 0) -> Path:
-    """A tiny Gemma3n text model vLLM 0.26's Gemma3nForCausalLM loads: tied embeddings
-    (it has no lm_head), real seeded safetensors; no KV-shared layer (HF writes no k_norm
-    for one, which vLLM 0.26 then misses at load)."""
-    import torch
+def audit_table(title: str, report: dict[str, Any]) -> str:
+    """hotswap_audit(level, detail=True) of one rank as a markdown table."""
+    lines = [
+        f"### {title}: level {report['level']}, {report['count']} tensors, "
+        f"{report['bytes']} bytes, at risk {len(report['at_risk'])} ({report['at_risk_bytes']} B)",
+        "",
+        "| name | bytes | kind | pool | restored | at_risk |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in report["tensors"]:
+        lines.append(
+            f"| {r['name']} | {r['bytes']} | {r['kind']} | {r['pool']} | {r['restored']} "
+            f"| {r['at_risk']} |"
+        )
+    text = "\n".join(lines) + "\n"
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "audit-gpu.md"), "a") as f:
+            f.write(text + "\n")
+    return text
+
+
+def write_gemma3n(path: Path) -> Path:
+    """The tiny Gemma3n text config of vLLM PR #53344's reproducer (3 layers, the last one
+    KV-shared), config only: engines load it with load_format="dummy". A saved HF checkpoint
+    does not load in vLLM 0.26 (HF writes no k_norm for a KV-shared layer), so level 2
+    here reloads from a host copy of the parameters (GpuTestExtension), not a checkpoint."""
     import transformers
 
     cfg = transformers.Gemma3nTextConfig(
+        architectures=["Gemma3nForCausalLM"],
         vocab_size=128,
         vocab_size_per_layer_input=128,
         hidden_size=64,
@@ -85,19 +108,12 @@ def write_gemma3n(path: Path, seed: int = 0) -> Path:
         max_position_embeddings=256,
         sliding_window=64,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        num_kv_shared_layers=0,
+        num_kv_shared_layers=1,
         laurel_rank=16,
         activation_sparsity_pattern=[0.0, 0.0, 0.0],
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
     )
-    cfg.architectures = ["Gemma3nForCausalLM"]
-    torch.manual_seed(seed)
-    model = transformers.Gemma3nForCausalLM(cfg).to(torch.bfloat16)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(path), safe_serialization=True)
+    cfg.save_pretrained(str(path))
     return path
 
 
@@ -142,14 +158,14 @@ class Engine:
         kw.update(extra)
         self.llm = LLM(**kw)
 
-    def gen(self, n: int = 16) -> tuple[list[int], list[float]]:
+    def gen(self, n: int = 16, prompt: list[int] = PROMPT) -> tuple[list[int], list[float]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         sp = SamplingParams(
             temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1, detokenize=False
         )
-        out = self.llm.generate(TokensPrompt(prompt_token_ids=PROMPT), sp, use_tqdm=False)
+        out = self.llm.generate(TokensPrompt(prompt_token_ids=prompt), sp, use_tqdm=False)
         c = out[0].outputs[0]
         lps = [step[t].logprob for t, step in zip(c.token_ids, c.logprobs or [], strict=False)]
         return list(c.token_ids), lps
@@ -171,13 +187,16 @@ class Engine:
         sus = self.rpc("hotswap_suspend", level, tags)
         return {"prepare": prep, "suspend": sus}
 
-    def wake(self, level: int, tags: list[str] | None = None) -> dict[str, Any]:
+    def wake(
+        self, level: int, tags: list[str] | None = None, reload: str = "hotswap_reload"
+    ) -> dict[str, Any]:
+        """The controller's order; `reload` names the level-2 refill RPC."""
         out: dict[str, Any] = {}
         asleep = set(self.rpc("hotswap_info")["suspended"])
         if (tags is None or "weights" in tags) and "weights" in asleep:
             out["weights"] = self.rpc("hotswap_resume", ["weights"])
             if level == 2:
-                out["reload"] = self.rpc("hotswap_reload")
+                out["reload"] = self.rpc(reload)
         if "kv_cache" in asleep:
             out["kv_cache"] = self.rpc("hotswap_resume", ["kv_cache"])
         out["verify"] = self.rpc("hotswap_restore_and_verify")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from worker_ext.extension import HotSwapExtension, rpc
 
 SCALE_NAMES = (
@@ -39,3 +41,24 @@ class GpuTestExtension(HotSwapExtension):
                         "data_ptr": int(t.data_ptr()),
                     }
         return {"scales": out}
+
+    @rpc
+    def hotswap_test_keep_host_copy(self) -> dict[str, Any]:
+        """Keep a host copy of every parameter: the level-2 weight source for a model that
+        was loaded with load_format="dummy" (no checkpoint to reload from)."""
+        model = self._hotswap_model()
+        with torch.no_grad():
+            copy = [(n, p.detach().to("cpu", copy=True)) for n, p in model.named_parameters()]
+        self._hotswap_test_host = copy
+        return {"count": len(copy), "bytes": sum(t.numel() * t.element_size() for _, t in copy)}
+
+    @rpc
+    def hotswap_test_reload_host(self) -> dict[str, Any]:
+        """Level-2 refill from that host copy through vLLM's own Worker.reload_weights."""
+        copy = getattr(self, "_hotswap_test_host", None)
+        if copy is None:
+            raise RuntimeError("call hotswap_test_keep_host_copy first")
+        with torch.no_grad():
+            self.reload_weights(weights_iterator=iter(copy), is_checkpoint_format=False)  # type: ignore[attr-defined]
+        torch.cuda.synchronize()
+        return {"count": len(copy)}
