@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One-command GPU run on the lent device, from the repo root, after the vLLM bundle:
 #   . .gpu/install-vllm-bundle.sh || exit 1; bash tests/gpu/run-on-device.sh STEP...
-# STEP: smoke | tests | bench:SHAPE[:via] (SHAPE tiny|llama3-8b|qwen25-14b, via extension|backend)
-# Each step runs in its own process with a time budget (STEP_BUDGET_S, default 300) and is
-# skipped when it would end past DEADLINE seconds (default 560); logs go to $OUT.
+# STEP: smoke | tests | bench:SHAPE[:via] (SHAPE tiny|llama3-8b|qwen25-14b, via
+# extension|backend; both HOTSWAP_RESUME_KV variants) | sidecar:SHAPE (bench_sidecar.py;
+# needs the controller's wheels on PYTHONPATH).
+# Each step runs in its own process with a time budget and is skipped when it would end
+# past DEADLINE seconds (default 560); the sidecar step takes what is left (at least
+# SIDECAR_MIN_S). Logs go to $OUT.
 set -u -o pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -12,21 +15,24 @@ start=$(date +%s)
 rc_all=0
 for step in "$@"; do
   IFS=: read -r name shape via <<<"$step"
+  now=$(( $(date +%s) - start ))
   case "$name" in
     smoke) budget=${SMOKE_BUDGET_S:-150}; cmd=(python3 tests/gpu/smoke_cumem.py) ;;
     tests) budget=${TESTS_BUDGET_S:-300}
-           cmd=(python3 -m pytest tests/gpu --confcutdir tests/gpu -p no:warnings -p no:cacheprovider -q -rA --timeout 250) ;;
+           cmd=(python3 -m pytest tests/gpu --confcutdir tests/gpu -p no:warnings -p no:cacheprovider -v -rA --timeout 250) ;;
     bench) budget=${BENCH_BUDGET_S:-300}
            cmd=(python3 tests/gpu/bench_wake.py --shape "${shape:-llama3-8b}" --via "${via:-extension}") ;;
+    sidecar) budget=$(( DEADLINE - now - 5 ))
+             (( budget >= ${SIDECAR_MIN_S:-150} )) || budget=${SIDECAR_MIN_S:-150}
+             cmd=(python3 tests/gpu/bench_sidecar.py --shape "${shape:-llama3-8b}" --budget-s $(( budget - 25 ))) ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
-  now=$(( $(date +%s) - start ))
   if (( now + budget > DEADLINE )); then
     echo "=== SKIP $step (at ${now}s, budget ${budget}s, deadline ${DEADLINE}s)"; rc_all=1; continue
   fi
   echo "=== STEP $step at ${now}s: ${cmd[*]}"
   timeout -k 10 "$budget" "${cmd[@]}" 2>&1 | tee "$OUT/${step//:/-}.log" \
-    | grep -E --line-buffered "^\[bench\]|^\||^\{|passed|failed|error|Error|PASSED|FAILED|SKIPPED|Traceback|freed|took" | cut -c1-1500
+    | grep -E --line-buffered "^\[bench\]|^\[sidecar|^\||^\{|^fingerprint|^scales|^###|passed|failed|error|Error|PASSED|FAILED|SKIPPED|Traceback|freed|took" | cut -c1-1500
   rc=${PIPESTATUS[0]}
   echo "=== END $step rc=$rc after $(( $(date +%s) - start - now ))s"
   (( rc == 0 )) || rc_all=1
