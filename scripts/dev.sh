@@ -41,6 +41,8 @@ case "$cmd" in
     exit "$rc"
     ;;
   test)
+    # Prometheus/promtool for tests/deploy: a Debian package, installed once per machine.
+    scripts/system-deps.sh
     HOTSWAP_VENV=$(venv) scripts/check.sh "$@"
     ;;
   fix)
