@@ -689,6 +689,8 @@ class Manager:
             )
             for m in settings.models
         }
+        for name in self._models:
+            metrics.register_model(name)
 
     def get(self, name: str) -> ModelManager:
         try:

@@ -124,6 +124,14 @@ class Metrics:
         )
         registry.register(_StateCollector(snapshots))
 
+    def register_model(self, model: str, pools: Iterable[str] = ("weights", "kv_cache")) -> None:
+        """Create the model's counters at zero, so the first event shows in rate()/increase()
+        (a series that appears at its first value has no earlier sample to differ from)."""
+        self._verification_failures.labels(model)
+        for pool in pools:
+            self._released.labels(model, pool)
+            self._restored.labels(model, pool)
+
     def transition(
         self,
         model: str,

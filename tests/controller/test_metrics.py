@@ -65,3 +65,15 @@ def test_two_metrics_on_one_registry_collide() -> None:
     Metrics(registry, list)
     with pytest.raises(ValueError, match="Duplicated"):
         Metrics(registry, list)
+
+
+def test_registered_model_counters_start_at_zero() -> None:
+    """The first event of a model must be visible to rate(): its series exist beforehand."""
+    registry = CollectorRegistry()
+    metrics = Metrics(registry, list)
+    metrics.register_model("m")
+    assert registry.get_sample_value("hotswap_verification_failures_total", {"model": "m"}) == 0
+    for pool in ("weights", "kv_cache"):
+        labels = {"model": "m", "pool": pool}
+        assert registry.get_sample_value("hotswap_bytes_released_total", labels) == 0
+        assert registry.get_sample_value("hotswap_bytes_restored_total", labels) == 0
