@@ -31,22 +31,32 @@ cleanup() {
 trap cleanup EXIT
 export TMPDIR=$run_tmp
 
-step() { printf '\n== %s\n' "$*"; }
-step "ruff format --check"
-"$venv/bin/ruff" format --check .
-step "ruff check"
-"$venv/bin/ruff" check .
-step "mypy (strict: controller, worker_ext)"
-"$venv/bin/mypy"
-step "lint-imports"
-"$venv/bin/lint-imports"
-step "pytest $*"
+failed=()
+# Every step runs even after a failure, so one run shows everything that is wrong.
+step() {
+  local name=$1
+  shift
+  printf '\n== %s\n' "$name"
+  "$@" || failed+=("$name")
+}
+step "ruff format --check" "$venv/bin/ruff" format --check .
+step "ruff check" "$venv/bin/ruff" check .
+step "mypy (strict: controller, worker_ext)" "$venv/bin/mypy"
+step "lint-imports" "$venv/bin/lint-imports"
+
+printf '\n== pytest %s\n' "$*"
 rc=0
 # --durations: the slowest steps (engine start-ups) are where CI time goes.
 "$venv/bin/python" -m pytest --durations=15 "$@" || rc=$?
 if [ "$rc" -eq 5 ]; then
-  echo "check: FAILED: pytest collected no test at all (exit 5); a run that tests nothing is not green" >&2
+  echo "check: pytest collected no test at all (exit 5); a run that tests nothing is not green" >&2
+  failed+=("pytest (no tests)")
+elif [ "$rc" -ne 0 ]; then
+  failed+=("pytest (exit $rc)")
+fi
+
+if [ ${#failed[@]} -gt 0 ]; then
+  printf 'check: FAILED: %s\n' "$(IFS=,; echo "${failed[*]}" | sed 's/,/, /g')" >&2
   exit 1
 fi
-[ "$rc" -eq 0 ] && echo "check: all green" || echo "check: FAILED (pytest exit $rc)" >&2
-exit "$rc"
+echo "check: all green"
