@@ -145,6 +145,9 @@ class ModelManager:
         self._task: asyncio.Task[Outcome] | None = None
         self._task_kind: Request | None = None
         self._served_model = settings.served_model_name
+        # Set once the engine is seen unreachable after a failure: the process was restarted,
+        # so its RPC queues are fresh and a new probe is safe.
+        self._seen_down_since_failure = False
 
     # ---- state -------------------------------------------------------------------------
 
@@ -620,6 +623,33 @@ class ModelManager:
         if self._snap.state is not State.FAILED:
             self._apply(Event.FAIL, verified=False, last_error=reason)
 
+    async def check_recovered(self) -> bool:
+        """Attached engine in FAILED: probe it afresh once it is safe to, i.e. when it failed
+        before ever being reached, or after it was seen down (restarted, so its RPC reply
+        queues are fresh). An engine that stayed up after a failed RPC is never called again:
+        its replies may be out of step. Returns True when a new probe ran."""
+        if self._snap.state is not State.FAILED or self._lock.locked():
+            return False
+        try:
+            up = await self.engine.health(timeout_s=self.timeouts.probe_s)
+        except EngineError:
+            up = False
+        if not up:
+            self._seen_down_since_failure = True
+            return False
+        last = self._snap.last_transition
+        never_reached = last is not None and last.kind == "start" and last.failed_phase == "health"
+        if not (never_reached or self._seen_down_since_failure):
+            return False
+        log.info(
+            "%s: engine answers again after a failure; probing it afresh",
+            self.name,
+            extra={"model": self.name, "phase": "probe", "rank": None},
+        )
+        self._seen_down_since_failure = False
+        await self.probe()
+        return True
+
     async def _probe_health(self) -> list[dict[str, Any]]:
         if not await self.engine.health(timeout_s=self.timeouts.probe_s):
             raise EngineError("/health answered 503: the engine is dead")
@@ -654,6 +684,14 @@ class ModelManager:
 
     async def info(self) -> list[dict[str, Any]]:
         return await self._passthrough("hotswap_info")
+
+
+def _log_task_end(task: asyncio.Task[None]) -> None:
+    """A background task of the fleet logs its own death at once."""
+    if task.cancelled():
+        log.debug("task %s cancelled", task.get_name())
+    elif (exc := task.exception()) is not None:
+        log.error("task %s died: %r", task.get_name(), exc, exc_info=exc)
 
 
 class _Late(RankError):
@@ -691,6 +729,7 @@ class Manager:
         }
         for name in self._models:
             metrics.register_model(name)
+        self._watcher: asyncio.Task[None] | None = None
 
     def get(self, name: str) -> ModelManager:
         try:
@@ -706,11 +745,25 @@ class Manager:
 
     async def start(self) -> None:
         """Probe every engine at once; an unreachable one is FAILED, not fatal to the sidecar.
-        Managed engines are left UNKNOWN: the supervisor starts and probes them."""
-        await asyncio.gather(*(m.probe() for m in self._models.values() if not m.settings.managed))
+        Managed engines are left UNKNOWN: the supervisor starts and probes them. Attached
+        engines that are FAILED are then watched until they come back (`check_recovered`)."""
+        attached = [m for m in self._models.values() if not m.settings.managed]
+        await asyncio.gather(*(m.probe() for m in attached))
+        if attached:
+            self._watcher = asyncio.create_task(self._watch(attached), name="watch-attached")
+            self._watcher.add_done_callback(_log_task_end)
+
+    async def _watch(self, models: list[ModelManager]) -> None:
+        interval = self.settings.timeouts.reprobe_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            await asyncio.gather(*(m.check_recovered() for m in models), return_exceptions=True)
 
     async def stop(self) -> None:
         """Wait up to timeouts.shutdown_s for transitions in flight, cancel the rest, close."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
         tasks = [t for m in self._models.values() if (t := m.task) is not None]
         if tasks:
             log.info(

@@ -62,6 +62,12 @@ class TimeoutSettings(BaseModel):
         30.0, ge=0, description="Default drain timeout of a sleep with drain=wait."
     )
     probe_s: float = Field(5.0, gt=0, description="Start-up probe of an attached engine.")
+    reprobe_interval_s: float = Field(
+        2.0,
+        gt=0,
+        description="How often a FAILED attached engine is checked for having come back; "
+        "short against a vLLM restart (tens of seconds), so the outage is always seen.",
+    )
     shutdown_s: float = Field(
         30.0, ge=0, description="How long shutdown waits for transitions in flight."
     )

@@ -844,3 +844,64 @@ async def test_bad_request_values_are_refused_before_anything_changes() -> None:
     assert rig.m.snapshot().state is State.RUNNING
     assert rig.world.calls == []
     await rig.manager.stop()
+
+
+async def _refuse(r: httpx.Request) -> httpx.Response:
+    raise httpx.ConnectError("connection refused", request=r)
+
+
+@pytest.mark.anyio
+async def test_engine_unreachable_at_start_is_probed_once_it_answers() -> None:
+    rig = make_rig()
+    rig.world.overrides["/health"] = _refuse
+    await rig.manager.start()
+    assert rig.m.snapshot().state is State.FAILED
+    assert not await rig.m.check_recovered()  # still down
+    del rig.world.overrides["/health"]
+    assert await rig.m.check_recovered()
+    assert rig.m.snapshot().state is State.RUNNING
+    assert rig.m.snapshot().ready
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_engine_failed_mid_transition_is_never_called_again_until_it_restarts() -> None:
+    """A failed RPC may leave vLLM's reply queues out of step: no new RPC to the same process;
+    only after the engine was seen down (restarted) is it probed afresh."""
+    rig = await started()
+
+    async def boom(r: httpx.Request) -> httpx.Response:
+        return httpx.Response(500, json={"error": {"message": "Call to collective_rpc failed"}})
+
+    rig.world.overrides["hotswap_prepare"] = boom
+    with pytest.raises(EngineError):
+        await rig.m.sleep(1)
+    assert rig.m.snapshot().state is State.FAILED
+    rig.world.calls.clear()
+    assert not await rig.m.check_recovered()  # up, but the same process: hands off
+    assert rig.world.calls == ["/health"]
+    rig.world.overrides["/health"] = _refuse  # the operator restarts the engine...
+    assert not await rig.m.check_recovered()
+    del rig.world.overrides["/health"]  # ...and it answers again: a fresh process
+    del rig.world.overrides["hotswap_prepare"]
+    rig.world.paused, rig.world.suspended, rig.world.level = False, {}, None
+    assert await rig.m.check_recovered()
+    assert rig.m.snapshot().state is State.RUNNING
+    await rig.m.sleep(1)  # and it serves transitions again
+    assert rig.m.snapshot().state is State.SUSPENDED
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_the_watcher_task_recovers_a_failed_engine_in_the_background() -> None:
+    rig = make_rig(reprobe_interval_s=0.01)
+    rig.world.overrides["/health"] = _refuse
+    await rig.manager.start()
+    assert rig.m.snapshot().state is State.FAILED
+    del rig.world.overrides["/health"]
+    for _ in range(200):  # bounded: 2 s at most
+        if rig.m.snapshot().state is State.RUNNING:
+            break
+        await asyncio.sleep(0.01)
+    assert rig.m.snapshot().state is State.RUNNING
+    await rig.manager.stop()
