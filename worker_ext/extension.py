@@ -207,6 +207,9 @@ class HotSwapExtension:
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, got {level}")
         st = self._hotswap_state()
+        refresh = getattr(st.backend, "refresh", None)
+        if callable(refresh) and not st.backend.suspended():
+            refresh()
         recs = self._hotswap_records() if records is None else records
         return ownership.judge(recs, level, st.backend.tag_of)
 

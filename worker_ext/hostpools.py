@@ -14,6 +14,7 @@ they are (host memory already; an offload copy would free nothing).
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import ctypes.util
 import logging
@@ -84,6 +85,7 @@ class HostBackend:
         self._members: dict[str, list[_Storage]] = {}
         self._asleep: dict[str, str] = {}
         self._dropped_kernels = 0
+        self._ranges: list[tuple[int, int, str]] | None = None
 
     # membership -------------------------------------------------------------
 
@@ -98,14 +100,31 @@ class HostBackend:
         for rec in ownership.walk(model, runner):
             if rec.is_kv:
                 members[KV_CACHE].append(_Storage(rec.name, rec.tensor))
-            elif rec.name.startswith("model.") and rec.nbytes:
+            elif rec.kind != ownership.RUNNER and rec.nbytes:
                 members[WEIGHTS].append(_Storage(rec.name, rec.tensor))
         self._members = members
 
+    def refresh(self) -> None:
+        """Re-read membership (the model may have gained tensors); only while all awake."""
+        if not self._asleep:
+            self._scan()
+        self._ranges = None
+
     def _pool(self, tag: str) -> list[_Storage]:
-        if not self._members or not self._asleep:
+        if not self._members:
             self._scan()
         return self._members.get(tag, [])
+
+    def _range_table(self) -> list[tuple[int, int, str]]:
+        if self._ranges is None:
+            table = []
+            for tag in (KV_CACHE, WEIGHTS):
+                for s in self._pool(tag):
+                    base = int(s.storage.data_ptr())
+                    if base:
+                        table.append((base, base + s.nbytes, tag))
+            self._ranges = sorted(table)
+        return self._ranges
 
     # PoolBackend ------------------------------------------------------------
 
@@ -113,11 +132,12 @@ class HostBackend:
         return {tag: sum(s.nbytes for s in self._pool(tag)) for tag in (WEIGHTS, KV_CACHE)}
 
     def tag_of(self, data_ptr: int, nbytes: int) -> str:
-        for tag in (KV_CACHE, WEIGHTS):
-            for s in self._pool(tag):
-                base = int(s.storage.data_ptr())
-                if base and base <= data_ptr and data_ptr + nbytes <= base + s.nbytes:
-                    return tag
+        table = self._range_table()
+        i = bisect.bisect_right(table, (data_ptr, 1 << 64, "")) - 1
+        if i >= 0:
+            base, end, tag = table[i]
+            if base <= data_ptr and data_ptr + nbytes <= end:
+                return tag
         return UNPOOLED
 
     def suspended(self) -> dict[str, str]:
@@ -134,6 +154,7 @@ class HostBackend:
                 raise RuntimeError(f"pool {tag!r} is already suspended")
         if not self._asleep:
             self._scan()
+        self._ranges = None
         freed: dict[str, int] = {}
         offloaded: dict[str, int] = {}
         for tag in tags:
@@ -185,6 +206,7 @@ class HostBackend:
                 n = sum(s.nbytes for s in members)
             restored[tag] = n
             del self._asleep[tag]
+        self._ranges = None  # re-allocated storages live at new addresses
         return {"restored_bytes": restored}
 
     # extras for the extension and tests -------------------------------------

