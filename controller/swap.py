@@ -262,7 +262,7 @@ class SwapCoordinator:
             plan = self.plan(name, allow_evict=evict)
             fields = {"model": name, "phase": "policy"}
             log.info(
-                "%s: wake %s: %s",
+                "%s: wake plan %s: %s",
                 name,
                 plan.decision.value,
                 plan.reason,
@@ -322,7 +322,7 @@ class SwapCoordinator:
         ]
         plan = plan_wake(name, views, self.budget(self.device(name)), self._clock())
         fields = {"model": name, "phase": "policy"}
-        log.info("%s: start %s: %s", name, plan.decision.value, plan.reason, extra=fields)
+        log.info("%s: start plan %s: %s", name, plan.decision.value, plan.reason, extra=fields)
         evicted = []
         if plan.decision is Decision.EVICT:
             for victim in plan.evict:
