@@ -2,7 +2,8 @@
 
 Fingerprints (worker_ext.fingerprint) are taken of every non-KV storage at prepare and
 again at verify, all tensors in one batch per device with one host transfer; verification
-is an exact comparison of those fingerprints.
+is an exact comparison of those fingerprints. Verify reads byte-adjacent storages as one
+span each and names the differing tensors from per-storage baselines only on a mismatch.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from worker_ext.fingerprint import ROW_WORDS, Plan, fingerprint, storage_bytes
+from worker_ext.fingerprint import ROW_WORDS, Baseline, Plan, fingerprint, storage_bytes
 from worker_ext.ownership import TensorRecord, storage_key
 
 # Older name of the fingerprint's reduction granularity (tests/worker_ext/test_units.py
@@ -37,6 +38,7 @@ class Snapshot:
     level: int
     entries: list[_Entry] = field(default_factory=list)
     plan: Plan | None = None  # fingerprints the entries' original storages, in order
+    baseline: Baseline | None = None  # the plan's values at prepare
 
     @property
     def protected(self) -> list[_Entry]:
@@ -49,7 +51,8 @@ def prepare(level: int, records: list[TensorRecord], at_risk: set[str], pin: boo
     kept = [rec for rec in records if not rec.is_kv]
     aliases = [rec.tensor.detach() for rec in kept]
     plan = Plan(aliases)
-    fps = plan.run()
+    base = plan.baseline()
+    fps = plan.per_tensor(base)
     for rec, alias, fp in zip(kept, aliases, fps, strict=True):
         t = rec.tensor
         entry = _Entry(
@@ -66,6 +69,7 @@ def prepare(level: int, records: list[TensorRecord], at_risk: set[str], pin: boo
             entry.backup = backup
         snap.entries.append(entry)
     snap.plan = plan
+    snap.baseline = base
     if pin and torch.cuda.is_available():
         torch.cuda.synchronize()
     return snap
@@ -115,7 +119,9 @@ def restore(snap: Snapshot) -> int:
 
 def verify(snap: Snapshot) -> tuple[int, list[str]]:
     """(count checked, names whose bytes differ from prepare time)."""
-    plan = snap.plan if snap.plan is not None else Plan([e.alias for e in snap.entries])
-    now = plan.run()
-    mismatched = [e.record.name for e, fp in zip(snap.entries, now, strict=True) if fp != e.fp]
-    return len(snap.entries), mismatched
+    if snap.plan is None or snap.baseline is None:
+        now = Plan([e.alias for e in snap.entries], coalesce=False).run()
+        bad = [i for i, (e, fp) in enumerate(zip(snap.entries, now, strict=True)) if fp != e.fp]
+    else:
+        bad = snap.plan.changed(snap.baseline)
+    return len(snap.entries), [snap.entries[i].record.name for i in bad]

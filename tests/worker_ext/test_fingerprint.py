@@ -134,3 +134,128 @@ def test_unaligned_storage_is_fingerprinted_byte_by_byte() -> None:
         assert fingerprint(t) != fp, byte
         _flip(t, byte, 2)
     assert fingerprint(t) == fp
+
+
+# -- spans: byte-adjacent storages checked as one, mismatches named per tensor ----------
+
+
+def _packed(
+    specs: list[tuple[int, torch.dtype]], gap: int = 0, seed: int = 11
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Tensors with their own storages packed into one buffer (as the caching allocator
+    packs weights), `gap` bytes of other memory between neighbours."""
+    sizes = [n * torch.empty(0, dtype=d).element_size() for n, d in specs]
+    base = torch.randint(0, 256, (sum(sizes) + gap * len(sizes),), dtype=torch.uint8)
+    arr = base.numpy()
+    out, off = [], 0
+    for (n, d), size in zip(specs, sizes, strict=True):
+        out.append(torch.frombuffer(arr, dtype=d, count=n, offset=off))
+        off += size + gap
+    g = torch.Generator().manual_seed(seed)
+    for t in out:
+        t.view(torch.uint8).copy_(
+            torch.randint(0, 256, (t.numel() * t.element_size(),), generator=g)
+        )
+    return base, out
+
+
+SPECS = [
+    (ROW_WORDS * 8, torch.bfloat16),  # 8 KiB
+    (64, torch.float32),
+    (ROW_WORDS * 3 + 4, torch.float32),
+    (8, torch.int64),
+    (ROW_WORDS * 4 * 2, torch.int8),
+]
+
+
+def test_adjacent_storages_form_one_span_and_a_flip_names_its_tensor() -> None:
+    _base, ts = _packed(SPECS)
+    assert len({t.untyped_storage().data_ptr() for t in ts}) == len(ts)  # own storages
+    plan = Plan(ts)
+    assert (plan.n_storages, plan.n_spans) == (len(ts), 1)
+    ref = plan.baseline()
+    assert plan.per_tensor(ref) == fingerprints(ts)  # the per-tensor values are unchanged
+    assert plan.changed(ref) == []
+    for k, t in enumerate(ts):
+        n = storage_bytes(t).numel()
+        for byte in sorted({0, n // 2, n - 1}):
+            _flip(t, byte, 5)
+            assert plan.changed(ref) == [k], (k, byte)
+            _flip(t, byte, 5)
+    assert plan.changed(ref) == []
+    _flip(ts[0], 3, 1)
+    _flip(ts[3], 60, 0)
+    assert plan.changed(ref) == [0, 3]
+
+
+def test_a_span_sees_swapped_neighbours() -> None:
+    _, ts = _packed([(ROW_WORDS * 2, torch.float32), (ROW_WORDS * 2, torch.float32)])
+    plan = Plan(ts)
+    assert plan.n_spans == 1
+    ref = plan.baseline()
+    a, b = ts[0].clone(), ts[1].clone()
+    ts[0].copy_(b)
+    ts[1].copy_(a)  # the same bytes, the two tensors' halves swapped
+    assert plan.changed(ref) == [0, 1]
+
+
+def test_gaps_between_storages_are_never_read() -> None:
+    base, ts = _packed(SPECS, gap=8)
+    plan = Plan(ts)
+    assert plan.n_spans == len(ts)  # not adjacent: no span crosses allocator free space
+    ref = plan.baseline()
+    end = storage_bytes(ts[0]).numel()
+    base[end : end + 8].bitwise_not_()  # the gap after the first tensor
+    base[-8:].bitwise_not_()  # the gap after the last
+    assert plan.changed(ref) == []
+    _flip(ts[2], 7, 7)
+    assert plan.changed(ref) == [2]
+
+
+def test_a_span_that_differs_while_its_storages_agree_names_all_of_them() -> None:
+    _, ts = _packed(SPECS[:3])
+    plan = Plan(ts)
+    ref = plan.baseline()
+    spans = list(ref.spans)
+    spans[0] = (spans[0][0], spans[0][1] ^ 1, spans[0][2])
+    assert plan.changed(fpmod.Baseline(spans, ref.storages)) == [0, 1, 2]  # never silent
+
+
+def test_shared_storages_and_mixed_spans_name_every_tensor_on_them() -> None:
+    _, ts = _packed(SPECS[:2])
+    lone = _rand((ROW_WORDS + 3,), torch.float32, 12)
+    tensors = [ts[0], lone, ts[1], ts[0].view(-1)[5:], lone[1:]]
+    plan = Plan(tensors)
+    assert (plan.n_storages, plan.n_spans) == (3, 2)
+    ref = plan.baseline()
+    assert plan.per_tensor(ref) == fingerprints(tensors)
+    _flip(ts[0], 0, 0)
+    assert plan.changed(ref) == [0, 3]
+    _flip(ts[0], 0, 0)
+    lone[0] += 1
+    assert plan.changed(ref) == [1, 4]
+
+
+def test_no_coalescing_when_asked() -> None:
+    _, ts = _packed(SPECS)
+    plan = Plan(ts, coalesce=False)
+    assert plan.n_spans == len(ts)
+    ref = plan.baseline()
+    _flip(ts[4], 9, 3)
+    assert plan.changed(ref) == [4]
+
+
+def test_snapshot_verify_names_one_changed_element_in_packed_weights() -> None:
+    from worker_ext import ownership, snapshot
+
+    _, ts = _packed(SPECS[:4])
+    model = torch.nn.Module()
+    for i, t in enumerate(ts):
+        model.register_parameter(f"p{i}", torch.nn.Parameter(t, requires_grad=False))
+    recs = ownership.walk(model, None)
+    snap = snapshot.prepare(1, recs, set(), pin=False)
+    assert snap.plan is not None
+    assert snap.plan.n_spans == 1
+    assert snapshot.verify(snap) == (4, [])
+    model.p2.data.view(torch.int32).view(-1)[ROW_WORDS] ^= 1  # one element of one weight
+    assert snapshot.verify(snap) == (4, ["p2"])
