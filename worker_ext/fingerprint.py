@@ -62,6 +62,7 @@ class _CudaRange:
         self.__cuda_array_interface__ = {
             "shape": (n,),
             "typestr": "|u1",
+            "strides": None,
             "data": (ptr, False),
             "version": 2,
         }

@@ -28,6 +28,30 @@ class GpuTestExtension(HotSwapExtension):
         return {"checksum": total}
 
     @rpc
+    def hotswap_test_flip(self, name: str | None = None) -> dict[str, Any]:
+        """XOR one bit of one element in the middle of a weight's storage (the first
+        non-KV record of at least 8 KiB, or `name`); call again with its name to undo."""
+        from worker_ext.fingerprint import storage_bytes
+        from worker_ext.ownership import PARAMETER
+
+        recs = [r for r in self._hotswap_records() if not r.is_kv]
+        if name is None:
+            rec = next(r for r in recs if r.kind == PARAMETER and r.nbytes >= 8192)
+        else:
+            rec = next(r for r in recs if r.name == name)
+        raw = storage_bytes(rec.tensor)
+        raw[raw.numel() // 2 + 3].bitwise_xor_(16)
+        torch.cuda.synchronize()
+        snap = self._hotswap_state().snap
+        plan = snap.plan if snap is not None else None
+        return {
+            "name": rec.name,
+            "records": len(recs),
+            "spans": plan.n_spans if plan is not None else None,
+            "storages": plan.n_storages if plan is not None else None,
+        }
+
+    @rpc
     def hotswap_test_scales(self) -> dict[str, Any]:
         """Gemma3n's plain-attribute scale tensors (not parameters, not buffers) by path."""
         model = self._hotswap_model()

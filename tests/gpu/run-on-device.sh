@@ -2,7 +2,7 @@
 # One-command GPU run on the lent device, from the repo root, after the vLLM bundle:
 #   . .gpu/install-vllm-bundle.sh || exit 1; bash tests/gpu/run-on-device.sh STEP...
 # STEP: smoke | tests | bench:SHAPE[:via] (SHAPE tiny|llama3-8b|qwen25-14b, via
-# extension|backend; both HOTSWAP_RESUME_KV variants) | sidecar:SHAPE (bench_sidecar.py;
+# extension|backend; BENCH_ARGS adds bench_wake.py options, e.g. "--kv-modes wait") | sidecar:SHAPE (bench_sidecar.py;
 # needs the controller's wheels on PYTHONPATH).
 # Each step runs in its own process with a time budget and is skipped when it would end
 # past DEADLINE seconds (default 560); the sidecar step takes what is left (at least
@@ -21,7 +21,11 @@ for step in "$@"; do
     tests) budget=${TESTS_BUDGET_S:-300}
            cmd=(python3 -m pytest tests/gpu --confcutdir tests/gpu -p no:warnings -p no:cacheprovider -v -rA --timeout 250) ;;
     bench) budget=${BENCH_BUDGET_S:-300}
-           cmd=(python3 tests/gpu/bench_wake.py --shape "${shape:-llama3-8b}" --via "${via:-extension}") ;;
+           # a bench takes what is left before DEADLINE, down to BENCH_MIN_S
+           (( DEADLINE - now - 5 < budget )) && budget=$(( DEADLINE - now - 5 ))
+           (( budget >= ${BENCH_MIN_S:-90} )) || budget=${BENCH_MIN_S:-90}
+           # shellcheck disable=SC2206  # BENCH_ARGS: extra words, e.g. "--kv-modes wait"
+           cmd=(python3 tests/gpu/bench_wake.py --shape "${shape:-llama3-8b}" --via "${via:-extension}" ${BENCH_ARGS:-}) ;;
     sidecar) budget=$(( DEADLINE - now - 5 ))
              (( budget >= ${SIDECAR_MIN_S:-150} )) || budget=${SIDECAR_MIN_S:-150}
              cmd=(python3 tests/gpu/bench_sidecar.py --shape "${shape:-llama3-8b}" --budget-s $(( budget - 25 ))) ;;

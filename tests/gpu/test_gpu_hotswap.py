@@ -93,3 +93,22 @@ def test_audit_table_tiny_llama(llama: Engine) -> None:
         assert rep["count"] == len(rep["tensors"]) > 0
         assert any(r["pool"] == "weights" for r in rep["tensors"])
         print(audit_table("tiny Llama (GPU, cumem)", rep))
+
+
+def test_one_flipped_weight_element_after_resume_is_named(llama: Engine) -> None:
+    base = llama.gen()
+    llama.sleep(1)
+    llama.rpc("hotswap_resume", ["weights"])
+    llama.rpc("hotswap_resume", ["kv_cache"])
+    flip = llama.rpc("hotswap_test_flip")
+    print("flipped", flip)
+    v = llama.rpc("hotswap_restore_and_verify", ok=False)
+    assert not v["ok"]
+    assert v["mismatched"] == [flip["name"]], v
+    assert flip["name"] in v["error"]
+    llama.rpc("hotswap_test_flip", flip["name"])  # undo: the same bit back
+    assert llama.gen() == base
+    # the next cycle verifies clean again
+    llama.sleep(1)
+    assert llama.wake(1)["verify"]["mismatched"] == []
+    assert llama.gen() == base
