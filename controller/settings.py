@@ -211,13 +211,13 @@ class Settings(BaseSettings):
     config_file: Path | None = Field(
         None, description="YAML models file; its values sit below env vars."
     )
-    server: ServerSettings = Field(default_factory=ServerSettings)  # type: ignore[arg-type]
-    auth: AuthSettings = Field(default_factory=AuthSettings)  # type: ignore[arg-type]
-    timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)  # type: ignore[arg-type]
-    log: LogSettings = Field(default_factory=LogSettings)  # type: ignore[arg-type]
-    gateway: GatewaySettings = Field(default_factory=GatewaySettings)  # type: ignore[arg-type]
-    swap: SwapSettings = Field(default_factory=SwapSettings)  # type: ignore[arg-type]
-    supervisor: SupervisorSettings = Field(default_factory=SupervisorSettings)  # type: ignore[arg-type]
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    auth: AuthSettings = Field(default_factory=AuthSettings)
+    timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
+    log: LogSettings = Field(default_factory=LogSettings)
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    swap: SwapSettings = Field(default_factory=SwapSettings)
+    supervisor: SupervisorSettings = Field(default_factory=SupervisorSettings)
     models: list[ModelSettings] = Field(default_factory=list)
 
     @field_validator("models")
