@@ -30,7 +30,7 @@ from typing import IO
 import httpx
 
 from controller.errors import HotswapError
-from controller.settings import ModelSettings
+from controller.settings import ModelSettings, flag_value
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +102,9 @@ class EngineSpec:
     ) -> EngineSpec:
         """A managed model's engine: its argv, on 127.0.0.1 at `port` unless it says so."""
         argv = list(command)
-        if "--host" not in argv:
+        if flag_value(argv, "--host") is None:
             argv += ["--host", LOOPBACK]
-        if "--port" not in argv:
+        if flag_value(argv, "--port") is None:
             argv += ["--port", str(port)]
         return cls(
             model=Path(),

@@ -8,6 +8,7 @@ the YAML models file, then the defaults below.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -138,6 +139,17 @@ class SupervisorSettings(BaseModel):
     )
 
 
+def flag_value(argv: Sequence[str], flag: str) -> str | None:
+    """The value of `flag` in argv, given as `--flag VALUE` or `--flag=VALUE`; "" when the
+    flag ends argv without a value; None when absent."""
+    for i, arg in enumerate(argv):
+        if arg == flag:
+            return argv[i + 1] if i + 1 < len(argv) else ""
+        if arg.startswith(flag + "="):
+            return arg[len(flag) + 1 :]
+    return None
+
+
 class ModelSettings(BaseModel):
     """One vLLM OpenAI server the sidecar knows by name."""
 
@@ -192,10 +204,12 @@ class ModelSettings(BaseModel):
             raise ValueError("a managed engine must listen on 127.0.0.1 (dev endpoints stay local)")
         if self.port is not None and parts.port != self.port:
             raise ValueError(f"url {self.url} and port {self.port} disagree")
-        if "--host" in self.command:
-            host = self.command[self.command.index("--host") + 1 :][:1]
-            if host != ["127.0.0.1"]:
-                raise ValueError("a managed engine's --host must be 127.0.0.1")
+        host = flag_value(self.command, "--host")
+        if host is not None and host != "127.0.0.1":
+            raise ValueError("a managed engine's --host must be 127.0.0.1")
+        port = flag_value(self.command, "--port")
+        if port is not None and port != str(parts.port):
+            raise ValueError(f"the command's --port {port} disagrees with the model's port")
         return self
 
     @property

@@ -1,0 +1,82 @@
+"""Settings: the YAML models file, environment overrides and managed-command checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from controller.settings import ModelSettings, Settings, flag_value, load_settings
+from controller.state import Gate
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "models.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_yaml_models_file_and_env_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _write(
+        tmp_path,
+        "server: {port: 9000}\n"
+        "models:\n"
+        "  - {name: a, url: 'http://127.0.0.1:8001/'}\n"
+        "  - {name: b, url: 'http://127.0.0.1:8002', gate: swappable, default_level: 2}\n",
+    )
+    monkeypatch.setenv("HOTSWAP_SERVER__PORT", "9100")
+    settings = load_settings(config_file=path)
+    assert settings.server.port == 9100  # env beats the file
+    assert [m.name for m in settings.models] == ["a", "b"]
+    assert settings.models[0].url == "http://127.0.0.1:8001"  # trailing slash dropped
+    assert settings.models[1].gate is Gate.SWAPPABLE
+    assert settings.models[1].default_level == 2
+    # CLI values (init kwargs) beat the environment.
+    assert load_settings(config_file=path, server={"port": 9200}).server.port == 9200
+
+
+def test_duplicate_names_and_bad_file_are_refused(tmp_path: Path) -> None:
+    dup = _write(
+        tmp_path, "models:\n  - {name: a, url: 'http://x'}\n  - {name: a, url: 'http://y'}\n"
+    )
+    with pytest.raises(ValidationError, match="duplicate model names: a"):
+        load_settings(config_file=dup)
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ValueError, match="must be a mapping"):
+        Settings(config_file=tmp_path / "list.yaml")
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--host", "127.0.0.1"], "127.0.0.1"),
+        (["--host=0.0.0.0"], "0.0.0.0"),
+        (["--port", "8001", "--host"], ""),
+        (["--hostname", "x"], None),
+        ([], None),
+    ],
+)
+def test_flag_value_reads_both_spellings(argv: list[str], expected: str | None) -> None:
+    assert flag_value(argv, "--host") == expected
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["vllm", "--host", "0.0.0.0"],
+        ["vllm", "--host=0.0.0.0"],
+        ["vllm", "--port=9999"],
+    ],
+)
+def test_managed_command_stays_on_loopback_and_its_port(command: list[str]) -> None:
+    with pytest.raises(ValidationError):
+        ModelSettings.model_validate({"name": "m", "port": 8001, "command": command})
+
+
+def test_managed_command_on_loopback_is_accepted() -> None:
+    m = ModelSettings.model_validate(
+        {"name": "m", "port": 8001, "command": ["vllm", "--host=127.0.0.1", "--port", "8001"]}
+    )
+    assert m.managed
+    assert m.url == "http://127.0.0.1:8001"
