@@ -395,13 +395,12 @@ def create_app(
     if token is not None and not token.get_secret_value():
         raise ValueError("auth.token is set but empty; unset it to disable auth")
     reg = registry if registry is not None else CollectorRegistry()
-    # The collector reads `mgr` at scrape time, so it may be bound after the Metrics is made.
     if manager is None:
-        mgr = Manager(settings, Metrics(reg, lambda: mgr.snapshots().values()))
+        mgr = Manager(settings, Metrics(reg))  # the manager binds its state collector
     else:
         mgr = manager
         if registry is None:
-            Metrics(reg, lambda: mgr.snapshots().values())
+            Metrics(reg, mgr.snapshots)
     # Hot swap (a budget, managed engines, the gateway): the swap policy's coordinator, and
     # the supervisor of the engines this process starts.
     if coordinator is None and settings.hot_swap:

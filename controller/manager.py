@@ -729,6 +729,8 @@ class Manager:
         }
         for name in self._models:
             metrics.register_model(name)
+        if not metrics.bound:
+            metrics.read_from(self.snapshots)
         self._watcher: asyncio.Task[None] | None = None
 
     def get(self, name: str) -> ModelManager:

@@ -76,8 +76,13 @@ class _StateCollector:
 class Metrics:
     """The sidecar's own metrics (contracts.md section 4)."""
 
-    def __init__(self, registry: CollectorRegistry, snapshots: Callable[[], Snapshots]) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, snapshots: Callable[[], Snapshots] | None = None
+    ) -> None:
+        """`snapshots` is what the state collector reads at scrape time; when None, the
+        Manager given these metrics binds its own (`read_from`)."""
         self.registry = registry
+        self._collector: _StateCollector | None = None
         self._transitions = Counter(
             "hotswap_transitions_total",
             "Finished sleep/wake/start transitions.",
@@ -122,7 +127,19 @@ class Metrics:
             ["model", "method", "reason"],
             registry=registry,
         )
-        registry.register(_StateCollector(snapshots))
+        if snapshots is not None:
+            self.read_from(snapshots)
+
+    @property
+    def bound(self) -> bool:
+        return self._collector is not None
+
+    def read_from(self, snapshots: Callable[[], Snapshots]) -> None:
+        """Register the state collector over `snapshots`; once per Metrics."""
+        if self._collector is not None:
+            raise RuntimeError("these metrics already read the state of a manager")
+        self._collector = _StateCollector(snapshots)
+        self.registry.register(self._collector)
 
     def register_model(self, model: str, pools: Iterable[str] = ("weights", "kv_cache")) -> None:
         """Create the model's counters at zero, so the first event shows in rate()/increase()

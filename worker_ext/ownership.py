@@ -30,7 +30,7 @@ SLOT_BUFFER = "buffer"  # owner._buffers[key]
 SLOT_ATTR = "attr"  # owner.__dict__[key]
 SLOT_ITEM = "item"  # owner[key] (list or dict)
 
-RUNNER_MAX_DEPTH = 4
+RUNNER_MAX_DEPTH = 6  # runner > input_batch > block_table > block_tables > BlockTable > buffer
 CONTAINER_MAX_DEPTH = 2
 CONTAINER_MAX_ITEMS = (
     512  # runner dicts keyed by request can be long; they hold no persistent state

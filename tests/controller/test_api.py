@@ -44,14 +44,12 @@ def make_manager(
     settings: Settings, fakes: dict[str, FakeVllm], registry: CollectorRegistry
 ) -> Manager:
     by_url = {m.url: fakes[m.name] for m in settings.models}
-    holder: list[Manager] = []
-    metrics = Metrics(registry, lambda: holder[0].snapshots())
+    metrics = Metrics(registry)
 
     def engine_factory(model: ModelSettings, timeouts: TimeoutSettings) -> EngineClient:
         return EngineClient(model.url, transport=by_url[model.url].transport(), timeouts=timeouts)
 
     manager = Manager(settings, metrics, engine_factory=engine_factory)
-    holder.append(manager)
     return manager
 
 

@@ -171,15 +171,11 @@ class LiveSidecar:
             timeouts=TimeoutSettings(shutdown_s=2.0),
         )
         registry = CollectorRegistry()
-        holder: list[Manager] = []
 
         def factory(m: ModelSettings, timeouts: TimeoutSettings) -> EngineClient:
             return EngineClient(m.url, transport=fakes[m.name].transport(), timeouts=timeouts)
 
-        manager = Manager(
-            self.settings, Metrics(registry, lambda: holder[0].snapshots()), engine_factory=factory
-        )
-        holder.append(manager)
+        manager = Manager(self.settings, Metrics(registry), engine_factory=factory)
         app = api.create_app(self.settings, manager, registry)
         config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="on")
         self.server = uvicorn.Server(config)

@@ -127,14 +127,12 @@ async def world(
     )
     router = Router(engines)
     registry = CollectorRegistry()
-    holder: list[Manager] = []
-    metrics = Metrics(registry, lambda: holder[0].snapshots())
+    metrics = Metrics(registry)
 
     def factory(model: ModelSettings, timeouts: TimeoutSettings) -> EngineClient:
         return EngineClient(model.url, transport=router, timeouts=timeouts)
 
     manager = Manager(settings, metrics, engine_factory=factory)
-    holder.append(manager)
     swap_metrics = SwapMetrics(registry)
     coordinator = SwapCoordinator(manager, settings, swap_metrics)
     app = create_gateway(settings, manager, coordinator, swap_metrics, transport=router)

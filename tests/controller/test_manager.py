@@ -185,8 +185,7 @@ def make_rig(
         timeouts=TimeoutSettings(**timeouts),  # type: ignore[arg-type]
     )
     registry = CollectorRegistry()
-    holder: list[Manager] = []
-    metrics = Metrics(registry, lambda: holder[0].snapshots())
+    metrics = Metrics(registry)
 
     def factory(m: ModelSettings, t: TimeoutSettings) -> EngineClient:
         transport: httpx.AsyncBaseTransport = httpx.MockTransport(world)
@@ -195,7 +194,6 @@ def make_rig(
         return EngineClient(m.url, transport=transport, timeouts=t)
 
     manager = Manager(settings, metrics, factory, clock.wall, monotonic=clock.mono)
-    holder.append(manager)
     return Rig(world, manager, registry)
 
 

@@ -134,14 +134,12 @@ async def world(
     )
     router = Router(fleet)
     registry = CollectorRegistry()
-    holder: list[Manager] = []
-    metrics = Metrics(registry, lambda: holder[0].snapshots())
+    metrics = Metrics(registry)
 
     def factory(model: ModelSettings, timeouts: TimeoutSettings) -> EngineClient:
         return EngineClient(model.url, transport=router, timeouts=timeouts)
 
     manager = Manager(settings, metrics, engine_factory=factory)
-    holder.append(manager)
     swap_metrics = SwapMetrics(registry)
     coordinator = SwapCoordinator(manager, settings, swap_metrics)
 
