@@ -13,12 +13,8 @@ from typing import Any
 
 import torch
 
-from worker_ext.fingerprint import ROW_WORDS, Baseline, Plan, fingerprint, storage_bytes
+from worker_ext.fingerprint import Baseline, Plan, fingerprint, storage_bytes
 from worker_ext.ownership import TensorRecord, storage_key
-
-# Older name of the fingerprint's reduction granularity (tests/worker_ext/test_units.py
-# patches it); it has no effect on the values.
-CHUNK_WORDS = ROW_WORDS
 
 __all__ = ["Snapshot", "fingerprint", "prepare", "rebind", "restore", "storage_bytes", "verify"]
 

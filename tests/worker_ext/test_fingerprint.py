@@ -79,6 +79,35 @@ def test_swapped_rows_of_a_large_tensor_are_seen() -> None:
     assert fingerprint(words) == fp  # documented blind spot: row sums are order-blind
 
 
+def _reference(t: torch.Tensor) -> tuple[int, int, int]:
+    """The module docstring's definition, in plain Python integers."""
+    data = bytes(storage_bytes(t).tolist())
+    n = len(data)
+    nwords = n // 8 if t.untyped_storage().data_ptr() % 8 == 0 else 0
+    words = [int.from_bytes(data[8 * i : 8 * i + 8], "little") for i in range(nwords)]
+    nrows = nwords // ROW_WORDS
+    rows = [sum(words[r * ROW_WORDS : (r + 1) * ROW_WORDS]) for r in range(nrows)]
+    seq = rows + words[nrows * ROW_WORDS :] + list(data[nwords * 8 :])
+    mask = (1 << 64) - 1
+    return n, sum(seq) & mask, sum(i * v for i, v in enumerate(seq, 1)) & mask
+
+
+# float32 element counts: under a row, whole rows, rows plus leftover words and a 4-byte tail
+@pytest.mark.parametrize("numel", [1, 7, ROW_WORDS * 2, ROW_WORDS * 2 + 1, 4099, ROW_WORDS * 6 + 3])
+def test_values_follow_the_documented_row_reduction(numel: int) -> None:
+    t = _rand((numel,), torch.float32, numel)
+    assert fingerprint(t) == _reference(t)
+
+
+def test_a_swap_across_rows_changes_the_value_as_documented() -> None:
+    t = _rand((4099,), torch.float32, 2)  # 4 rows, one leftover word, a 4-byte tail
+    s = t.clone()
+    s[100], s[3000] = t[3000].clone(), t[100].clone()  # rows 0 and 2
+    assert fingerprint(s) == _reference(s)
+    assert fingerprint(s)[1] == fingerprint(t)[1]  # s1 is order-blind
+    assert fingerprint(s) != fingerprint(t)
+
+
 def test_views_and_non_contiguous_tensors_cover_the_whole_storage() -> None:
     base = _rand((64, 33), torch.bfloat16, 4)
     view = base[3:9, ::2]  # offset and strided

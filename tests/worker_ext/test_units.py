@@ -39,30 +39,6 @@ def test_fingerprint_detects_every_single_bit_flip(
     assert snapshot.fingerprint(t) == fp
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_fingerprint_detects_swaps_of_two_elements(dtype: torch.dtype) -> None:
-    t = _rand((6, 7), dtype, 1)
-    fp = snapshot.fingerprint(t)
-    flat = t.view(-1)
-    n = flat.numel()
-    for i, j in [(0, 1), (0, n - 1), (3, 17), (n - 2, n - 1)]:
-        if flat[i] == flat[j]:
-            continue
-        s = t.clone()
-        s.view(-1)[i], s.view(-1)[j] = flat[j].clone(), flat[i].clone()
-        assert snapshot.fingerprint(s) != fp, (i, j)
-
-
-def test_fingerprint_spans_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    t = _rand((4099,), torch.float32, 2)
-    whole = snapshot.fingerprint(t)
-    monkeypatch.setattr(snapshot, "CHUNK_WORDS", 64)
-    assert snapshot.fingerprint(t) == whole  # chunking does not change the value
-    s = t.clone()
-    s[100], s[3000] = t[3000], t[100]  # a swap across two chunks
-    assert snapshot.fingerprint(s) != whole
-
-
 class _Tiny(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
