@@ -13,6 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
+from prometheus_client import CollectorRegistry
+
+from controller.engine import EngineClient
+from controller.manager import Manager
+from controller.metrics import Metrics
+from controller.settings import ModelSettings, Settings, TimeoutSettings
+from controller.swap import SwapCoordinator
+from controller.swapmetrics import SwapMetrics
 
 Failure = Literal["rank", "http500", "timeout", "unreachable", "mismatch"]
 
@@ -187,3 +195,18 @@ class FakeVllm:
         else:
             return {"ok": False, "rank": rank, "elapsed_s": 0.0, "error": f"no method {method}"}
         return out
+
+
+def wire(
+    settings: Settings, transport: httpx.AsyncBaseTransport
+) -> tuple[Manager, SwapCoordinator, SwapMetrics, CollectorRegistry]:
+    """A manager whose engine clients all go through `transport` (fake engines), and the
+    swap coordinator over it, with metrics on a fresh registry. Nothing is started yet."""
+    registry = CollectorRegistry()
+
+    def factory(model: ModelSettings, timeouts: TimeoutSettings) -> EngineClient:
+        return EngineClient(model.url, transport=transport, timeouts=timeouts)
+
+    manager = Manager(settings, Metrics(registry), engine_factory=factory)
+    swap_metrics = SwapMetrics(registry)
+    return manager, SwapCoordinator(manager, settings, swap_metrics), swap_metrics, registry

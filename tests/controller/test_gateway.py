@@ -16,18 +16,15 @@ from typing import Any
 
 import httpx
 import pytest
-from fakevllm import FakeVllm
+from fakevllm import FakeVllm, wire
 from prometheus_client import CollectorRegistry
 
-from controller.engine import EngineClient
 from controller.errors import DrainTimeout, WakeRefused
 from controller.gateway import create_gateway
 from controller.manager import Manager
-from controller.metrics import Metrics
 from controller.settings import ModelSettings, Settings, TimeoutSettings
 from controller.state import State
 from controller.swap import SwapCoordinator
-from controller.swapmetrics import SwapMetrics
 
 TOKEN = "gw-token"
 
@@ -126,15 +123,7 @@ async def world(
         swap={"max_awake": 1, "min_awake_s": 0.0, **overrides.pop("swap", {})},
     )
     router = Router(engines)
-    registry = CollectorRegistry()
-    metrics = Metrics(registry)
-
-    def factory(model: ModelSettings, timeouts: TimeoutSettings) -> EngineClient:
-        return EngineClient(model.url, transport=router, timeouts=timeouts)
-
-    manager = Manager(settings, metrics, engine_factory=factory)
-    swap_metrics = SwapMetrics(registry)
-    coordinator = SwapCoordinator(manager, settings, swap_metrics)
+    manager, coordinator, swap_metrics, registry = wire(settings, router)
     app = create_gateway(settings, manager, coordinator, swap_metrics, transport=router)
     await manager.start()
     for n in names[1:]:

@@ -13,18 +13,15 @@ from typing import Any
 
 import httpx
 import pytest
-from fakevllm import POOL_BYTES, FakeVllm
+from fakevllm import POOL_BYTES, FakeVllm, wire
 from prometheus_client import CollectorRegistry
 
-from controller.engine import EngineClient
 from controller.launcher import EngineStartError
 from controller.manager import Manager
-from controller.metrics import Metrics
 from controller.settings import ModelSettings, Settings, TimeoutSettings
 from controller.state import Gate, State
 from controller.supervisor import Supervisor
 from controller.swap import SwapCoordinator
-from controller.swapmetrics import SwapMetrics
 
 
 @dataclass
@@ -132,16 +129,7 @@ async def world(
             **supervisor,
         },
     )
-    router = Router(fleet)
-    registry = CollectorRegistry()
-    metrics = Metrics(registry)
-
-    def factory(model: ModelSettings, timeouts: TimeoutSettings) -> EngineClient:
-        return EngineClient(model.url, transport=router, timeouts=timeouts)
-
-    manager = Manager(settings, metrics, engine_factory=factory)
-    swap_metrics = SwapMetrics(registry)
-    coordinator = SwapCoordinator(manager, settings, swap_metrics)
+    manager, coordinator, swap_metrics, registry = wire(settings, Router(fleet))
 
     def make(model: ModelSettings) -> FakeProcess:
         proc = FakeProcess(model, fleet)
