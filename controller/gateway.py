@@ -120,6 +120,13 @@ class Gateway:
         self._waiting: dict[str, int] = {}
         self._wakes: dict[str, asyncio.Task[SwapResult]] = {}
         self._retry_at: dict[str, float] = {}
+        token = settings.auth.token
+        # The bearer token every request is checked against (None: the gateway is open).
+        self._token: bytes | None = (
+            token.get_secret_value().encode()
+            if token is not None and settings.auth.guard_gateway
+            else None
+        )
         timeout = httpx.Timeout(self.cfg.request_timeout_s, connect=settings.timeouts.control_s)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         self.client = httpx.AsyncClient(transport=transport, timeout=timeout, limits=limits)
@@ -132,12 +139,12 @@ class Gateway:
     # ---- auth and parsing ------------------------------------------------------------------
 
     def check_token(self, request: Request) -> None:
-        token = self.settings.auth.token
-        if token is None or not self.settings.auth.guard_gateway:
+        if self._token is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        expected = token.get_secret_value().encode()
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            given.strip().encode(), self._token
+        ):
             raise Refusal(401, "unauthorized", "a valid bearer token is required")
 
     # ---- admission -------------------------------------------------------------------------
