@@ -28,11 +28,23 @@ time, to name the tensors; that happens only on a mismatch.
 
 Cost on a GPU: one reduction kernel per span (or storage) of ROW_WORDS words or more, a
 handful of kernels for the whole batch, and one device-to-host copy; no per-tensor sync.
+
+CUDA graph (HOTSWAP_VERIFY_GRAPH, default GRAPH_DEFAULT; CUDA only): `Plan.baseline`
+captures the whole span check (row sums to the (2, n_spans) result) into one CUDA graph,
+and `Plan.changed` replays it and makes one host copy. The plan's storages keep their
+addresses across sleep/wake (in-place restore), so the graph stays valid for the plan's
+life. In the graph, spans of at least BIG_ROW_WORDS words are read in 64 KiB rows first
+(then 4 KiB rows, then words), so the graph's private pool stays small: a swap of two words
+inside one 64 KiB row is not seen there (restoring moves whole 2 MiB pages). The graph's
+values are checked against the same computation run eagerly at capture; any capture or
+replay error falls back to that eager computation (logged once).
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +52,10 @@ from typing import Any
 import torch
 
 ROW_WORDS = 512  # 4 KiB rows of int64 words
+BIG_ROW_WORDS = 8192  # 64 KiB rows: the graph path's first pass over large spans
+GRAPH_DEFAULT = True  # HOTSWAP_VERIFY_GRAPH when unset
+log = logging.getLogger(__name__)
+_WARNED: set[str] = set()
 _MASK = (1 << 64) - 1
 _LAYOUTS: OrderedDict[tuple[Any, ...], tuple[Any, Any, Any]] = OrderedDict()
 _MAX_LAYOUTS = 8  # prepare and verify share them; a few models or levels share the cache
@@ -86,30 +102,34 @@ class _Item:
 
     __slots__ = ("device", "length", "nbytes", "raw", "row_views", "word_views")
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: Any, big_rows: bool = False) -> None:
         n = int(raw.numel())
         self.raw = raw  # keeps the view (and so the storage it reads) alive
         self.nbytes = n
         self.device = raw.device
-        self.row_views: Any = None  # (rows, ROW_WORDS) int64 view, reduced at run time
+        self.row_views: list[Any] = []  # (rows, width) int64 views, reduced at run time
         self.word_views: list[Any] = []  # 1-D int64 values taken as they are
         aligned = raw.data_ptr() % 8 == 0
         nwords = n // 8 if aligned else 0
-        nrows = nwords // ROW_WORDS
+        done = 0  # words covered by rows so far
+        nrows = 0
         if nwords:
             words = raw[: nwords * 8].view(torch.int64)
-            if nrows:
-                self.row_views = words[: nrows * ROW_WORDS].view(nrows, ROW_WORDS)
-            if nwords % ROW_WORDS:
-                self.word_views.append(words[nrows * ROW_WORDS :])
+            widths = (BIG_ROW_WORDS, ROW_WORDS) if big_rows else (ROW_WORDS,)
+            for width in widths:
+                k = (nwords - done) // width
+                if k:
+                    self.row_views.append(words[done : done + k * width].view(k, width))
+                    done += k * width
+                    nrows += k
+            if done < nwords:
+                self.word_views.append(words[done:])
         if n > nwords * 8:
             self.word_views.append(raw[nwords * 8 :])  # uint8: widened at run time
         self.length = nrows + sum(int(v.numel()) for v in self.word_views)
 
     def values(self) -> list[Any]:
-        out: list[Any] = []
-        if self.row_views is not None:
-            out.append(torch.sum(self.row_views, dim=1))
+        out: list[Any] = [torch.sum(rv, dim=1) for rv in self.row_views]
         for v in self.word_views:
             out.append(v if v.dtype == torch.int64 else v.to(torch.int64))
         return out
@@ -134,6 +154,23 @@ def _layout(device: Any, lengths: list[int]) -> tuple[Any, Any, Any]:
     return out
 
 
+def _batch(group: list[_Item], layout: tuple[Any, Any, Any]) -> Any:
+    """(2, len(group)) int64 device tensor of s1 and s2 per item (no host sync)."""
+    pos, starts, ends = layout
+    device = group[0].device
+    seq = torch.cat([v for it in group for v in it.values()])
+    both = torch.stack((seq, seq * pos))  # wraps modulo 2**64, exact
+    scan = torch.cumsum(both, dim=1)
+    scan = torch.cat((torch.zeros((2, 1), dtype=torch.int64, device=device), scan), 1)
+    return scan[:, ends] - scan[:, starts]
+
+
+def _sums(res: Any) -> list[tuple[int, int]]:
+    """Host (s1, s2) pairs from a (2, n) int64 result."""
+    rows = res.cpu().tolist()  # the one host sync
+    return [(int(a) & _MASK, int(b) & _MASK) for a, b in zip(rows[0], rows[1], strict=True)]
+
+
 def _run_items(items: list[_Item]) -> list[Fp]:
     """(nbytes, s1, s2) per item: one batch (one scan, one host transfer) per device."""
     sums: list[tuple[int, int]] = [(0, 0)] * len(items)
@@ -142,19 +179,66 @@ def _run_items(items: list[_Item]) -> list[Fp]:
         by_device.setdefault(str(it.device), []).append(i)
     for dev, idx in by_device.items():
         group = [items[i] for i in idx]
-        pieces = [v for it in group for v in it.values()]
-        if not pieces:
+        if not any(it.length for it in group):
             continue
-        device = torch.device(dev)
-        pos, starts, ends = _layout(device, [it.length for it in group])
-        seq = torch.cat(pieces)
-        both = torch.stack((seq, seq * pos))  # wraps modulo 2**64, exact
-        scan = torch.cumsum(both, dim=1)
-        scan = torch.cat((torch.zeros((2, 1), dtype=torch.int64, device=device), scan), 1)
-        res = (scan[:, ends] - scan[:, starts]).cpu().tolist()  # the one host sync
-        for j, i in enumerate(idx):
-            sums[i] = (int(res[0][j]) & _MASK, int(res[1][j]) & _MASK)
+        layout = _layout(torch.device(dev), [it.length for it in group])
+        for i, pair in zip(idx, _sums(_batch(group, layout)), strict=True):
+            sums[i] = pair
     return [(it.nbytes, s1, s2) for it, (s1, s2) in zip(items, sums, strict=True)]
+
+
+def graph_enabled() -> bool:
+    """HOTSWAP_VERIFY_GRAPH (GRAPH_DEFAULT when unset): capture verify's span check into a
+    CUDA graph."""
+    raw = os.environ.get("HOTSWAP_VERIFY_GRAPH")
+    if raw is None:
+        return GRAPH_DEFAULT
+    return raw.strip().lower() not in ("0", "false", "no", "off", "")
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning(msg)
+
+
+class _SpanGraph:
+    """The span check of `items` (one CUDA device) captured as one CUDA graph."""
+
+    def __init__(self, items: list[_Item]) -> None:
+        device = items[0].device
+        lengths = [it.length for it in items]
+        # every index/position tensor exists before capture; the graph keeps them alive
+        lens = torch.tensor(lengths, dtype=torch.int64)
+        ends = torch.cumsum(lens, 0)
+        starts = ends - lens
+        total = int(ends[-1])
+        pos = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(starts, lens) + 1
+        self.layout = (pos.to(device), starts.to(device), ends.to(device))
+        self.items = items
+        self.index_bytes = sum(int(t.numel()) * 8 for t in self.layout)
+        with torch.cuda.device(device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up on a side stream, as torch's docs ask
+                self.eager = _sums(_batch(items, self.layout))
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()  # what graph capture does first anyway: a clean baseline
+            reserved = torch.cuda.memory_reserved(device)
+            allocated = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            self.graph = torch.cuda.CUDAGraph()
+            # thread_local: cumem.py's pinning threads may call CUDA during the capture
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                self.out = _batch(items, self.layout)
+            # segments made for the graph's private pool, and the peak it held in capture
+            self.pool_bytes = torch.cuda.memory_reserved(device) - reserved
+            self.peak_bytes = torch.cuda.max_memory_allocated(device) - allocated
+
+    def run(self) -> list[tuple[int, int]]:
+        self.graph.replay()
+        return _sums(self.out)
 
 
 @dataclass(frozen=True)
@@ -171,7 +255,12 @@ class Plan:
     The plan holds views of the storages, so it keeps them alive and fingerprints exactly
     those storages on every run (whatever the tensors' slots point to by then)."""
 
-    def __init__(self, tensors: list[Any], coalesce: bool = True) -> None:
+    def __init__(
+        self, tensors: list[Any], coalesce: bool = True, graph: bool | None = None
+    ) -> None:
+        self._want_graph = graph_enabled() if graph is None else graph
+        self._graph: _SpanGraph | None = None
+        self._check_items: list[_Item] | None = None  # what `changed` reads (graph layout)
         self._index: list[int] = []  # tensor i -> its storage's item
         seen: dict[tuple[str, int, int], int] = {}
         self._items: list[_Item] = []
@@ -240,9 +329,58 @@ class Plan:
         """(nbytes, s1, s2) of each span (the fast check's values)."""
         return _run_items(self._span_items)
 
+    @property
+    def graph_bytes(self) -> dict[str, int] | None:
+        """Device bytes the captured check holds while the model sleeps (the private pool's
+        segments, the peak allocated in it at capture, the index tensors), or None when
+        the check runs eagerly."""
+        g = self._graph
+        if g is None:
+            return None
+        return {"pool": g.pool_bytes, "capture_peak": g.peak_bytes, "index": g.index_bytes}
+
+    def _capture(self) -> list[Fp] | None:
+        """Capture the span check as a CUDA graph; its baseline values, or None (eager)."""
+        devices = {str(it.device) for it in self._span_items}
+        if not self._want_graph or len(devices) != 1 or self._span_items[0].device.type != "cuda":
+            return None
+        if not any(it.length for it in self._span_items):
+            return None
+        try:
+            items = [_Item(it.raw, big_rows=True) for it in self._span_items]
+            g = _SpanGraph(items)
+            got = g.run()
+            if got != g.eager:
+                raise RuntimeError("graph replay differs from the same check run eagerly")
+        except Exception as e:  # any capture trouble: the eager check, which is proven
+            _warn_once("capture", f"verify: CUDA graph capture failed, checking eagerly: {e!r}")
+            self._graph = None
+            return None
+        self._graph, self._check_items = g, items
+        return [(it.nbytes, s1, s2) for it, (s1, s2) in zip(items, got, strict=True)]
+
+    def _check(self) -> list[Fp]:
+        """The span values `changed` compares: graph replay, else the same items eagerly."""
+        g, items = self._graph, self._check_items
+        if items is None:
+            return self.run_spans()
+        if g is not None:
+            try:
+                got = g.run()
+                return [(it.nbytes, s1, s2) for it, (s1, s2) in zip(items, got, strict=True)]
+            except Exception as e:  # replay trouble: the same values, computed eagerly
+                _warn_once("replay", f"verify: CUDA graph replay failed, checking eagerly: {e!r}")
+                self._graph = None
+        return _run_items(items)
+
     def baseline(self) -> Baseline:
-        """Span and per-storage fingerprints now, for `changed` to compare against."""
-        return Baseline(self.run_spans(), _run_items(self._items))
+        """Span and per-storage fingerprints now, for `changed` to compare against; on CUDA
+        (HOTSWAP_VERIFY_GRAPH) the span check is captured as a CUDA graph here."""
+        self._graph, self._check_items = None, None
+        spans = self._capture()
+        if spans is None:
+            spans = self.run_spans()
+        return Baseline(spans, _run_items(self._items))
 
     def per_tensor(self, base: Baseline) -> list[Fp]:
         """The baseline's fingerprint of each tensor's storage, in the order given."""
@@ -252,7 +390,7 @@ class Plan:
         """Indices (in the order given) of the tensors whose storage bytes differ from
         `base`. One batch over the spans; only a differing span is re-read storage by
         storage to name its tensors (all of them, if its storages all read equal again)."""
-        now = self.run_spans()
+        now = self._check()
         bad = [k for k, (a, b) in enumerate(zip(now, base.spans, strict=True)) if a != b]
         if not bad:
             return []

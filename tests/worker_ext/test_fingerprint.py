@@ -6,7 +6,16 @@ import pytest
 import torch
 
 from worker_ext import fingerprint as fpmod
-from worker_ext.fingerprint import ROW_WORDS, Plan, fingerprint, fingerprints, storage_bytes
+from worker_ext.fingerprint import (
+    BIG_ROW_WORDS,
+    ROW_WORDS,
+    Plan,
+    fingerprint,
+    fingerprints,
+    storage_bytes,
+)
+
+BIG = BIG_ROW_WORDS * 2  # float32 elements in one 64 KiB row
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int8]
 # byte sizes below, at and above one row, with 1-7 byte tails
@@ -79,15 +88,20 @@ def test_swapped_rows_of_a_large_tensor_are_seen() -> None:
     assert fingerprint(words) == fp  # documented blind spot: row sums are order-blind
 
 
-def _reference(t: torch.Tensor) -> tuple[int, int, int]:
-    """The module docstring's definition, in plain Python integers."""
+def _reference(t: torch.Tensor, widths: tuple[int, ...] = (ROW_WORDS,)) -> tuple[int, int, int]:
+    """The module docstring's definition, in plain Python integers (rows of each width in
+    turn, as the graph layout reads large spans)."""
     data = bytes(storage_bytes(t).tolist())
     n = len(data)
     nwords = n // 8 if t.untyped_storage().data_ptr() % 8 == 0 else 0
     words = [int.from_bytes(data[8 * i : 8 * i + 8], "little") for i in range(nwords)]
-    nrows = nwords // ROW_WORDS
-    rows = [sum(words[r * ROW_WORDS : (r + 1) * ROW_WORDS]) for r in range(nrows)]
-    seq = rows + words[nrows * ROW_WORDS :] + list(data[nwords * 8 :])
+    seq: list[int] = []
+    done = 0
+    for w in widths:
+        k = (nwords - done) // w
+        seq += [sum(words[done + r * w : done + (r + 1) * w]) for r in range(k)]
+        done += k * w
+    seq += words[done:] + list(data[nwords * 8 :])
     mask = (1 << 64) - 1
     return n, sum(seq) & mask, sum(i * v for i, v in enumerate(seq, 1)) & mask
 
@@ -97,6 +111,33 @@ def _reference(t: torch.Tensor) -> tuple[int, int, int]:
 def test_values_follow_the_documented_row_reduction(numel: int) -> None:
     t = _rand((numel,), torch.float32, numel)
     assert fingerprint(t) == _reference(t)
+
+
+# float32 counts: under one 64 KiB row, one, two plus 4 KiB rows, words and a tail
+@pytest.mark.parametrize("numel", [BIG * 2 - 1, BIG * 2, BIG * 4 + ROW_WORDS * 2 * 3 + 5])
+def test_the_graph_layout_follows_its_documented_rows_and_sees_a_flip(numel: int) -> None:
+    t = _rand((numel,), torch.float32, numel)
+    item = fpmod._Item(storage_bytes(t), big_rows=True)
+    ref = _reference(t, (BIG_ROW_WORDS, ROW_WORDS))
+    assert fpmod._run_items([item]) == [ref]
+    _flip(t, storage_bytes(t).numel() - 9, 2)
+    assert fpmod._run_items([item]) != [ref]
+
+
+def test_no_graph_off_cuda_and_the_switch_reads_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, ts = _packed(SPECS)
+    plan = Plan(ts, graph=True)
+    ref = plan.baseline()
+    assert plan.graph_bytes is None  # CPU: the eager check, values as before
+    assert ref.spans == plan.run_spans()
+    monkeypatch.setenv("HOTSWAP_VERIFY_GRAPH", "0")
+    assert not fpmod.graph_enabled()
+    monkeypatch.setenv("HOTSWAP_VERIFY_GRAPH", "1")
+    assert fpmod.graph_enabled()
+    monkeypatch.delenv("HOTSWAP_VERIFY_GRAPH")
+    assert fpmod.graph_enabled() == fpmod.GRAPH_DEFAULT
 
 
 def test_a_swap_across_rows_changes_the_value_as_documented() -> None:
