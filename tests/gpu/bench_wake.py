@@ -230,6 +230,31 @@ class ViaExtension:
         return {"weights": r1, "kv_cache": r2, "verify": v}, time.perf_counter() - t, tv
 
 
+CHECKS: list[dict[str, Any]] = []  # one per verify: the fingerprint check alone, in the worker
+
+
+def time_checks() -> None:
+    """Wrap worker_ext.fingerprint.Plan.changed (the worker is this process) so every
+    verify's fingerprint check is timed on its own, with whether it replayed a graph."""
+    from worker_ext import fingerprint
+
+    inner = fingerprint.Plan.changed
+
+    def changed(self: Any, base: Any) -> list[int]:
+        t = time.perf_counter()
+        out = inner(self, base)  # ends with its host copy: the GPU work is done here
+        CHECKS.append(
+            {
+                "check_s": time.perf_counter() - t,
+                "graph": self.graph_bytes is not None,
+                "graph_bytes": self.graph_bytes,
+            }
+        )
+        return out
+
+    fingerprint.Plan.changed = changed  # type: ignore[method-assign]
+
+
 def fingerprint_bench(llm: Any, reps: int = 5) -> dict[str, Any]:
     """Time worker_ext.fingerprint on what prepare fingerprints (every non-KV record), in the
     worker (in-process callable): the whole batch against the row-sum kernels alone."""
@@ -244,10 +269,15 @@ def fingerprint_bench(llm: Any, reps: int = 5) -> dict[str, Any]:
         tensors = [r.tensor.detach() for r in recs if not r.is_kv]
         torch.cuda.synchronize()
         t = time.perf_counter()
-        plan = fingerprint.Plan(tensors)
+        plan = fingerprint.Plan(tensors, graph=False)
         build = time.perf_counter() - t
         base = plan.baseline()
-        runs, rows, checks = [], [], []
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        gplan = fingerprint.Plan(tensors, graph=True)
+        gbase = gplan.baseline()  # plan, capture, eager warm-up and one checked replay
+        capture = time.perf_counter() - t
+        runs, rows, checks, gchecks = [], [], [], []
         for _ in range(reps):
             torch.cuda.synchronize()
             t = time.perf_counter()
@@ -256,8 +286,8 @@ def fingerprint_bench(llm: Any, reps: int = 5) -> dict[str, Any]:
             torch.cuda.synchronize()
             t = time.perf_counter()
             for it in plan._items:
-                if it.row_views is not None:
-                    torch.sum(it.row_views, dim=1)
+                for rv in it.row_views:
+                    torch.sum(rv, dim=1)
             torch.cuda.synchronize()
             rows.append(time.perf_counter() - t)
             torch.cuda.synchronize()
@@ -266,7 +296,16 @@ def fingerprint_bench(llm: Any, reps: int = 5) -> dict[str, Any]:
             checks.append(time.perf_counter() - t)
             if changed:
                 raise RuntimeError(f"fingerprints moved with nothing written: {changed}")
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            changed = gplan.changed(gbase)  # the same check as one graph replay
+            gchecks.append(time.perf_counter() - t)
+            if changed:
+                raise RuntimeError(f"graph fingerprints moved with nothing written: {changed}")
         return {
+            "graph_check_s": min(gchecks),
+            "graph_baseline_s": capture,
+            "graph_bytes": gplan.graph_bytes,
             "tensors": len(tensors),
             "storages": plan.n_storages,
             "spans": plan.n_spans,
@@ -292,6 +331,11 @@ def main() -> int:
         "--kv-modes",
         default="wait,overlap",
         help="HOTSWAP_RESUME_KV variants, each run for --cycles cycles, in this order",
+    )
+    ap.add_argument(
+        "--verify-graph",
+        default="1,0",
+        help="HOTSWAP_VERIFY_GRAPH values, each run for --cycles cycles per kv mode",
     )
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -356,19 +400,31 @@ def main() -> int:
     warm, res["warm_host_s"] = timed(drv.warm)
     res["warm"] = warm
     ours: list[dict[str, Any]] = []
-    for mode in [m.strip() for m in args.kv_modes.split(",") if m.strip()]:
+    time_checks()
+    graphs = [g.strip() for g in args.verify_graph.split(",") if g.strip()]
+    for mode, vg in [(m.strip(), g) for m in args.kv_modes.split(",") if m.strip() for g in graphs]:
         os.environ["HOTSWAP_RESUME_KV"] = mode  # in-process worker: read at every resume
+        os.environ["HOTSWAP_VERIFY_GRAPH"] = vg  # read when prepare builds the plan
         for _ in range(args.cycles):
             s, ts = drv.sleep()
             r_asleep = rss()
+            n_checks = len(CHECKS)
             w, tw, tv = drv.wake()
             equal.append(gen(llm) == base)
+            check = CHECKS[-1] if len(CHECKS) > n_checks else {}
             ours.append(
                 {
                     "kv_mode": mode,
+                    "verify_graph": vg,
+                    "graph_used": check.get("graph"),
+                    "graph_bytes": check.get("graph_bytes"),
                     "sleep_s": ts,
                     "wake_s": tw,
                     "verify_s": tv,
+                    "check_s": check.get("check_s", 0.0),
+                    "verify_ok": bool(w.get("verify", {}).get("ok", True))
+                    if isinstance(w.get("verify"), dict)
+                    else None,
                     "rss_asleep_delta": r_asleep - rss1,
                     "sleep": s,
                     "wake": w,
@@ -418,7 +474,8 @@ def main() -> int:
     )
     rows.append(("ours: pin host buffer (ahead of sleep)", f"{res['warm_host_s']:.3f} s", ""))
     for i, r in enumerate(ours):
-        tag = f"{r['kv_mode']} #{i + 1}"
+        check = "graph" if r["graph_used"] else "eager"
+        tag = f"{r['kv_mode']} {check} #{i + 1}" if r["verify_s"] else f"{r['kv_mode']} #{i + 1}"
         rows.append(
             (
                 f"ours sleep {tag}",
@@ -432,7 +489,14 @@ def main() -> int:
         if r["verify_s"]:
             rows.append(
                 (
-                    f"ours verify share {tag}",
+                    f"ours verification (fingerprint check) share {tag}",
+                    f"{r['check_s']:.4f} s",
+                    f"{100 * r['check_s'] / r['wake_s']:.1f}% of wake",
+                )
+            )
+            rows.append(
+                (
+                    f"ours whole restore_and_verify RPC share {tag}",
                     f"{r['verify_s']:.4f} s",
                     f"{100 * r['verify_s'] / r['wake_s']:.1f}% of wake",
                 )
@@ -447,21 +511,36 @@ def main() -> int:
     rows.append(
         ("tokens+logprobs equal after every cycle", str(res["tokens_equal_every_cycle"]), "")
     )
+    if args.via == "extension":
+        rows.append(("verify ok after every cycle", str(all(r["verify_ok"] for r in ours)), ""))
     print(f"\n| {args.shape} ({args.via}) | value | ratio |\n|---|---|---|")
     for a, b, c in rows:
         if a:
             print(f"| {a} | {b} | {c} |")
     print(flush=True)
     if args.via == "extension" and ours:
-        print("| cycle | resume weights | resume kv_cache | restore_and_verify | wake | prepare |")
-        print("|---|---|---|---|---|---|")
+        print(
+            "| cycle | resume weights | resume kv_cache | restore_and_verify"
+            " | of which fingerprint check | wake | prepare | graph pool / capture peak"
+            " / index bytes |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
         for i, r in enumerate(ours):
             w = r["wake"]
+            gb = r["graph_bytes"]
+            pool = (
+                f"{gb['pool'] / 1e6:.1f} / {gb['capture_peak'] / 1e6:.1f}"
+                f" / {gb['index'] / 1e6:.1f} MB ({100 * (gb['pool'] + gb['index']) / weights:.3f}%"
+                " of weights)"
+                if gb
+                else "eager"
+            )
             print(
                 f"| {r['kv_mode']} #{i + 1} | {w['weights']['elapsed_s']:.4f} s"
                 f" | {w['kv_cache']['elapsed_s']:.4f} s | {w['verify']['elapsed_s']:.4f} s"
-                f" | {r['wake_s']:.4f} s | {r['sleep']['prepare']['elapsed_s']:.4f} s"
-                f" ({r['sleep']['prepare']['fingerprinted']} tensors) |"
+                f" | {r['check_s']:.4f} s | {r['wake_s']:.4f} s"
+                f" | {r['sleep']['prepare']['elapsed_s']:.4f} s"
+                f" ({r['sleep']['prepare']['fingerprinted']} tensors) | {pool} |"
             )
         fb = res.get("fingerprint") or {}
         if fb:
@@ -470,7 +549,10 @@ def main() -> int:
                 f" {fb['storages']} storages in {fb['spans']} byte-adjacent spans), best of"
                 f" {fb['reps']}: plan build {fb['build_s']:.4f} s; verify's check (one batch"
                 f" over the spans, one host copy) {fb['check_s']:.4f} s; per-storage run"
-                f" {fb['run_s']:.4f} s; per-storage row sums alone {fb['rows_only_s']:.4f} s"
+                f" {fb['run_s']:.4f} s; per-storage row sums alone {fb['rows_only_s']:.4f} s;"
+                f" graph check (one replay, one host copy) {fb['graph_check_s']:.4f} s;"
+                f" graph baseline (plan, capture, checked replay) {fb['graph_baseline_s']:.4f} s;"
+                f" graph bytes {fb['graph_bytes']}"
             )
         print(flush=True)
     out = os.environ.get("OUT", ".")
@@ -478,7 +560,8 @@ def main() -> int:
         f.write(json.dumps(res, default=str) + "\n")
     # Whole-wake breakdown through the sidecar (controller -> HTTP -> collective_rpc) goes
     # here once the controller exists: same table, plus per-phase times from its transition.
-    return 0 if res["tokens_equal_every_cycle"] else 1
+    ok = res["tokens_equal_every_cycle"] and all(r["verify_ok"] is not False for r in ours)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 # One-command GPU run on the lent device, from the repo root, after the vLLM bundle:
 #   . .gpu/install-vllm-bundle.sh || exit 1; bash tests/gpu/run-on-device.sh STEP...
 # STEP: smoke | tests | bench:SHAPE[:via] (SHAPE tiny|llama3-8b|qwen25-14b, via
-# extension|backend; BENCH_ARGS adds bench_wake.py options, e.g. "--kv-modes wait") | sidecar:SHAPE (bench_sidecar.py;
+# extension|backend; BENCH_ARGS adds bench_wake.py options, e.g. "--kv-modes wait"; TESTS_K
+# is a pytest -k expression for the tests step, e.g. "flip or cycle") | sidecar:SHAPE (bench_sidecar.py;
 # needs the controller's wheels on PYTHONPATH).
 # Each step runs in its own process with a time budget and is skipped when it would end
 # past DEADLINE seconds (default 560); the sidecar step takes what is left (at least
@@ -19,7 +20,8 @@ for step in "$@"; do
   case "$name" in
     smoke) budget=${SMOKE_BUDGET_S:-150}; cmd=(python3 tests/gpu/smoke_cumem.py) ;;
     tests) budget=${TESTS_BUDGET_S:-300}
-           cmd=(python3 -m pytest tests/gpu --confcutdir tests/gpu -p no:warnings -p no:cacheprovider -v -rA --timeout 250) ;;
+           # TESTS_K: a pytest -k expression (one word to the shell), e.g. "flip or cycle"
+           cmd=(python3 -m pytest tests/gpu --confcutdir tests/gpu -p no:warnings -p no:cacheprovider -v -rA --timeout 250 ${TESTS_K:+-k "$TESTS_K"}) ;;
     bench) budget=${BENCH_BUDGET_S:-300}
            # a bench takes what is left before DEADLINE, down to BENCH_MIN_S
            (( DEADLINE - now - 5 < budget )) && budget=$(( DEADLINE - now - 5 ))
