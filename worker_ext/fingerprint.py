@@ -37,7 +37,9 @@ life. In the graph, spans of at least BIG_ROW_WORDS words are read in 64 KiB row
 (then 4 KiB rows, then words), so the graph's private pool stays small: a swap of two words
 inside one 64 KiB row is not seen there (restoring moves whole 2 MiB pages). The graph's
 values are checked against the same computation run eagerly at capture; any capture or
-replay error falls back to that eager computation (logged once).
+replay error falls back to that eager computation (logged once, kept in `graph_error`).
+Off by default: on the one H200 run so far every capture fell back to eager (its reason
+was not recorded then; `graph_error` now keeps it).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ import torch
 
 ROW_WORDS = 512  # 4 KiB rows of int64 words
 BIG_ROW_WORDS = 8192  # 64 KiB rows: the graph path's first pass over large spans
-GRAPH_DEFAULT = True  # HOTSWAP_VERIFY_GRAPH when unset
+GRAPH_DEFAULT = False  # HOTSWAP_VERIFY_GRAPH when unset: off until a GPU run shows it works
 log = logging.getLogger(__name__)
 _WARNED: set[str] = set()
 _MASK = (1 << 64) - 1
@@ -260,6 +262,7 @@ class Plan:
     ) -> None:
         self._want_graph = graph_enabled() if graph is None else graph
         self._graph: _SpanGraph | None = None
+        self.graph_error: str | None = None  # why the last capture or replay fell back
         self._check_items: list[_Item] | None = None  # what `changed` reads (graph layout)
         self._index: list[int] = []  # tensor i -> its storage's item
         seen: dict[tuple[str, int, int], int] = {}
@@ -353,6 +356,7 @@ class Plan:
             if got != g.eager:
                 raise RuntimeError("graph replay differs from the same check run eagerly")
         except Exception as e:  # any capture trouble: the eager check, which is proven
+            self.graph_error = f"capture: {e!r}"
             _warn_once("capture", f"verify: CUDA graph capture failed, checking eagerly: {e!r}")
             self._graph = None
             return None
@@ -369,6 +373,7 @@ class Plan:
                 got = g.run()
                 return [(it.nbytes, s1, s2) for it, (s1, s2) in zip(items, got, strict=True)]
             except Exception as e:  # replay trouble: the same values, computed eagerly
+                self.graph_error = f"replay: {e!r}"
                 _warn_once("replay", f"verify: CUDA graph replay failed, checking eagerly: {e!r}")
                 self._graph = None
         return _run_items(items)
@@ -376,7 +381,7 @@ class Plan:
     def baseline(self) -> Baseline:
         """Span and per-storage fingerprints now, for `changed` to compare against; on CUDA
         (HOTSWAP_VERIFY_GRAPH) the span check is captured as a CUDA graph here."""
-        self._graph, self._check_items = None, None
+        self._graph, self._check_items, self.graph_error = None, None, None
         spans = self._capture()
         if spans is None:
             spans = self.run_spans()

@@ -248,6 +248,7 @@ def time_checks() -> None:
                 "check_s": time.perf_counter() - t,
                 "graph": self.graph_bytes is not None,
                 "graph_bytes": self.graph_bytes,
+                "graph_error": self.graph_error,
             }
         )
         return out
@@ -306,6 +307,7 @@ def fingerprint_bench(llm: Any, reps: int = 5) -> dict[str, Any]:
             "graph_check_s": min(gchecks),
             "graph_baseline_s": capture,
             "graph_bytes": gplan.graph_bytes,
+            "graph_error": gplan.graph_error,
             "tensors": len(tensors),
             "storages": plan.n_storages,
             "spans": plan.n_spans,
@@ -418,6 +420,7 @@ def main() -> int:
                     "verify_graph": vg,
                     "graph_used": check.get("graph"),
                     "graph_bytes": check.get("graph_bytes"),
+                    "graph_error": check.get("graph_error"),
                     "sleep_s": ts,
                     "wake_s": tw,
                     "verify_s": tv,
@@ -533,7 +536,7 @@ def main() -> int:
                 f" / {gb['index'] / 1e6:.1f} MB ({100 * (gb['pool'] + gb['index']) / weights:.3f}%"
                 " of weights)"
                 if gb
-                else "eager"
+                else f"eager ({r['graph_error'] or 'graph off'})"
             )
             print(
                 f"| {r['kv_mode']} #{i + 1} | {w['weights']['elapsed_s']:.4f} s"
@@ -552,7 +555,7 @@ def main() -> int:
                 f" {fb['run_s']:.4f} s; per-storage row sums alone {fb['rows_only_s']:.4f} s;"
                 f" graph check (one replay, one host copy) {fb['graph_check_s']:.4f} s;"
                 f" graph baseline (plan, capture, checked replay) {fb['graph_baseline_s']:.4f} s;"
-                f" graph bytes {fb['graph_bytes']}"
+                f" graph bytes {fb['graph_bytes']}; graph error {fb['graph_error']}"
             )
         print(flush=True)
     out = os.environ.get("OUT", ".")
