@@ -1,5 +1,6 @@
-"""The real sidecar (create_app + uvicorn on loopback) in a background thread, a /health
-poller, and small clients for the sidecar's API and for vLLM's completions.
+"""The real sidecar (create_app, and the gateway when the settings turn it on, served by
+uvicorn on loopback) in a background thread, a /health poller, and small clients for the
+sidecar's API and for vLLM's completions.
 
 Everything talks real HTTP over 127.0.0.1, so concurrency (probes during a wake, wakes
 racing each other) is what a deployment sees.
@@ -11,7 +12,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,8 @@ import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.api import create_app
+from controller.api import AppContext, create_app
+from controller.gateway import create_gateway
 from controller.launcher import free_port
 from controller.settings import ModelSettings, Settings
 
@@ -39,16 +41,19 @@ def attached(models: list[ModelSettings]) -> ModelsSource:
 
 class SidecarThread:
     """Runs `models_source` (e.g. launcher.demo_engines) and the sidecar app over the models
-    it yields, in one event loop on a background thread, like `hotswap serve` does."""
+    it yields, in one event loop on a background thread, like `hotswap serve` does: the
+    control API, and the gateway next to it when the settings turn it on."""
 
     def __init__(self, models_source: ModelsSource, **settings: Any) -> None:
         self._source = models_source
         self._settings = settings
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
+        self.gateway_url: str | None = None
         self.models: list[ModelSettings] = []
+        self.ctx: AppContext | None = None
         self.error: BaseException | None = None
-        self._server: uvicorn.Server | None = None
+        self._servers: list[uvicorn.Server] = []
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sidecar", daemon=True)
 
@@ -66,21 +71,36 @@ class SidecarThread:
             settings = Settings(
                 models=models, server={"host": "127.0.0.1", "port": self.port}, **self._settings
             )
-            config = uvicorn.Config(
-                create_app(settings),
-                host="127.0.0.1",
-                port=self.port,
-                log_config=None,
-                log_level="warning",
-                lifespan="on",
-            )
-            self._server = uvicorn.Server(config)
-            await self._server.serve()
+            app = create_app(settings)
+            ctx: AppContext = app.state.hotswap
+            apps: list[tuple[Any, int]] = [(app, self.port)]
+            if settings.gateway_enabled and ctx.coordinator is not None:
+                gateway = create_gateway(
+                    settings, ctx.manager, ctx.coordinator, ctx.coordinator.metrics
+                )
+                apps.append((gateway, settings.gateway.port))
+                self.gateway_url = f"http://127.0.0.1:{settings.gateway.port}"
+            self._servers = [
+                uvicorn.Server(
+                    uvicorn.Config(
+                        application,
+                        host="127.0.0.1",
+                        port=port,
+                        log_config=None,
+                        log_level="warning",
+                        lifespan="on",
+                    )
+                )
+                for application, port in apps
+            ]
+            self.ctx = ctx
+            await asyncio.gather(*(s.serve() for s in self._servers))
 
-    def start(self, timeout_s: float = 600.0) -> SidecarThread:
+    def start(self, timeout_s: float = 600.0, booted: bool = False) -> SidecarThread:
+        """Wait until every server is up and, with `booted`, the managed engines booted."""
         self._thread.start()
         deadline = time.monotonic() + timeout_s
-        while not (self._server is not None and self._server.started):
+        while not self._up(booted):
             if self._done.is_set():
                 raise RuntimeError(f"the sidecar stopped during start-up: {self.error!r}")
             if time.monotonic() > deadline:
@@ -88,9 +108,15 @@ class SidecarThread:
             time.sleep(0.1)
         return self
 
-    def stop(self, timeout_s: float = 120.0) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
+    def _up(self, booted: bool) -> bool:
+        if self.ctx is None or not all(s.started for s in self._servers):
+            return False
+        sup = self.ctx.supervisor
+        return not booted or (sup is not None and sup.booted.is_set())
+
+    def stop(self, timeout_s: float = 180.0) -> None:
+        for s in self._servers:
+            s.should_exit = True
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             raise TimeoutError("the sidecar thread did not stop")
@@ -99,6 +125,29 @@ class SidecarThread:
 
     def model(self, name: str) -> ModelSettings:
         return next(m for m in self.models if m.name == name)
+
+    def state(self, name: str) -> str:
+        """The model's state, read from the manager's memory (no HTTP)."""
+        assert self.ctx is not None
+        return self.ctx.manager.get(name).snapshot().state.value
+
+    def wait_state(self, name: str, state: str, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.state(name) != state:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} is {self.state(name)}, not {state}")
+            time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def sidecar_over(name: str, base_url: str) -> Iterator[Api]:
+    """The sidecar attached to one running engine that serves `name`, as its API client."""
+    model = ModelSettings.model_validate({"name": name, "url": base_url, "served_model_name": name})
+    side = SidecarThread(attached([model])).start()
+    try:
+        yield Api(side.base_url)
+    finally:
+        side.stop()
 
 
 @dataclass(frozen=True)
@@ -182,19 +231,18 @@ class Api:
                 raise TimeoutError(f"{name} still {body['state']} after {timeout_s:.0f} s: {body}")
             time.sleep(0.05)
 
-    def transitions_total(self, name: str, kind: str, result: str = "ok") -> float:
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the samples of `name` whose labels include `labels`."""
         text = self.get("/metrics").text
         total = 0.0
         for family in text_string_to_metric_families(text):
             for s in family.samples:
-                if (
-                    s.name == "hotswap_transitions_total"
-                    and s.labels.get("model") == name
-                    and s.labels.get("kind") == kind
-                    and s.labels.get("result") == result
-                ):
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                     total += s.value
         return total
+
+    def transitions_total(self, name: str, kind: str, result: str = "ok") -> float:
+        return self.metric("hotswap_transitions_total", model=name, kind=kind, result=result)
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,7 @@ and serves again. The slow test measures swap latency over many swaps.
 
 from __future__ import annotations
 
-import asyncio
 import statistics
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,13 +19,10 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
+from sidecar_harness import Api, SidecarThread, attached
 
-from controller.api import AppContext, create_app
-from controller.gateway import create_gateway
 from controller.launcher import EngineSpec, free_port
-from controller.settings import ModelSettings, Settings
+from controller.settings import ModelSettings
 
 pytestmark = pytest.mark.vllm
 
@@ -39,86 +34,8 @@ MAX_TOKENS = 8
 BENCH_SWAPS = 60
 
 
-class HotswapSidecar:
-    """The control API and the gateway over one manager, in one event loop on a thread
-    (what `hotswap serve` runs), with managed engines."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.api = f"http://127.0.0.1:{settings.server.port}"
-        self.gateway = f"http://127.0.0.1:{settings.gateway.port}"
-        self.ctx: AppContext | None = None
-        self.error: BaseException | None = None
-        self._servers: list[uvicorn.Server] = []
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="hotswap-sidecar", daemon=True)
-
-    def _run(self) -> None:
-        try:
-            asyncio.run(self._main())
-        except BaseException as exc:
-            self.error = exc
-        finally:
-            self._ready.set()
-
-    async def _main(self) -> None:
-        app = create_app(self.settings)
-        self.ctx = app.state.hotswap
-        assert self.ctx is not None
-        assert self.ctx.coordinator is not None
-        gw = create_gateway(
-            self.settings, self.ctx.manager, self.ctx.coordinator, self.ctx.coordinator.metrics
-        )
-        for application, port in (
-            (app, self.settings.server.port),
-            (gw, self.settings.gateway.port),
-        ):
-            config = uvicorn.Config(
-                application, host="127.0.0.1", port=port, log_config=None, log_level="warning"
-            )
-            self._servers.append(uvicorn.Server(config))
-        self._ready.set()
-        await asyncio.gather(*(s.serve() for s in self._servers))
-
-    def start(self, boot_timeout_s: float = 600.0) -> HotswapSidecar:
-        self._thread.start()
-        self._ready.wait(30)
-        deadline = time.monotonic() + boot_timeout_s
-        while time.monotonic() < deadline:
-            if self.error is not None:
-                raise RuntimeError(f"the sidecar died: {self.error!r}")
-            sup = self.ctx.supervisor if self.ctx is not None else None
-            if sup is not None and sup.booted.is_set():
-                return self
-            time.sleep(0.5)
-        raise TimeoutError("the managed engines did not boot in time")
-
-    def stop(self) -> None:
-        for s in self._servers:
-            s.should_exit = True
-        self._thread.join(180)
-
-    def state(self, name: str) -> str:
-        assert self.ctx is not None
-        return self.ctx.manager.get(name).snapshot().state.value
-
-    def wait_state(self, name: str, state: str, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.state(name) != state:
-            assert time.monotonic() < deadline, f"{name} is {self.state(name)}, not {state}"
-            time.sleep(0.05)
-
-    def metric(self, name: str, **labels: str) -> float:
-        text = httpx.get(f"{self.api}/metrics", timeout=10).text
-        total = 0.0
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                    total += s.value
-        return total
-
-
-def _settings(models: dict[str, Path], logs: Path, **overrides: Any) -> Settings:
+def _settings(models: dict[str, Path], logs: Path) -> dict[str, Any]:
+    """SidecarThread's settings: managed engines, one awake, the gateway with a short queue."""
     managed = []
     for name, path in models.items():
         spec = EngineSpec(model=path, port=free_port(), served_model_name=name, uni=True)
@@ -132,27 +49,29 @@ def _settings(models: dict[str, Path], logs: Path, **overrides: Any) -> Settings
                 }
             )
         )
-    return Settings.model_validate(
-        {
-            "models": [m.model_dump(exclude_unset=True) for m in managed],
-            "server": {"port": free_port()},
-            "auth": {"token": TOKEN},
-            "gateway": {"port": free_port(), "queue_size": 3, "hold_timeout_s": 120.0},
-            "swap": {"max_awake": 1, "min_awake_s": 0.0},
-            "supervisor": {"log_dir": logs, "restart_backoff_s": 0.5, "boot_timeout_s": 300.0},
-            **overrides,
-        }
-    )
+    return {
+        "models_source": attached(managed),
+        "auth": {"token": TOKEN},
+        "gateway": {"port": free_port(), "queue_size": 3, "hold_timeout_s": 120.0},
+        "swap": {"max_awake": 1, "min_awake_s": 0.0},
+        "supervisor": {"log_dir": logs, "restart_backoff_s": 0.5, "boot_timeout_s": 300.0},
+    }
 
 
 @pytest.fixture(scope="module")
-def sidecar(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HotswapSidecar]:
+def sidecar(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarThread]:
     models = {A: tiny_model("llama", 0, True), B: tiny_model("llama", 1, True)}
-    side = HotswapSidecar(_settings(models, tmp_path_factory.mktemp("engine-logs"))).start()
+    side = SidecarThread(**_settings(models, tmp_path_factory.mktemp("engine-logs")))
+    side.start(booted=True)
+    assert side.gateway_url is not None
     try:
         yield side
     finally:
         side.stop()
+
+
+def _metric(side: SidecarThread, name: str, **labels: str) -> float:
+    return Api(side.base_url).metric(name, **labels)
 
 
 def _body(model: str, stream: bool = False) -> dict[str, Any]:
@@ -179,39 +98,39 @@ def _text(resp: httpx.Response, stream: bool) -> str:
     return "".join(parts)
 
 
-def _ask(side: HotswapSidecar, model: str, stream: bool = False) -> httpx.Response:
+def _ask(side: SidecarThread, model: str, stream: bool = False) -> httpx.Response:
     return httpx.post(
-        f"{side.gateway}/v1/completions", json=_body(model, stream), headers=AUTH, timeout=180
+        f"{side.gateway_url}/v1/completions", json=_body(model, stream), headers=AUTH, timeout=180
     )
 
 
 @pytest.fixture(scope="module")
-def reference(sidecar: HotswapSidecar) -> dict[str, str]:
+def reference(sidecar: SidecarThread) -> dict[str, str]:
     """Each model's own greedy output, asked of its engine directly while it is awake."""
     out = {}
     for name in (A, B):
-        r = httpx.post(f"{sidecar.api}/models/{name}/wake", headers=AUTH, timeout=180)
+        r = httpx.post(f"{sidecar.base_url}/models/{name}/wake", headers=AUTH, timeout=180)
         assert r.status_code == 200, r.text
-        url = next(m.url for m in sidecar.settings.models if m.name == name)
+        url = next(m.url for m in sidecar.models if m.name == name)
         direct = httpx.post(f"{url}/v1/completions", json=_body(name), timeout=60)
         out[name] = _text(direct, stream=False)
     assert out[A] != out[B], "the two models must answer differently for this test to mean much"
     return out
 
 
-def test_boot_left_both_asleep_and_ready(sidecar: HotswapSidecar) -> None:
+def test_boot_left_both_asleep_and_ready(sidecar: SidecarThread) -> None:
     # Staggered boot: each engine was put to sleep before the next started.
-    health = httpx.get(f"{sidecar.api}/health", timeout=10)
+    health = httpx.get(f"{sidecar.base_url}/health", timeout=10)
     assert health.status_code == 200, health.text  # asleep by policy is healthy
     assert {sidecar.state(A), sidecar.state(B)} <= {"SUSPENDED", "RUNNING"}
-    assert httpx.get(f"{sidecar.api}/models/{A}/health", timeout=10).status_code in (200, 503)
+    assert httpx.get(f"{sidecar.base_url}/models/{A}/health", timeout=10).status_code in (200, 503)
 
 
 def test_evict_false_is_refused_with_the_reason(
-    sidecar: HotswapSidecar, reference: dict[str, str]
+    sidecar: SidecarThread, reference: dict[str, str]
 ) -> None:
     awake, asleep = (A, B) if sidecar.state(A) == "RUNNING" else (B, A)
-    r = httpx.post(f"{sidecar.api}/models/{asleep}/wake?evict=false", headers=AUTH, timeout=60)
+    r = httpx.post(f"{sidecar.base_url}/models/{asleep}/wake?evict=false", headers=AUTH, timeout=60)
     assert r.status_code == 409, r.text
     assert "evict=false" in r.json()["message"]
     assert r.json()["plan"]["evict"] == [awake]
@@ -219,9 +138,9 @@ def test_evict_false_is_refused_with_the_reason(
 
 
 def test_alternating_requests_swap_and_answer_with_the_right_model(
-    sidecar: HotswapSidecar, reference: dict[str, str]
+    sidecar: SidecarThread, reference: dict[str, str]
 ) -> None:
-    swaps_before = sidecar.metric("hotswap_swaps_total", result="ok")
+    swaps_before = _metric(sidecar, "hotswap_swaps_total", result="ok")
     order = [A, B] * 5
     for i, name in enumerate(order):
         stream = i % 4 >= 2
@@ -230,30 +149,30 @@ def test_alternating_requests_swap_and_answer_with_the_right_model(
         other = B if name == A else A
         assert sidecar.state(other) == "SUSPENDED"
     chat = httpx.post(
-        f"{sidecar.gateway}/v1/chat/completions",
+        f"{sidecar.gateway_url}/v1/chat/completions",
         json={"model": A, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
         headers=AUTH,
         timeout=180,
     )
     assert chat.status_code == 200, chat.text
     assert chat.json()["model"] == A
-    swaps = sidecar.metric("hotswap_swaps_total", result="ok") - swaps_before
+    swaps = _metric(sidecar, "hotswap_swaps_total", result="ok") - swaps_before
     assert swaps >= len(order) - 1
-    assert sidecar.metric("hotswap_evictions_total") >= len(order) - 1
+    assert _metric(sidecar, "hotswap_evictions_total") >= len(order) - 1
 
 
-def test_gateway_has_no_dev_endpoints(sidecar: HotswapSidecar) -> None:
+def test_gateway_has_no_dev_endpoints(sidecar: SidecarThread) -> None:
     for method, path in (("POST", "/collective_rpc"), ("POST", "/sleep"), ("POST", "/pause")):
-        r = httpx.request(method, f"{sidecar.gateway}{path}", headers=AUTH, timeout=10)
+        r = httpx.request(method, f"{sidecar.gateway_url}{path}", headers=AUTH, timeout=10)
         assert r.status_code == 404, (path, r.text)
     assert (
-        httpx.post(f"{sidecar.gateway}/v1/completions", json=_body(A), timeout=10).status_code
+        httpx.post(f"{sidecar.gateway_url}/v1/completions", json=_body(A), timeout=10).status_code
         == 401
     )
 
 
 def test_a_burst_over_the_queue_gets_429_and_the_rest_is_right(
-    sidecar: HotswapSidecar, reference: dict[str, str]
+    sidecar: SidecarThread, reference: dict[str, str]
 ) -> None:
     _text(_ask(sidecar, B), False)  # A is asleep now: the burst for A must wait for its wake
     assert sidecar.state(A) == "SUSPENDED"
@@ -266,13 +185,13 @@ def test_a_burst_over_the_queue_gets_429_and_the_rest_is_right(
     for r in answers:
         if r.status_code == 200:
             assert _text(r, False) == reference[A]
-    assert sidecar.metric("hotswap_gateway_refused_total", model=A, reason="queue_full") >= 1
+    assert _metric(sidecar, "hotswap_gateway_refused_total", model=A, reason="queue_full") >= 1
     assert _text(_ask(sidecar, B), False) == reference[B]  # nothing else broke
 
 
 @pytest.mark.slow
 def test_swap_latency_over_many_swaps(
-    sidecar: HotswapSidecar, reference: dict[str, str], capsys: pytest.CaptureFixture[str]
+    sidecar: SidecarThread, reference: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Each request names the model that is asleep: one swap (sleep the other + wake) each.
     The swap's own duration comes from the coordinator's histogram; the request's end-to-end
@@ -309,12 +228,12 @@ def test_swap_latency_over_many_swaps(
 
 
 def test_an_engine_killed_during_a_swap_fails_503_restarts_and_serves_again(
-    sidecar: HotswapSidecar, reference: dict[str, str]
+    sidecar: SidecarThread, reference: dict[str, str]
 ) -> None:
     assert sidecar.ctx is not None
     assert sidecar.ctx.supervisor is not None
     _text(_ask(sidecar, B), False)  # A asleep, B awake
-    restarts = sidecar.metric("hotswap_engine_restarts_total", model=A)
+    restarts = _metric(sidecar, "hotswap_engine_restarts_total", model=A)
     engine = sidecar.ctx.supervisor.engines[A]
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(_ask, sidecar, A)
@@ -328,6 +247,6 @@ def test_an_engine_killed_during_a_swap_fails_503_restarts_and_serves_again(
     assert "retry-after" in answer.headers
     assert answer.json()["error"]["reason"] == "wake_failed"
     sidecar.wait_state(A, "SUSPENDED", timeout_s=300)  # restarted, asleep like at boot
-    assert sidecar.metric("hotswap_engine_restarts_total", model=A) == restarts + 1
+    assert _metric(sidecar, "hotswap_engine_restarts_total", model=A) == restarts + 1
     assert _text(_ask(sidecar, A), False) == reference[A]
     assert _text(_ask(sidecar, B, stream=True), True) == reference[B]

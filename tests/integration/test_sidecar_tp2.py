@@ -8,10 +8,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from sidecar_harness import Api, SidecarThread, attached, complete
+from sidecar_harness import Api, complete, sidecar_over
 
 from controller.launcher import EngineProcess
-from controller.settings import ModelSettings
 
 if TYPE_CHECKING:
     from conftest import EngineLauncher
@@ -28,14 +27,8 @@ def server(engines: EngineLauncher, tiny_llama: Path) -> EngineProcess:
 
 @pytest.fixture(scope="module")
 def api(server: EngineProcess) -> Iterator[Api]:
-    model = ModelSettings.model_validate(
-        {"name": NAME, "url": server.base_url, "served_model_name": NAME}
-    )
-    side = SidecarThread(attached([model])).start()
-    try:
-        yield Api(side.base_url)
-    finally:
-        side.stop()
+    with sidecar_over(NAME, server.base_url) as api:
+        yield api
 
 
 def test_level2_cycle_across_two_ranks(
