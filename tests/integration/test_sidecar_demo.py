@@ -137,19 +137,6 @@ def test_concurrent_wakes_coalesce_into_one_transition(api: Api) -> None:
     assert api.transitions_total(A, "wake") == before + 1
 
 
-def test_sleep_during_a_wake_is_refused(api: Api) -> None:
-    _ensure_running(api, A)
-    assert api.sleep(A, 1).status_code == 200
-    accepted = api.wake(A, wait="false")
-    assert accepted.status_code == 202, accepted.text
-    refused = api.sleep(A, 1)
-    assert refused.status_code == 409, refused.text
-    assert refused.json()["error"] == "TransitionConflict"
-    body = api.wait_state(A, "RUNNING")
-    assert body["verified"] is True
-    assert body["last_transition"]["kind"] == "wake"
-
-
 def test_request_sent_to_a_sleeping_engine_completes_after_the_wake(
     api: Api, sidecar: SidecarThread, baseline: dict[str, Completion]
 ) -> None:

@@ -7,10 +7,12 @@ The measured phase timings land in the session summary.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import pytest
 from sidecar_harness import Api, Completion, complete, sidecar_over
 
@@ -24,9 +26,20 @@ pytestmark = pytest.mark.vllm
 NAME = "tiny-mp"
 
 
+REPO = Path(__file__).resolve().parents[2]
+
+
 @pytest.fixture(scope="module")
 def server(engines: EngineLauncher, tiny_llama: Path) -> EngineProcess:
-    return engines.start(tiny_llama, NAME, uni=False)
+    # The test extension only adds hotswap_test_* seams (here: hold a wake open).
+    path = os.pathsep.join([str(REPO), str(REPO / "tests" / "worker_ext")])
+    return engines.start(
+        tiny_llama,
+        NAME,
+        uni=False,
+        worker_extension_cls="hsext.HotSwapTestExtension",
+        extra_env={"PYTHONPATH": path},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +76,23 @@ def test_cycle_in_the_multiprocess_layout(
     assert [r["rank"] for r in suspend["ranks"]] == [0]
     cycle_report("mp", slept.json()["transition"])
     cycle_report("mp", woke.json()["transition"])
+
+
+def test_sleep_during_a_wake_is_refused(api: Api, server: EngineProcess) -> None:
+    """The wake is held open inside the ranks (a test seam), so the sleep surely lands in it."""
+    assert api.sleep(NAME, 1).status_code == 200
+    held = httpx.post(
+        f"{server.base_url}/collective_rpc",
+        json={"method": "hotswap_test_hold_next", "args": ["restore_and_verify", 2.0]},
+        timeout=30,
+    )
+    assert held.status_code == 200, held.text
+    accepted = api.wake(NAME, wait="false")
+    assert accepted.status_code == 202, accepted.text
+    assert api.state(NAME)["state"] == "RESUMING"
+    refused = api.sleep(NAME, 1)
+    assert refused.status_code == 409, refused.text
+    assert refused.json()["error"] == "TransitionConflict"
+    body = api.wait_state(NAME, "RUNNING")
+    assert body["verified"] is True
+    assert body["last_transition"]["kind"] == "wake"

@@ -51,6 +51,9 @@ class HotSwapTestExtension(HotSwapExtension):
         return st
 
     def _hotswap_fault(self, point: str) -> None:
+        hold = self._hotswap_test_state().setdefault("hold", {}).pop(point, 0.0)
+        if hold:
+            time.sleep(hold)  # keeps a transition in flight for as long as a test needs
         fail = self._hotswap_test_state()["fail"]
         if point in fail:
             fail.discard(point)
@@ -64,6 +67,11 @@ class HotSwapTestExtension(HotSwapExtension):
     @rpc
     def hotswap_test_fail_next(self, point: str) -> dict[str, Any]:
         self._hotswap_test_state()["fail"].add(point)
+        return {}
+
+    @rpc
+    def hotswap_test_hold_next(self, point: str, seconds: float) -> dict[str, Any]:
+        self._hotswap_test_state().setdefault("hold", {})[point] = float(seconds)
         return {}
 
     @rpc
