@@ -163,6 +163,8 @@ class SwapCoordinator:
         self._measured_budget: dict[str, int] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._pending: dict[str, asyncio.Task[SwapResult]] = {}
+        for m in settings.models:
+            metrics.register_model(m.name)
 
     # ---- what the policy sees ------------------------------------------------------------
 

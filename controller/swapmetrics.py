@@ -65,6 +65,12 @@ class SwapMetrics:
             registry=registry,
         )
 
+    def register_model(self, model: str) -> None:
+        """Create the model's plain counters at zero, so its first swap, eviction or restart
+        shows in increase()/rate() (and a model never restarted reads 0, not no data)."""
+        self._restarts.labels(model)
+        self._queue_depth.labels(model).set(0)
+
     def swap(self, model: str, result: str, seconds: float | None = None) -> None:
         self._swaps.labels(model, result).inc()
         if seconds is not None:

@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from controller.metrics import Metrics
 from controller.state import ModelSnapshot, State
+from controller.swapmetrics import SwapMetrics
 
 
 def test_state_gauges_follow_the_snapshots_at_scrape_time() -> None:
@@ -77,3 +78,14 @@ def test_registered_model_counters_start_at_zero() -> None:
         labels = {"model": "m", "pool": pool}
         assert registry.get_sample_value("hotswap_bytes_released_total", labels) == 0
         assert registry.get_sample_value("hotswap_bytes_restored_total", labels) == 0
+
+
+def test_swap_metrics_register_restarts_at_zero() -> None:
+    registry = CollectorRegistry()
+    swap = SwapMetrics(registry)
+    assert registry.get_sample_value("hotswap_engine_restarts_total", {"model": "m"}) is None
+    swap.register_model("m")
+    assert registry.get_sample_value("hotswap_engine_restarts_total", {"model": "m"}) == 0
+    assert registry.get_sample_value("hotswap_gateway_queue_depth", {"model": "m"}) == 0
+    swap.restart("m")
+    assert registry.get_sample_value("hotswap_engine_restarts_total", {"model": "m"}) == 1
