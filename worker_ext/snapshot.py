@@ -98,7 +98,8 @@ def rebind(snap: Snapshot) -> list[str]:
 
 
 def restore(snap: Snapshot) -> int:
-    """Copy the at-risk bytes back into their own storage (same data_ptr)."""
+    """Copy the at-risk bytes back into their own storage (same data_ptr), then wait for
+    every copy on the device (the backend's resume copies included)."""
     n = 0
     for e in snap.protected:
         raw = storage_bytes(e.alias)
@@ -108,6 +109,8 @@ def restore(snap: Snapshot) -> int:
             )
         raw.copy_(e.backup, non_blocking=True)
         n += 1
+    # Device-wide: the backend's copy streams (resumed weights) and these copies are done
+    # before anything, on any stream, reads the restored bytes; verify relies on it.
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return n
