@@ -29,17 +29,14 @@ time, to name the tensors; that happens only on a mismatch.
 Cost on a GPU: one reduction kernel per span (or storage) of ROW_WORDS words or more, a
 handful of kernels for the whole batch, and one device-to-host copy; no per-tensor sync.
 
-CUDA graph (HOTSWAP_VERIFY_GRAPH, default GRAPH_DEFAULT; CUDA only): `Plan.baseline`
-captures the whole span check (row sums to the (2, n_spans) result) into one CUDA graph,
-and `Plan.changed` replays it and makes one host copy. The plan's storages keep their
-addresses across sleep/wake (in-place restore), so the graph stays valid for the plan's
-life. In the graph, spans of at least BIG_ROW_WORDS words are read in 64 KiB rows first
-(then 4 KiB rows, then words), so the graph's private pool stays small: a swap of two words
-inside one 64 KiB row is not seen there (restoring moves whole 2 MiB pages). The graph's
-values are checked against the same computation run eagerly at capture; any capture or
-replay error falls back to that eager computation (logged once, kept in `graph_error`).
-Off by default: on the one H200 run so far every capture fell back to eager (its reason
-was not recorded then; `graph_error` now keeps it).
+Kernel (HOTSWAP_VERIFY_KERNEL: `auto`, the default, on CUDA; `1` also on CPU under
+Triton's interpreter; `0` never): `Plan.baseline` builds a `fpkernel.SpanCheck` over the
+spans, and `Plan.changed` runs it: one Triton launch over every span in 2 MiB pieces, one
+comparison on the device, one bool to the host, about one memory pass. The check is
+cross-checked against torch on a sample of pieces when built; if Triton is missing or
+anything about the kernel fails, the eager span check runs instead (`kernel_error` says
+why). The plan's storages keep their addresses across sleep/wake (in-place restore), so
+the kernel's address table stays valid for the plan's life.
 """
 
 from __future__ import annotations
@@ -48,14 +45,14 @@ import ctypes
 import logging
 import os
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from worker_ext.fpkernel import SpanCheck
+
 ROW_WORDS = 512  # 4 KiB rows of int64 words
-BIG_ROW_WORDS = 8192  # 64 KiB rows: the graph path's first pass over large spans
-GRAPH_DEFAULT = False  # HOTSWAP_VERIFY_GRAPH when unset: off until a GPU run shows it works
 log = logging.getLogger(__name__)
 _WARNED: set[str] = set()
 _MASK = (1 << 64) - 1
@@ -104,7 +101,7 @@ class _Item:
 
     __slots__ = ("device", "length", "nbytes", "raw", "row_views", "word_views")
 
-    def __init__(self, raw: Any, big_rows: bool = False) -> None:
+    def __init__(self, raw: Any) -> None:
         n = int(raw.numel())
         self.raw = raw  # keeps the view (and so the storage it reads) alive
         self.nbytes = n
@@ -117,13 +114,10 @@ class _Item:
         nrows = 0
         if nwords:
             words = raw[: nwords * 8].view(torch.int64)
-            widths = (BIG_ROW_WORDS, ROW_WORDS) if big_rows else (ROW_WORDS,)
-            for width in widths:
-                k = (nwords - done) // width
-                if k:
-                    self.row_views.append(words[done : done + k * width].view(k, width))
-                    done += k * width
-                    nrows += k
+            k = nwords // ROW_WORDS
+            if k:
+                self.row_views.append(words[: k * ROW_WORDS].view(k, ROW_WORDS))
+                done, nrows = k * ROW_WORDS, k
             if done < nwords:
                 self.word_views.append(words[done:])
         if n > nwords * 8:
@@ -189,13 +183,15 @@ def _run_items(items: list[_Item]) -> list[Fp]:
     return [(it.nbytes, s1, s2) for it, (s1, s2) in zip(items, sums, strict=True)]
 
 
-def graph_enabled() -> bool:
-    """HOTSWAP_VERIFY_GRAPH (GRAPH_DEFAULT when unset): capture verify's span check into a
-    CUDA graph."""
-    raw = os.environ.get("HOTSWAP_VERIFY_GRAPH")
-    if raw is None:
-        return GRAPH_DEFAULT
-    return raw.strip().lower() not in ("0", "false", "no", "off", "")
+def kernel_mode() -> str:
+    """HOTSWAP_VERIFY_KERNEL: `auto` (default: the Triton check on CUDA), `on` (also on CPU
+    under Triton's interpreter) or `off` (always the eager check)."""
+    raw = os.environ.get("HOTSWAP_VERIFY_KERNEL", "auto").strip().lower()
+    if raw in ("0", "false", "no", "off"):
+        return "off"
+    if raw in ("1", "true", "yes", "on"):
+        return "on"
+    return "auto"
 
 
 def _warn_once(key: str, msg: str) -> None:
@@ -204,51 +200,16 @@ def _warn_once(key: str, msg: str) -> None:
         log.warning(msg)
 
 
-class _SpanGraph:
-    """The span check of `items` (one CUDA device) captured as one CUDA graph."""
-
-    def __init__(self, items: list[_Item]) -> None:
-        device = items[0].device
-        lengths = [it.length for it in items]
-        # every index/position tensor exists before capture; the graph keeps them alive
-        lens = torch.tensor(lengths, dtype=torch.int64)
-        ends = torch.cumsum(lens, 0)
-        starts = ends - lens
-        total = int(ends[-1])
-        pos = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(starts, lens) + 1
-        self.layout = (pos.to(device), starts.to(device), ends.to(device))
-        self.items = items
-        self.index_bytes = sum(int(t.numel()) * 8 for t in self.layout)
-        with torch.cuda.device(device):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up on a side stream, as torch's docs ask
-                self.eager = _sums(_batch(items, self.layout))
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize(device)
-            torch.cuda.empty_cache()  # what graph capture does first anyway: a clean baseline
-            reserved = torch.cuda.memory_reserved(device)
-            allocated = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            self.graph = torch.cuda.CUDAGraph()
-            # thread_local: cumem.py's pinning threads may call CUDA during the capture
-            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-                self.out = _batch(items, self.layout)
-            # segments made for the graph's private pool, and the peak it held in capture
-            self.pool_bytes = torch.cuda.memory_reserved(device) - reserved
-            self.peak_bytes = torch.cuda.max_memory_allocated(device) - allocated
-
-    def run(self) -> list[tuple[int, int]]:
-        self.graph.replay()
-        return _sums(self.out)
-
-
 @dataclass(frozen=True)
 class Baseline:
-    """What `Plan.changed` compares against: span and per-storage fingerprints, one time."""
+    """What `Plan.changed` compares against, taken at one time: the kernel's values for the
+    spans it covers, eager values for the rest, and per-storage fingerprints."""
 
-    spans: list[Fp]
+    spans: list[Fp]  # eager values of the spans in `rest` (all spans when rest is None)
     storages: list[Fp]
+    check: SpanCheck | None = None
+    covered: list[int] = field(default_factory=list)  # span indices `check` reads, in order
+    rest: list[int] | None = None  # span indices checked eagerly; None: all of them
 
 
 class Plan:
@@ -258,12 +219,10 @@ class Plan:
     those storages on every run (whatever the tensors' slots point to by then)."""
 
     def __init__(
-        self, tensors: list[Any], coalesce: bool = True, graph: bool | None = None
+        self, tensors: list[Any], coalesce: bool = True, kernel: str | None = None
     ) -> None:
-        self._want_graph = graph_enabled() if graph is None else graph
-        self._graph: _SpanGraph | None = None
-        self.graph_error: str | None = None  # why the last capture or replay fell back
-        self._check_items: list[_Item] | None = None  # what `changed` reads (graph layout)
+        self._kernel = kernel_mode() if kernel is None else kernel
+        self.kernel_error: str | None = None  # why the last baseline checks eagerly
         self._index: list[int] = []  # tensor i -> its storage's item
         seen: dict[tuple[str, int, int], int] = {}
         self._items: list[_Item] = []
@@ -332,60 +291,44 @@ class Plan:
         """(nbytes, s1, s2) of each span (the fast check's values)."""
         return _run_items(self._span_items)
 
-    @property
-    def graph_bytes(self) -> dict[str, int] | None:
-        """Device bytes the captured check holds while the model sleeps (the private pool's
-        segments, the peak allocated in it at capture, the index tensors), or None when
-        the check runs eagerly."""
-        g = self._graph
-        if g is None:
+    def _kernel_check(self) -> tuple[SpanCheck, list[int]] | None:
+        """A baselined Triton check over the spans of the device holding most of the bytes
+        (a CUDA device; any device when the mode is `on`) and the span indices it covers;
+        None when every span is checked eagerly (`kernel_error` says why, if it failed)."""
+        if self._kernel == "off":
             return None
-        return {"pool": g.pool_bytes, "capture_peak": g.peak_bytes, "index": g.index_bytes}
-
-    def _capture(self) -> list[Fp] | None:
-        """Capture the span check as a CUDA graph; its baseline values, or None (eager)."""
-        devices = {str(it.device) for it in self._span_items}
-        if not self._want_graph or len(devices) != 1 or self._span_items[0].device.type != "cuda":
+        by_device: dict[Any, list[int]] = {}
+        for k, it in enumerate(self._span_items):
+            if it.nbytes and (self._kernel == "on" or it.device.type == "cuda"):
+                by_device.setdefault(it.device, []).append(k)
+        if not by_device:
             return None
-        if not any(it.length for it in self._span_items):
-            return None
+        device, covered = max(
+            by_device.items(), key=lambda kv: sum(self._span_items[k].nbytes for k in kv[1])
+        )
         try:
-            items = [_Item(it.raw, big_rows=True) for it in self._span_items]
-            g = _SpanGraph(items)
-            got = g.run()
-            if got != g.eager:
-                raise RuntimeError("graph replay differs from the same check run eagerly")
-        except Exception as e:  # any capture trouble: the eager check, which is proven
-            self.graph_error = f"capture: {e!r}"
-            _warn_once("capture", f"verify: CUDA graph capture failed, checking eagerly: {e!r}")
-            self._graph = None
+            items = [self._span_items[k] for k in covered]
+            check = SpanCheck([(int(it.raw.data_ptr()), it.nbytes) for it in items], device)
+            check.baseline()
+        except Exception as e:
+            self.kernel_error = f"{type(e).__name__}: {e}"
+            _warn_once("kernel", f"verify: Triton span check unavailable, checking eagerly: {e}")
             return None
-        self._graph, self._check_items = g, items
-        return [(it.nbytes, s1, s2) for it, (s1, s2) in zip(items, got, strict=True)]
-
-    def _check(self) -> list[Fp]:
-        """The span values `changed` compares: graph replay, else the same items eagerly."""
-        g, items = self._graph, self._check_items
-        if items is None:
-            return self.run_spans()
-        if g is not None:
-            try:
-                got = g.run()
-                return [(it.nbytes, s1, s2) for it, (s1, s2) in zip(items, got, strict=True)]
-            except Exception as e:  # replay trouble: the same values, computed eagerly
-                self.graph_error = f"replay: {e!r}"
-                _warn_once("replay", f"verify: CUDA graph replay failed, checking eagerly: {e!r}")
-                self._graph = None
-        return _run_items(items)
+        return check, covered
 
     def baseline(self) -> Baseline:
-        """Span and per-storage fingerprints now, for `changed` to compare against; on CUDA
-        (HOTSWAP_VERIFY_GRAPH) the span check is captured as a CUDA graph here."""
-        self._graph, self._check_items, self.graph_error = None, None, None
-        spans = self._capture()
-        if spans is None:
-            spans = self.run_spans()
-        return Baseline(spans, _run_items(self._items))
+        """Span and per-storage fingerprints now, for `changed` to compare against; the
+        kernel check (HOTSWAP_VERIFY_KERNEL) takes its own baseline values here, and the
+        spans it does not cover (other devices, empty ones) are fingerprinted eagerly."""
+        self.kernel_error = None
+        found = self._kernel_check()
+        if found is None:
+            return Baseline(self.run_spans(), _run_items(self._items))
+        check, covered = found
+        taken = set(covered)
+        rest = [k for k in range(len(self._span_items)) if k not in taken]
+        spans = _run_items([self._span_items[k] for k in rest])
+        return Baseline(spans, _run_items(self._items), check, covered, rest)
 
     def per_tensor(self, base: Baseline) -> list[Fp]:
         """The baseline's fingerprint of each tensor's storage, in the order given."""
@@ -395,8 +338,13 @@ class Plan:
         """Indices (in the order given) of the tensors whose storage bytes differ from
         `base`. One batch over the spans; only a differing span is re-read storage by
         storage to name its tensors (all of them, if its storages all read equal again)."""
-        now = self._check()
-        bad = [k for k, (a, b) in enumerate(zip(now, base.spans, strict=True)) if a != b]
+        bad: list[int] = []
+        if base.check is not None:
+            bad = [base.covered[i] for i in base.check.differing()]
+        rest = list(range(len(self._span_items))) if base.rest is None else base.rest
+        if rest:
+            now = _run_items([self._span_items[k] for k in rest])
+            bad += [k for k, a, b in zip(rest, now, base.spans, strict=True) if a != b]
         if not bad:
             return []
         storages = [i for k in bad for i in self._span_members[k]]

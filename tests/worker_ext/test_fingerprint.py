@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from worker_ext import fingerprint as fpmod
+from worker_ext import fpkernel
 from worker_ext.fingerprint import (
-    BIG_ROW_WORDS,
     ROW_WORDS,
     Plan,
     fingerprint,
     fingerprints,
     storage_bytes,
 )
-
-BIG = BIG_ROW_WORDS * 2  # float32 elements in one 64 KiB row
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int8]
 # byte sizes below, at and above one row, with 1-7 byte tails
@@ -88,20 +91,15 @@ def test_swapped_rows_of_a_large_tensor_are_seen() -> None:
     assert fingerprint(words) == fp  # documented blind spot: row sums are order-blind
 
 
-def _reference(t: torch.Tensor, widths: tuple[int, ...] = (ROW_WORDS,)) -> tuple[int, int, int]:
-    """The module docstring's definition, in plain Python integers (rows of each width in
-    turn, as the graph layout reads large spans)."""
+def _reference(t: torch.Tensor) -> tuple[int, int, int]:
+    """The module docstring's definition, in plain Python integers."""
     data = bytes(storage_bytes(t).tolist())
     n = len(data)
     nwords = n // 8 if t.untyped_storage().data_ptr() % 8 == 0 else 0
     words = [int.from_bytes(data[8 * i : 8 * i + 8], "little") for i in range(nwords)]
-    seq: list[int] = []
-    done = 0
-    for w in widths:
-        k = (nwords - done) // w
-        seq += [sum(words[done + r * w : done + (r + 1) * w]) for r in range(k)]
-        done += k * w
-    seq += words[done:] + list(data[nwords * 8 :])
+    k = nwords // ROW_WORDS
+    seq = [sum(words[r * ROW_WORDS : (r + 1) * ROW_WORDS]) for r in range(k)]
+    seq += words[k * ROW_WORDS :] + list(data[nwords * 8 :])
     mask = (1 << 64) - 1
     return n, sum(seq) & mask, sum(i * v for i, v in enumerate(seq, 1)) & mask
 
@@ -113,31 +111,16 @@ def test_values_follow_the_documented_row_reduction(numel: int) -> None:
     assert fingerprint(t) == _reference(t)
 
 
-# float32 counts: under one 64 KiB row, one, two plus 4 KiB rows, words and a tail
-@pytest.mark.parametrize("numel", [BIG * 2 - 1, BIG * 2, BIG * 4 + ROW_WORDS * 2 * 3 + 5])
-def test_the_graph_layout_follows_its_documented_rows_and_sees_a_flip(numel: int) -> None:
-    t = _rand((numel,), torch.float32, numel)
-    item = fpmod._Item(storage_bytes(t), big_rows=True)
-    ref = _reference(t, (BIG_ROW_WORDS, ROW_WORDS))
-    assert fpmod._run_items([item]) == [ref]
-    _flip(t, storage_bytes(t).numel() - 9, 2)
-    assert fpmod._run_items([item]) != [ref]
-
-
-def test_no_graph_off_cuda_and_the_switch_reads_the_environment(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_the_kernel_switch_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for raw, mode in [("0", "off"), ("off", "off"), ("1", "on"), ("on", "on"), ("auto", "auto")]:
+        monkeypatch.setenv("HOTSWAP_VERIFY_KERNEL", raw)
+        assert fpmod.kernel_mode() == mode
+    monkeypatch.delenv("HOTSWAP_VERIFY_KERNEL")
+    assert fpmod.kernel_mode() == "auto"
     _, ts = _packed(SPECS)
-    plan = Plan(ts, graph=True)
-    ref = plan.baseline()
-    assert plan.graph_bytes is None  # CPU: the eager check, values as before
-    assert ref.spans == plan.run_spans()
-    monkeypatch.setenv("HOTSWAP_VERIFY_GRAPH", "0")
-    assert not fpmod.graph_enabled()
-    monkeypatch.setenv("HOTSWAP_VERIFY_GRAPH", "1")
-    assert fpmod.graph_enabled()
-    monkeypatch.delenv("HOTSWAP_VERIFY_GRAPH")
-    assert fpmod.graph_enabled() == fpmod.GRAPH_DEFAULT
+    ref = Plan(ts).baseline()  # auto on CPU: the eager check, no kernel tried
+    assert ref.check is None
+    assert ref.spans
 
 
 def test_a_swap_across_rows_changes_the_value_as_documented() -> None:
@@ -207,6 +190,31 @@ def test_unaligned_storage_is_fingerprinted_byte_by_byte() -> None:
 
 
 # -- spans: byte-adjacent storages checked as one, mismatches named per tensor ----------
+# Each span test runs with the eager check and, in a child pytest with Triton's CPU
+# interpreter on from the start (test_kernel_cases_under_the_triton_interpreter; Triton
+# decides at import), with the Triton kernel the GPU runs, in small pieces so one span has
+# several.
+
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interp = pytest.mark.skipif(not INTERP, reason="run in a child with TRITON_INTERPRET=1")
+
+
+@pytest.fixture(params=["eager", "kernel"] if INTERP else ["eager"])
+def check(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    mode = str(request.param)
+    if mode == "kernel":
+        monkeypatch.setenv("HOTSWAP_VERIFY_KERNEL", "on")
+        monkeypatch.setattr(fpkernel, "PIECE_WORDS", 64)  # 512 B pieces
+        monkeypatch.setattr(fpkernel, "BLOCK", 16)
+    else:
+        monkeypatch.setenv("HOTSWAP_VERIFY_KERNEL", "off")
+    return mode
+
+
+def _baseline(plan: Plan, mode: str) -> fpmod.Baseline:
+    ref = plan.baseline()
+    assert (ref.check is not None) == (mode == "kernel"), plan.kernel_error
+    return ref
 
 
 def _packed(
@@ -238,12 +246,12 @@ SPECS = [
 ]
 
 
-def test_adjacent_storages_form_one_span_and_a_flip_names_its_tensor() -> None:
+def test_adjacent_storages_form_one_span_and_a_flip_names_its_tensor(check: str) -> None:
     _base, ts = _packed(SPECS)
     assert len({t.untyped_storage().data_ptr() for t in ts}) == len(ts)  # own storages
     plan = Plan(ts)
     assert (plan.n_storages, plan.n_spans) == (len(ts), 1)
-    ref = plan.baseline()
+    ref = _baseline(plan, check)
     assert plan.per_tensor(ref) == fingerprints(ts)  # the per-tensor values are unchanged
     assert plan.changed(ref) == []
     for k, t in enumerate(ts):
@@ -258,22 +266,22 @@ def test_adjacent_storages_form_one_span_and_a_flip_names_its_tensor() -> None:
     assert plan.changed(ref) == [0, 3]
 
 
-def test_a_span_sees_swapped_neighbours() -> None:
+def test_a_span_sees_swapped_neighbours(check: str) -> None:
     _, ts = _packed([(ROW_WORDS * 2, torch.float32), (ROW_WORDS * 2, torch.float32)])
     plan = Plan(ts)
     assert plan.n_spans == 1
-    ref = plan.baseline()
+    ref = _baseline(plan, check)
     a, b = ts[0].clone(), ts[1].clone()
     ts[0].copy_(b)
     ts[1].copy_(a)  # the same bytes, the two tensors' halves swapped
     assert plan.changed(ref) == [0, 1]
 
 
-def test_gaps_between_storages_are_never_read() -> None:
+def test_gaps_between_storages_are_never_read(check: str) -> None:
     base, ts = _packed(SPECS, gap=8)
     plan = Plan(ts)
     assert plan.n_spans == len(ts)  # not adjacent: no span crosses allocator free space
-    ref = plan.baseline()
+    ref = _baseline(plan, check)
     end = storage_bytes(ts[0]).numel()
     base[end : end + 8].bitwise_not_()  # the gap after the first tensor
     base[-8:].bitwise_not_()  # the gap after the last
@@ -282,22 +290,37 @@ def test_gaps_between_storages_are_never_read() -> None:
     assert plan.changed(ref) == [2]
 
 
+def test_spans_the_kernel_does_not_read_are_checked_eagerly(check: str) -> None:
+    _, ts = _packed(SPECS[:2])
+    lone = _rand((ROW_WORDS + 3,), torch.float32, 13)
+    tensors = [ts[0], torch.empty(0), ts[1], lone]
+    plan = Plan(tensors)
+    ref = _baseline(plan, check)
+    if check == "kernel":
+        assert len(ref.covered) == 2  # the packed pair and the lone tensor
+        assert ref.rest is not None
+        assert len(ref.rest) == 1  # the empty storage: nothing for the kernel to read
+    assert plan.changed(ref) == []
+    lone[0] += 1
+    assert plan.changed(ref) == [3]
+
+
 def test_a_span_that_differs_while_its_storages_agree_names_all_of_them() -> None:
     _, ts = _packed(SPECS[:3])
-    plan = Plan(ts)
+    plan = Plan(ts, kernel="off")
     ref = plan.baseline()
     spans = list(ref.spans)
     spans[0] = (spans[0][0], spans[0][1] ^ 1, spans[0][2])
     assert plan.changed(fpmod.Baseline(spans, ref.storages)) == [0, 1, 2]  # never silent
 
 
-def test_shared_storages_and_mixed_spans_name_every_tensor_on_them() -> None:
+def test_shared_storages_and_mixed_spans_name_every_tensor_on_them(check: str) -> None:
     _, ts = _packed(SPECS[:2])
     lone = _rand((ROW_WORDS + 3,), torch.float32, 12)
     tensors = [ts[0], lone, ts[1], ts[0].view(-1)[5:], lone[1:]]
     plan = Plan(tensors)
     assert (plan.n_storages, plan.n_spans) == (3, 2)
-    ref = plan.baseline()
+    ref = _baseline(plan, check)
     assert plan.per_tensor(ref) == fingerprints(tensors)
     _flip(ts[0], 0, 0)
     assert plan.changed(ref) == [0, 3]
@@ -306,16 +329,16 @@ def test_shared_storages_and_mixed_spans_name_every_tensor_on_them() -> None:
     assert plan.changed(ref) == [1, 4]
 
 
-def test_no_coalescing_when_asked() -> None:
+def test_no_coalescing_when_asked(check: str) -> None:
     _, ts = _packed(SPECS)
     plan = Plan(ts, coalesce=False)
     assert plan.n_spans == len(ts)
-    ref = plan.baseline()
+    ref = _baseline(plan, check)
     _flip(ts[4], 9, 3)
     assert plan.changed(ref) == [4]
 
 
-def test_snapshot_verify_names_one_changed_element_in_packed_weights() -> None:
+def test_snapshot_verify_names_one_changed_element_in_packed_weights(check: str) -> None:
     from worker_ext import ownership, snapshot
 
     _, ts = _packed(SPECS[:4])
@@ -326,6 +349,137 @@ def test_snapshot_verify_names_one_changed_element_in_packed_weights() -> None:
     snap = snapshot.prepare(1, recs, set(), pin=False)
     assert snap.plan is not None
     assert snap.plan.n_spans == 1
+    assert snap.baseline is not None
+    assert (snap.baseline.check is not None) == (check == "kernel")
     assert snapshot.verify(snap) == (4, [])
     model.p2.data.view(torch.int32).view(-1)[ROW_WORDS] ^= 1  # one element of one weight
     assert snapshot.verify(snap) == (4, ["p2"])
+
+
+# -- the kernel itself (Triton's CPU interpreter) ---------------------------------------
+
+
+def test_kernel_cases_under_the_triton_interpreter() -> None:
+    """The [kernel] span cases and the kernel tests below, in a child pytest."""
+    if INTERP:
+        pytest.skip("this is the child")
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        __file__,
+        "-k",
+        "kernel and not interpreter and not hopper",
+    ]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    tail = done.stdout[-3000:] + done.stderr[-2000:]
+    assert done.returncode == 0, tail
+    m = re.search(r"(\d+) passed", done.stdout)
+    assert m is not None, tail
+    assert int(m.group(1)) >= 17, tail  # 8 span cases + 9 kernel cases, none skipped
+    assert "skipped" not in done.stdout.splitlines()[-1], tail
+
+
+@pytest.fixture
+def interp(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fpkernel, "PIECE_WORDS", 40)
+    monkeypatch.setattr(fpkernel, "BLOCK", 16)
+
+
+def _piece_ref(words: list[int]) -> tuple[int, int]:
+    mask = (1 << 64) - 1
+    return sum(words) & mask, sum(i * w for i, w in enumerate(words, 1)) & mask
+
+
+@pytest.mark.parametrize("nbytes", [8, 16 * 8, 40 * 8, 40 * 8 + 8, 40 * 8 * 3 + 5, 3])
+@needs_interp
+def test_kernel_piece_sums_follow_the_definition(interp: None, nbytes: int) -> None:
+    buf = torch.randint(-(2**62), 2**62, ((nbytes + 7) // 8,), dtype=torch.int64)
+    ptr = int(buf.data_ptr())
+    check = fpkernel.SpanCheck([(ptr, nbytes)], torch.device("cpu"))
+    words = buf.tolist()[: nbytes // 8]
+    want = [_piece_ref(words[i : i + 40]) for i in range(0, len(words), 40)]
+    assert check.sums() == want
+    assert check.n_pieces == len(want)
+    check.baseline()
+    assert check.differing() == []
+
+
+@needs_interp
+def test_kernel_sees_a_swap_inside_a_piece_and_names_the_range(interp: None) -> None:
+    a = torch.randint(-(2**62), 2**62, (100,), dtype=torch.int64)
+    b = torch.randint(-(2**62), 2**62, (30,), dtype=torch.int64)
+    check = fpkernel.SpanCheck(
+        [(int(a.data_ptr()), 800), (int(b.data_ptr()), 30 * 8 - 3)], torch.device("cpu")
+    )
+    check.baseline()
+    a[3], a[9] = a[9].clone(), a[3].clone()  # same words, order changed, one piece
+    assert check.differing() == [0]
+    a[3], a[9] = a[9].clone(), a[3].clone()
+    assert check.differing() == []
+    b.view(torch.uint8)[30 * 8 - 4] ^= 1  # the last byte of range 1's 5-byte tail
+    assert check.differing() == [1]
+    b.view(torch.uint8)[30 * 8 - 4] ^= 1
+    b.view(torch.uint8)[30 * 8 - 3] ^= 1  # past the range: never read
+    assert check.differing() == []
+
+
+@needs_interp
+def test_kernel_refuses_what_it_cannot_check(interp: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    buf = torch.zeros(8, dtype=torch.int64)
+    with pytest.raises(fpkernel.Unavailable, match="aligned"):
+        fpkernel.SpanCheck([(int(buf.data_ptr()) + 1, 16)], torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(fpkernel.Unavailable, match="interpreter"):
+        fpkernel.SpanCheck([(int(buf.data_ptr()), 16)], torch.device("cpu"))
+
+
+@needs_interp
+def test_a_kernel_that_disagrees_with_torch_is_not_trusted(
+    interp: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOTSWAP_VERIFY_KERNEL", "on")
+    monkeypatch.setattr(fpkernel, "_reference", lambda ptr, n, dev: (1, 2))
+    _, ts = _packed(SPECS)
+    plan = Plan(ts)
+    ref = plan.baseline()
+    assert ref.check is None  # fell back to the eager check, and says why
+    assert plan.kernel_error is not None
+    assert "torch" in plan.kernel_error
+    _flip(ts[1], 0, 0)
+    assert plan.changed(ref) == [1]
+
+
+def test_the_kernel_compiles_for_a_hopper_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton's compiler (no GPU needed) accepts the kernel for sm_90, in both variants:
+    catches what the CPU interpreter does not check (globals, annotations, types)."""
+    if INTERP:
+        pytest.skip("compiles for a GPU: not under the interpreter")
+    triton = pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # integer kernel; silences 3.9's notice
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError:
+        pytest.skip("this Triton has no ahead-of-time compile API")
+    fpkernel._kernel()  # binds triton.language for the kernel
+    fn = triton.jit(fpkernel._piece_sums)
+    sig = {"ptrs": "*i64", "nwords": "*i32", "out": "*i64", "BLOCK": "constexpr"}
+    sig["ALIGNED"] = "constexpr"
+    for aligned in (True, False):
+        src = ASTSource(
+            fn=fn, signature=sig, constexprs={"BLOCK": fpkernel.BLOCK, "ALIGNED": aligned}
+        )
+        try:
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        except (ImportError, FileNotFoundError, RuntimeError) as e:
+            if "ptxas" in str(e) or "backend" in str(e).lower():
+                pytest.skip(f"no CUDA toolchain in this Triton: {e}")
+            raise
+        ptx = k.asm["ptx"]
+        assert ("ld.global.v2.b64" in ptx) == aligned  # wide loads exactly when aligned

@@ -1,0 +1,223 @@
+"""Verify's span check in one Triton kernel launch: every span cut into fixed pieces.
+
+`SpanCheck` reads a list of byte ranges (the spans of `fingerprint.Plan`) as int64 words
+and, for each piece of at most PIECE_WORDS words of one range, writes (s1, s2) with
+s1 = sum(w_i) and s2 = sum(i * w_i), i = 1..n within the piece, modulo 2**64. A range's
+last 1-7 bytes (when its length is not a multiple of 8) are kept as bytes and compared
+exactly. The whole check is one kernel over a table of (address, words) per piece, one
+element-wise comparison against the baseline on the device and one host read of a bool:
+no per-span kernel, no Python per span. Cost: one pass over the bytes at memory speed.
+
+What it sees, per piece: any change confined to one word (s1 changes by d != 0); any two
+different words swapped (s2 changes by (j - i) * (v_i - v_j), nonzero unless that product
+is a multiple of 2**64), which the row sums of the eager check do not see inside a row.
+
+Loads are two words wide when every piece starts on 16 bytes (the usual case: allocations
+are 512-byte aligned), one word wide otherwise.
+
+Availability: Triton with a CUDA device, or Triton's CPU interpreter (TRITON_INTERPRET=1,
+for tests). Anything else raises `Unavailable` and the caller checks eagerly. Every new
+check compares a sample of its pieces against the same sums computed by torch before it is
+trusted (`SpanCheck.baseline`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+PIECE_WORDS = 1 << 18  # 2 MiB per program: enough pieces to fill the GPU, few to compare
+BLOCK = 2048  # words per loop step in one program
+NUM_WARPS = 8
+SAMPLE = 8  # pieces cross-checked against torch when a check is built
+_MASK = (1 << 64) - 1
+_KERNELS: dict[bool, Any] = {}  # interpreted? -> the jitted kernel
+
+
+class Unavailable(RuntimeError):
+    """This check cannot run here (no Triton, no CUDA, an unaligned range)."""
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip() == "1"
+
+
+tl: Any = None  # triton.language, bound on first use (the kernel reads it as a global)
+
+
+# No annotations but BLOCK's: Triton's compiler reads them, and may name only its own globals.
+def _piece_sums(ptrs, nwords, out, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Program `pid`: (s1, s2) of the `nwords[pid]` int64 words at address `ptrs[pid]`."""
+    pid = tl.program_id(0)
+    base = tl.load(ptrs + pid).to(tl.pointer_type(tl.int64))
+    if ALIGNED:  # every piece starts on 16 bytes: two words per load
+        base = tl.multiple_of(base, 16)
+    n = tl.load(nwords + pid)
+    offs = tl.arange(0, BLOCK).to(tl.int64)
+    acc1 = tl.zeros([BLOCK], dtype=tl.int64)
+    acc2 = tl.zeros([BLOCK], dtype=tl.int64)
+    full = n // BLOCK * BLOCK
+    for start in range(0, full, BLOCK):  # whole blocks: unmasked, so loads can be wide
+        idx = start + offs
+        v = tl.load(base + idx)
+        acc1 += v
+        acc2 += v * (idx + 1)
+    idx = full + offs  # the rest, masked (no-op when n is a multiple of BLOCK)
+    v = tl.load(base + idx, mask=idx < n, other=0)
+    acc1 += v
+    acc2 += v * (idx + 1)
+    tl.store(out + pid * 2, tl.sum(acc1, axis=0))
+    tl.store(out + pid * 2 + 1, tl.sum(acc2, axis=0))
+
+
+def _kernel() -> Any:
+    """`_piece_sums` jitted, on first use (Triton is imported only then)."""
+    global tl
+    mode = _interpreting()
+    hit = _KERNELS.get(mode)
+    if hit is not None:
+        return hit
+    try:
+        import triton
+        import triton.language
+    except Exception as e:
+        raise Unavailable(f"triton: {e!r}") from e
+    tl = triton.language
+    _KERNELS[mode] = triton.jit(_piece_sums)
+    return _KERNELS[mode]
+
+
+def _reference(ptr: int, nwords: int, device: Any) -> tuple[int, int]:
+    """(s1, s2) of one piece with torch, for the cross-check."""
+    from worker_ext.fingerprint import raw_bytes
+
+    v = raw_bytes(ptr, nwords * 8, device).view(torch.int64)
+    pos = torch.arange(1, nwords + 1, dtype=torch.int64, device=device)
+    s1, s2 = torch.stack((v.sum(), (v * pos).sum())).cpu().tolist()
+    return int(s1) & _MASK, int(s2) & _MASK
+
+
+class SpanCheck:
+    """Per-piece sums of fixed byte ranges on one device, in one launch.
+
+    The caller keeps the memory of every range alive for the check's life (the plan's
+    views do): the kernel reads raw addresses."""
+
+    def __init__(self, ranges: list[tuple[int, int]], device: Any) -> None:
+        device = torch.device(device)
+        if device.type == "cpu" and not _interpreting():
+            raise Unavailable("CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
+        if device.type not in ("cuda", "cpu"):
+            raise Unavailable(f"no kernel for {device}")
+        from worker_ext.fingerprint import raw_bytes
+
+        self.device = device
+        self._kernel = _kernel()
+        ptrs: list[int] = []
+        nwords: list[int] = []
+        self.owner: list[int] = []  # piece -> range index
+        tails: list[Any] = []
+        self.tail_owner: list[int] = []  # tail byte -> range index
+        for r, (ptr, n) in enumerate(ranges):
+            if ptr % 8:
+                raise Unavailable(f"range {r} at {ptr:#x} is not 8-byte aligned")
+            words = n // 8
+            for w in range(0, words, PIECE_WORDS):
+                ptrs.append(ptr + 8 * w)
+                nwords.append(min(PIECE_WORDS, words - w))
+                self.owner.append(r)
+            if n % 8:
+                tails.append(raw_bytes(ptr + 8 * words, n % 8, device))
+                self.tail_owner.extend([r] * (n % 8))
+        self.aligned = all(p % 16 == 0 for p in ptrs)
+        self.n_pieces = len(ptrs)
+        self._ptrs_host = ptrs
+        self._nwords_host = nwords
+        self._ptrs = torch.tensor(ptrs, dtype=torch.int64).to(device)
+        self._nwords = torch.tensor(nwords, dtype=torch.int32).to(device)
+        self._out = torch.zeros((max(1, len(ptrs)), 2), dtype=torch.int64, device=device)
+        self._tails = tails
+        self._base: Any = None
+        self._base_tail: Any = None
+
+    def _run(self) -> tuple[Any, Any]:
+        if self.n_pieces:
+            grid = (self.n_pieces,)
+            if self.device.type == "cuda":
+                with torch.cuda.device(self.device):
+                    self._kernel[grid](
+                        self._ptrs,
+                        self._nwords,
+                        self._out,
+                        BLOCK=BLOCK,
+                        ALIGNED=self.aligned,
+                        num_warps=NUM_WARPS,
+                    )
+            else:
+                self._kernel[grid](
+                    self._ptrs, self._nwords, self._out, BLOCK=BLOCK, ALIGNED=self.aligned
+                )
+        tail = torch.cat(self._tails) if self._tails else None
+        return self._out, tail
+
+    def sums(self) -> list[tuple[int, int]]:
+        """(s1, s2) per piece now, on the host (tests and the cross-check)."""
+        out, _ = self._run()
+        rows = out[: self.n_pieces].cpu().tolist()
+        return [(int(a) & _MASK, int(b) & _MASK) for a, b in rows]
+
+    def baseline(self) -> None:
+        """Take the values later checks compare against, after proving a sample of pieces
+        (first, last, the shortest, spread between) equal to torch's sums of them."""
+        got = self.sums()
+        if self.n_pieces:
+            shortest = min(range(self.n_pieces), key=self._nwords_host.__getitem__)
+            picks = {0, self.n_pieces - 1, shortest}
+            step = max(1, self.n_pieces // SAMPLE)
+            picks.update(range(0, self.n_pieces, step))
+            for i in sorted(picks)[: SAMPLE + 3]:
+                want = _reference(self._ptrs_host[i], self._nwords_host[i], self.device)
+                if got[i] != want:
+                    raise Unavailable(f"kernel piece {i} gave {got[i]}, torch {want}")
+        out, tail = self._run()
+        self._base = out.clone()
+        self._base_tail = tail.clone() if tail is not None else None
+
+    def differing(self) -> list[int]:
+        """Indices of the ranges whose bytes differ from the baseline (one host sync)."""
+        if self._base is None:
+            raise RuntimeError("SpanCheck.differing before baseline")
+        out, tail = self._run()
+        diff = torch.ne(out, self._base).any(dim=1)
+        flag = diff.any()
+        tdiff = None
+        if tail is not None:
+            tdiff = torch.ne(tail, self._base_tail)
+            flag = flag | tdiff.any()
+        if not bool(flag):  # the one host sync
+            return []
+        bad = {self.owner[i] for i in diff.nonzero().flatten().tolist() if i < self.n_pieces}
+        if tdiff is not None:
+            bad.update(self.tail_owner[i] for i in tdiff.nonzero().flatten().tolist())
+        return sorted(bad)
+
+
+def warm(device: Any) -> dict[str, Any]:
+    """Compile the kernel and prove it on `device` now (a few KiB), so that the first
+    prepare does not pay Triton's compile: {"ok", "s", "error"}; never raises."""
+    import time
+
+    t = time.perf_counter()
+    try:
+        buf = torch.arange(3 * BLOCK + 5, dtype=torch.int64, device=device)
+        ptr, n = int(buf.data_ptr()), int(buf.numel()) * 8
+        for start in (ptr, ptr + 8):  # both variants: 16-byte aligned and not
+            check = SpanCheck([(start, ptr + n - 3 - start)], buf.device)
+            check.baseline()
+            if check.differing():
+                raise Unavailable("the warm-up check moved with nothing written")
+    except Exception as e:
+        return {"ok": False, "s": time.perf_counter() - t, "error": f"{type(e).__name__}: {e}"}
+    return {"ok": True, "s": time.perf_counter() - t, "error": None}
