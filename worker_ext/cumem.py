@@ -21,9 +21,13 @@ with a synchronous cudaMemcpy into a power-of-two rounded pinned tensor per reco
 - resume returns with the copies ordered before any later work on the worker's current
   stream (no host wait); `synchronize()` waits for them, and every later backend call does
   so first: mapping KV during the weights copy slows the copy down (H200, 8B shape: wake
-  0.38-0.40 s waiting, 0.47 s with HOTSWAP_RESUME_KV=overlap, all copies queued first).
+  0.37-0.40 s waiting, 0.46 s with HOTSWAP_RESUME_KV=overlap; docs/benchmarks.md);
+- resume reports its steps in `timings` (map and queue per tag, the host wait for earlier
+  copies, their GPU time from CUDA events, vLLM's side effects).
 
 After a wake the host buffer is kept for the next sleep unless HOTSWAP_KEEP_HOST_BACKUP=0.
+The backend also compiles and proves verify's Triton check when it is made (fpkernel.warm),
+so that the first sleep's prepare does not pay the compile.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ import threading
 import time
 from typing import Any
 
+from worker_ext import fpkernel
+from worker_ext.fingerprint import kernel_mode
 from worker_ext.pools import ALL_TAGS, DISCARDED, KV_CACHE, OFFLOADED, UNPOOLED, WEIGHTS, policy
 
 log = logging.getLogger(__name__)
@@ -69,8 +75,8 @@ def pin_mode() -> str:
 
 def kv_map_mode() -> str:
     """HOTSWAP_RESUME_KV: `wait` (default: a resume waits for the weights copies still in
-    flight before mapping the KV pool) or `overlap` (weights records all mapped first, then
-    all their copies queued, and the KV pool mapped while that DMA runs)."""
+    flight before mapping the KV pool) or `overlap` (a resume that copies nothing, the KV
+    pool's, maps while the weights' DMA queued before it runs)."""
     mode = _env("HOTSWAP_RESUME_KV", "wait")
     return mode if mode in ("wait", "overlap") else "wait"
 
@@ -222,14 +228,20 @@ class CuMemBackend:
         self._starts: list[int] = []
         self._sizes: list[int] = []
         self._pending: list[Any] = []  # streams whose queued copies nobody has waited for
+        self._dma_events: tuple[Any, list[Any]] | None = None  # (start, end per stream)
+        self.last_dma_s: float | None = None  # GPU time of the last resume's copies
         self._release_host_after_pending = False
         self._host: HostBuffer | None = None
         self._host_lock = threading.Lock()
         self._host_thread: threading.Thread | None = None
         self._host_error: str | None = None
         self._host_pin_s: float | None = None
+        self._kernel_warm: dict[str, Any] | None = None
         if pin_mode() == "early":
             self.warm_host(wait=False)
+        # verify's Triton check compiled now, not inside the first sleep's prepare
+        if kernel_mode() != "off":
+            self._kernel_warm = fpkernel.warm(self._device)
 
     # -- reading the records -------------------------------------------------------------
 
@@ -291,6 +303,7 @@ class CuMemBackend:
             "host_backup_pin_s": self._host_pin_s,
             "host_backup_error": self._host_error,
             "records": len(self._records()),
+            "verify_kernel_warm": self._kernel_warm,
         }
 
     # -- the host buffer -----------------------------------------------------------------
@@ -377,6 +390,10 @@ class CuMemBackend:
         for s in self._pending:
             s.synchronize()
         self._pending = []
+        if self._dma_events is not None:  # first copy queued -> last copy done, on the GPU
+            start, ends = self._dma_events
+            self.last_dma_s = max(start.elapsed_time(e) for e in ends) / 1000.0
+            self._dma_events = None
         if self._release_host_after_pending and not self._offloaded_layout:
             self._release_host()
         self._release_host_after_pending = False
@@ -469,8 +486,15 @@ class CuMemBackend:
         # `wait`: copies still in flight finish before more is mapped (measured on an H200,
         # 8B shape: mapping the KV pool record by record during the copy slowed it down).
         # `overlap`: a resume that copies nothing maps during the DMA queued before it.
+        timings: dict[str, float] = {}
         if not (overlap and only_discarded):
+            waited = bool(self._pending)
+            t = time.perf_counter()
             self.synchronize()
+            if waited:
+                timings["wait_copies_s"] = time.perf_counter() - t
+                if self.last_dma_s is not None:
+                    timings["copies_gpu_s"] = self.last_dma_s
         before = self.memory()["free"]
         restored = dict.fromkeys(want, 0)
         # Weights first: their copies start at once and the KV mapping overlaps them.
@@ -479,7 +503,6 @@ class CuMemBackend:
         k = 0
         host = self._host
         was_level = self._level
-        timings: dict[str, float] = {}
         for tag in ordered:
             mode = self._suspended.get(tag)
             if mode is None:
@@ -489,8 +512,9 @@ class CuMemBackend:
                 current = torch.cuda.current_stream(self._device)
                 for s in self._get_streams():
                     s.wait_stream(current)
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(self._get_streams()[0])
                 copying = True
-            mapped: list[int] = []
             for ptr, data in self._tag_records(tag):
                 if not data.is_asleep:
                     continue
@@ -499,28 +523,25 @@ class CuMemBackend:
                 if mode == OFFLOADED:
                     if host is None:
                         raise RuntimeError("offloaded bytes but no host buffer")
-                    if overlap:
-                        mapped.append(ptr)  # queued below, once every record is mapped
-                    else:
-                        off, size = self._offloaded_layout.pop(ptr)
-                        k = self._queue(ptr, host.ptr, off, size, False, k)
-                restored[tag] += int(data.handle[1])
-            if mapped and host is not None:
-                timings[f"{tag}_map_s"] = time.perf_counter() - t
-                for ptr in mapped:
                     off, size = self._offloaded_layout.pop(ptr)
                     k = self._queue(ptr, host.ptr, off, size, False, k)
+                restored[tag] += int(data.handle[1])
             timings[f"{tag}_s"] = time.perf_counter() - t
             del self._suspended[tag]
         if copying:
             current = torch.cuda.current_stream(self._device)
+            ends = []
             for s in self._get_streams():
+                ends.append(s.record_event(torch.cuda.Event(enable_timing=True)))
                 current.wait_stream(s)  # later work on this stream sees the bytes
             self._pending = list(self._get_streams())
+            self._dma_events = (start, ends)
             if not keep_host_backup():
                 self._release_host_after_pending = True
                 self.synchronize()  # the buffer goes back now, so wait for its copies
+        t = time.perf_counter()
         side = self._after_resume(restored, was_level)
+        timings["after_resume_s"] = time.perf_counter() - t
         if not self._suspended:
             self._level = None
         if _env("HOTSWAP_RESUME_SYNC", "0") in ("1", "true", "yes"):

@@ -274,6 +274,7 @@ class HotSwapExtension:
         return {
             "tags": chosen,
             "restored_bytes": res.get("restored_bytes", {}),
+            "timings": res.get("timings", {}),
             "memory_before": _mem_value(before),
             "memory_after": _mem_value(st.backend.memory()),
         }
@@ -302,9 +303,13 @@ class HotSwapExtension:
             missing = unpacked_layers(self._hotswap_model())
             if missing:
                 raise RuntimeError(f"linear kernels not re-packed (reload missing?): {missing}")
+        t0 = time.perf_counter()
         rebound = snapshot.rebind(snap)
-        restored = snapshot.restore(snap)
+        t1 = time.perf_counter()
+        restored = snapshot.restore(snap)  # ends when every copy on the device is done
+        t2 = time.perf_counter()
         verified, mismatched = snapshot.verify(snap)
+        t3 = time.perf_counter()
         st.snap = None
         st.level = None
         out: dict[str, Any] = {
@@ -313,6 +318,7 @@ class HotSwapExtension:
             "verified": verified,
             "mismatched": mismatched,
             "ok": not mismatched,
+            "timings": {"rebind_s": t1 - t0, "restore_s": t2 - t1, "verify_s": t3 - t2},
         }
         if mismatched:
             out["error"] = f"{len(mismatched)} tensor(s) differ after resume: {mismatched[:8]}"
