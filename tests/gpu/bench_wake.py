@@ -209,8 +209,8 @@ class ViaExtension:
         info = self.rpc("hotswap_info")
         # The extension made its backend on that first RPC; pin its host buffer now and wait
         # (in-process callable: find the backend object on the worker, whatever its name).
-        self.llm.collective_rpc(lambda w: find_backend(w.worker).warm_host(wait=True))
-        return info
+        described = self.llm.collective_rpc(lambda w: find_backend(w.worker).warm_host(wait=True))
+        return {**info, "backend": described[0]}
 
     def pools(self) -> dict[str, int]:
         return self.rpc("hotswap_info")["pools"]  # type: ignore[no-any-return]
@@ -235,20 +235,19 @@ CHECKS: list[dict[str, Any]] = []  # one per verify: the fingerprint check alone
 
 def time_checks() -> None:
     """Wrap worker_ext.fingerprint.Plan.changed (the worker is this process) so every
-    verify's fingerprint check is timed on its own, with whether it replayed a graph."""
+    verify's fingerprint check is timed on its own, with whether the Triton kernel ran."""
     from worker_ext import fingerprint
 
     inner = fingerprint.Plan.changed
 
     def changed(self: Any, base: Any) -> list[int]:
         t = time.perf_counter()
-        out = inner(self, base)  # ends with its host copy: the GPU work is done here
+        out = inner(self, base)  # ends with its host read: the GPU work is done here
         CHECKS.append(
             {
                 "check_s": time.perf_counter() - t,
-                "graph": self.graph_bytes is not None,
-                "graph_bytes": self.graph_bytes,
-                "graph_error": self.graph_error,
+                "kernel": base.check is not None,
+                "kernel_error": self.kernel_error,
             }
         )
         return out
@@ -270,15 +269,15 @@ def fingerprint_bench(llm: Any, reps: int = 5) -> dict[str, Any]:
         tensors = [r.tensor.detach() for r in recs if not r.is_kv]
         torch.cuda.synchronize()
         t = time.perf_counter()
-        plan = fingerprint.Plan(tensors, graph=False)
+        plan = fingerprint.Plan(tensors, kernel="off")
         build = time.perf_counter() - t
         base = plan.baseline()
         torch.cuda.synchronize()
         t = time.perf_counter()
-        gplan = fingerprint.Plan(tensors, graph=True)
-        gbase = gplan.baseline()  # plan, capture, eager warm-up and one checked replay
-        capture = time.perf_counter() - t
-        runs, rows, checks, gchecks = [], [], [], []
+        kplan = fingerprint.Plan(tensors, kernel="auto")
+        kbase = kplan.baseline()  # the table, the sample cross-check, the baseline launch
+        kbuild = time.perf_counter() - t
+        runs, rows, checks, kchecks = [], [], [], []
         for _ in range(reps):
             torch.cuda.synchronize()
             t = time.perf_counter()
@@ -293,21 +292,30 @@ def fingerprint_bench(llm: Any, reps: int = 5) -> dict[str, Any]:
             rows.append(time.perf_counter() - t)
             torch.cuda.synchronize()
             t = time.perf_counter()
-            changed = plan.changed(base)  # what verify runs: spans, one host copy
+            changed = plan.changed(base)  # the eager check: spans, one host copy
             checks.append(time.perf_counter() - t)
             if changed:
                 raise RuntimeError(f"fingerprints moved with nothing written: {changed}")
             torch.cuda.synchronize()
             t = time.perf_counter()
-            changed = gplan.changed(gbase)  # the same check as one graph replay
-            gchecks.append(time.perf_counter() - t)
+            changed = kplan.changed(kbase)  # the kernel check: one launch, one bool
+            kchecks.append(time.perf_counter() - t)
             if changed:
-                raise RuntimeError(f"graph fingerprints moved with nothing written: {changed}")
+                raise RuntimeError(f"kernel fingerprints moved with nothing written: {changed}")
+        # the kernel check must see one flipped bit in the middle of the largest tensor
+        big = max(tensors, key=lambda x: x.untyped_storage().nbytes())
+        raw = fingerprint.storage_bytes(big)
+        mid = raw.numel() // 2
+        raw[mid : mid + 1].bitwise_xor_(1 << 6)
+        seen = kplan.changed(kbase) if kbase.check is not None else None
+        raw[mid : mid + 1].bitwise_xor_(1 << 6)
         return {
-            "graph_check_s": min(gchecks),
-            "graph_baseline_s": capture,
-            "graph_bytes": gplan.graph_bytes,
-            "graph_error": gplan.graph_error,
+            "kernel_check_s": min(kchecks),
+            "kernel_baseline_s": kbuild,
+            "kernel_error": kplan.kernel_error,
+            "kernel_pieces": kbase.check.n_pieces if kbase.check is not None else None,
+            "kernel_saw_flip": None if seen is None else bool(seen),
+            "kernel_clean_after": kplan.changed(kbase) == [] if kbase.check is not None else None,
             "tensors": len(tensors),
             "storages": plan.n_storages,
             "spans": plan.n_spans,
@@ -327,7 +335,7 @@ def main() -> int:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     ap.add_argument("--via", choices=("extension", "backend"), default="extension")
     ap.add_argument("--cycles", type=int, default=2)
-    ap.add_argument("--raw-cycles", type=int, default=2)
+    ap.add_argument("--raw-cycles", type=int, default=1, help="per --asleep-s value")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument(
         "--kv-modes",
@@ -335,9 +343,15 @@ def main() -> int:
         help="HOTSWAP_RESUME_KV variants, each run for --cycles cycles, in this order",
     )
     ap.add_argument(
-        "--verify-graph",
-        default="1,0",
-        help="HOTSWAP_VERIFY_GRAPH values, each run for --cycles cycles per kv mode",
+        "--verify-kernel",
+        default="auto,off",
+        help="HOTSWAP_VERIFY_KERNEL values, each run for --cycles cycles per kv mode",
+    )
+    ap.add_argument(
+        "--asleep-s",
+        default="2,0",
+        help="seconds between the end of a sleep and the wake (raw vLLM and ours alike):"
+        " the driver scrubs released device memory in the background for a while",
     )
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -379,16 +393,20 @@ def main() -> int:
     res["deterministic"] = gen(llm) == base
     equal: list[bool] = []
 
+    asleeps = [float(a) for a in args.asleep_s.split(",") if a.strip()]
     # raw vLLM
     raw: list[dict[str, Any]] = []
     rss0 = rss()
-    for _ in range(args.raw_cycles):
-        _, ts = timed(llm.sleep, 1)
-        r_asleep = rss()
-        _, tw = timed(llm.wake_up)
-        equal.append(gen(llm) == base)
-        raw.append({"sleep_s": ts, "wake_s": tw, "rss_asleep_delta": r_asleep - rss0})
-        log("raw", raw[-1], "equal", equal[-1])
+    for asleep in asleeps:
+        for _ in range(args.raw_cycles):
+            _, ts = timed(llm.sleep, 1)
+            r_asleep = rss()
+            time.sleep(asleep)
+            _, tw = timed(llm.wake_up)
+            equal.append(gen(llm) == base)
+            delta = r_asleep - rss0
+            raw.append({"sleep_s": ts, "wake_s": tw, "asleep_s": asleep, "rss_asleep_delta": delta})
+            log("raw", raw[-1], "equal", equal[-1])
     res["raw"] = raw
     t = time.perf_counter()
     torch._C._host_emptyCache()  # vLLM's per-record pinned backups stay cached after wake
@@ -403,13 +421,15 @@ def main() -> int:
     res["warm"] = warm
     ours: list[dict[str, Any]] = []
     time_checks()
-    graphs = [g.strip() for g in args.verify_graph.split(",") if g.strip()]
-    for mode, vg in [(m.strip(), g) for m in args.kv_modes.split(",") if m.strip() for g in graphs]:
+    kernels = [g.strip() for g in args.verify_kernel.split(",") if g.strip()]
+    modes = [m.strip() for m in args.kv_modes.split(",") if m.strip()]
+    for mode, vk, asleep in [(m, k, a) for m in modes for k in kernels for a in asleeps]:
         os.environ["HOTSWAP_RESUME_KV"] = mode  # in-process worker: read at every resume
-        os.environ["HOTSWAP_VERIFY_GRAPH"] = vg  # read when prepare builds the plan
+        os.environ["HOTSWAP_VERIFY_KERNEL"] = vk  # read when prepare builds the plan
         for _ in range(args.cycles):
             s, ts = drv.sleep()
             r_asleep = rss()
+            time.sleep(asleep)
             n_checks = len(CHECKS)
             w, tw, tv = drv.wake()
             equal.append(gen(llm) == base)
@@ -417,11 +437,12 @@ def main() -> int:
             ours.append(
                 {
                     "kv_mode": mode,
-                    "verify_graph": vg,
-                    "graph_used": check.get("graph"),
-                    "graph_bytes": check.get("graph_bytes"),
-                    "graph_error": check.get("graph_error"),
+                    "asleep_s": asleep,
+                    "verify_kernel": vk,
+                    "kernel_used": check.get("kernel"),
+                    "kernel_error": check.get("kernel_error"),
                     "sleep_s": ts,
+                    "sleep_total_s": ts + s.get("quiesce_s", 0.0) + s.get("prepare_s", 0.0),
                     "wake_s": tw,
                     "verify_s": tv,
                     "check_s": check.get("check_s", 0.0),
@@ -458,14 +479,14 @@ def main() -> int:
     for i, r in enumerate(raw):
         rows.append(
             (
-                f"raw vLLM sleep #{i + 1}",
+                f"raw vLLM sleep #{i + 1} (then asleep {r['asleep_s']:g} s)",
                 f"{r['sleep_s']:.3f} s",
                 f"{r['sleep_s'] / d2h_bound:.2f}x D2H",
             )
         )
         rows.append(
             (
-                f"raw vLLM wake #{i + 1}",
+                f"raw vLLM wake #{i + 1} (after {r['asleep_s']:g} s asleep)",
                 f"{r['wake_s']:.3f} s",
                 f"{r['wake_s'] / h2d_bound:.2f}x H2D",
             )
@@ -475,10 +496,21 @@ def main() -> int:
         if raw
         else ("", "", "")
     )
-    rows.append(("ours: pin host buffer (ahead of sleep)", f"{res['warm_host_s']:.3f} s", ""))
+    made = "ours: backend made and host buffer pinned (ahead of sleep)"
+    rows.append((made, f"{res['warm_host_s']:.3f} s", ""))
+    kw_ = (res["warm"].get("backend") or {}).get("verify_kernel_warm") or {}
+    if kw_:
+        rows.append(
+            (
+                "ours: verify kernel compiled and proven (when the backend is made)",
+                f"{kw_['s']:.3f} s" + ("" if kw_["ok"] else f" FAILED: {kw_['error']}"),
+                "",
+            )
+        )
     for i, r in enumerate(ours):
-        check = "graph" if r["graph_used"] else "eager"
-        tag = f"{r['kv_mode']} {check} #{i + 1}" if r["verify_s"] else f"{r['kv_mode']} #{i + 1}"
+        check = "kernel" if r["kernel_used"] else "eager"
+        tag = f"{check}, asleep {r['asleep_s']:g} s, #{i + 1}"
+        tag = tag if r["verify_s"] else f"asleep {r['asleep_s']:g} s, #{i + 1}"
         rows.append(
             (
                 f"ours sleep {tag}",
@@ -486,6 +518,14 @@ def main() -> int:
                 f"{r['sleep_s'] / d2h_bound:.2f}x D2H",
             )
         )
+        if "sleep_total_s" in r and r["sleep_total_s"] > r["sleep_s"]:
+            rows.append(
+                (
+                    f"ours sleep incl. quiesce + prepare {tag}",
+                    f"{r['sleep_total_s']:.3f} s",
+                    f"{r['sleep_total_s'] / d2h_bound:.2f}x D2H",
+                )
+            )
         rows.append(
             (f"ours wake {tag}", f"{r['wake_s']:.3f} s", f"{r['wake_s'] / h2d_bound:.2f}x H2D")
         )
@@ -523,27 +563,49 @@ def main() -> int:
     print(flush=True)
     if args.via == "extension" and ours:
         print(
-            "| cycle | resume weights | resume kv_cache | restore_and_verify"
-            " | of which fingerprint check | wake | prepare | graph pool / capture peak"
-            " / index bytes |"
+            "| cycle | asleep | resume weights | resume kv_cache | restore_and_verify"
+            " | of which fingerprint check | wake | prepare | check |"
         )
-        print("|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|")
         for i, r in enumerate(ours):
             w = r["wake"]
-            gb = r["graph_bytes"]
-            pool = (
-                f"{gb['pool'] / 1e6:.1f} / {gb['capture_peak'] / 1e6:.1f}"
-                f" / {gb['index'] / 1e6:.1f} MB ({100 * (gb['pool'] + gb['index']) / weights:.3f}%"
-                " of weights)"
-                if gb
-                else f"eager ({r['graph_error'] or 'graph off'})"
+            how = (
+                "kernel"
+                if r["kernel_used"]
+                else f"eager ({r['kernel_error'] or 'HOTSWAP_VERIFY_KERNEL=' + r['verify_kernel']})"
             )
             print(
-                f"| {r['kv_mode']} #{i + 1} | {w['weights']['elapsed_s']:.4f} s"
+                f"| {r['kv_mode']} #{i + 1} | {r['asleep_s']:g} s"
+                f" | {w['weights']['elapsed_s']:.4f} s"
                 f" | {w['kv_cache']['elapsed_s']:.4f} s | {w['verify']['elapsed_s']:.4f} s"
                 f" | {r['check_s']:.4f} s | {r['wake_s']:.4f} s"
                 f" | {r['sleep']['prepare']['elapsed_s']:.4f} s"
-                f" ({r['sleep']['prepare']['fingerprinted']} tensors) | {pool} |"
+                f" ({r['sleep']['prepare']['fingerprinted']} tensors) | {how} |"
+            )
+        print(
+            "\nwake by step, inside the worker (s): weights = map each record and queue its"
+            " copies; copies on GPU = CUDA events, first copy to last; wait = host wait for"
+            " them; kv = map the KV pool; after = vLLM side effects; rebind / restore / verify"
+            " = restore_and_verify's steps (restore ends with a device sync)\n"
+        )
+        print("| cycle | weights | copies on GPU | wait | kv | after | rebind | restore | verify |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for i, r in enumerate(ours):
+            w = r["wake"]
+            tw_ = w["weights"].get("timings") or {}
+            tk_ = w["kv_cache"].get("timings") or {}
+            tv_ = w["verify"].get("timings") or {}
+
+            def f(d: dict[str, Any], k: str) -> str:
+                v = d.get(k)
+                return f"{v:.4f}" if isinstance(v, (int, float)) else "-"
+
+            print(
+                f"| #{i + 1} ({'kernel' if r['kernel_used'] else 'eager'}, asleep"
+                f" {r['asleep_s']:g} s) | {f(tw_, 'weights_s')} | {f(tk_, 'copies_gpu_s')}"
+                f" | {f(tk_, 'wait_copies_s')} | {f(tk_, 'kv_cache_s')}"
+                f" | {f(tk_, 'after_resume_s')} | {f(tv_, 'rebind_s')} | {f(tv_, 'restore_s')}"
+                f" | {f(tv_, 'verify_s')} |"
             )
         fb = res.get("fingerprint") or {}
         if fb:
@@ -553,9 +615,11 @@ def main() -> int:
                 f" {fb['reps']}: plan build {fb['build_s']:.4f} s; verify's check (one batch"
                 f" over the spans, one host copy) {fb['check_s']:.4f} s; per-storage run"
                 f" {fb['run_s']:.4f} s; per-storage row sums alone {fb['rows_only_s']:.4f} s;"
-                f" graph check (one replay, one host copy) {fb['graph_check_s']:.4f} s;"
-                f" graph baseline (plan, capture, checked replay) {fb['graph_baseline_s']:.4f} s;"
-                f" graph bytes {fb['graph_bytes']}; graph error {fb['graph_error']}"
+                f" kernel check (one launch over {fb['kernel_pieces']} pieces, one bool)"
+                f" {fb['kernel_check_s']:.4f} s; kernel plan + baseline"
+                f" {fb['kernel_baseline_s']:.4f} s; kernel saw one flipped bit:"
+                f" {fb['kernel_saw_flip']}, clean again:"
+                f" {fb['kernel_clean_after']}; kernel error {fb['kernel_error']}"
             )
         print(flush=True)
     out = os.environ.get("OUT", ".")
