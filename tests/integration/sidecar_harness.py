@@ -140,10 +140,11 @@ class SidecarThread:
 
 
 @contextlib.contextmanager
-def sidecar_over(name: str, base_url: str) -> Iterator[Api]:
-    """The sidecar attached to one running engine that serves `name`, as its API client."""
+def sidecar_over(name: str, base_url: str, **settings: Any) -> Iterator[Api]:
+    """The sidecar attached to one running engine that serves `name`, as its API client;
+    `settings` go to the sidecar's Settings (e.g. timeouts)."""
     model = ModelSettings.model_validate({"name": name, "url": base_url, "served_model_name": name})
-    side = SidecarThread(attached([model])).start()
+    side = SidecarThread(attached([model]), **settings).start()
     try:
         yield Api(side.base_url)
     finally:

@@ -1,12 +1,16 @@
 """Tensor parallel 2 on one host (two worker processes, one core each): one RPC reaches both
-ranks, the quiesce barrier spans them, and a level-2 cycle still gives identical tokens."""
+ranks, the quiesce barrier spans them, and a level-2 cycle still gives identical tokens; a
+rank held past the barrier timeout (but answering well within the HTTP timeout) ends the
+sleep FAILED with that rank named."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import pytest
 from sidecar_harness import Api, complete, sidecar_over
 
@@ -20,14 +24,26 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 NAME = "tiny-tp2"
 
 
+REPO = Path(__file__).resolve().parents[2]
+QUIESCE_S = 3.0  # the barrier timeout the sidecar sends; a healthy barrier takes milliseconds
+
+
 @pytest.fixture(scope="module")
 def server(engines: EngineLauncher, tiny_llama: Path) -> EngineProcess:
-    return engines.start(tiny_llama, NAME, tp=2)
+    # The test extension only adds hotswap_test_* seams (here: delay one rank's barrier).
+    path = os.pathsep.join([str(REPO), str(REPO / "tests" / "worker_ext")])
+    return engines.start(
+        tiny_llama,
+        NAME,
+        tp=2,
+        worker_extension_cls="hsext.HotSwapTestExtension",
+        extra_env={"PYTHONPATH": path},
+    )
 
 
 @pytest.fixture(scope="module")
 def api(server: EngineProcess) -> Iterator[Api]:
-    with sidecar_over(NAME, server.base_url) as api:
+    with sidecar_over(NAME, server.base_url, timeouts={"quiesce_s": QUIESCE_S}) as api:
         yield api
 
 
@@ -52,3 +68,34 @@ def test_level2_cycle_across_two_ranks(
     assert complete(server.base_url, NAME) == before
     cycle_report("tp2", slept.json()["transition"])
     cycle_report("tp2", woke.json()["transition"])
+
+
+def test_a_rank_late_for_the_barrier_fails_the_sleep_naming_it(
+    api: Api, server: EngineProcess
+) -> None:
+    """Last in the module: a barrier timeout poisons the ranks' group for good."""
+    assert api.state(NAME)["state"] == "RUNNING"
+    held = httpx.post(
+        f"{server.base_url}/collective_rpc",
+        json={"method": "hotswap_test_delay_next_quiesce", "args": [1, QUIESCE_S + 3.0]},
+        timeout=30,
+    )
+    assert held.status_code == 200, held.text
+    slept = api.sleep(NAME, 1)
+    assert slept.status_code == 504, slept.text
+    body = slept.json()
+    assert body["error"] == "BarrierTimeout"
+    assert body["late_ranks"] == [1]
+    assert body["phase"] == "quiesce"
+    state = api.state(NAME)
+    assert state["state"] == "FAILED"
+    assert "[1]" in str(state["last_error"])
+    assert api.get("/health").status_code == 503
+    # The ranks answered (late rank included): nothing was suspended, no queue is out of step.
+    info = httpx.post(
+        f"{server.base_url}/collective_rpc", json={"method": "hotswap_info"}, timeout=30
+    )
+    assert info.status_code == 200, info.text
+    ranks = info.json()["results"]
+    assert [r["suspended"] for r in ranks] == [{}, {}]
+    assert all(r["poisoned"] for r in ranks)
