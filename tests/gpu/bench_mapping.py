@@ -238,6 +238,20 @@ class Bench:
         for s in self.streams:
             s.synchronize()
 
+    def copy_all(self, step: Callable[[int], None] | None = None) -> None:
+        """Queue every weight record's copies (64 MiB, 2 streams); `step(i)` first, per
+        record (e.g. map it), when given."""
+        k = 0
+        for i in range(len(self.w.sizes)):
+            if step is not None:
+                step(i)
+            k = self.queue(i, 64 * MiB, 2, k)
+
+    @staticmethod
+    def each(pool: Pool, step: Callable[[int], None]) -> None:
+        for i in range(len(pool.sizes)):
+            step(i)
+
     def time(
         self, name: str, setup: Callable[[], None], body: Callable[[], dict[str, float]], reps: int
     ) -> None:
@@ -354,68 +368,50 @@ class Bench:
 
     def orders(self, reps: int, suffix: str) -> None:
         w, kv = self.w, self.kv
-        n_w, n_kv = range(len(w.sizes)), range(len(kv.sizes))
 
         def nothing() -> None:
             pass
 
         def kv_released_then_w_up() -> None:
-            for i in n_kv:
-                kv.up(i)
+            self.each(kv, kv.up)
             kv.down()
-            for i in n_w:
-                w.up(i)
+            self.each(w, w.up)
 
         def dma() -> dict[str, float]:
-            k = 0
-            for i in n_w:
-                k = self.queue(i, 64 * MiB, 2, k)
+            self.copy_all()
             return {}
 
         self.time("dma only, kv released just before" + suffix, kv_released_then_w_up, dma, reps)
 
         def wait_mode() -> dict[str, float]:  # what cumem.py does now (`wait`)
-            k = 0
-            for i in n_w:
-                w.up(i)
-                k = self.queue(i, 64 * MiB, 2, k)
+            self.copy_all(w.up)
             t_q = time.perf_counter()
             self.sync()
             t_d = time.perf_counter()
-            for i in n_kv:
-                kv.up(i)
+            self.each(kv, kv.up)
             return {"@queued": t_q, "@dma done": t_d}
 
         self.time("current: w map+copy per record, wait, kv map" + suffix, nothing, wait_mode, reps)
 
         def premap() -> dict[str, float]:
-            for i in n_w:
-                w.up(i)
+            self.each(w, w.up)
             t_m = time.perf_counter()
-            k = 0
-            for i in n_w:
-                k = self.queue(i, 64 * MiB, 2, k)
+            self.copy_all()
             self.sync()
             t_d = time.perf_counter()
-            for i in n_kv:
-                kv.up(i)
+            self.each(kv, kv.up)
             return {"@w mapped": t_m, "@dma done": t_d}
 
         self.time("w all mapped, copy, wait, kv map" + suffix, nothing, premap, reps)
 
         def kv_create_during() -> dict[str, float]:
-            k = 0
-            for i in n_w:
-                w.up(i)
-                k = self.queue(i, 64 * MiB, 2, k)
+            self.copy_all(w.up)
             t_q = time.perf_counter()
-            for i in n_kv:
-                kv.create(i)
+            self.each(kv, kv.create)
             t_c = time.perf_counter()
             self.sync()
             t_d = time.perf_counter()
-            for i in n_kv:
-                kv.map(i)
+            self.each(kv, kv.map)
             return {"@queued": t_q, "@kv created": t_c, "@dma done": t_d}
 
         self.time(
@@ -426,13 +422,9 @@ class Bench:
         )
 
         def kv_full_during() -> dict[str, float]:
-            k = 0
-            for i in n_w:
-                w.up(i)
-                k = self.queue(i, 64 * MiB, 2, k)
+            self.copy_all(w.up)
             t_q = time.perf_counter()
-            for i in n_kv:
-                kv.up(i)
+            self.each(kv, kv.up)
             t_c = time.perf_counter()
             self.sync()
             return {"@queued": t_q, "@kv mapped": t_c}
@@ -440,30 +432,20 @@ class Bench:
         self.time("w per record, kv create+map during dma" + suffix, nothing, kv_full_during, reps)
 
         def kv_first() -> dict[str, float]:
-            for i in n_kv:
-                kv.up(i)
+            self.each(kv, kv.up)
             t_kv = time.perf_counter()
-            k = 0
-            for i in n_w:
-                w.up(i)
-                k = self.queue(i, 64 * MiB, 2, k)
+            self.copy_all(w.up)
             return {"@kv mapped": t_kv}
 
         self.time("kv map first, then w per record" + suffix, nothing, kv_first, reps)
 
         def all_create_first() -> dict[str, float]:
-            for i in n_w:
-                w.create(i)
-            for i in n_kv:
-                kv.create(i)
+            self.each(w, w.create)
+            self.each(kv, kv.create)
             t_c = time.perf_counter()
-            k = 0
-            for i in n_w:
-                w.map(i)
-                k = self.queue(i, 64 * MiB, 2, k)
+            self.copy_all(w.map)
             t_q = time.perf_counter()
-            for i in n_kv:
-                kv.map(i)
+            self.each(kv, kv.map)
             return {"@all created": t_c, "@queued": t_q}
 
         self.time(
