@@ -29,10 +29,12 @@ time, to name the tensors; that happens only on a mismatch.
 Cost on a GPU: one reduction kernel per span (or storage) of ROW_WORDS words or more, a
 handful of kernels for the whole batch, and one device-to-host copy; no per-tensor sync.
 
-Kernel (HOTSWAP_VERIFY_KERNEL: `auto`, the default, on CUDA; `1` also on CPU under
-Triton's interpreter; `0` never): `Plan.baseline` builds a `fpkernel.SpanCheck` over the
-spans, and `Plan.changed` runs it: one Triton launch over every span in 2 MiB pieces, one
-comparison on the device, one bool to the host, about one memory pass. The check is
+Kernel (HOTSWAP_VERIFY_KERNEL: `auto`, the default, on CUDA; `on` also on CPU under
+Triton's interpreter; `off` never): `Plan.baseline` builds a `fpkernel.SpanCheck` over the
+spans of the CUDA device that holds most of the bytes (spans elsewhere, e.g. a runner's
+CPU tensors, keep the eager check), and `Plan.changed` runs it: one Triton launch over all
+those spans in 2 MiB pieces, one comparison on the device, one bool to the host, about one
+memory pass. The check is
 cross-checked against torch on a sample of pieces when built; if Triton is missing or
 anything about the kernel fails, the eager span check runs instead (`kernel_error` says
 why). The plan's storages keep their addresses across sleep/wake (in-place restore), so
