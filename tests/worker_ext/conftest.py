@@ -119,3 +119,9 @@ VLLM_WARNINGS = [
     pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning"),
     pytest.mark.filterwarnings("ignore::ResourceWarning"),
 ]
+
+
+@pytest.fixture(scope="module")
+def baseline(llm: Any) -> tuple[list[int], list[float]]:
+    """Greedy tokens and logprobs of the module's engine (its `llm` fixture) before any cycle."""
+    return generate(llm)

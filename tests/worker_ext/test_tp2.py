@@ -31,11 +31,6 @@ def llm(tiny_model: Any) -> Iterator[Any]:
         shutdown(engine)
 
 
-@pytest.fixture(scope="module")
-def baseline(llm: Any) -> tuple[list[int], list[float]]:
-    return generate(llm)
-
-
 def test_barrier_and_cycles_on_two_ranks(llm: Any, baseline: Any) -> None:
     res = ok(llm, "hotswap_quiesce", 10.0)
     assert [r["rank"] for r in res] == [0, 1]

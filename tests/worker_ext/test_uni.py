@@ -31,11 +31,6 @@ def llm(tiny_model: Any) -> Iterator[Any]:
         shutdown(engine)
 
 
-@pytest.fixture(scope="module")
-def baseline(llm: Any) -> tuple[list[int], list[float]]:
-    return generate(llm)
-
-
 def test_info(llm: Any) -> None:
     (info,) = ok(llm, "hotswap_info")
     assert info["platform"] == "cpu"
