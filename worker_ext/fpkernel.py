@@ -47,7 +47,8 @@ def _interpreting() -> bool:
 tl: Any = None  # triton.language, bound on first use (the kernel reads it as a global)
 
 
-# No annotations but BLOCK's: Triton's compiler reads them, and may name only its own globals.
+# Only the constexprs are annotated: Triton's compiler reads annotations, and may name only
+# its own globals in them.
 def _piece_sums(ptrs, nwords, out, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):  # type: ignore[no-untyped-def]
     """Program `pid`: (s1, s2) of the `nwords[pid]` int64 words at address `ptrs[pid]`."""
     pid = tl.program_id(0)
