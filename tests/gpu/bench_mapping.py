@@ -20,7 +20,6 @@ Prints one table and writes one JSON line to $OUT/mapping.jsonl.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import sys
@@ -34,111 +33,10 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
+from worker_ext.cudriver import Driver  # noqa: E402
+
 GB = 1e9
 MiB = 1 << 20
-
-
-class _Location(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _AllocFlags(ctypes.Structure):
-    _fields_ = [
-        ("compressionType", ctypes.c_ubyte),
-        ("gpuDirectRDMACapable", ctypes.c_ubyte),
-        ("usage", ctypes.c_ushort),
-        ("reserved", ctypes.c_ubyte * 4),
-    ]
-
-
-class _Prop(ctypes.Structure):
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("requestedHandleTypes", ctypes.c_int),
-        ("location", _Location),
-        ("win32HandleMetaData", ctypes.c_void_p),
-        ("allocFlags", _AllocFlags),
-    ]
-
-
-class _Access(ctypes.Structure):
-    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
-
-
-class Driver:
-    def __init__(self, device: int, rdma: bool = False) -> None:
-        self.lib = ctypes.CDLL("libcuda.so.1")
-        u64 = ctypes.c_uint64
-        self.prop = _Prop()
-        self.prop.type = 1  # CU_MEM_ALLOCATION_TYPE_PINNED
-        self.prop.location = _Location(1, device)  # CU_MEM_LOCATION_TYPE_DEVICE
-        # what vLLM's allocator asks for where the device supports it
-        self.prop.allocFlags.gpuDirectRDMACapable = 1 if rdma else 0
-        self.access = _Access(_Location(1, device), 3)  # PROT_READWRITE
-        gran = ctypes.c_size_t()
-        self._ok(
-            self.lib.cuMemGetAllocationGranularity(ctypes.byref(gran), ctypes.byref(self.prop), 0),
-            "granularity",
-        )
-        self.granularity = gran.value
-        self.u64 = u64
-
-    def _ok(self, err: int, what: str) -> None:
-        if err != 0:
-            raise RuntimeError(f"{what}: CUresult {err}")
-
-    def reserve(self, size: int) -> int:
-        ptr = ctypes.c_uint64()
-        self._ok(
-            self.lib.cuMemAddressReserve(
-                ctypes.byref(ptr),
-                ctypes.c_size_t(size),
-                ctypes.c_size_t(0),
-                ctypes.c_uint64(0),
-                ctypes.c_uint64(0),
-            ),
-            "reserve",
-        )
-        return ptr.value
-
-    def create(self, size: int) -> int:
-        h = ctypes.c_uint64()
-        self._ok(
-            self.lib.cuMemCreate(
-                ctypes.byref(h), ctypes.c_size_t(size), ctypes.byref(self.prop), ctypes.c_uint64(0)
-            ),
-            "create",
-        )
-        return h.value
-
-    def map(self, ptr: int, size: int, h: int) -> None:
-        self._ok(
-            self.lib.cuMemMap(
-                ctypes.c_uint64(ptr),
-                ctypes.c_size_t(size),
-                ctypes.c_size_t(0),
-                ctypes.c_uint64(h),
-                ctypes.c_uint64(0),
-            ),
-            "map",
-        )
-
-    def set_access(self, ptr: int, size: int) -> None:
-        self._ok(
-            self.lib.cuMemSetAccess(
-                ctypes.c_uint64(ptr),
-                ctypes.c_size_t(size),
-                ctypes.byref(self.access),
-                ctypes.c_size_t(1),
-            ),
-            "access",
-        )
-
-    def unmap(self, ptr: int, size: int) -> None:
-        self._ok(self.lib.cuMemUnmap(ctypes.c_uint64(ptr), ctypes.c_size_t(size)), "unmap")
-
-    def release(self, h: int) -> None:
-        self._ok(self.lib.cuMemRelease(ctypes.c_uint64(h)), "release")
 
 
 class Pool:
@@ -198,7 +96,7 @@ class Bench:
 
         torch.cuda.init()
         torch.zeros(1, device="cuda")
-        self.drv = Driver(0, rdma=args.rdma)
+        self.drv = Driver(0, rdma=args.rdma, exportable=False)
         self.w = Pool(self.drv, llama8b_weight_sizes(args.weights_gb * GB))
         self.kv = Pool(self.drv, [int(args.kv_gb * GB / 34)] * 34)
         self.cudart = _CudaRT()

@@ -1,0 +1,148 @@
+"""worker_ext.cudriver against a fake libcuda: what it asks the driver for, where the new
+handle goes, and that a failure leaves nothing created or mapped. (The real driver runs in
+the GPU tests and benches.)"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import pytest
+
+from worker_ext.cudriver import Driver, DriverError
+
+NOT_PERMITTED = 800
+GRANULARITY = 2 << 20
+
+
+class FakeCuda:
+    """The cuMem calls Driver makes, recording them; `fail` maps a call name to the
+    CUresult it returns (once per listed entry)."""
+
+    def __init__(self, fabric: bool, rdma: bool = True) -> None:
+        self.attrs = {110: int(rdma), 128: int(fabric)}
+        self.calls: list[tuple[Any, ...]] = []
+        self.fail: dict[str, list[int]] = {}
+        self.live: set[int] = set()  # created, not released
+        self.mapped: set[int] = set()
+        self.next_handle = 0x1000
+
+    def _err(self, name: str) -> int:
+        queue = self.fail.get(name) or []
+        return queue.pop(0) if queue else 0
+
+    def cuDeviceGetAttribute(self, out: Any, attr: int, device: int) -> int:
+        out._obj.value = self.attrs.get(attr, 0)
+        return 0
+
+    def cuMemGetAllocationGranularity(self, out: Any, prop: Any, flags: int) -> int:
+        out._obj.value = GRANULARITY
+        return 0
+
+    def cuMemCreate(self, out: Any, size: Any, prop: Any, flags: Any) -> int:
+        handles = int(prop._obj.requestedHandleTypes)
+        self.calls.append(("create", size.value, handles))
+        if handles == 8 and self.fail.get("fabric") is not None:
+            return NOT_PERMITTED  # as the lent H200s answer: fabric reported, then refused
+        err = self._err("create")
+        if err:
+            return err
+        self.next_handle += 1
+        out._obj.value = self.next_handle
+        self.live.add(self.next_handle)
+        return 0
+
+    def cuMemMap(self, ptr: Any, size: Any, offset: Any, h: Any, flags: Any) -> int:
+        self.calls.append(("map", ptr.value, h.value))
+        err = self._err("map")
+        if not err:
+            self.mapped.add(ptr.value)
+        return err
+
+    def cuMemSetAccess(self, ptr: Any, size: Any, desc: Any, count: Any) -> int:
+        self.calls.append(("access", ptr.value, desc._obj.flags))
+        return self._err("access")
+
+    def cuMemUnmap(self, ptr: Any, size: Any) -> int:
+        self.calls.append(("unmap", ptr.value))
+        self.mapped.discard(ptr.value)
+        return 0
+
+    def cuMemRelease(self, h: Any) -> int:
+        self.calls.append(("release", h.value))
+        self.live.discard(h.value)
+        return 0
+
+
+def record(ptr: int, size: int = GRANULARITY) -> tuple[tuple[int, int, int, int], Any]:
+    """A vLLM allocator handle (device, size, d_mem, p_memHandle) and its handle slot."""
+    slot = ctypes.c_uint64(0)
+    return (0, size, ptr, ctypes.addressof(slot)), slot
+
+
+def test_the_new_handle_goes_where_the_record_points() -> None:
+    cuda = FakeCuda(fabric=False)
+    drv = Driver(0, lib=cuda)
+    handle, slot = record(0x7000_0000)
+    drv.create_and_map(handle)
+    assert slot.value in cuda.live
+    assert cuda.mapped == {0x7000_0000}
+    kinds = [c[0] for c in cuda.calls]
+    assert kinds == ["create", "map", "access"]
+    assert cuda.calls[0][2] == 1  # no fabric support: a POSIX fd handle, as vLLM asks
+    assert cuda.calls[2][2] == 3  # read-write access
+    assert drv.handle_type == "posix_fd"
+    assert drv.rdma is True
+    spent = drv.take_spent()
+    assert set(spent) == {"create", "map", "access"}
+    assert all(v >= 0 for v in spent.values())
+    assert drv.take_spent() == {"create": 0.0, "map": 0.0, "access": 0.0}
+
+
+def test_a_refused_fabric_request_is_asked_once_then_a_posix_fd() -> None:
+    cuda = FakeCuda(fabric=True)
+    cuda.fail["fabric"] = []  # every fabric request refused
+    drv = Driver(0, lib=cuda)
+    assert drv.handle_type == "fabric"
+    slots = []
+    for i in range(3):
+        handle, slot = record(0x7000_0000 + i * GRANULARITY)
+        drv.create_and_map(handle)
+        slots.append(slot)
+    creates = [c for c in cuda.calls if c[0] == "create"]
+    # vLLM 0.26 asks for fabric on every record and falls back each time; this asks once
+    assert [c[2] for c in creates] == [8, 1, 1, 1]
+    assert drv.fabric_refused
+    assert drv.handle_type == "posix_fd"
+    assert all(s.value in cuda.live for s in slots)
+
+
+def test_fabric_where_the_driver_grants_it() -> None:
+    cuda = FakeCuda(fabric=True)
+    drv = Driver(0, lib=cuda)
+    handle, slot = record(0x7000_0000)
+    drv.create_and_map(handle)
+    assert [c[2] for c in cuda.calls if c[0] == "create"] == [8]
+    assert not drv.fabric_refused
+    assert slot.value in cuda.live
+
+
+def test_not_exportable_asks_for_no_handle_type() -> None:
+    cuda = FakeCuda(fabric=True)
+    drv = Driver(0, lib=cuda, exportable=False)
+    drv.create_and_map(record(0x7000_0000)[0])
+    assert [c[2] for c in cuda.calls if c[0] == "create"] == [0]
+    assert drv.handle_type == "none"
+
+
+@pytest.mark.parametrize("step", ["create", "map", "access"])
+def test_a_failed_step_leaves_nothing_behind(step: str) -> None:
+    cuda = FakeCuda(fabric=False)
+    cuda.fail[step] = [2]  # CUDA_ERROR_OUT_OF_MEMORY
+    drv = Driver(0, lib=cuda)
+    handle, slot = record(0x7000_0000)
+    with pytest.raises(DriverError, match=r"CUresult 2"):
+        drv.create_and_map(handle)
+    assert cuda.live == set()
+    assert cuda.mapped == set()
+    assert slot.value == 0  # the record's handle slot is untouched

@@ -1,0 +1,193 @@
+"""The CUDA driver's virtual-memory calls (cuMem*), through ctypes, timed call by call.
+
+vLLM's allocator maps a record with one C call (`create_and_map`: cuMemCreate, cuMemMap,
+cuMemSetAccess) that holds the GIL and reports nothing. `Driver.create_and_map` does the
+same three calls on the same record handle, `(device, size, d_mem, p_memHandle)`: the new
+allocation handle is written where `p_memHandle` points, so vLLM's `unmap_and_release`
+releases it later as if vLLM had made it. It adds each call's time to `Driver.spent`, so a
+wake can say which driver step its mapping time went to.
+
+What it asks for is what vLLM 0.26's allocator asks for: pinned device memory,
+`gpuDirectRDMACapable` where the device supports it with VMM, and an exportable handle
+type: fabric (CU_MEM_HANDLE_TYPE_FABRIC) where the device reports fabric handle support,
+else a POSIX file descriptor; vLLM retries with the file descriptor when the fabric
+request is refused (CUDA_ERROR_NOT_PERMITTED or NOT_SUPPORTED, e.g. no IMEX daemon).
+vLLM makes that refused call again for every record at every wake; this driver remembers
+the refusal and asks once. Measured on the lent H200s, which report fabric support and
+refuse it (docs/benchmarks.md): the refused call per record made mapping a Llama-3-8B KV
+pool cost 49-85 ms instead of 7-12 ms, and slowed the weights' map-and-copy loop enough
+that their copies ran at 1.13-1.14x instead of 1.00-1.01x the H2D bound.
+
+Used by the cumem backend when HOTSWAP_MAP_IMPL=driver, and by tests/gpu/bench_mapping.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from typing import Any
+
+_ALLOCATION_PINNED = 1  # CU_MEM_ALLOCATION_TYPE_PINNED
+_LOCATION_DEVICE = 1  # CU_MEM_LOCATION_TYPE_DEVICE
+_PROT_READWRITE = 3  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+_ATTR_RDMA_WITH_VMM = 110  # CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
+_ATTR_FABRIC_HANDLES = 128  # CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED
+_HANDLE_NONE = 0
+_HANDLE_POSIX_FD = 1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+_HANDLE_FABRIC = 8  # CU_MEM_HANDLE_TYPE_FABRIC
+_REFUSED = (800, 801)  # CUDA_ERROR_NOT_PERMITTED, CUDA_ERROR_NOT_SUPPORTED
+STEPS = ("create", "map", "access")
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _AllocFlags(ctypes.Structure):
+    _fields_ = [
+        ("compressionType", ctypes.c_ubyte),
+        ("gpuDirectRDMACapable", ctypes.c_ubyte),
+        ("usage", ctypes.c_ushort),
+        ("reserved", ctypes.c_ubyte * 4),
+    ]
+
+
+class _Prop(ctypes.Structure):
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("requestedHandleTypes", ctypes.c_int),
+        ("location", _Location),
+        ("win32HandleMetaData", ctypes.c_void_p),
+        ("allocFlags", _AllocFlags),
+    ]
+
+
+class _Access(ctypes.Structure):
+    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
+
+
+class DriverError(RuntimeError):
+    pass
+
+
+class Driver:
+    """cuMem calls for one device. `rdma=None` asks the device, like vLLM's allocator.
+    `exportable=True` asks for vLLM's handle types (fabric, else a POSIX fd); False for
+    memory with no exportable handle (the bare measurements of bench_mapping.py)."""
+
+    def __init__(
+        self, device: int, rdma: bool | None = None, exportable: bool = True, lib: Any = None
+    ) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1") if lib is None else lib  # releases the GIL
+        if rdma is None:
+            rdma = self.attribute(_ATTR_RDMA_WITH_VMM, device)
+        self.rdma = rdma
+        handles = _HANDLE_NONE
+        if exportable:
+            fabric = self.attribute(_ATTR_FABRIC_HANDLES, device)
+            handles = _HANDLE_FABRIC if fabric else _HANDLE_POSIX_FD
+        self.fabric_refused = False
+        self.prop = _Prop()
+        self.prop.type = _ALLOCATION_PINNED
+        self.prop.requestedHandleTypes = handles
+        self.prop.location = _Location(_LOCATION_DEVICE, device)
+        self.prop.allocFlags.gpuDirectRDMACapable = 1 if rdma else 0
+        self.access = _Access(_Location(_LOCATION_DEVICE, device), _PROT_READWRITE)
+        gran = ctypes.c_size_t()
+        self._ok(
+            self.lib.cuMemGetAllocationGranularity(ctypes.byref(gran), ctypes.byref(self.prop), 0),
+            "cuMemGetAllocationGranularity",
+        )
+        self.granularity = gran.value
+        self.spent = dict.fromkeys(STEPS, 0.0)
+
+    def attribute(self, attr: int, device: int) -> bool:
+        flag = ctypes.c_int(0)
+        self._ok(
+            self.lib.cuDeviceGetAttribute(ctypes.byref(flag), attr, device), "cuDeviceGetAttribute"
+        )
+        return bool(flag.value)
+
+    @staticmethod
+    def _ok(err: int, what: str) -> None:
+        if err != 0:
+            raise DriverError(f"{what}: CUresult {err}")
+
+    def reserve(self, size: int) -> int:
+        ptr = ctypes.c_uint64()
+        err = self.lib.cuMemAddressReserve(
+            ctypes.byref(ptr), ctypes.c_size_t(size), ctypes.c_size_t(0), ctypes.c_uint64(0),
+            ctypes.c_uint64(0),
+        )  # fmt: skip
+        self._ok(err, "cuMemAddressReserve")
+        return ptr.value
+
+    def create(self, size: int) -> int:
+        h = ctypes.c_uint64()
+        t = time.perf_counter()
+        err = self.lib.cuMemCreate(
+            ctypes.byref(h), ctypes.c_size_t(size), ctypes.byref(self.prop), ctypes.c_uint64(0)
+        )
+        if err in _REFUSED and self.prop.requestedHandleTypes == _HANDLE_FABRIC:
+            # as vLLM: a POSIX fd instead; unlike vLLM, not asked again for the next record
+            self.prop.requestedHandleTypes = _HANDLE_POSIX_FD
+            self.fabric_refused = True
+            err = self.lib.cuMemCreate(
+                ctypes.byref(h), ctypes.c_size_t(size), ctypes.byref(self.prop), ctypes.c_uint64(0)
+            )
+        self.spent["create"] += time.perf_counter() - t
+        self._ok(err, "cuMemCreate")
+        return h.value
+
+    @property
+    def handle_type(self) -> str:
+        return {_HANDLE_NONE: "none", _HANDLE_POSIX_FD: "posix_fd", _HANDLE_FABRIC: "fabric"}[
+            int(self.prop.requestedHandleTypes)
+        ]
+
+    def map(self, ptr: int, size: int, h: int) -> None:
+        t = time.perf_counter()
+        err = self.lib.cuMemMap(
+            ctypes.c_uint64(ptr), ctypes.c_size_t(size), ctypes.c_size_t(0), ctypes.c_uint64(h),
+            ctypes.c_uint64(0),
+        )  # fmt: skip
+        self.spent["map"] += time.perf_counter() - t
+        self._ok(err, "cuMemMap")
+
+    def set_access(self, ptr: int, size: int) -> None:
+        t = time.perf_counter()
+        err = self.lib.cuMemSetAccess(
+            ctypes.c_uint64(ptr), ctypes.c_size_t(size), ctypes.byref(self.access),
+            ctypes.c_size_t(1),
+        )  # fmt: skip
+        self.spent["access"] += time.perf_counter() - t
+        self._ok(err, "cuMemSetAccess")
+
+    def unmap(self, ptr: int, size: int) -> None:
+        self._ok(self.lib.cuMemUnmap(ctypes.c_uint64(ptr), ctypes.c_size_t(size)), "cuMemUnmap")
+
+    def release(self, h: int) -> None:
+        self._ok(self.lib.cuMemRelease(ctypes.c_uint64(h)), "cuMemRelease")
+
+    def create_and_map(self, handle: tuple[int, int, int, int]) -> None:
+        """vLLM's `create_and_map` for one allocator record; the handle it makes goes where
+        the record's `p_memHandle` points. On a failure nothing stays created or mapped."""
+        _device, size, ptr, p_handle = (int(x) for x in handle)
+        h = self.create(size)
+        try:
+            self.map(ptr, size, h)
+        except DriverError:
+            self.release(h)
+            raise
+        try:
+            self.set_access(ptr, size)
+        except DriverError:
+            self.unmap(ptr, size)
+            self.release(h)
+            raise
+        ctypes.c_uint64.from_address(p_handle).value = h
+
+    def take_spent(self) -> dict[str, float]:
+        """Seconds per driver step since the last call; resets the counters."""
+        out, self.spent = self.spent, dict.fromkeys(STEPS, 0.0)
+        return out
