@@ -2,10 +2,15 @@
 
 Pools are the allocator's tags: every `pointer_to_data` record is one cuMem segment with
 its tag (`weights` while the model loads, `kv_cache` while the KV cache is set up). The
-backend releases and re-maps records itself, per record, with vLLM's `unmap_and_release`
-and `create_and_map`, because vLLM 0.26's `CuMemAllocator.sleep` cannot release one tag
-alone and its `wake_up` does not check `is_asleep`. Each record's `is_asleep` is kept
-truthful. Do not mix this backend with vLLM's own /sleep and /wake_up on one engine.
+backend releases and re-maps records itself, per record, because vLLM 0.26's
+`CuMemAllocator.sleep` cannot release one tag alone and its `wake_up` does not check
+`is_asleep`: it releases with vLLM's `unmap_and_release` and maps with the same driver calls
+as vLLM's `create_and_map`, made through ctypes (worker_ext/cudriver.py,
+HOTSWAP_MAP_IMPL=driver, the default): vLLM's call asks for fabric-exportable memory on
+every record and, where the driver refuses (the lent H200s), asks again with a POSIX fd,
+at 1-2 ms per record; cudriver asks once, gets the same memory, and times each call.
+Each record's `is_asleep` is kept truthful. Do not mix this backend with vLLM's own /sleep
+and /wake_up on one engine.
 
 The fast path (why it is faster than vLLM's sleep/wake, which copy one record at a time
 with a synchronous cudaMemcpy into a power-of-two rounded pinned tensor per record):
@@ -20,9 +25,10 @@ with a synchronous cudaMemcpy into a power-of-two rounded pinned tensor per reco
   each record and queues its copies at once, so mapping overlaps the transfer;
 - resume returns with the copies ordered before any later work on the worker's current
   stream (no host wait); `synchronize()` waits for them, and every later backend call does
-  so first: mapping KV during the weights copy slows the copy down (H200, 8B shape: wake
-  0.37-0.40 s waiting, 0.46 s with HOTSWAP_RESUME_KV=overlap; docs/benchmarks.md);
-- resume reports its steps in `timings` (map and queue per tag, the host wait for earlier
+  so first: mapping KV during the weights copy slows the copy down (H200, 8B shape, vLLM's
+  mapping call: wake 0.37-0.40 s waiting, 0.46 s with HOTSWAP_RESUME_KV=overlap);
+- resume reports its steps in `timings` (map and queue per tag with the thread's CPU time
+  and, with the driver map, the time in each driver call; the host wait for earlier
   copies, their GPU time from CUDA events, vLLM's side effects).
 
 After a wake the host buffer is kept for the next sleep unless HOTSWAP_KEEP_HOST_BACKUP=0.
@@ -41,6 +47,7 @@ import time
 from typing import Any
 
 from worker_ext import fpkernel
+from worker_ext.cudriver import Driver
 from worker_ext.fingerprint import kernel_mode
 from worker_ext.pools import ALL_TAGS, DISCARDED, KV_CACHE, OFFLOADED, UNPOOLED, WEIGHTS, policy
 
@@ -79,6 +86,21 @@ def kv_map_mode() -> str:
     pool's, maps while the weights' DMA queued before it runs)."""
     mode = _env("HOTSWAP_RESUME_KV", "wait")
     return mode if mode in ("wait", "overlap") else "wait"
+
+
+def map_impl() -> str:
+    """HOTSWAP_MAP_IMPL: how a resume maps a record: `driver` (default: cuMemCreate,
+    cuMemMap, cuMemSetAccess through ctypes, each timed: worker_ext/cudriver.py) or `vllm`
+    (vLLM's create_and_map, which also asks for fabric-exportable memory)."""
+    mode = _env("HOTSWAP_MAP_IMPL", "driver")
+    return mode if mode in ("vllm", "driver") else "driver"
+
+
+def map_handles() -> str:
+    """HOTSWAP_MAP_HANDLES, for the `driver` map: `vllm` (default: the exportable handle
+    types vLLM's allocator asks for, fabric else a POSIX fd) or `none` (not exportable)."""
+    mode = _env("HOTSWAP_MAP_HANDLES", "vllm")
+    return mode if mode in ("vllm", "none") else "vllm"
 
 
 def pin_threads() -> int:
@@ -237,6 +259,7 @@ class CuMemBackend:
         self._host_error: str | None = None
         self._host_pin_s: float | None = None
         self._kernel_warm: dict[str, Any] | None = None
+        self._drivers: dict[bool, Driver] = {}  # by HOTSWAP_MAP_HANDLES == vllm
         if pin_mode() == "early":
             self.warm_host(wait=False)
         # verify's Triton check compiled now, not inside the first sleep's prepare
@@ -304,6 +327,13 @@ class CuMemBackend:
             "host_backup_error": self._host_error,
             "records": len(self._records()),
             "verify_kernel_warm": self._kernel_warm,
+            "map": {
+                "impl": map_impl(),
+                "drivers": {
+                    d.handle_type: {"fabric_refused": d.fabric_refused, "rdma": d.rdma}
+                    for d in self._drivers.values()
+                },
+            },
         }
 
     # -- the host buffer -----------------------------------------------------------------
@@ -362,6 +392,29 @@ class CuMemBackend:
             buf.free()
 
     # -- copies --------------------------------------------------------------------------
+
+    def _mapper(self) -> tuple[Any, Driver | None]:
+        """The create-and-map function HOTSWAP_MAP_IMPL names, and its Driver if timed."""
+        if map_impl() != "driver":
+            return self._create_and_map, None
+        exportable = map_handles() == "vllm"
+        driver = self._drivers.get(exportable)
+        if driver is None:
+            index = self._device.index
+            device = self._torch.cuda.current_device() if index is None else index
+            driver = self._drivers[exportable] = Driver(device, exportable=exportable)
+        driver.take_spent()
+        return driver.create_and_map, driver
+
+    def _start_copies(self) -> Any:
+        """Order the copy streams after the worker's current stream; the start event."""
+        torch = self._torch
+        current = torch.cuda.current_stream(self._device)
+        for s in self._get_streams():
+            s.wait_stream(current)
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(self._get_streams()[0])
+        return start
 
     def _get_streams(self) -> list[Any]:
         if not self._streams:
@@ -499,36 +552,39 @@ class CuMemBackend:
         restored = dict.fromkeys(want, 0)
         # Weights first: their copies start at once and the KV mapping overlaps them.
         ordered = sorted(want, key=lambda t: (t != WEIGHTS, t))
-        copying = False
-        k = 0
         host = self._host
         was_level = self._level
+        create_and_map, driver = self._mapper()
+        start: Any = None  # CUDA event before the first copy, once one is queued
+        k = 0
         for tag in ordered:
             mode = self._suspended.get(tag)
             if mode is None:
                 continue
-            t = time.perf_counter()
-            if mode == OFFLOADED and not copying:
-                current = torch.cuda.current_stream(self._device)
-                for s in self._get_streams():
-                    s.wait_stream(current)
-                start = torch.cuda.Event(enable_timing=True)
-                start.record(self._get_streams()[0])
-                copying = True
+            if mode == OFFLOADED and host is None:
+                raise RuntimeError("offloaded bytes but no host buffer")
+            t, cpu = time.perf_counter(), time.thread_time()
+            # Each record's copies are queued as soon as it is mapped. (Mapping every
+            # record first and then copying measured slower: docs/benchmarks.md.)
             for ptr, data in self._tag_records(tag):
                 if not data.is_asleep:
                     continue
-                self._create_and_map(data.handle)
+                create_and_map(data.handle)
                 data.is_asleep = False
-                if mode == OFFLOADED:
-                    if host is None:
-                        raise RuntimeError("offloaded bytes but no host buffer")
-                    off, size = self._offloaded_layout.pop(ptr)
-                    k = self._queue(ptr, host.ptr, off, size, False, k)
                 restored[tag] += int(data.handle[1])
+                if mode == OFFLOADED:
+                    if start is None:
+                        start = self._start_copies()
+                    off, size = self._offloaded_layout.pop(ptr)
+                    k = self._queue(ptr, host.ptr, off, size, False, k)  # type: ignore[union-attr]
             timings[f"{tag}_s"] = time.perf_counter() - t
+            # this thread's CPU time: far below the wall time means it waited (driver, GIL)
+            timings[f"{tag}_cpu_s"] = time.thread_time() - cpu
+            if driver is not None:
+                for step, spent in driver.take_spent().items():
+                    timings[f"{tag}_{step}_s"] = spent
             del self._suspended[tag]
-        if copying:
+        if start is not None:
             current = torch.cuda.current_stream(self._device)
             ends = []
             for s in self._get_streams():

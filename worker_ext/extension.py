@@ -127,6 +127,20 @@ class HotSwapExtension:
             self._hotswap_st = st
         return st
 
+    def _hotswap_prepare_steps(
+        self, level: int
+    ) -> tuple[snapshot.Snapshot, set[str], dict[str, float]]:
+        """Records, their audit, and the snapshot (fingerprints, at-risk host copies)."""
+        t = time.perf_counter()
+        records = self._hotswap_records()
+        t1 = time.perf_counter()
+        rows = self._hotswap_audit_rows(level, records)
+        at_risk = {r["name"] for r in rows if r["at_risk"]}
+        t2 = time.perf_counter()
+        snap = snapshot.prepare(level, records, at_risk, pin=torch.cuda.is_available())
+        t3 = time.perf_counter()
+        return snap, at_risk, {"records_s": t1 - t, "audit_s": t2 - t1, "snapshot_s": t3 - t2}
+
     def _hotswap_make_backend(self) -> PoolBackend:
         if torch.cuda.is_available():
             if not _cumem_active():
@@ -164,6 +178,7 @@ class HotSwapExtension:
             world_size = int(get_world_group().world_size)
         except Exception:
             world_size = int(getattr(cast(Any, self).parallel_config, "world_size", 1))
+        describe = getattr(st.backend, "describe", None)
         return {
             "world_size": world_size,
             "platform": "cuda" if torch.cuda.is_available() else "cpu",
@@ -175,6 +190,8 @@ class HotSwapExtension:
             "suspended": st.backend.suspended(),
             "level": st.level,
             "poisoned": st.quiescer.poisoned,
+            # the cumem backend's host buffer, verify kernel and mapping (plain values)
+            "backend_detail": describe() if callable(describe) else {},
         }
 
     @rpc
@@ -220,11 +237,8 @@ class HotSwapExtension:
         st = self._hotswap_state()
         if st.backend.suspended():
             raise RuntimeError(f"pools already suspended: {st.backend.suspended()}")
-        records = self._hotswap_records()
-        rows = self._hotswap_audit_rows(level, records)
-        at_risk = {r["name"] for r in rows if r["at_risk"]}
         st.snap = None  # a failed prepare must not leave an older snapshot to verify against
-        snap = snapshot.prepare(level, records, at_risk, pin=torch.cuda.is_available())
+        snap, at_risk, timings = self._hotswap_prepare_steps(level)
         st.snap = snap
         return {
             "level": level,
@@ -232,6 +246,7 @@ class HotSwapExtension:
             "protected_bytes": sum(int(e.backup.numel()) for e in snap.protected),
             "fingerprinted": len(snap.entries),
             "at_risk": sorted(at_risk),
+            "timings": timings,
         }
 
     @rpc
