@@ -8,19 +8,22 @@ Not a pytest module. The CPU run is the same flow on a tiny seeded model (2 core
 CUDA run needs two GPUs (the lent `nvidia-h200-x2`) and the controller's wheels on
 PYTHONPATH, like bench_sidecar.py.
 
-Order: (cuda) pinned H2D bandwidth of each GPU, measured here, and a seeded bf16 checkpoint
-of the shape written to local disk, so that level 2 reloads real safetensors through
-vLLM's reload_weights; one vLLM server at tensor parallel 2 with the test extension
-(tests/worker_ext/hsext.py: HotSwapExtension plus test seams, here the barrier delay);
-the sidecar (`python -m controller serve --engine llama=URL`, barrier timeout QUIESCE_S);
-16 greedy tokens and their logprobs; for each level:
-sleep (per-rank freed bytes from the transition, per-rank free device memory before and
-after from hotswap_info), wake while /health is polled (phases, per-rank times, per-rank
-verification), tokens compared; last, the fault run: rank 1 held QUIESCE_S + 4 s before the
-barrier (its reply still comes long before the sidecar's HTTP timeout), so the sleep must
-answer 504 BarrierTimeout naming [1] and leave the model FAILED. Per-rank wake time is the
-sum of that rank's resume and restore_and_verify RPC times, against its own bound (its
-weights bytes / its GPU's H2D bandwidth).
+Order: (cuda) pinned H2D bandwidth of each GPU, alone and with both GPUs copying at once
+(the bound a rank is held to), and a seeded bf16 checkpoint of the shape written to local
+disk, so that level 2 reloads real safetensors through vLLM's reload_weights; one vLLM
+server at tensor parallel 2 with the test extension (tests/worker_ext/hsext.py:
+HotSwapExtension plus test seams: the barrier delay, setting HOTSWAP_ variables); the
+sidecar (`python -m controller serve --engine llama=URL`, barrier timeout QUIESCE_S); 16
+greedy tokens and their logprobs; for each level in --levels, with the next --map-impls
+variant set in both workers: sleep (per-rank freed bytes from the transition, per-rank
+free device memory before and after from hotswap_info), wake while /health is polled
+(phases, per-rank RPC times and the workers' own step timings, per-rank verification),
+tokens compared; then (cuda) vLLM's own level-1 sleep and wake_up at TP2, timed from the
+client; last, the fault run: rank 1 held QUIESCE_S + 4 s before the barrier (its reply
+still comes long before the sidecar's HTTP timeout), so the sleep must answer 504
+BarrierTimeout naming [1] and leave the model FAILED. Per-rank wake time is the sum of that
+rank's resume and restore_and_verify RPC times, against its bound (its weights bytes / its
+GPU's H2D bandwidth with both GPUs copying).
 
 Prints tables and writes one JSON line to $OUT/tp2.jsonl; exit 1 if anything did not hold.
 """
@@ -60,27 +63,43 @@ def log(*a: Any) -> None:
 # -- the CUDA side: bandwidth and a checkpoint ---------------------------------------------
 
 
-def h2d_per_gpu(n_gpus: int, nbytes: int = 2 << 30, reps: int = 5) -> list[float]:
-    """Best-of-reps pinned host-to-device bytes/s of each GPU, plain torch."""
+def h2d_per_gpu(n_gpus: int, nbytes: int = 2 << 30, reps: int = 5) -> dict[str, list[float]]:
+    """Best-of-reps pinned host-to-device bytes/s of each GPU, plain torch: `alone` (one GPU
+    at a time) and `together` (every GPU copying at once from its own pinned buffer, as the
+    ranks of a TP wake do; the bound a rank's wake is held to)."""
     import torch
 
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    out = []
+    hosts = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(n_gpus)]
+    devs = [torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{d}") for d in range(n_gpus)]
+
+    def timed(d: int, start: threading.Barrier | None, into: list[float]) -> None:
+        with torch.cuda.device(d):
+            best = float("inf")
+            for _ in range(reps + 1):  # the first one warms up
+                torch.cuda.synchronize(d)
+                if start is not None:
+                    start.wait()
+                t = time.perf_counter()
+                devs[d].copy_(hosts[d], non_blocking=True)
+                torch.cuda.synchronize(d)
+                best = min(best, time.perf_counter() - t)
+            into[d] = nbytes / best
+
+    alone = [0.0] * n_gpus
     for d in range(n_gpus):
-        dev = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{d}")
-        best = float("inf")
-        for _ in range(reps + 1):  # the first one warms up
-            torch.cuda.synchronize(d)
-            t = time.perf_counter()
-            dev.copy_(host, non_blocking=True)
-            torch.cuda.synchronize(d)
-            best = min(best, time.perf_counter() - t)
-        out.append(nbytes / best)
-        del dev
-        torch.cuda.empty_cache()
-    del host
+        timed(d, None, alone)
+    together = [0.0] * n_gpus
+    barrier = threading.Barrier(n_gpus)
+    threads = [threading.Thread(target=timed, args=(d, barrier, together)) for d in range(n_gpus)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    devs.clear()
+    hosts.clear()
+    torch.cuda.empty_cache()
     torch._C._host_emptyCache()
-    return out
+    return {"alone": alone, "together": together}
 
 
 def llama_tensors(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
@@ -264,8 +283,39 @@ def cycle(c: httpx.Client, base: str, level: int) -> dict[str, Any]:
         "memory_asleep_by_rank": [memory(r) for r in asleep],
         "weights_bytes_by_rank": [int(r["pools"].get("weights", 0)) for r in before],
         "wake_rpc_s_by_rank": per_rank(wake_tr, WAKE_PHASES),
+        "wake_steps_by_rank": steps_by_rank(wake_tr),
+        "suspend_steps_by_rank": steps_by_rank(sleep_tr),
         "verify_by_rank": verify,
     }
+
+
+def steps_by_rank(transition: dict[str, Any]) -> dict[int, dict[str, float]]:
+    """rank -> {"<phase>.<step>": seconds}: the `timings` each rank's RPC reported (the
+    worker's own clock: map and queue per pool, waiting for copies, the copies on the GPU,
+    rebind/restore/check)."""
+    out: dict[int, dict[str, float]] = {}
+    for p in transition.get("phases", []):
+        for r in p.get("ranks") or []:
+            for step, v in (r.get("timings") or {}).items():
+                out.setdefault(int(r["rank"]), {})[f"{p['name']}.{step}"] = float(v)
+    return out
+
+
+def raw_cycles(base: str, n: int) -> list[dict[str, Any]]:
+    """vLLM's own level-1 sleep and wake_up over HTTP at TP2, timed from the client, with
+    the tokens after each wake (no sidecar involved; the model is RUNNING for it)."""
+    out = []
+    with httpx.Client(base_url=base, timeout=600) as c:
+        for _ in range(n):
+            t = time.monotonic()
+            c.post("/sleep", params={"level": 1}).raise_for_status()
+            sleep_s = time.monotonic() - t
+            time.sleep(1.0)
+            t = time.monotonic()
+            c.post("/wake_up").raise_for_status()
+            wake_s = time.monotonic() - t
+            out.append({"sleep_s": sleep_s, "wake_up_s": wake_s, "tokens": complete(base)})
+    return out
 
 
 def memory(info: dict[str, Any]) -> int:
@@ -314,8 +364,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.platform == "cuda":
         from tests.gpu.bench_wake import write_config
 
-        out["h2d_Bps_by_gpu"] = h2d_per_gpu(2)
-        log("pinned H2D per GPU (GB/s):", [round(b / GB, 1) for b in out["h2d_Bps_by_gpu"]])
+        h2d = h2d_per_gpu(2)
+        out["h2d_Bps_by_gpu"], out["h2d_alone_Bps_by_gpu"] = h2d["together"], h2d["alone"]
+        log("pinned H2D per GPU (GB/s), alone:", [round(b / GB, 1) for b in h2d["alone"]])
+        log("pinned H2D per GPU (GB/s), together:", [round(b / GB, 1) for b in h2d["together"]])
         model = write_config(args.shape, os.path.join(work, args.shape))
         t = time.monotonic()
         out["checkpoint_bytes"] = write_checkpoint(model)
@@ -367,11 +419,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 time.sleep(0.2)
             time.sleep(args.settle_s)  # (cuda) the extension pins its host buffer meanwhile
             baseline = complete(base)
-            for level in args.levels:
+            from tests.gpu.bench_wake import map_env
+
+            for i, level in enumerate(args.levels):
+                impl = args.map_impls[i % len(args.map_impls)]
+                for name, value in map_env(impl).items():
+                    httpx.post(
+                        f"{base}/collective_rpc",
+                        json={"method": "hotswap_test_setenv", "args": [name, value]},
+                        timeout=60,
+                    ).raise_for_status()
                 cyc = cycle(c, base, level)
+                cyc["map_impl"] = impl
                 cyc["tokens_equal"] = complete(base) == baseline
                 out["cycles"].append(cyc)
                 log(f"L{level}", json.dumps(cyc)[:1500])
+            out["backend_by_rank"] = [r.get("backend_detail") for r in ranks_info(base)]
+            log("backend by rank", json.dumps(out["backend_by_rank"]))
+            if args.platform == "cuda" and args.raw_cycles:
+                try:
+                    raw = raw_cycles(base, args.raw_cycles)
+                except httpx.HTTPError as exc:  # reported; the fault run still goes on
+                    raw = [{"error": f"{type(exc).__name__}: {exc}"}]
+                for r in raw:
+                    r["tokens_equal"] = r.pop("tokens", None) == baseline
+                out["raw"] = raw
+                log("raw vLLM", json.dumps(raw))
             out["fault"] = fault(c, base)
             log("fault", json.dumps(out["fault"]))
     finally:
@@ -409,7 +482,7 @@ def report(out: dict[str, Any]) -> bool:
     print(
         "\n| L | rank | freed bytes (by pool) | free device memory before / asleep"
         " (CPU: worker RSS before / asleep) | weights bytes"
-        " | wake RPCs (resume, reload, restore+verify) | bound | ratio |"
+        " | wake RPCs (resume, reload, restore+verify) | bound (both GPUs copying) | ratio |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for c in out["cycles"]:
@@ -425,6 +498,30 @@ def report(out: dict[str, Any]) -> bool:
                 f" | {wb / GB:.3f} GB | {wake_s:.4f} s"
                 + (f" | {bound:.4f} s | {wake_s / bound:.2f}x |" if bound else " | - | - |")
             )
+    print("\n| L | rank | worker steps of the wake (s) |\n|---|---|---|")
+    for c in out["cycles"]:
+        for rank, st in sorted(c.get("wake_steps_by_rank", {}).items()):
+            steps = ", ".join(f"{k} {v:.4f}" for k, v in st.items())
+            print(f"| {c['level']} ({c.get('map_impl')}) | {rank} | {steps} |")
+    for i, r in enumerate(out.get("raw") or []):
+        if "error" in r:
+            print(f"raw vLLM TP2 L1 cycle {i + 1}: {r['error']}")
+            ok = False
+            continue
+        wake_bound = (
+            max(
+                (wb / bw[k] for k, wb in enumerate(out["cycles"][0]["weights_bytes_by_rank"])),
+                default=0.0,
+            )
+            if bw
+            else 0.0
+        )
+        ratio = f" = {r['wake_up_s'] / wake_bound:.2f}x the bound" if wake_bound else ""
+        print(
+            f"raw vLLM TP2 L1 cycle {i + 1}: POST /sleep {r['sleep_s']:.3f} s,"
+            f" POST /wake_up {r['wake_up_s']:.3f} s{ratio}, tokens equal {r['tokens_equal']}"
+        )
+        ok &= bool(r["tokens_equal"])
     f = out.get("fault") or {}
     print(
         f"\nfault run (rank 1 held {QUIESCE_S + 4.0:g} s, barrier timeout {QUIESCE_S:g} s):"
@@ -440,7 +537,18 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--platform", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--shape", default="llama3-8b", help="cuda: a bench_wake.py shape")
-    ap.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
+    ap.add_argument(
+        "--levels",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 1, 1, 1, 1, 1, 2],  # two level-1 cycles per map variant, then 2
+    )
+    ap.add_argument(
+        "--map-impls",
+        type=lambda s: s.split(","),
+        default=["driver", "vllm", "driver/none"],
+        help="map variants (bench_wake.map_env) per cycle, in turn, set in the workers",
+    )
+    ap.add_argument("--raw-cycles", type=int, default=2, help="vLLM's own L1 sleep/wake_up")
     ap.add_argument("--settle-s", type=float, default=5.0)
     ap.add_argument("--start-timeout-s", type=float, default=300.0)
     args = ap.parse_args()

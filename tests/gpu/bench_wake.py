@@ -330,6 +330,15 @@ def fingerprint_bench(llm: Any, reps: int = 5) -> dict[str, Any]:
     return llm.collective_rpc(work)[0]  # type: ignore[no-any-return]
 
 
+def map_env(variant: str) -> dict[str, str]:
+    """The worker settings of a --map-impls variant: `vllm`, `driver`, or `driver/none`
+    (memory with no exportable handle type)."""
+    if variant not in ("vllm", "driver", "driver/none"):
+        raise ValueError(f"map variant {variant!r}: vllm | driver | driver/none")
+    impl, _, handles = variant.partition("/")
+    return {"HOTSWAP_MAP_IMPL": impl, "HOTSWAP_MAP_HANDLES": handles or "vllm"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
@@ -341,6 +350,11 @@ def main() -> int:
         "--kv-modes",
         default="wait,overlap",
         help="HOTSWAP_RESUME_KV variants, each run for --cycles cycles, in this order",
+    )
+    ap.add_argument(
+        "--map-impls",
+        default="vllm",
+        help="how a resume maps records, variants in turn: vllm, driver, driver/none (map_env)",
     )
     ap.add_argument(
         "--verify-kernel",
@@ -423,8 +437,11 @@ def main() -> int:
     time_checks()
     kernels = [g.strip() for g in args.verify_kernel.split(",") if g.strip()]
     modes = [m.strip() for m in args.kv_modes.split(",") if m.strip()]
-    for mode, vk, asleep in [(m, k, a) for m in modes for k in kernels for a in asleeps]:
+    impls = [m.strip() for m in args.map_impls.split(",") if m.strip()]
+    variants = [(m, i, k, a) for m in modes for i in impls for k in kernels for a in asleeps]
+    for mode, impl, vk, asleep in variants:
         os.environ["HOTSWAP_RESUME_KV"] = mode  # in-process worker: read at every resume
+        os.environ.update(map_env(impl))  # read at every resume
         os.environ["HOTSWAP_VERIFY_KERNEL"] = vk  # read when prepare builds the plan
         for _ in range(args.cycles):
             s, ts = drv.sleep()
@@ -437,6 +454,7 @@ def main() -> int:
             ours.append(
                 {
                     "kv_mode": mode,
+                    "map_impl": impl,
                     "asleep_s": asleep,
                     "verify_kernel": vk,
                     "kernel_used": check.get("kernel"),
@@ -575,7 +593,7 @@ def main() -> int:
                 else f"eager ({r['kernel_error'] or 'HOTSWAP_VERIFY_KERNEL=' + r['verify_kernel']})"
             )
             print(
-                f"| {r['kv_mode']} #{i + 1} | {r['asleep_s']:g} s"
+                f"| {r['kv_mode']}, {r['map_impl']} #{i + 1} | {r['asleep_s']:g} s"
                 f" | {w['weights']['elapsed_s']:.4f} s"
                 f" | {w['kv_cache']['elapsed_s']:.4f} s | {w['verify']['elapsed_s']:.4f} s"
                 f" | {r['check_s']:.4f} s | {r['wake_s']:.4f} s"
@@ -585,11 +603,16 @@ def main() -> int:
         print(
             "\nwake by step, inside the worker (s): weights = map each record and queue its"
             " copies; copies on GPU = CUDA events, first copy to last; wait = host wait for"
-            " them; kv = map the KV pool; after = vLLM side effects; rebind / restore / verify"
-            " = restore_and_verify's steps (restore ends with a device sync)\n"
+            " them; kv = map the KV pool (its thread's CPU time; with the `driver` map, the"
+            " time in cuMemCreate / cuMemMap / cuMemSetAccess); after = vLLM side effects;"
+            " rebind / restore / verify = restore_and_verify's steps (restore ends with a"
+            " device sync)\n"
         )
-        print("| cycle | weights | copies on GPU | wait | kv | after | rebind | restore | verify |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print(
+            "| cycle | weights | copies on GPU | wait | kv (cpu) | kv create / map / access"
+            " | after | rebind | restore | verify |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for i, r in enumerate(ours):
             w = r["wake"]
             tw_ = w["weights"].get("timings") or {}
@@ -600,10 +623,12 @@ def main() -> int:
                 v = d.get(k)
                 return f"{v:.4f}" if isinstance(v, (int, float)) else "-"
 
+            steps = " / ".join(f(tk_, f"kv_cache_{k}_s") for k in ("create", "map", "access"))
             print(
-                f"| #{i + 1} ({'kernel' if r['kernel_used'] else 'eager'}, asleep"
-                f" {r['asleep_s']:g} s) | {f(tw_, 'weights_s')} | {f(tk_, 'copies_gpu_s')}"
-                f" | {f(tk_, 'wait_copies_s')} | {f(tk_, 'kv_cache_s')}"
+                f"| #{i + 1} ({r['map_impl']}, {'kernel' if r['kernel_used'] else 'eager'},"
+                f" asleep {r['asleep_s']:g} s) | {f(tw_, 'weights_s')}"
+                f" | {f(tk_, 'copies_gpu_s')} | {f(tk_, 'wait_copies_s')}"
+                f" | {f(tk_, 'kv_cache_s')} ({f(tk_, 'kv_cache_cpu_s')}) | {steps}"
                 f" | {f(tk_, 'after_resume_s')} | {f(tv_, 'rebind_s')} | {f(tv_, 'restore_s')}"
                 f" | {f(tv_, 'verify_s')} |"
             )

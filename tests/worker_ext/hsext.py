@@ -80,6 +80,15 @@ class HotSwapTestExtension(HotSwapExtension):
         return {}
 
     @rpc
+    def hotswap_test_setenv(self, name: str, value: str) -> dict[str, Any]:
+        """Set a HOTSWAP_ variable in this worker (the backend reads most at every call)."""
+        if not str(name).startswith("HOTSWAP_"):
+            raise ValueError(f"only HOTSWAP_ variables: {name!r}")
+        previous = os.environ.get(name)
+        os.environ[str(name)] = str(value)
+        return {"name": name, "value": value, "previous": previous}
+
+    @rpc
     def hotswap_test_plant(self, value: float) -> dict[str, Any]:
         """A runtime constant outside the checkpoint: a plain tensor attribute that scales
         the embedding output (via a forward hook), as Gemma3n's embed scale does."""
