@@ -358,7 +358,8 @@ class ModelManager:
             self.metrics.verification_failure(self.name)
         else:
             self.metrics.rpc_error(self.name, failed.method, _reason(exc))
-        reason = f"{failed.phase}: {exc.message}"
+        said = exc.message.startswith(f"{failed.phase}: ")  # e.g. the barrier's own message
+        reason = exc.message if said else f"{failed.phase}: {exc.message}"
         rec = self._record(run, State.FAILED, "failed", error=reason, failed_phase=failed.phase)
         self._set_phase(None)
         self._apply(

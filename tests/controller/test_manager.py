@@ -628,6 +628,7 @@ async def test_late_ranks_are_named() -> None:
     assert snap.state is State.FAILED
     assert snap.last_error is not None
     assert "[2, 3]" in snap.last_error
+    assert snap.last_error.startswith("quiesce: ranks")  # the phase named once, not twice
     assert snap.last_transition is not None
     assert len(snap.last_transition.phases[-1].ranks) == 4
     assert "hotswap_prepare" not in rig.world.calls
