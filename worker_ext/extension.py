@@ -127,20 +127,6 @@ class HotSwapExtension:
             self._hotswap_st = st
         return st
 
-    def _hotswap_prepare_steps(
-        self, level: int
-    ) -> tuple[snapshot.Snapshot, set[str], dict[str, float]]:
-        """Records, their audit, and the snapshot (fingerprints, at-risk host copies)."""
-        t = time.perf_counter()
-        records = self._hotswap_records()
-        t1 = time.perf_counter()
-        rows = self._hotswap_audit_rows(level, records)
-        at_risk = {r["name"] for r in rows if r["at_risk"]}
-        t2 = time.perf_counter()
-        snap = snapshot.prepare(level, records, at_risk, pin=torch.cuda.is_available())
-        t3 = time.perf_counter()
-        return snap, at_risk, {"records_s": t1 - t, "audit_s": t2 - t1, "snapshot_s": t3 - t2}
-
     def _hotswap_make_backend(self) -> PoolBackend:
         if torch.cuda.is_available():
             if not _cumem_active():
@@ -238,7 +224,14 @@ class HotSwapExtension:
         if st.backend.suspended():
             raise RuntimeError(f"pools already suspended: {st.backend.suspended()}")
         st.snap = None  # a failed prepare must not leave an older snapshot to verify against
-        snap, at_risk, timings = self._hotswap_prepare_steps(level)
+        t0 = time.perf_counter()
+        records = self._hotswap_records()
+        t1 = time.perf_counter()
+        rows = self._hotswap_audit_rows(level, records)
+        at_risk = {r["name"] for r in rows if r["at_risk"]}
+        t2 = time.perf_counter()
+        snap = snapshot.prepare(level, records, at_risk, pin=torch.cuda.is_available())
+        timings = {"records_s": t1 - t0, "audit_s": t2 - t1, "snapshot_s": time.perf_counter() - t2}
         st.snap = snap
         return {
             "level": level,
