@@ -503,19 +503,14 @@ def report(out: dict[str, Any]) -> bool:
         for rank, st in sorted(c.get("wake_steps_by_rank", {}).items()):
             steps = ", ".join(f"{k} {v:.4f}" for k, v in st.items())
             print(f"| {c['level']} ({c.get('map_impl')}) | {rank} | {steps} |")
+    # vLLM's wake ends when its slowest rank does: held to the larger of the ranks' bounds
+    weights = out["cycles"][0]["weights_bytes_by_rank"] if out["cycles"] else []
+    wake_bound = max((wb / bw[k] for k, wb in enumerate(weights)), default=0.0) if bw else 0.0
     for i, r in enumerate(out.get("raw") or []):
         if "error" in r:
             print(f"raw vLLM TP2 L1 cycle {i + 1}: {r['error']}")
             ok = False
             continue
-        wake_bound = (
-            max(
-                (wb / bw[k] for k, wb in enumerate(out["cycles"][0]["weights_bytes_by_rank"])),
-                default=0.0,
-            )
-            if bw
-            else 0.0
-        )
         ratio = f" = {r['wake_up_s'] / wake_bound:.2f}x the bound" if wake_bound else ""
         print(
             f"raw vLLM TP2 L1 cycle {i + 1}: POST /sleep {r['sleep_s']:.3f} s,"
