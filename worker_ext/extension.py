@@ -10,11 +10,12 @@ Rules this class lives by (docs/contracts.md §1):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
@@ -23,6 +24,7 @@ import torch
 from worker_ext import ownership, snapshot
 from worker_ext.barrier import Quiescer
 from worker_ext.hostpools import HostBackend, unpacked_layers
+from worker_ext.phase import RankPhase
 from worker_ext.pools import ALL_TAGS, KV_CACHE, WEIGHTS, PoolBackend
 
 log = logging.getLogger("worker_ext")
@@ -87,6 +89,7 @@ class _HotswapState:
     quiescer: Quiescer = field(default_factory=Quiescer)
     snap: snapshot.Snapshot | None = None
     level: int | None = None
+    phase: RankPhase = field(default_factory=RankPhase)
 
 
 def _vllm_version() -> str:
@@ -145,6 +148,16 @@ class HotSwapExtension:
     def _hotswap_records(self) -> list[ownership.TensorRecord]:
         return ownership.walk(self._hotswap_model(), cast(Any, self).model_runner)
 
+    @contextlib.contextmanager
+    def _hotswap_step(self, step: str) -> Iterator[RankPhase]:
+        """A memory step under way: any error inside it leaves the rank failed."""
+        ph = self._hotswap_state().phase
+        try:
+            yield ph
+        except BaseException as e:
+            ph.failed(f"{step}: {type(e).__name__}: {e}")
+            raise
+
     def _hotswap_fault(self, point: str) -> None:
         """Test seam: subclasses raise here to prove failures stay inside the RPC."""
 
@@ -176,6 +189,8 @@ class HotSwapExtension:
             "suspended": st.backend.suspended(),
             "level": st.level,
             "poisoned": st.quiescer.poisoned,
+            **st.phase.report(),
+            "snapshot_held": st.snap is not None,
             # the cumem backend's host buffer, verify kernel and mapping (plain values)
             "backend_detail": describe() if callable(describe) else {},
         }
@@ -251,12 +266,20 @@ class HotSwapExtension:
         if st.snap is None or st.snap.level < level:
             raise RuntimeError(f"call hotswap_prepare({level}) before suspending")
         chosen = list(ALL_TAGS) if tags is None else [str(t) for t in tags]
+        unknown = [t for t in chosen if t not in ALL_TAGS]
+        if unknown or not chosen:
+            raise ValueError(f"tags must be a non-empty subset of {list(ALL_TAGS)}: {chosen}")
+        asleep = [t for t in chosen if t in st.backend.suspended()]
+        if asleep:
+            raise RuntimeError(f"pools already suspended: {asleep}")
         # Weights first: on CUDA the offload copy of weights must not race the KV discard.
         chosen.sort(key=lambda t: (t != WEIGHTS, t))
         before = st.backend.memory()
         self._hotswap_fault("suspend")
-        res = st.backend.suspend(level, chosen)
+        with self._hotswap_step("suspend") as ph:
+            res = st.backend.suspend(level, chosen)
         st.level = level
+        ph.suspended(level, st.backend.suspended())
         after = st.backend.memory()
         return {
             "level": level,
@@ -278,7 +301,18 @@ class HotSwapExtension:
         chosen.sort(key=lambda t: (t != WEIGHTS, t))
         before = st.backend.memory()
         self._hotswap_fault("resume")
-        res = st.backend.resume(chosen)
+        if not chosen:  # nothing asleep: no memory step
+            mem = _mem_value(before)
+            return {
+                "tags": [],
+                "restored_bytes": {},
+                "timings": {},
+                "memory_before": mem,
+                "memory_after": mem,
+            }
+        with self._hotswap_step("resume") as ph:
+            res = st.backend.resume(chosen)
+        ph.resumed(st.backend.suspended())
         return {
             "tags": chosen,
             "restored_bytes": res.get("restored_bytes", {}),
@@ -294,7 +328,9 @@ class HotSwapExtension:
             raise RuntimeError("resume the weights pool before reloading")
         self._hotswap_fault("reload")
         t0 = time.monotonic()
-        cast(Any, self).reload_weights()
+        with self._hotswap_step("reload") as ph:
+            cast(Any, self).reload_weights()
+        ph.reloaded()
         return {"reload_s": time.monotonic() - t0}
 
     @rpc
@@ -311,13 +347,14 @@ class HotSwapExtension:
             missing = unpacked_layers(self._hotswap_model())
             if missing:
                 raise RuntimeError(f"linear kernels not re-packed (reload missing?): {missing}")
-        t0 = time.perf_counter()
-        rebound = snapshot.rebind(snap)
-        t1 = time.perf_counter()
-        restored = snapshot.restore(snap)  # ends when every copy on the device is done
-        t2 = time.perf_counter()
-        verified, mismatched = snapshot.verify(snap)
-        t3 = time.perf_counter()
+        with self._hotswap_step("restore_and_verify") as ph:
+            t0 = time.perf_counter()
+            rebound = snapshot.rebind(snap)
+            t1 = time.perf_counter()
+            restored = snapshot.restore(snap)  # ends when every copy on the device is done
+            t2 = time.perf_counter()
+            verified, mismatched = snapshot.verify(snap)
+            t3 = time.perf_counter()
         st.snap = None
         st.level = None
         out: dict[str, Any] = {
@@ -330,6 +367,9 @@ class HotSwapExtension:
         }
         if mismatched:
             out["error"] = f"{len(mismatched)} tensor(s) differ after resume: {mismatched[:8]}"
+            ph.failed(f"restore_and_verify: {out['error']}")
+        else:
+            ph.verified()
         return out
 
 

@@ -5,6 +5,8 @@ One engine for the module, a 256 MiB KV cache so that the RSS effect is measurab
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +43,13 @@ def test_info(llm: Any) -> None:
     assert info["pools"]["weights"] > 0
     assert info["device_memory"]["rss"] > 0
     assert info["suspended"] == {}
+    # never put to sleep: awake and verified by construction
+    assert info["phase"] == "awake_verified"
+    assert info["transitions"] == info["verified_transition"] == 0
+    assert info["snapshot_held"] is False
+    assert len(info["boot_id"]) == 32
+    assert info["process_start_s"] <= time.time()
+    assert info["pid"] == os.getpid()  # the uni executor: the worker is this process
 
 
 def test_every_name_is_prefixed() -> None:
@@ -79,6 +88,60 @@ def test_level1_cycle_identical(llm: Any, baseline: Any) -> None:
     assert generate(llm) == baseline
 
 
+def _phase(llm: Any) -> dict[str, Any]:
+    (info,) = ok(llm, "hotswap_info")
+    keys = ("phase", "phase_level", "phase_tags", "transitions", "verified_transition")
+    return {k: info[k] for k in (*keys, "snapshot_held", "boot_id", "phase_reason")}
+
+
+def test_phase_moves_through_a_sleep_and_wake(llm: Any, baseline: Any) -> None:
+    start = _phase(llm)
+    assert start["phase"] == "awake_verified"
+    assert start["transitions"] == start["verified_transition"]
+    n = start["transitions"]
+    llm.reset_prefix_cache()
+    ok(llm, "hotswap_quiesce", 10.0)
+    assert _phase(llm) == start  # quiesce, prepare and audit move nothing
+    ok(llm, "hotswap_prepare", 2)
+    ok(llm, "hotswap_audit", 2, detail=False)
+    assert _phase(llm) == {**start, "snapshot_held": True}
+    bad = rpc(llm, "hotswap_suspend", 2, ["no_such_pool"])[0]  # refused before memory
+    assert bad["ok"] is False
+    assert _phase(llm) == {**start, "snapshot_held": True}
+    ok(llm, "hotswap_suspend", 2)
+    now = _phase(llm)
+    assert now["phase"] == "suspended"
+    assert (now["phase_level"], now["phase_tags"], now["transitions"]) == (
+        2,
+        ["kv_cache", "weights"],
+        n + 1,
+    )
+    assert now["verified_transition"] == n
+    ok(llm, "hotswap_resume", ["weights"])
+    now = _phase(llm)
+    assert (now["phase"], now["phase_tags"], now["transitions"]) == (
+        "suspended",
+        ["kv_cache"],
+        n + 2,
+    )
+    ok(llm, "hotswap_reload")
+    ok(llm, "hotswap_resume", ["kv_cache"])
+    now = _phase(llm)
+    assert (now["phase"], now["phase_level"], now["phase_tags"]) == ("resumed_unverified", 2, [])
+    assert (now["transitions"], now["verified_transition"]) == (n + 4, n)
+    assert now["snapshot_held"] is True
+    ok(llm, "hotswap_restore_and_verify")
+    end = _phase(llm)
+    assert end == {
+        **start,
+        "transitions": n + 5,
+        "verified_transition": n + 5,
+        "snapshot_held": False,
+    }
+    assert end["boot_id"] == start["boot_id"]
+    assert generate(llm) == baseline
+
+
 def test_level2_poisoned_cycle_is_repaired(llm: Any, baseline: Any) -> None:
     rep = cycle(llm, 2, poison=True)
     assert PLANT in rep["prepare"]["at_risk"]
@@ -106,6 +169,11 @@ def test_level2_without_restore_serves_wrong_tokens(llm: Any, baseline: Any) -> 
     assert v["ok"] is False
     assert v["mismatched"]
     assert all(n.startswith("runner.") for n in v["mismatched"]), v["mismatched"]
+    # a failed verify leaves the rank failed, for good (docs/contracts.md §1.1)
+    failed = _phase(llm)
+    assert failed["phase"] == "failed"
+    assert failed["phase_reason"].startswith("restore_and_verify: ")
+    assert failed["verified_transition"] < failed["transitions"]
     assert generate(llm) == baseline
 
 
@@ -120,6 +188,13 @@ def test_verify_names_a_single_flipped_element(llm: Any, baseline: Any) -> None:
     assert v["mismatched"] == ["model.norm.weight"]
     ok(llm, "hotswap_test_flip", "model.norm.weight", 3)  # undo: the engine serves as before
     assert generate(llm) == baseline
+    before = _phase(llm)
+    cycle(llm, 1)  # a passed verify after a failure does not make the rank verified again
+    after = _phase(llm)
+    assert after["phase"] == "failed"
+    assert after["phase_reason"] == before["phase_reason"]
+    assert after["transitions"] > before["transitions"]
+    assert after["verified_transition"] == before["verified_transition"]
 
 
 def test_rss_drops_and_returns(llm: Any) -> None:
