@@ -34,7 +34,10 @@ _BODY_EXCERPT = 500
 
 
 class RankError(EngineError):
-    """An RPC answered, but at least one rank reported `ok: false`; every rank's report is kept."""
+    """An RPC answered, but at least one rank reported `ok: false`; every rank's report is kept.
+    Every rank answered, so every reply was read: the queues are in step."""
+
+    may_desync = False
 
     def __init__(self, message: str, *, method: str, ranks: list[dict[str, Any]]) -> None:
         super().__init__(message)
@@ -124,14 +127,16 @@ class EngineClient:
             )
         except httpx.TimeoutException as exc:
             await self._drop_connection()
-            raise EngineTimeout(
+            err: EngineError = EngineTimeout(
                 f"{self.base_url}: {what} got no answer within {timeout_s:g} s"
-            ) from exc
+            )
+            err.may_desync = not isinstance(exc, httpx.ConnectTimeout)
+            raise err from exc
         except httpx.TransportError as exc:
             await self._drop_connection()
-            raise EngineUnavailable(
-                f"{self.base_url}: {what} failed: {type(exc).__name__}: {exc}"
-            ) from exc
+            err = EngineUnavailable(f"{self.base_url}: {what} failed: {type(exc).__name__}: {exc}")
+            err.may_desync = not isinstance(exc, httpx.ConnectError)
+            raise err from exc
         except httpx.HTTPError as exc:
             await self._drop_connection()
             raise EngineError(
@@ -145,9 +150,11 @@ class EngineClient:
                 f"{self.base_url}: {what} -> HTTP {resp.status_code}: {_excerpt(resp)}"
             )
         if resp.status_code >= 400:
-            raise EngineError(
+            err = EngineError(
                 f"{self.base_url}: {what} -> HTTP {resp.status_code}: {_excerpt(resp)}"
             )
+            err.may_desync = False  # refused whole: nothing ran
+            raise err
         return resp
 
     def _json(self, resp: httpx.Response, what: str) -> Any:

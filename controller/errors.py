@@ -39,9 +39,14 @@ class Unauthorized(HotswapError):
 
 
 class EngineError(HotswapError):
-    """The engine answered, but not as it should (5xx, bad body, ok=false from a rank)."""
+    """The engine answered, but not as it should (5xx, bad body, ok=false from a rank).
+
+    `may_desync`: the call may have left vLLM's RPC reply queues out of step (it was sent and
+    no whole answer came back: a read timeout, a connection broken after sending, a 5xx).
+    False when nothing was delivered (no connection) or every rank answered."""
 
     status = 502
+    may_desync = True
 
 
 class EngineUnavailable(EngineError):

@@ -284,3 +284,40 @@ async def test_in_flight_sums_running_and_waiting_from_prometheus_text() -> None
     assert await e.in_flight() == 5
     assert "vllm:other" in await e.metrics_text()
     await e.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("raised", "status", "may_desync"),
+    [
+        (httpx.ConnectError, None, False),  # nothing was delivered
+        (httpx.ConnectTimeout, None, False),
+        (httpx.ReadTimeout, None, True),  # sent, no answer: a reply may still come
+        (httpx.ReadError, None, True),
+        (httpx.RemoteProtocolError, None, True),
+        (None, 500, True),  # the executor raised: its reply queues may be out of step
+        (None, 400, False),  # refused whole
+    ],
+)
+async def test_which_failures_may_leave_the_queues_out_of_step(
+    raised: type[httpx.TransportError] | None, status: int | None, may_desync: bool
+) -> None:
+    def answer(r: httpx.Request) -> httpx.Response:
+        if raised is not None:
+            raise raised("nope", request=r)
+        return httpx.Response(status or 200, json={"detail": "x"})
+
+    e = engine(answer)
+    with pytest.raises(EngineError) as info:
+        await e.rpc("hotswap_info", timeout_s=2.0)
+    assert info.value.may_desync is may_desync
+    await e.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_rank_that_answers_not_ok_leaves_the_queues_in_step() -> None:
+    e = engine(lambda r: httpx.Response(200, json={"results": [{"ok": True}, {"ok": False}]}))
+    with pytest.raises(RankError) as info:
+        await e.rpc("hotswap_prepare", 1, timeout_s=2.0)
+    assert info.value.may_desync is False
+    await e.aclose()

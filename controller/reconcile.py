@@ -1,0 +1,424 @@
+"""One reconciliation: what the engine reports -> the model's state and the one action to take.
+
+Pure: no I/O, no asyncio, no clocks. The controller's state is a cache of what the ranks
+hold; this module is the only place that turns what was read back from an engine (is it
+reachable, `/health`, `/is_paused`, a non-RPC sign of which process answers, and every
+rank's `hotswap_info`) into a state. It is run at start-up, after any failed step, and
+periodically for attached engines in every state; the caller does the I/O and the action.
+
+The rules are tried in order and the first that matches decides (`RULES`, mirrored in
+docs/contracts.md §2.1 and checked against it by the tests). Invariants the table tests
+hold over every combination of inputs:
+
+- RUNNING only when every rank reports `awake_verified`, none is poisoned, the engine is
+  unpaused and alive, and the ranks' boot ids are the ones probed (the verdict is verified).
+- No RPC (`Do.PROBE`, `Do.RESUME_ENGINE`, `Do.FINISH_WAKE`) is asked of an engine whose
+  queues may be out of step (an RPC to it timed out or failed) unless a non-RPC sign says
+  the process answering is a new one.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from controller.state import State
+
+
+class Phase(enum.StrEnum):
+    """A rank's own phase, as `hotswap_info` reports it (docs/contracts.md §1.1)."""
+
+    AWAKE_VERIFIED = "awake_verified"
+    SUSPENDED = "suspended"
+    RESUMED_UNVERIFIED = "resumed_unverified"
+    FAILED = "failed"
+    UNREPORTED = "unreported"  # no or an unknown `phase` key: not an extension we can trust
+
+
+class Do(enum.StrEnum):
+    """The one action the caller takes after a verdict."""
+
+    NONE = "none"  # the state stands; nothing to send
+    PROBE = "probe"  # ask every rank: `hotswap_info`, then reconcile again with its answer
+    RESUME_ENGINE = "resume_engine"  # `/resume`, check `/is_paused`, warm up: then RUNNING
+    FINISH_WAKE = "finish_wake"  # [level 2: reload], restore_and_verify, /resume, warm-up
+
+
+@dataclass(frozen=True)
+class RankView:
+    """One rank's `hotswap_info` answer, reduced to what reconciliation reads."""
+
+    rank: int
+    ok: bool = True
+    phase: Phase = Phase.AWAKE_VERIFIED
+    level: int | None = None
+    tags: tuple[str, ...] = ()
+    reason: str | None = None
+    transitions: int = 0
+    verified_transition: int = 0
+    snapshot_held: bool = False
+    boot_id: str | None = None
+    poisoned: bool = False
+    world_size: int | None = None
+    error: str | None = None
+
+    @classmethod
+    def from_info(cls, report: Mapping[str, Any], index: int = 0) -> RankView:
+        """Read one rank's plain dict; anything missing or of the wrong type reads as unknown."""
+
+        def opt_int(key: str) -> int | None:
+            v = report.get(key)
+            return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+        raw_phase = report.get("phase")
+        try:
+            phase = Phase(raw_phase) if isinstance(raw_phase, str) else Phase.UNREPORTED
+        except ValueError:
+            phase = Phase.UNREPORTED
+        tags = report.get("phase_tags")
+        rank = opt_int("rank")
+        boot = report.get("boot_id")
+        reason = report.get("phase_reason")
+        error = report.get("error")
+        return cls(
+            rank=index if rank is None or rank < 0 else rank,
+            ok=report.get("ok") is True,
+            phase=phase,
+            level=opt_int("phase_level"),
+            tags=tuple(sorted(str(t) for t in tags)) if isinstance(tags, list | tuple) else (),
+            reason=str(reason) if reason is not None else None,
+            transitions=opt_int("transitions") or 0,
+            verified_transition=opt_int("verified_transition") or 0,
+            snapshot_held=report.get("snapshot_held") is True,
+            boot_id=str(boot) if isinstance(boot, str) and boot else None,
+            poisoned=report.get("poisoned") is True,
+            world_size=opt_int("world_size"),
+            error=str(error) if error is not None else None,
+        )
+
+
+def ranks_from_info(reports: Sequence[Mapping[str, Any]]) -> tuple[RankView, ...]:
+    return tuple(RankView.from_info(r, i) for i, r in enumerate(reports))
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What was read from the engine just now. `paused` and the ranks mean nothing when the
+    engine was not reachable; `ranks` is None when `hotswap_info` was not asked."""
+
+    reachable: bool  # /health answered at all
+    alive: bool = True  # /health 200 (vLLM answers 503 once its engine core died)
+    paused: bool = False  # /is_paused
+    process: str | None = None  # a non-RPC sign of the process (its start time); None: none
+    ranks: tuple[RankView, ...] | None = None  # every rank's hotswap_info, in rank order
+    info_error: str | None = None  # hotswap_info itself got no usable answer (timeout, 5xx)
+    detail: str = ""  # why it was unreachable or dead, for the reason
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What the controller remembers of this engine between reconciliations."""
+
+    state: State = State.UNKNOWN  # the model's state now (the cache being reconciled)
+    verified: bool = False
+    desynced: bool = False  # an RPC to this process timed out or failed: send it nothing
+    process: str | None = None  # the non-RPC sign last seen
+    boot_ids: tuple[str | None, ...] | None = None  # the ranks' boot ids last probed
+    fresh: bool = False  # a process this sidecar just started (managed, STARTING)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The model's state (None with Do.PROBE: unchanged until probed) and the one action."""
+
+    rule: str  # the id of the rule in RULES that decided
+    state: State | None
+    do: Do
+    reason: str
+    verified: bool = False
+    level: int | None = None
+    tags: tuple[str, ...] = ()  # the pools asleep (SUSPENDED)
+    desynced: bool = False  # the flag to remember from now on
+    process: str | None = None  # the sign to remember from now on
+    boot_ids: tuple[str | None, ...] | None = None  # the boot ids to remember from now on
+    new_process: bool = False  # the engine is a different process than last seen
+
+    @property
+    def sends_rpc(self) -> bool:
+        return self.do in (Do.PROBE, Do.RESUME_ENGINE, Do.FINISH_WAKE)
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    when: str  # the condition, as docs/contracts.md §2.1 states it
+    state: str  # the resulting state, as the docs name it
+    do: Do
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("unreachable", "/health gets no answer", "FAILED", Do.NONE),
+    Rule("dead", "/health answers 503 (vLLM's engine core died)", "FAILED", Do.NONE),
+    Rule(
+        "desynced",
+        "an RPC to this process timed out or failed, and no non-RPC sign says a new "
+        "process answers",
+        "FAILED",
+        Do.NONE,
+    ),
+    Rule(
+        "cache-fits",
+        "not probed; RUNNING (verified) and unpaused, or SUSPENDED and paused; "
+        "the non-RPC sign is known and unchanged",
+        "unchanged",
+        Do.NONE,
+    ),
+    Rule("probe", "not probed, and the cache cannot be trusted", "unchanged", Do.PROBE),
+    Rule(
+        "info-failed",
+        "hotswap_info got no answer, or a rank answered `ok: false`",
+        "FAILED",
+        Do.NONE,
+    ),
+    Rule(
+        "ranks-missing",
+        "fewer or more reports than the ranks' `world_size`, or no rank at all",
+        "FAILED",
+        Do.NONE,
+    ),
+    Rule(
+        "unreported", "a rank reports no known `phase` (an extension without it)", "FAILED", Do.NONE
+    ),
+    Rule("rank-failed", "a rank's phase is `failed` (its reason is kept)", "FAILED", Do.NONE),
+    Rule("poisoned", "a rank's barrier group is poisoned", "FAILED", Do.NONE),
+    Rule("mixed", "the ranks disagree on phase, level or pools asleep", "FAILED", Do.NONE),
+    Rule(
+        "not-ours",
+        "the process was just started by this sidecar, but a rank made memory steps "
+        "(`transitions` > 0): it is not the process started",
+        "FAILED",
+        Do.NONE,
+    ),
+    Rule(
+        "interrupted-sleep",
+        "every rank `awake_verified`, the engine paused (a sleep stopped before it suspended)",
+        "RESUMING",
+        Do.RESUME_ENGINE,
+    ),
+    Rule("running", "every rank `awake_verified`, the engine unpaused", "RUNNING", Do.NONE),
+    Rule(
+        "suspended-unpaused",
+        "every rank `suspended`, but the engine is unpaused (it would serve from freed memory)",
+        "FAILED",
+        Do.NONE,
+    ),
+    Rule(
+        "suspended",
+        "every rank `suspended` (same level and pools), the engine paused",
+        "SUSPENDED",
+        Do.NONE,
+    ),
+    Rule(
+        "unverified-unpaused",
+        "every rank `resumed_unverified`, but the engine is unpaused (it may have served "
+        "unverified)",
+        "FAILED",
+        Do.NONE,
+    ),
+    Rule(
+        "copies-gone",
+        "every rank `resumed_unverified`, the engine paused, a rank holds no snapshot",
+        "FAILED",
+        Do.NONE,
+    ),
+    Rule(
+        "interrupted-wake",
+        "every rank `resumed_unverified` holding its snapshot, the engine paused",
+        "RESUMING",
+        Do.FINISH_WAKE,
+    ),
+)
+
+_BY_ID = {r.id: r for r in RULES}
+
+
+def _ranks_text(ranks: Iterable[RankView]) -> str:
+    return "[" + ", ".join(str(r.rank) for r in ranks) + "]"
+
+
+def reconcile(obs: Observation, mem: Memory) -> Verdict:
+    """The state the engine's reports support, and the one action to take (see RULES)."""
+    new_process = (
+        obs.reachable
+        and obs.process is not None
+        and mem.process is not None
+        and obs.process != mem.process
+    )
+    process = obs.process if obs.process is not None else mem.process
+    desynced = mem.desynced and not new_process
+    boot_ids = mem.boot_ids if not new_process else None
+
+    def verdict(rule: str, state: State | None, reason: str, **kw: Any) -> Verdict:
+        fields: dict[str, Any] = {
+            "desynced": desynced,
+            "process": process,
+            "boot_ids": boot_ids,
+            "new_process": new_process,
+        }
+        fields.update(kw)
+        return Verdict(rule, state, _BY_ID[rule].do, reason, **fields)
+
+    if not obs.reachable:
+        return verdict("unreachable", State.FAILED, _with("engine unreachable", obs.detail))
+    if not obs.alive:
+        return verdict("dead", State.FAILED, _with("/health 503: the engine died", obs.detail))
+    if desynced:
+        return verdict(
+            "desynced",
+            State.FAILED,
+            "an RPC to this engine timed out or failed, so its reply queues may be out of "
+            "step; nothing is sent to it until a new process answers (restart it)",
+        )
+    if obs.ranks is None and obs.info_error is None:
+        fits = (mem.state is State.RUNNING and mem.verified and not obs.paused) or (
+            mem.state is State.SUSPENDED and obs.paused
+        )
+        known = obs.process is not None and mem.process == obs.process
+        if fits and known and mem.boot_ids is not None and not mem.fresh:
+            return verdict(
+                "cache-fits",
+                mem.state,
+                "the engine is as last probed",
+                verified=mem.state is State.RUNNING,
+            )
+        return verdict("probe", None, "probe every rank")
+    if obs.info_error is not None or obs.ranks is None:
+        # A reply that never came (or a 5xx) may leave the queues out of step.
+        return verdict(
+            "info-failed",
+            State.FAILED,
+            _with("hotswap_info failed", obs.info_error),
+            desynced=True,
+        )
+    ranks = obs.ranks
+    ids = tuple(r.boot_id for r in ranks)
+    new_boot = mem.boot_ids is not None and ids != mem.boot_ids
+    seen = {"boot_ids": ids, "new_process": new_process or new_boot}
+
+    bad = [r for r in ranks if not r.ok]
+    if bad:
+        detail = "; ".join(f"rank {r.rank}: {r.error or 'ok is not true'}" for r in bad)
+        return verdict("info-failed", State.FAILED, f"hotswap_info failed: {detail}", **seen)
+    sizes = {r.world_size for r in ranks if r.world_size is not None}
+    if not ranks or len(sizes) > 1 or (sizes and sizes != {len(ranks)}):
+        return verdict(
+            "ranks-missing",
+            State.FAILED,
+            f"{len(ranks)} rank reports for a world of size {sorted(sizes) or '?'}",
+            **seen,
+        )
+    unreported = [r for r in ranks if r.phase is Phase.UNREPORTED]
+    if unreported:
+        return verdict(
+            "unreported",
+            State.FAILED,
+            f"ranks {_ranks_text(unreported)} report no phase: a worker extension "
+            "without the rank's own truth cannot be trusted",
+            **seen,
+        )
+    failed = [r for r in ranks if r.phase is Phase.FAILED]
+    if failed:
+        why = "; ".join(f"rank {r.rank}: {r.reason or 'failed'}" for r in failed)
+        return verdict("rank-failed", State.FAILED, f"rank failed: {why}", **seen)
+    poisoned = [r for r in ranks if r.poisoned]
+    if poisoned:
+        return verdict(
+            "poisoned",
+            State.FAILED,
+            f"ranks {_ranks_text(poisoned)}: barrier group poisoned by a timed-out quiesce",
+            **seen,
+        )
+    shapes = {(r.phase, r.level, r.tags) for r in ranks}
+    if len(shapes) > 1:
+        said = ", ".join(
+            f"rank {r.rank} {r.phase.value}"
+            + (f" L{r.level}" if r.level is not None else "")
+            + (f" {list(r.tags)}" if r.tags else "")
+            for r in ranks
+        )
+        return verdict("mixed", State.FAILED, f"mixed ranks: {said}", **seen)
+    first = ranks[0]
+    if mem.fresh and any(r.transitions > 0 for r in ranks):
+        n = max(r.transitions for r in ranks)
+        return verdict(
+            "not-ours",
+            State.FAILED,
+            f"the engine that answers made {n} memory steps: not the process just started",
+            **seen,
+        )
+    if first.phase is Phase.AWAKE_VERIFIED:
+        if obs.paused:
+            return verdict(
+                "interrupted-sleep",
+                State.RESUMING,
+                "paused with every rank awake and verified (a sleep stopped before it "
+                "suspended anything): resume it",
+                **seen,
+            )
+        return verdict(
+            "running", State.RUNNING, "every rank awake and verified", verified=True, **seen
+        )
+    if first.phase is Phase.SUSPENDED:
+        level = first.level
+        if not obs.paused:
+            return verdict(
+                "suspended-unpaused",
+                State.FAILED,
+                f"the engine is unpaused with pools {list(first.tags)} suspended",
+                **seen,
+            )
+        return verdict(
+            "suspended",
+            State.SUSPENDED,
+            f"every rank suspended at level {level}, pools {list(first.tags)}",
+            level=level,
+            tags=first.tags,
+            **seen,
+        )
+    # resumed_unverified
+    if not obs.paused:
+        return verdict(
+            "unverified-unpaused",
+            State.FAILED,
+            "the engine is unpaused although its wake was never verified",
+            **seen,
+        )
+    gone = [r for r in ranks if not r.snapshot_held]
+    if gone:
+        return verdict(
+            "copies-gone",
+            State.FAILED,
+            f"resumed but not verified, and ranks {_ranks_text(gone)} no longer hold "
+            "their protected copies: the wake cannot be finished",
+            **seen,
+        )
+    return verdict(
+        "interrupted-wake",
+        State.RESUMING,
+        "resumed but not verified, protected copies held: finish the wake (restore_and_verify)",
+        level=first.level,
+        **seen,
+    )
+
+
+def _with(what: str, detail: str | None) -> str:
+    return f"{what}: {detail}" if detail else what
+
+
+def rules_table() -> str:
+    """RULES as the markdown table in docs/contracts.md §2.1 (the tests compare the two)."""
+    lines = ["| rule | when | state | action |", "|---|---|---|---|"]
+    lines += [f"| `{r.id}` | {r.when} | {r.state} | `{r.do.value}` |" for r in RULES]
+    return "\n".join(lines)
