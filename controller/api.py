@@ -26,9 +26,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controller.errors import HotswapError, Unauthorized, http_status
+from controller.guard import Guard, Refused
 from controller.manager import Manager, ModelManager, Outcome
 from controller.metrics import Metrics
-from controller.settings import Settings
+from controller.settings import HOUR_S, Settings
 from controller.state import Action, ModelSnapshot, PhaseRecord, TransitionRecord, overall_ready
 from controller.supervisor import Supervisor
 from controller.swap import SwapCoordinator
@@ -181,7 +182,11 @@ class SleepBody(BaseModel):
     level: Level | None = None
     drain: Literal["wait", "abort"] = "wait"
     drain_timeout_s: float | None = Field(
-        None, ge=0, allow_inf_nan=False, description="Seconds; default drain_s (wait) or 0 (abort)."
+        None,
+        ge=0,
+        le=HOUR_S,
+        allow_inf_nan=False,
+        description="Seconds, at most an hour; default drain_s (wait) or 0 (abort).",
     )
 
 
@@ -345,6 +350,20 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
+def _open_path(path: str) -> bool:
+    """Probes and scrapes need no token; every other path does (an unknown one too)."""
+    if path in ("/livez", "/health", "/metrics"):
+        return True
+    parts = path.split("/")
+    return len(parts) == 4 and parts[1] == "models" and bool(parts[2]) and parts[3] == "health"
+
+
+def _guard_refusal(refused: Refused) -> Response:
+    """The guard's answers in the control API's error shape."""
+    body = {"error": refused.error, "message": refused.message}
+    return JSONResponse(body, status_code=refused.status, headers=refused.headers)
+
+
 class NeverFiveHundred:
     """Outermost catch-all: an unexpected exception becomes a logged 502 with a reason.
 
@@ -426,7 +445,16 @@ def create_app(
                 await sup.stop()
                 log.info("managed engines stopped")
 
-    app = FastAPI(title="vllm-hotswap", version="0.1.0", lifespan=lifespan)
+    docs = settings.server.docs  # off by default: the schema maps every route for a caller
+    app = FastAPI(
+        title="vllm-hotswap",
+        version="0.1.0",
+        lifespan=lifespan,
+        openapi_url="/openapi.json" if docs else None,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        redirect_slashes=False,  # a redirect would answer before auth, to any Host
+    )
     app.state.hotswap = AppContext(
         settings=settings,
         manager=mgr,
@@ -438,6 +466,14 @@ def create_app(
     app.add_exception_handler(HotswapError, _hotswap_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_middleware(
+        Guard,
+        render=_guard_refusal,
+        token=token.get_secret_value().encode() if token is not None else None,
+        is_open=_open_path,
+        max_body_bytes=settings.server.max_body_bytes,
+        max_json_depth=settings.server.max_json_depth,
+    )
     app.add_middleware(NeverFiveHundred)
 
     # Open: probes and scrapes must work without the token.

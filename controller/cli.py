@@ -116,6 +116,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--token", help="bearer token for control endpoints (env: HOTSWAP_AUTH__TOKEN)"
     )
     serve.add_argument(
+        "--token-file",
+        type=Path,
+        metavar="PATH",
+        help="read the token from a file, e.g. a mounted Secret (env: HOTSWAP_AUTH__TOKEN_FILE)",
+    )
+    serve.add_argument(
+        "--insecure",
+        action="store_true",
+        default=None,
+        help="allow a non-loopback bind without a token: anyone can sleep and wake models "
+        "(env: HOTSWAP_SERVER__INSECURE=1)",
+    )
+    serve.add_argument(
         "--log-format",
         choices=[f.value for f in LogFormat],
         help="text or json (env: HOTSWAP_LOG__FORMAT)",
@@ -166,11 +179,13 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     overrides: dict[str, Any] = {}
     if args.config is not None:
         overrides["config_file"] = args.config
-    server = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    given = (("host", args.host), ("port", args.port), ("insecure", args.insecure))
+    server = {k: v for k, v in given if v is not None}
     if server:
         overrides["server"] = server
-    if args.token is not None:
-        overrides["auth"] = {"token": args.token}
+    auth = {k: v for k, v in (("token", args.token), ("token_file", args.token_file)) if v}
+    if auth:
+        overrides["auth"] = auth
     log_cfg = {k: v for k, v in (("format", args.log_format), ("level", args.log_level)) if v}
     if log_cfg:
         overrides["log"] = log_cfg
@@ -308,8 +323,20 @@ async def serve(settings: Settings, demo: bool, demo_dir: Path | None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
+def refuse_open_binds(settings: Settings) -> None:
+    """No open door by default: a non-loopback bind without a token needs --insecure."""
+    binds = settings.open_binds()
+    if binds:
+        raise CliError(
+            f"refusing to serve {' and '.join(binds)} without a token (anyone could sleep "
+            "and wake models): set --token-file/--token (HOTSWAP_AUTH__TOKEN_FILE, "
+            "HOTSWAP_AUTH__TOKEN), bind 127.0.0.1, or pass --insecure (HOTSWAP_SERVER__INSECURE=1)"
+        )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
+    refuse_open_binds(settings)
     configure_logging(settings.log)
     demo = args.demo if args.demo is not None else _env_flag("HOTSWAP_DEMO")
     demo_dir = args.demo_dir

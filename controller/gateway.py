@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from controller.errors import HotswapError, ModelNotFound, WakeRefused
+from controller.guard import Guard, Refused
 from controller.manager import Manager
 from controller.settings import Settings
 from controller.state import State
@@ -90,6 +91,7 @@ _ERROR_TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowed",
+    413: "RequestTooLargeError",
     429: "RateLimitError",
     502: "BadGateway",
     503: "ServiceUnavailable",
@@ -383,6 +385,7 @@ def create_gateway(
         openapi_url=None,  # only the three routes below exist
         docs_url=None,
         redoc_url=None,
+        redirect_slashes=False,  # a redirect would answer before auth, to any Host
     )
     app.state.gateway = gw
 
@@ -404,7 +407,27 @@ def create_gateway(
         assert isinstance(exc, StarletteHTTPException)
         return Refusal(exc.status_code, None, str(exc.detail)).response()
 
+    # The guard's reasons, as counted in hotswap_gateway_refused_total.
+    reasons = {401: "unauthorized", 429: "too_many_requests", 413: "too_large"}
+
+    def guard_refusal(refused: Refused) -> Response:
+        reason = reasons.get(refused.status)
+        if reason is not None:
+            gw.metrics.refused("", reason)
+        gw.metrics.request("", refused.status)
+        retry = 1.0 if refused.status == 429 else None
+        return Refusal(refused.status, reason, refused.message, retry_after_s=retry).response()
+
     app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_middleware(
+        Guard,
+        render=guard_refusal,
+        token=gw._token,
+        is_open=lambda path: False,
+        max_body_bytes=settings.gateway.max_body_bytes,
+        max_json_depth=settings.gateway.max_json_depth,
+        max_concurrent=settings.gateway.max_concurrent,
+    )
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])

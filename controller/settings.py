@@ -8,13 +8,14 @@ the YAML models file, then the defaults below.
 from __future__ import annotations
 
 import enum
+import ipaddress
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from controller.state import Gate
@@ -25,6 +26,14 @@ class LogFormat(enum.StrEnum):
     JSON = "json"
 
 
+# Upper bounds of the numeric settings: far above any sane value, low enough that no value
+# can stall the sidecar for ever (1e308 s is "never").
+DAY_S = 86_400.0
+HOUR_S = 3_600.0
+MiB = 1 << 20
+MAX_BYTES = 1 << 50  # 1 PiB: a memory budget or footprint, far above any device
+
+
 class ServerSettings(BaseModel):
     host: str = Field(
         "127.0.0.1", description="Bind address of the control API; loopback by default."
@@ -32,45 +41,113 @@ class ServerSettings(BaseModel):
     port: int = Field(
         8800, ge=0, le=65535, description="Port of the control API (0 = pick a free one)."
     )
+    insecure: bool = Field(
+        False,
+        description="Allow a non-loopback bind of the control API or the gateway without a "
+        "token (then both answer anyone); without it such a start is refused.",
+    )
+    docs: bool = Field(
+        False, description="Serve /docs, /redoc and /openapi.json on the control port."
+    )
+    max_body_bytes: int = Field(
+        64 << 10,
+        ge=1024,
+        le=16 * MiB,
+        description="Largest control request body (bytes); its bodies are a few dozen bytes. "
+        "Larger: 413, on Content-Length or on the streamed count.",
+    )
+    max_json_depth: int = Field(
+        16, ge=2, le=256, description="Deepest JSON nesting of a control body; deeper: 400."
+    )
+
+
+def clean_token(raw: str, source: str) -> str:
+    """The token as it will be compared: stripped (a Secret file's trailing newline), and
+    refused when empty or holding anything but visible ASCII (a header cannot carry it)."""
+    token = raw.strip()
+    if not token:
+        raise ValueError(f"{source} is empty; unset it to disable auth")
+    if not all("!" <= c <= "~" for c in token):
+        raise ValueError(
+            f"{source} may hold only visible ASCII characters "
+            "(no spaces, control characters or non-ASCII)"
+        )
+    return token
 
 
 class AuthSettings(BaseModel):
+    # Never echo a rejected value: it may be the token.
+    model_config = ConfigDict(hide_input_in_errors=True)
+
     token: SecretStr | None = Field(
-        None, description="Bearer token for control endpoints; None disables auth (loopback only)."
+        None,
+        description="Bearer token for control endpoints; None disables auth (loopback only). "
+        "Stripped at start; empty or with control characters: refused.",
+    )
+    token_file: Path | None = Field(
+        None,
+        description="Read the token from this file (a mounted Secret) instead of `token`, "
+        "so it is in no environment; stripped like `token`.",
     )
     guard_gateway: bool = Field(
         True, description="The token (when set) also guards the gateway's /v1 routes."
     )
+
+    @field_validator("token")
+    @classmethod
+    def _clean(cls, v: SecretStr | None) -> SecretStr | None:
+        return None if v is None else SecretStr(clean_token(v.get_secret_value(), "auth.token"))
+
+    @model_validator(mode="after")
+    def _from_file(self) -> AuthSettings:
+        if self.token_file is None:
+            return self
+        if self.token is not None:
+            raise ValueError("set auth.token or auth.token_file, not both")
+        try:
+            raw = self.token_file.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"auth.token_file {self.token_file}: {exc}") from None
+        self.token = SecretStr(clean_token(raw, f"auth.token_file {self.token_file}"))
+        return self
 
 
 class TimeoutSettings(BaseModel):
     """Seconds. Each is an HTTP client timeout: nothing is ever sent as an RPC `timeout`."""
 
     control_s: float = Field(
-        10.0, gt=0, description="/pause (abort), /resume, /is_paused, /health."
+        10.0, gt=0, le=HOUR_S, description="/pause (abort), /resume, /is_paused, /health."
     )
     rpc_s: float = Field(
         120.0,
         gt=0,
+        le=DAY_S,
         description="One /collective_rpc call; generous: a level-1 suspend copies weights.",
     )
-    reload_s: float = Field(600.0, gt=0, description="hotswap_reload: reads the whole checkpoint.")
+    reload_s: float = Field(
+        600.0, gt=0, le=DAY_S, description="hotswap_reload: reads the whole checkpoint."
+    )
     quiesce_s: float = Field(
-        10.0, gt=0, description="Barrier timeout inside the ranks (sent as an argument)."
+        10.0, gt=0, le=HOUR_S, description="Barrier timeout inside the ranks (sent as an argument)."
     )
-    warmup_s: float = Field(60.0, gt=0, description="The 1-token warm-up completion after a wake.")
+    warmup_s: float = Field(
+        60.0, gt=0, le=HOUR_S, description="The 1-token warm-up completion after a wake."
+    )
     drain_s: float = Field(
-        30.0, ge=0, description="Default drain timeout of a sleep with drain=wait."
+        30.0, ge=0, le=HOUR_S, description="Default drain timeout of a sleep with drain=wait."
     )
-    probe_s: float = Field(5.0, gt=0, description="Start-up probe of an attached engine.")
+    probe_s: float = Field(
+        5.0, gt=0, le=HOUR_S, description="Start-up probe of an attached engine."
+    )
     reprobe_interval_s: float = Field(
         2.0,
         gt=0,
+        le=HOUR_S,
         description="How often a FAILED attached engine is checked for having come back; "
         "short against a vLLM restart (tens of seconds), so the outage is always seen.",
     )
     shutdown_s: float = Field(
-        30.0, ge=0, description="How long shutdown waits for transitions in flight."
+        30.0, ge=0, le=HOUR_S, description="How long shutdown waits for transitions in flight."
     )
 
 
@@ -92,15 +169,43 @@ class GatewaySettings(BaseModel):
         8801, ge=0, le=65535, description="Port of the gateway (0 = pick a free one)."
     )
     queue_size: int = Field(
-        16, ge=0, description="Requests held per model while it wakes; one more answers 429."
+        16,
+        ge=0,
+        le=10_000,
+        description="Requests held per model while it wakes; one more answers 429.",
     )
     hold_timeout_s: float = Field(
-        120.0, gt=0, description="Seconds a request may wait for its model; then 503 Retry-After."
+        120.0,
+        gt=0,
+        le=HOUR_S,
+        description="Seconds a request may wait for its model; then 503 Retry-After.",
     )
     request_timeout_s: float = Field(
-        600.0, gt=0, description="HTTP timeout of one forwarded request (long generations)."
+        600.0,
+        gt=0,
+        le=DAY_S,
+        description="HTTP timeout of one forwarded request (long generations).",
     )
-    retry_after_s: int = Field(5, ge=0, description="Retry-After (seconds) sent with a 503.")
+    retry_after_s: int = Field(
+        5, ge=0, le=int(HOUR_S), description="Retry-After (seconds) sent with a 503."
+    )
+    max_body_bytes: int = Field(
+        4 * MiB,
+        ge=1024,
+        le=256 * MiB,
+        description="Largest /v1 request body (bytes): long prompts fit; raise it for longer "
+        "ones (or inline images). Larger: 413, on Content-Length or on the streamed count.",
+    )
+    max_json_depth: int = Field(
+        64, ge=2, le=256, description="Deepest JSON nesting of a /v1 body; deeper: 400."
+    )
+    max_concurrent: int = Field(
+        256,
+        ge=1,
+        le=65_536,
+        description="Requests the gateway serves at once (held, forwarded and streaming, "
+        "over all models); one more answers 429.",
+    )
 
 
 class SwapSettings(BaseModel):
@@ -109,34 +214,64 @@ class SwapSettings(BaseModel):
     budget_bytes: int | None = Field(
         None,
         ge=0,
+        le=MAX_BYTES,
         description="Bytes the awake models of one device may hold; None = measured at boot "
         "(CUDA: free memory with every model asleep) or no byte limit (CPU).",
     )
     max_awake: int | None = Field(
-        None, ge=1, description="At most this many awake models per device; None = no count limit."
+        None,
+        ge=1,
+        le=1024,
+        description="At most this many awake models per device; None = no count limit.",
     )
     min_awake_s: float = Field(
-        2.0, ge=0, description="A model woken less than this long ago is not evicted (no thrash)."
+        2.0,
+        ge=0,
+        le=HOUR_S,
+        description="A model woken less than this long ago is not evicted (no thrash).",
     )
     evict_drain_timeout_s: float = Field(
-        30.0, ge=0, description="drain=wait timeout when a model is put to sleep to make room."
+        30.0,
+        ge=0,
+        le=HOUR_S,
+        description="drain=wait timeout when a model is put to sleep to make room.",
     )
 
 
 class SupervisorSettings(BaseModel):
     """Managed engines: boot, crash detection, restart with bounded exponential backoff."""
 
-    boot_timeout_s: float = Field(300.0, gt=0, description="An engine must answer /health by then.")
-    restart_backoff_s: float = Field(1.0, gt=0, description="First restart delay after a crash.")
-    restart_backoff_max_s: float = Field(60.0, gt=0, description="Cap of the doubling delay.")
-    stable_s: float = Field(
-        60.0, ge=0, description="Up this long after a start: the failure count resets."
+    boot_timeout_s: float = Field(
+        300.0, gt=0, le=DAY_S, description="An engine must answer /health by then."
     )
-    poll_s: float = Field(0.5, gt=0, description="How often processes are checked for exits.")
-    stop_grace_s: float = Field(15.0, ge=0, description="SIGTERM grace before SIGKILL at stop.")
+    restart_backoff_s: float = Field(
+        1.0, gt=0, le=HOUR_S, description="First restart delay after a crash."
+    )
+    restart_backoff_max_s: float = Field(
+        60.0, gt=0, le=DAY_S, description="Cap of the doubling delay."
+    )
+    stable_s: float = Field(
+        60.0, ge=0, le=DAY_S, description="Up this long after a start: the failure count resets."
+    )
+    poll_s: float = Field(
+        0.5, gt=0, le=60.0, description="How often processes are checked for exits."
+    )
+    stop_grace_s: float = Field(
+        15.0, ge=0, le=HOUR_S, description="SIGTERM grace before SIGKILL at stop."
+    )
     log_dir: Path | None = Field(
         None, description="Engine logs (one file per model); None = a temporary folder."
     )
+
+
+def is_loopback(host: str) -> bool:
+    """Only this machine can reach `host` (a name other than localhost counts as open)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def flag_value(argv: Sequence[str], flag: str) -> str | None:
@@ -174,7 +309,10 @@ class ModelSettings(BaseModel):
     )
     pinned: bool = Field(False, description="Never put to sleep to make room for another model.")
     footprint_bytes: int | None = Field(
-        None, ge=0, description="Awake footprint if known; None = measured from the engine."
+        None,
+        ge=0,
+        le=MAX_BYTES,
+        description="Awake footprint if known; None = measured from the engine.",
     )
     device: str = Field("0", description="Models on one device share its memory budget.")
 
@@ -219,7 +357,11 @@ class ModelSettings(BaseModel):
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="HOTSWAP_", env_nested_delimiter="__", extra="forbid", validate_default=True
+        env_prefix="HOTSWAP_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_default=True,
+        hide_input_in_errors=True,  # a rejected value may be the token
     )
 
     config_file: Path | None = Field(
@@ -251,6 +393,18 @@ class Settings(BaseSettings):
     @property
     def gateway_enabled(self) -> bool:
         return self.gateway.enabled if self.gateway.enabled is not None else self.managed
+
+    def open_binds(self) -> list[str]:
+        """The non-loopback addresses that would answer anyone: those bound without a token
+        (the gateway counts when it is served). Empty when `server.insecure` allows them."""
+        if self.server.insecure:
+            return []
+        binds = []
+        if self.auth.token is None and not is_loopback(self.server.host):
+            binds.append(f"the control API on {self.server.host}:{self.server.port}")
+        if self.gateway_enabled and self.auth.token is None and not is_loopback(self.gateway.host):
+            binds.append(f"the gateway on {self.gateway.host}:{self.gateway.port}")
+        return binds
 
     @property
     def hot_swap(self) -> bool:

@@ -8,7 +8,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from controller.metrics import SECONDS_BUCKETS
 
-REFUSAL_REASONS = ("queue_full", "wake_failed", "wake_timeout", "unknown_model", "unauthorized")
+REFUSAL_REASONS = (
+    "queue_full",
+    "wake_failed",
+    "wake_timeout",
+    "unknown_model",
+    "unauthorized",
+    "too_many_requests",  # the gateway's cap on requests at once (gateway.max_concurrent)
+    "too_large",  # a body over gateway.max_body_bytes
+    "client_gone",  # a held request whose client disconnected
+)
 
 
 class SwapMetrics:

@@ -530,9 +530,8 @@ async def test_auth_required_on_control_endpoints(
 
 
 def test_empty_token_refused() -> None:
-    settings = make_settings({"a": FakeVllm()}, token="")
     with pytest.raises(ValueError, match="empty"):
-        api.create_app(settings)
+        make_settings({"a": FakeVllm()}, token="")
 
 
 # ----------------------------------------------------------------------------- default wiring

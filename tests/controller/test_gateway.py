@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from fakevllm import FakeVllm, wire
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from controller.errors import DrainTimeout, WakeRefused
@@ -92,6 +93,7 @@ class Router(httpx.AsyncBaseTransport):
 
 @dataclass
 class World:
+    app: FastAPI
     client: httpx.AsyncClient
     engines: dict[str, Engine]
     manager: Manager
@@ -135,7 +137,7 @@ async def world(
             transport=httpx.ASGITransport(app=app), base_url="http://gateway", headers=headers
         ) as client,
     ):
-        yield World(client, engines, manager, coordinator, registry)
+        yield World(app, client, engines, manager, coordinator, registry)
     await manager.stop()
 
 
@@ -266,7 +268,8 @@ def test_token_guards_the_gateway_when_configured(guard: bool, expected: int) ->
             )
             assert r.status_code == expected
             if expected == 401:
-                assert w.sample("hotswap_gateway_refused_total", model="a", reason="unauthorized")
+                # Refused from the headers alone: the body (and its model) is never read.
+                assert w.sample("hotswap_gateway_refused_total", model="", reason="unauthorized")
                 assert (
                     await w.client.get("/v1/models", headers={"Authorization": ""})
                 ).status_code == 401

@@ -1,0 +1,420 @@
+"""Issue 13's hostile inputs, each as a named test: both apps on real uvicorn servers (raw
+sockets where the bytes on the wire matter) or in-process, over fake engines.
+
+Auth before any body byte, bounded bodies (413 on Content-Length and on the streamed count),
+bounded JSON nesting (400), a total cap on the gateway's requests at once, no slash
+redirects, docs off, a start refused on an open bind without a token, a configured token
+checked and stripped, numeric inputs bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from fakevllm import FakeVllm
+from prometheus_client import CollectorRegistry
+from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp
+from test_api import make_manager, make_settings
+from test_gateway import completion, world
+
+from controller import api, cli
+from controller.settings import Settings
+
+TOKEN = "hostile-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+BIG = 200 << 20  # the issue's 200 MiB body
+
+
+def run(coro: Coroutine[Any, Any, None]) -> None:
+    asyncio.run(asyncio.wait_for(coro, 30))
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # the test owns the process's signals
+
+
+@asynccontextmanager
+async def served(app: ASGIApp, *, lifespan: str = "on") -> AsyncIterator[int]:
+    """`app` on a real uvicorn server on a free loopback port; yields the port."""
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, lifespan=lifespan, log_config=None)
+    server = _Server(config)
+    task = asyncio.create_task(server.serve())
+    for _ in range(1000):
+        if server.started or task.done():
+            break
+        await asyncio.sleep(0.01)
+    assert server.started, "uvicorn did not start"
+    port: int = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def raw(
+    port: int, head: bytes, chunks: list[bytes] | None = None, timeout_s: float = 5.0
+) -> tuple[int, bytes]:
+    """Send a hand-made request (headers, then body pieces as the server takes them) and read
+    the answer until the server closes; (status, whole answer). A server that waits for a
+    body it will not get fails the test by the timeout."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head)
+        await writer.drain()
+        for chunk in chunks or []:
+            if reader.at_eof():
+                break
+            try:
+                writer.write(chunk)
+                await writer.drain()
+            except ConnectionError:
+                break  # answered and closed mid-body: what a refusal does
+        data = await asyncio.wait_for(_read_all(reader), timeout_s)
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    status = int(data.split(b" ", 2)[1])
+    return status, data
+
+
+async def _read_all(reader: asyncio.StreamReader) -> bytes:
+    data = b""
+    with contextlib.suppress(ConnectionError):
+        while chunk := await reader.read(65536):
+            data += chunk
+    return data
+
+
+def head(path: str, *, token: str | None, length: int | None, host: str = "t") -> bytes:
+    lines = [f"POST {path} HTTP/1.1", f"Host: {host}", "Content-Type: application/json"]
+    lines.append("Connection: close")  # the answer ends with the connection
+    if token is not None:
+        lines.append(f"Authorization: Bearer {token}")
+    lines.append(
+        f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked"
+    )
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def chunked(total: int, size: int = 16 << 10) -> list[bytes]:
+    piece = b"[" * size
+    return [b"%x\r\n%s\r\n" % (size, piece) for _ in range(total // size)] + [b"0\r\n\r\n"]
+
+
+def control_app(token: str | None = TOKEN, **server: Any) -> ASGIApp:
+    fakes = {"a": FakeVllm(name="a")}
+    settings = make_settings(fakes, token)
+    if server:
+        settings = Settings.model_validate(
+            {**settings.model_dump(), "server": {**settings.server.model_dump(), **server}}
+        )
+    registry = CollectorRegistry()
+    return api.create_app(settings, make_manager(settings, fakes, registry), registry)
+
+
+# ----------------------------------------------------------------------------- auth first
+
+
+def test_control_api_refuses_a_tokenless_body_before_reading_it() -> None:
+    """The issue: a 200 MiB body without a token was read and parsed (RSS to ~457 MiB),
+    answered 422 before 401. Now 401 comes from the headers alone: nothing is sent."""
+
+    async def body() -> None:
+        async with served(control_app()) as port:
+            status, answer = await raw(port, head("/models/a/sleep", token=None, length=BIG))
+            assert status == 401, answer
+            status, _ = await raw(port, head("/models/a/sleep", token="wrong", length=BIG))
+            assert status == 401
+
+    run(body())
+
+
+def test_gateway_refuses_a_tokenless_body_before_reading_it() -> None:
+    async def body() -> None:
+        async with world(token=TOKEN) as w, served(w.app, lifespan="off") as port:
+            status, answer = await raw(port, head("/v1/completions", token=None, length=BIG))
+            assert status == 401, answer
+            assert b'"reason":"unauthorized"' in answer
+            assert w.sample("hotswap_gateway_refused_total", model="", reason="unauthorized")
+
+    run(body())
+
+
+# ----------------------------------------------------------------------------- body caps
+
+
+def test_a_body_over_the_cap_answers_413_on_its_content_length() -> None:
+    async def body() -> None:
+        async with served(control_app()) as port:
+            status, answer = await raw(port, head("/models/a/sleep", token=TOKEN, length=BIG))
+            assert status == 413, answer
+        async with world(token=TOKEN) as w, served(w.app, lifespan="off") as port:
+            status, answer = await raw(port, head("/v1/completions", token=TOKEN, length=BIG))
+            assert status == 413, answer
+
+    run(body())
+
+
+def test_a_chunked_body_answers_413_once_its_count_passes_the_cap() -> None:
+    """No Content-Length to refuse on: the streamed count is the limit (64 KiB for control)."""
+
+    async def body() -> None:
+        async with served(control_app()) as port:
+            status, answer = await raw(
+                port, head("/models/a/sleep", token=TOKEN, length=None), chunked(1 << 20)
+            )
+            assert status == 413, answer
+        gateway = {"max_body_bytes": 64 << 10}
+        async with world(token=TOKEN, gateway=gateway) as w, served(w.app, lifespan="off") as p:
+            status, answer = await raw(
+                p, head("/v1/completions", token=TOKEN, length=None), chunked(1 << 20)
+            )
+            assert status == 413, answer
+
+    run(body())
+
+
+def test_a_body_within_the_cap_still_passes() -> None:
+    async def body() -> None:
+        async with world(token=TOKEN) as w:
+            long_prompt = {**completion("a"), "prompt": "x" * (2 << 20)}  # 2 MiB < 4 MiB
+            r = await w.client.post("/v1/completions", json=long_prompt, headers=AUTH)
+            assert r.status_code == 200, r.text
+
+    run(body())
+
+
+# ----------------------------------------------------------------------------- JSON depth
+
+
+def test_deeply_nested_json_answers_400_on_both_apps() -> None:
+    """The issue: `[` x 200000 gave 502 "internal error" and a logged traceback."""
+    deep = b"[" * 200_000
+
+    async def body() -> None:
+        async with world(token=TOKEN) as w:
+            r = await w.client.post("/v1/completions", content=deep, headers=AUTH)
+            assert r.status_code == 400, r.text
+            assert "deeper than 64" in r.json()["error"]["message"]
+            # Brackets inside strings are text: a prompt full of them is fine.
+            text = {**completion("a"), "prompt": "[" * 10_000}
+            r = await w.client.post("/v1/completions", json=text, headers=AUTH)
+            assert r.status_code == 200, r.text
+        within = deep[:60_000]  # within the control API's 64 KiB
+        app = control_app()
+        async with (
+            app.router.lifespan_context(app),  # type: ignore[attr-defined]
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://c") as c,
+        ):
+            r = await c.post("/models/a/sleep", content=within)
+            assert r.status_code == 401, r.text  # auth first, even here
+            r = await c.post("/models/a/sleep", content=within, headers=AUTH)
+            assert r.status_code == 400, r.text
+            assert "deeper than 16" in r.json()["message"]
+            nested = b'{"level": 1, "x": ' + b"[" * 20 + b"]" * 20 + b"}"
+            r = await c.post("/models/a/sleep", content=nested, headers=AUTH)
+            assert r.status_code == 400, r.text
+
+    run(body())
+
+
+# ----------------------------------------------------------------------------- concurrency
+
+
+def test_the_gateway_caps_its_requests_at_once_over_all_models() -> None:
+    async def body() -> None:
+        async with world(gateway={"max_concurrent": 2}, swap={"max_awake": 2}) as w:
+            await w.coordinator.wake("b")
+            hold = asyncio.Event()
+            for e in w.engines.values():
+                e.hold = hold
+            first = asyncio.create_task(w.client.post("/v1/completions", json=completion("a")))
+            second = asyncio.create_task(w.client.post("/v1/completions", json=completion("b")))
+            for e in w.engines.values():
+                await asyncio.wait_for(e.arrived.wait(), 5)
+            r = await w.client.post("/v1/completions", json=completion("a"))
+            assert r.status_code == 429, r.text
+            assert r.headers["retry-after"] == "1"
+            assert w.sample("hotswap_gateway_refused_total", model="", reason="too_many_requests")
+            hold.set()
+            assert (await first).status_code == 200
+            assert (await second).status_code == 200
+            r = await w.client.post("/v1/completions", json=completion("a"))
+            assert r.status_code == 200, "the slots came back"
+
+    run(body())
+
+
+# ----------------------------------------------------------------------------- safe defaults
+
+
+def test_no_slash_redirect_on_either_app() -> None:
+    """The issue: `POST /v1/completions/` with `Host: evil.example` answered 307 to
+    http://evil.example/... before any auth, on both apps."""
+
+    async def body() -> None:
+        async with served(control_app(token=None)) as port:
+            status, answer = await raw(
+                port, head("/models/a/sleep/", token=None, length=2, host="evil.example"), [b"{}"]
+            )
+            assert status == 404, answer
+            assert b"evil.example" not in answer
+        async with world() as w, served(w.app, lifespan="off") as port:
+            status, answer = await raw(
+                port, head("/v1/completions/", token=None, length=2, host="evil.example"), [b"{}"]
+            )
+            assert status == 404, answer
+            assert b"evil.example" not in answer
+
+    run(body())
+
+
+@pytest.mark.parametrize("path", ["/docs", "/redoc", "/openapi.json"])
+def test_docs_routes_are_off_unless_enabled(path: str) -> None:
+    async def body() -> None:
+        for docs, expected in ((False, 404), (True, 200)):
+            app = control_app(token=None, docs=docs)
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://c") as c:
+                r = await c.get(path)
+                assert r.status_code == expected, (docs, r.text[:200])
+
+    run(body())
+
+
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [
+        (["serve", "--host", "0.0.0.0"], {}),
+        (["serve"], {"HOTSWAP_SERVER__HOST": "0.0.0.0"}),
+        (["serve"], {"HOTSWAP_GATEWAY__ENABLED": "1", "HOTSWAP_GATEWAY__HOST": "::"}),
+    ],
+)
+def test_an_open_bind_without_a_token_refuses_to_start(
+    argv: list[str],
+    env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The issue: `hotswap serve --host 0.0.0.0` without a token started, and sleep, wake and
+    audit answered anyone. Now it stops at once, saying why in one line."""
+    started: list[Settings] = []
+
+    async def fake_serve(settings: Settings, demo: bool, demo_dir: Path | None) -> int:
+        started.append(settings)
+        return 0
+
+    monkeypatch.setattr(cli, "serve", fake_serve)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert cli.main(argv) == cli.EXIT_USAGE
+    assert not started
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "without a token" in err
+    assert "--insecure" in err
+    # The two ways to start anyway: a token, or saying so.
+    assert cli.main([*argv, "--insecure"]) == 0
+    assert cli.main([*argv, "--token", "t0ken"]) == 0
+    assert len(started) == 2
+    assert started[0].server.insecure
+
+
+# ----------------------------------------------------------------------------- the token
+
+
+def test_a_secret_with_a_trailing_newline_still_lets_the_token_in(tmp_path: Path) -> None:
+    """The issue: the presented token was stripped, the configured one was not, so a Secret
+    file ending in a newline locked everyone out."""
+    secret = tmp_path / "token"
+    secret.write_text(f"{TOKEN}\n")
+
+    async def body() -> None:
+        for auth in ({"token": f"{TOKEN}\n"}, {"token_file": str(secret)}):
+            fakes = {"a": FakeVllm(name="a")}
+            settings = Settings.model_validate(
+                {**make_settings(fakes).model_dump(exclude={"auth"}), "auth": auth}
+            )
+            registry = CollectorRegistry()
+            app = api.create_app(settings, make_manager(settings, fakes, registry), registry)
+            transport = httpx.ASGITransport(app=app)
+            async with (
+                app.router.lifespan_context(app),
+                httpx.AsyncClient(transport=transport, base_url="http://c") as c,
+            ):
+                r = await c.get("/models", headers=AUTH)
+                assert r.status_code == 200, (auth, r.text)
+
+    run(body())
+
+
+@pytest.mark.parametrize("token", ["", "  \n", "to ken", "tok\x00en", "tok\x7fen", "tøken"])
+def test_a_bad_configured_token_is_refused_at_start(token: str) -> None:
+    with pytest.raises(ValidationError) as err:
+        Settings(auth={"token": token})
+    assert repr(token) not in str(err.value)  # the error never echoes it
+
+
+# ----------------------------------------------------------------------------- bounds
+
+
+def test_drain_timeout_has_an_upper_bound() -> None:
+    """The issue: 1e308 was accepted, and admission stayed closed for ever."""
+
+    async def body() -> None:
+        app = control_app(token=None)
+        async with (
+            app.router.lifespan_context(app),  # type: ignore[attr-defined]
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://c") as c,
+        ):
+            for value in (1e308, 3600.5):
+                r = await c.post("/models/a/sleep", json={"drain_timeout_s": value})
+                assert r.status_code == 422, r.text
+                assert "drain_timeout_s" in r.json()["message"]
+
+    run(body())
+
+
+def _numeric_fields(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for name, info in model.model_fields.items():
+        ann = info.annotation
+        args = getattr(ann, "__args__", (ann,))
+        nested = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+        for sub in nested:
+            yield from _numeric_fields(sub, f"{prefix}{name}.")
+        inner = getattr(args[0], "__args__", None) if getattr(ann, "__origin__", None) else None
+        for sub in [a for a in inner or () if isinstance(a, type) and issubclass(a, BaseModel)]:
+            yield from _numeric_fields(sub, f"{prefix}{name}[].")
+        if any(a in (int, float) for a in args) and bool not in args:
+            yield f"{prefix}{name}", info
+
+
+def test_every_numeric_setting_has_an_upper_bound() -> None:
+    fields = list(_numeric_fields(Settings))
+    assert len(fields) > 20, [f for f, _ in fields]
+    unbounded = [
+        name
+        for name, info in fields
+        if not any(
+            getattr(m, "le", None) is not None or getattr(m, "lt", None) is not None
+            for m in info.metadata
+        )
+    ]
+    assert not unbounded, unbounded
+    with pytest.raises(ValidationError):
+        Settings(gateway={"hold_timeout_s": 1e308})
+    with pytest.raises(ValidationError):
+        Settings(timeouts={"drain_s": float("nan")})
