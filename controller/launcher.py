@@ -49,6 +49,25 @@ MANDATORY_ENV: Mapping[str, str] = {
 }
 # It overrides --kv-cache-memory-bytes with whole GiB per engine (vllm/platforms/cpu.py).
 _DROPPED_ENV = ("VLLM_CPU_KVCACHE_SPACE",)
+# The only HOTSWAP_* variables an engine inherits: the worker extension's own settings
+# (README). Every other one is the sidecar's (its token among them) and stays out of vLLM.
+WORKER_ENV = frozenset(
+    {
+        "HOTSWAP_PIN_HOST_BACKUP",
+        "HOTSWAP_KEEP_HOST_BACKUP",
+        "HOTSWAP_PIN_THREADS",
+        "HOTSWAP_VERIFY_KERNEL",
+        "HOTSWAP_RESUME_KV",
+        "HOTSWAP_RESUME_SYNC",
+        "HOTSWAP_MAP_IMPL",
+        "HOTSWAP_MAP_HANDLES",
+    }
+)
+
+
+def inherited_env(base: Mapping[str, str]) -> dict[str, str]:
+    """`base` without the sidecar's own HOTSWAP_* variables (worker settings pass)."""
+    return {k: v for k, v in base.items() if not k.startswith("HOTSWAP_") or k in WORKER_ENV}
 
 
 class EngineStartError(HotswapError):
@@ -153,7 +172,7 @@ class EngineSpec:
         return args + list(self.extra_args)
 
     def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
-        env = {k: v for k, v in (os.environ if base is None else base).items()}
+        env = inherited_env(os.environ if base is None else base)
         for key in _DROPPED_ENV:
             env.pop(key, None)
         env.update(MANDATORY_ENV)
