@@ -2,6 +2,7 @@
 # The sidecar for attached mode: the controller only (no torch, no vLLM), as a non-root user.
 # Build from the repository root: docker build -f docker/sidecar.Dockerfile -t vllm-hotswap-sidecar .
 FROM python:3.11-slim-bookworm
+# checkov:skip=CKV_DOCKER_2:Kubernetes ignores HEALTHCHECK; deploy/k8s probes /livez and /health on the port the pod configures
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

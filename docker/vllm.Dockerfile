@@ -4,6 +4,7 @@
 # Build from the repository root: docker build -f docker/vllm.Dockerfile -t vllm-hotswap-vllm .
 # The tag must agree with the `worker` extra in pyproject.toml (tests/deploy check it).
 FROM vllm/vllm-openai:v0.26.0
+# checkov:skip=CKV_DOCKER_2:Kubernetes ignores HEALTHCHECK; deploy/k8s probes vLLM (or, managed, the controller) on the ports the pod configures
 
 # PIP_BREAK_SYSTEM_PACKAGES: the base image's Python is the system one; installing into it is the point.
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -21,7 +22,10 @@ COPY worker_ext ./worker_ext
 # vLLM does not bring (pydantic-settings) is added at the version the tests ran with.
 RUN python3 -m pip install --no-deps . \
     && python3 -m pip install "pydantic-settings==2.16.3" \
-    && python3 -c "import controller.cli, worker_ext"
+    && python3 -c "import controller.cli, worker_ext" \
+    && useradd --system --uid 10001 --create-home --home-dir /home/hotswap --shell /usr/sbin/nologin hotswap
 
 WORKDIR /
+# Not root (deploy/k8s sets the same uid); caches go to $HOME unless the pod redirects them.
+USER 10001:10001
 # The base image's entrypoint stays `vllm serve`; managed pods override the command with `hotswap`.

@@ -117,8 +117,14 @@ def test_the_servicemonitor_schema_rejects_mistakes(path: tuple[Any, ...], value
         validate(doc)
 
 
+def _service(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one Service {name}, found {len(found)}"
+    return found[0]
+
+
 def test_kubernetes_validation_is_strict() -> None:
-    service = copy.deepcopy(one(render(K8S / "base"), "Service"))
+    service = copy.deepcopy(_service(render(K8S / "base"), "vllm-hotswap"))
     service["spec"]["ports"][0]["targetport"] = "control"
     with pytest.raises(kubernetes_validate.ValidationError):
         validate(service)
@@ -269,12 +275,50 @@ def test_model_load_has_a_startup_budget(variant: tuple[str, list[dict[str, Any]
         assert names.index(c["name"]) < names.index(_controller(pod)["name"])
 
 
-def test_the_token_comes_from_a_secret(variant: tuple[str, list[dict[str, Any]]]) -> None:
-    env = {e["name"]: e for e in _controller(_pod(variant[1]))["env"]}
-    ref = env["HOTSWAP_AUTH__TOKEN"]["valueFrom"]["secretKeyRef"]
-    assert ref["name"]
-    assert ref["key"]
-    assert "value" not in env["HOTSWAP_AUTH__TOKEN"]
+def test_the_token_comes_from_a_secret_file(variant: tuple[str, list[dict[str, Any]]]) -> None:
+    """A mounted Secret, not an environment variable: nothing the controller starts (vLLM in
+    managed mode) inherits it, and no container of the pod carries it in its environment."""
+    pod = _pod(variant[1])
+    controller = _controller(pod)
+    env = {e["name"]: e for e in controller["env"]}
+    path = env["HOTSWAP_AUTH__TOKEN_FILE"]["value"]
+    mount_dir, _, key = path.rpartition("/")
+    (mount,) = [m for m in controller["volumeMounts"] if m["mountPath"] == mount_dir]
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"]
+    assert [i["path"] for i in volume["secret"]["items"]] == [key]
+    for c in pod["spec"]["containers"]:
+        names = {e["name"] for e in c.get("env", [])}
+        assert "HOTSWAP_AUTH__TOKEN" not in names, c["name"]
+        assert not any("secretKeyRef" in e.get("valueFrom", {}) for e in c.get("env", []))
+
+
+def test_engines_get_no_hotswap_variables(variant: tuple[str, list[dict[str, Any]]]) -> None:
+    name, docs = variant
+    for argv, env in _engine_argvs(docs, _pod(docs)):
+        assert not [k for k in env if k.startswith("HOTSWAP_")], (name, argv[:3])
+
+
+def test_every_container_is_hardened(variant: tuple[str, list[dict[str, Any]]]) -> None:
+    """The `restricted` Pod Security Standard and then some: non-root, no privilege
+    escalation, no capabilities, RuntimeDefault seccomp, read-only root filesystem."""
+    name, docs = variant
+    pod = _pod(docs)["spec"]
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["automountServiceAccountToken"] is False
+    for c in pod["containers"]:
+        sc = c["securityContext"]
+        where = f"{name}: {c['name']}"
+        assert sc["runAsNonRoot"] is True, where
+        assert sc["runAsUser"] >= 10000, where
+        assert sc["allowPrivilegeEscalation"] is False, where
+        assert sc["capabilities"]["drop"] == ["ALL"], where
+        assert "add" not in sc["capabilities"], where
+        assert sc["seccompProfile"] == {"type": "RuntimeDefault"}, where
+        assert sc["readOnlyRootFilesystem"] is True, where
+        assert not sc.get("privileged", False), where
 
 
 def test_gpus_are_requested(variant: tuple[str, list[dict[str, Any]]]) -> None:
@@ -308,11 +352,11 @@ def test_images_are_tagged(variant: tuple[str, list[dict[str, Any]]]) -> None:
 # ----------------------------------------------------------------------------- networking
 
 
-def test_the_service_exposes_only_the_sidecar(variant: tuple[str, list[dict[str, Any]]]) -> None:
-    docs = variant[1]
-    service = one(docs, "Service")
-    pod = _pod(docs)
-    assert labels_match({"matchLabels": service["spec"]["selector"]}, pod["metadata"]["labels"])
+GATEWAY_SERVICE = "vllm-hotswap"
+CONTROL_SERVICE = "vllm-hotswap-control"
+
+
+def _targets(service: dict[str, Any], pod: dict[str, Any]) -> dict[int, int]:
     named = {
         p["name"]: p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])
     }
@@ -321,16 +365,38 @@ def test_the_service_exposes_only_the_sidecar(variant: tuple[str, list[dict[str,
     for port in service["spec"]["ports"]:
         target = port["targetPort"]
         targets[port["port"]] = named[target] if isinstance(target, str) else target
-    assert targets == {CONTROL_PORT: CONTROL_PORT, GATEWAY_PORT: GATEWAY_PORT}
+    return targets
+
+
+def test_the_services_expose_only_the_sidecar(variant: tuple[str, list[dict[str, Any]]]) -> None:
+    """The gateway's Service follows readiness; the control port has its own that does not,
+    so a gated pod whose model sleeps (unready by design) can still be woken and scraped."""
+    docs = variant[1]
+    pod = _pod(docs)
+    services = [d for d in docs if d["kind"] == "Service"]
+    assert sorted(d["metadata"]["name"] for d in services) == [GATEWAY_SERVICE, CONTROL_SERVICE]
+    for service in services:
+        assert labels_match({"matchLabels": service["spec"]["selector"]}, pod["metadata"]["labels"])
+    gateway, control = _service(docs, GATEWAY_SERVICE), _service(docs, CONTROL_SERVICE)
+    assert _targets(gateway, pod) == {GATEWAY_PORT: GATEWAY_PORT}
+    assert not gateway["spec"].get("publishNotReadyAddresses", False)
+    assert _targets(control, pod) == {CONTROL_PORT: CONTROL_PORT}
+    assert control["spec"]["publishNotReadyAddresses"] is True
 
 
 def test_the_servicemonitor_scrapes_the_control_port(
     variant: tuple[str, list[dict[str, Any]]],
 ) -> None:
     docs = variant[1]
-    monitor, service = one(docs, "ServiceMonitor"), one(docs, "Service")
-    assert labels_match(monitor["spec"]["selector"], service["metadata"]["labels"])
-    ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
+    monitor = one(docs, "ServiceMonitor")
+    matched = [
+        d
+        for d in docs
+        if d["kind"] == "Service"
+        and labels_match(monitor["spec"]["selector"], d["metadata"]["labels"])
+    ]
+    assert [d["metadata"]["name"] for d in matched] == [CONTROL_SERVICE]
+    ports = {p["name"]: p["port"] for p in matched[0]["spec"]["ports"]}
     (endpoint,) = monitor["spec"]["endpoints"]
     assert ports[endpoint["port"]] == CONTROL_PORT
     assert endpoint["path"] == "/metrics"
@@ -345,6 +411,15 @@ def test_the_networkpolicy_admits_only_the_sidecar_ports(
     assert "Ingress" in policy["spec"]["policyTypes"]
     admitted = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
     assert admitted == {CONTROL_PORT, GATEWAY_PORT}
+    # The control port (sleep, wake) is not open to every pod of the namespace.
+    for rule in policy["spec"]["ingress"]:
+        if CONTROL_PORT in {p["port"] for p in rule["ports"]}:
+            assert {"podSelector": {}} not in rule["from"], rule
+            for peer in rule["from"]:
+                if "podSelector" in peer:
+                    selector = peer["podSelector"]
+                    assert not labels_match(selector, {}), selector
+                    assert labels_match(selector, {"vllm-hotswap/control": "true"}), selector
     # Prometheus (another namespace) can reach the metrics.
     assert any(
         CONTROL_PORT in {p["port"] for p in rule["ports"]}
