@@ -29,6 +29,7 @@ from controller.errors import HotswapError, Unauthorized, http_status
 from controller.guard import Guard, Refused
 from controller.manager import Manager, ModelManager, Outcome
 from controller.metrics import Metrics
+from controller.openapi import control_table, document
 from controller.settings import HOUR_S, Settings
 from controller.state import Action, ModelSnapshot, PhaseRecord, TransitionRecord, overall_ready
 from controller.supervisor import Supervisor
@@ -488,4 +489,5 @@ def create_app(
     app.add_api_route("/models/{name}/audit", audit_model, methods=["GET"], dependencies=auth)
     app.add_api_route("/models/{name}/sleep", sleep_model, methods=["POST"], dependencies=auth)
     app.add_api_route("/models/{name}/wake", wake_model, methods=["POST"], dependencies=auth)
+    document(app, control_table(auth=token is not None))
     return app

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from controller.errors import HotswapError, ModelNotFound, WakeRefused
 from controller.guard import Guard, Refused
 from controller.manager import Manager
+from controller.openapi import document, gateway_table
 from controller.settings import Settings
 from controller.state import State
 from controller.swap import SwapCoordinator, SwapResult
@@ -267,6 +268,10 @@ class Gateway:
                 raise Refusal(400, None, "the request body must be a JSON object")
             if not isinstance(name, str) or not name:
                 raise Refusal(400, None, "`model` is required: the name of a served model")
+            # Every value the gateway itself acts on is checked: `"stream": "true"` would be
+            # streamed by vLLM and buffered here, and a disconnect would no longer abort it.
+            if body.get("stream") is not None and not isinstance(body["stream"], bool):
+                raise Refusal(400, None, "`stream` must be true or false")
             if name not in self._urls:
                 raise Refusal(404, "unknown_model", f"The model `{name}` does not exist.")
             held = await self.admit(name)
@@ -431,6 +436,8 @@ def create_gateway(
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
+    names = [m.name for m in settings.models]
+    document(app, gateway_table(auth=gw._token is not None, models=names))
     return app
 
 

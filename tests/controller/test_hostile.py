@@ -231,6 +231,29 @@ def test_deeply_nested_json_answers_400_on_both_apps() -> None:
     run(body())
 
 
+# ----------------------------------------------------------------------------- types
+
+
+@pytest.mark.parametrize(
+    "bad", [{"stream": "true"}, {"stream": 1}, {"stream": ""}, {"model": 7}, {"model": ["a"]}]
+)
+def test_a_value_the_gateway_reads_of_the_wrong_type_answers_400(bad: dict[str, Any]) -> None:
+    """The issue: `"stream": "true"` or `1` was forwarded (vLLM streams) while the gateway
+    buffered the answer as non-streaming, so a disconnect no longer aborted generation."""
+
+    async def body() -> None:
+        async with world() as w:
+            r = await w.client.post("/v1/completions", json={**completion("a"), **bad})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["type"] == "BadRequestError"
+            assert w.engines["a"].served == [], "nothing reached the engine"
+            for ok in (True, False, None):
+                r = await w.client.post("/v1/completions", json={**completion("a"), "stream": ok})
+                assert r.status_code == 200, (ok, r.text)
+
+    run(body())
+
+
 # ----------------------------------------------------------------------------- concurrency
 
 
