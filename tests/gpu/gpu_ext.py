@@ -67,6 +67,43 @@ class GpuTestExtension(HotSwapExtension):
         return {"scales": out}
 
     @rpc
+    def hotswap_test_kernels(self) -> dict[str, Any]:
+        """Which kernels the engine picked: attention backends, linear and MoE quant methods,
+        the FP8 MoE backend and its experts class (read-only; for the coverage matrix)."""
+        model = self._hotswap_model()
+        attention: set[str] = set()
+        linear: set[str] = set()
+        moe: set[str] = set()
+        detail: dict[str, str] = {}
+        for name, mod in model.named_modules():
+            backend = getattr(mod, "attn_backend", None)
+            if backend is not None and hasattr(backend, "get_name"):
+                attention.add(str(backend.get_name()))
+            qm = getattr(mod, "quant_method", None)
+            if qm is None:
+                continue
+            kind = type(qm).__name__
+            is_moe = "MoE" in kind or "Moe" in kind
+            (moe if is_moe else linear).add(kind)
+            if is_moe and "moe" not in detail:
+                for attr in ("fp8_backend", "experts_cls", "moe_kernel", "kernel"):
+                    v = getattr(qm, attr, None)
+                    if v is None:
+                        continue
+                    text = getattr(v, "value", None) or getattr(v, "__name__", None)
+                    if text is None:
+                        inner = getattr(v, "fused_experts", None) or getattr(v, "experts", None)
+                        text = type(inner if inner is not None else v).__name__
+                    detail[attr] = str(text)
+                detail["moe"] = name
+        return {
+            "attention": sorted(attention),
+            "linear": sorted(linear),
+            "moe": sorted(moe),
+            "detail": detail,
+        }
+
+    @rpc
     def hotswap_test_keep_host_copy(self) -> dict[str, Any]:
         """Keep a host copy of every parameter: the level-2 weight source for a model that
         was loaded with load_format="dummy" (no checkpoint to reload from)."""

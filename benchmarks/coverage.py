@@ -1,0 +1,971 @@
+"""Model coverage: for each architecture people serve, does vLLM's own sleep keep it correct,
+and does ours? One matrix, generated here, kept in docs/coverage.md.
+
+    python -m benchmarks.coverage run --out DIR [--rows a,b] [--jobs N] [--budget-s S]
+    python -m benchmarks.coverage cell --row R --level L --side raw|ours --models DIR --out F
+    python -m benchmarks.coverage render DIR_OR_JSON... [--command TEXT] > docs/coverage.md
+
+`run` writes every row's tiny model (config.json with `architectures`; seeded bf16
+safetensors for level 2, where transformers can write a checkpoint vLLM loads), then runs
+one process per cell (row x level x side), several at once on the one GPU (each engine
+gets a fixed KV cache, so no engine's memory profile depends on another's), and writes
+DIR/coverage.json and DIR/coverage.md. A cell process that crashes or hangs loses only its
+own cell: it rewrites its JSON after every phase, and the runner reads what it got to.
+
+A cell starts one in-process engine (CUDA graphs on unless the row says otherwise; the
+GPU test extension, which is HotSwapExtension plus read-only probes), generates greedy
+tokens and logprobs twice (a non-deterministic model is reported, not compared), reads
+the audit's at-risk list for the level, then runs `cycles` sleep/wake cycles:
+
+- raw: vLLM's own `LLM.sleep(level)` / `LLM.wake_up()`; at level 2 `wake_up(["weights"])`,
+  `reload_weights`, `wake_up(["kv_cache"])` (vLLM's documented order);
+- ours: the controller's RPC order (quiesce, prepare, suspend; resume weights, [reload],
+  resume kv_cache, restore_and_verify), the prefix cache cleared first as `/pause` does;
+
+and after each wake the same greedy generation, compared with the pre-sleep tokens and
+logprobs. Outcomes per cell: raw `equal` / `DIFFERENT` (silently: no error, other tokens
+or logprobs) / `crashed` (where, how); ours `verified, equal` / `FAILED` (naming what the
+verification or the sleep reported) / `VERIFIED BUT DIFFERENT` (a bug: the one outcome the
+product exists to prevent) / `not supported` (the engine does not start: why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+EXTENSION = "tests.gpu.gpu_ext.GpuTestExtension"
+PROMPT = [3, 17, 29, 41, 5, 11, 23, 7]
+N_TOKENS = 16
+HOST_RELOAD = "hotswap_test_reload_host"
+# Decode steps replay captured graphs; prefill runs eagerly (no torch.compile: a tiny
+# model's start stays a few seconds). Graphs are what a stale storage would break.
+GRAPHS: dict[str, Any] = {
+    "mode": 0,
+    "cudagraph_mode": "FULL_DECODE_ONLY",
+    "cudagraph_capture_sizes": [1, 2, 4],
+}
+
+# ----------------------------------------------------------------------------- rows
+
+# Shapes shared by the rows: head_dim 64 (FA3 and vLLM-CPU accept it), dims that FP8
+# GEMMs accept (multiples of 16), bf16 on the device.
+HIDDEN = 128
+HEADS = 2
+HEAD_DIM = 64
+COMMON: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": HIDDEN,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.2,  # larger than HF's default so greedy tokens are not all one
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+MOE: dict[str, Any] = {
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "norm_topk_prob": True,
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One architecture (and quantization) of the matrix."""
+
+    name: str
+    what: str  # the row's label in the table
+    model_type: str  # transformers' model_type of the config
+    arch: str  # `architectures[0]`: the class vLLM resolves
+    config: dict[str, Any]
+    engine: dict[str, Any] = field(default_factory=dict)  # LLM(...) keywords of this row
+    checkpoint: str | None = "write"  # None: no loadable checkpoint (reason in `note`)
+    note: str = ""
+    graphs: bool = True
+    cpu: bool = False  # vLLM-CPU runs it (the CPU suite guards these)
+
+
+def _rope_longrope() -> dict[str, Any]:
+    half = HEAD_DIM // 2
+    return {
+        "rope_type": "longrope",
+        "type": "longrope",
+        "short_factor": [1.0 + 0.01 * i for i in range(half)],
+        "long_factor": [1.0 + 0.05 * i for i in range(half)],
+    }
+
+
+def _gemma3n() -> dict[str, Any]:
+    # vLLM PR #53344's reproducer: 3 layers, the last one KV-shared.
+    return {
+        "vocab_size": 128,
+        "vocab_size_per_layer_input": 128,
+        "hidden_size": 64,
+        "hidden_size_per_layer_input": 16,
+        "intermediate_size": [128, 128, 128],
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 256,
+        "sliding_window": 64,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "num_kv_shared_layers": 1,
+        "laurel_rank": 16,
+        "activation_sparsity_pattern": [0.0, 0.0, 0.0],
+    }
+
+
+FA = {"attention_backend": "FLASH_ATTN"}
+ROWS: tuple[Row, ...] = (
+    Row("llama", "Llama (dense)", "llama", "LlamaForCausalLM", {**COMMON}, FA),
+    Row(
+        "qwen3", "Qwen3 (dense)", "qwen3", "Qwen3ForCausalLM", {**COMMON, "head_dim": HEAD_DIM}, FA
+    ),
+    Row(
+        "gemma3",
+        "Gemma 3 (normalizer constant)",
+        "gemma3_text",
+        "Gemma3ForCausalLM",
+        {
+            **COMMON,
+            "head_dim": HEAD_DIM,
+            "query_pre_attn_scalar": HEAD_DIM,
+            "sliding_window": 64,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+        FA,
+    ),
+    Row(
+        "phi3-longrope",
+        "Phi-3 with LongRoPE scaling",
+        "phi3",
+        "Phi3ForCausalLM",
+        {
+            **COMMON,
+            "original_max_position_embeddings": 128,
+            "rope_scaling": _rope_longrope(),
+        },
+        FA,
+    ),
+    Row(
+        "qwen3-moe",
+        "Qwen3-MoE, bf16",
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        {**COMMON, **MOE, "head_dim": HEAD_DIM, "decoder_sparse_step": 1, "mlp_only_layers": []},
+        FA,
+        cpu=True,
+    ),
+    Row(
+        "qwen3-moe-fp8",
+        "Qwen3-MoE, online FP8",
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        {**COMMON, **MOE, "head_dim": HEAD_DIM, "decoder_sparse_step": 1, "mlp_only_layers": []},
+        {**FA, "quantization": "fp8"},
+    ),
+    Row(
+        "llama-fp8",
+        "Llama, online FP8 (derived scales)",
+        "llama",
+        "LlamaForCausalLM",
+        {**COMMON},
+        {**FA, "quantization": "fp8"},
+    ),
+    Row(
+        "deepseek-v2-mla",
+        "DeepSeek-V2-style MLA + MoE",
+        "deepseek_v2",
+        "DeepseekV2ForCausalLM",
+        {
+            **COMMON,
+            "num_key_value_heads": HEADS,
+            "q_lora_rank": None,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 128,
+            "first_k_dense_replace": 1,
+            "moe_layer_freq": 1,
+            "topk_method": "greedy",
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 1.0,
+            "norm_topk_prob": False,
+        },
+        {},  # vLLM picks the MLA backend (recorded)
+    ),
+    Row(
+        "qwen3-next",
+        "Qwen3-Next hybrid (Gated DeltaNet linear attention + attention, MoE)",
+        "qwen3_next",
+        "Qwen3NextForCausalLM",
+        {
+            **COMMON,
+            **MOE,
+            "head_dim": HEAD_DIM,
+            "num_key_value_heads": 1,
+            "full_attention_interval": 2,
+            "linear_num_key_heads": 1,
+            "linear_num_value_heads": 2,
+            "linear_key_head_dim": 128,  # Qwen3-Next's own; vLLM-CPU's GDN kernel needs it
+            "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4,
+            "shared_expert_intermediate_size": 128,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        },
+        FA,
+        cpu=True,
+    ),
+    Row(
+        "bamba",
+        "Bamba hybrid (Mamba2 + attention)",
+        "bamba",
+        "BambaForCausalLM",
+        {
+            **COMMON,
+            "num_hidden_layers": 2,
+            "attn_layer_indices": [1],
+            "mamba_n_heads": 8,
+            "mamba_d_head": 32,
+            "mamba_n_groups": 1,
+            "mamba_d_state": 16,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+            "mamba_chunk_size": 64,
+        },
+        FA,
+    ),
+    Row(
+        "gemma3n",
+        "Gemma3n (plain-attribute scales)",
+        "gemma3n_text",
+        "Gemma3nForCausalLM",
+        _gemma3n(),
+        {"attention_backend": "TRITON_ATTN", "max_num_seqs": 1},
+        checkpoint=None,
+        note="level 2 refills from a host copy of the parameters: a saved HF checkpoint "
+        "does not load in vLLM 0.26 (HF writes no k_norm for a KV-shared layer)",
+    ),
+)
+BY_NAME = {r.name: r for r in ROWS}
+
+# ----------------------------------------------------------------------------- models
+
+
+def write_model(row: Row, path: Path, seed: int = 0) -> dict[str, Any]:
+    """Write the row's config (and, where it can, a seeded bf16 checkpoint) into `path`.
+    Returns what was written: {"checkpoint": bool, "reason": str}."""
+    import torch
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = transformers.AutoConfig.for_model(row.model_type, **row.config)
+    cfg.architectures = [row.arch]
+    cfg.save_pretrained(str(path))
+    if row.checkpoint is None:
+        return {"checkpoint": False, "reason": row.note or "no checkpoint for this row"}
+    try:
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model.save_pretrained(str(path), safe_serialization=True)
+    except Exception as exc:  # a transformers without this class: config only
+        return {"checkpoint": False, "reason": f"transformers cannot write it: {exc}"[:300]}
+    # save_pretrained may rewrite the config (dtype); the architecture must stay ours
+    data = json.loads((path / "config.json").read_text())
+    data["architectures"] = [row.arch]
+    (path / "config.json").write_text(json.dumps(data, indent=2))
+    return {"checkpoint": True, "reason": ""}
+
+
+# ----------------------------------------------------------------------------- one cell
+
+
+class Cell:
+    """One engine, one level, one side; the JSON result is rewritten after every phase."""
+
+    def __init__(self, row: Row, level: int, side: str, model: Path, out: Path) -> None:
+        self.row, self.level, self.side, self.model, self.out = row, level, side, model, out
+        written = json.loads((model / "written.json").read_text())
+        self.host_reload = level == 2 and not written["checkpoint"]
+        self.res: dict[str, Any] = {
+            "row": row.name,
+            "level": level,
+            "side": side,
+            "phase": "start",
+            "cycles": [],
+            "weights": "dummy" if level == 1 or self.host_reload else "seeded checkpoint",
+            "level2_source": (
+                ("host copy: " + written["reason"]) if self.host_reload else "checkpoint"
+            )
+            if level == 2
+            else None,
+        }
+        self.llm: Any = None
+
+    def save(self, phase: str | None = None) -> None:
+        if phase is not None:
+            self.res["phase"] = phase
+        tmp = self.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.res, indent=1, default=str))
+        tmp.replace(self.out)
+
+    # -- engine
+
+    def start(self, platform: str) -> None:
+        from vllm import LLM
+
+        kw: dict[str, Any] = {
+            "model": str(self.model),
+            "skip_tokenizer_init": True,
+            "worker_extension_cls": EXTENSION,
+            "max_model_len": 256,
+            "dtype": "bfloat16",
+            "seed": 0,
+            "max_num_seqs": 4,
+            "disable_log_stats": True,
+            "kv_cache_memory_bytes": 64 << 20,
+        }
+        if platform == "cuda":
+            kw["enable_sleep_mode"] = True
+            kw["gpu_memory_utilization"] = 0.04
+            if self.row.graphs:
+                kw["compilation_config"] = dict(GRAPHS)
+                kw["enforce_eager"] = False
+            else:
+                kw["enforce_eager"] = True
+        else:
+            kw["enforce_eager"] = True
+        if self.level == 1 or self.host_reload:
+            kw["load_format"] = "dummy"
+        kw.update(self.row.engine)
+        if platform != "cuda":
+            kw.pop("attention_backend", None)
+        self.res["engine_kwargs"] = kw
+        self.llm = LLM(**kw)
+        self.res["engine"] = self._describe()
+
+    def _describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        try:
+            import torch
+            import vllm
+
+            out["vllm"] = vllm.__version__
+            out["torch"] = torch.__version__
+            if torch.cuda.is_available():
+                out["device"] = torch.cuda.get_device_name(0)
+                out["capability"] = list(torch.cuda.get_device_capability(0))
+            cc = self.llm.llm_engine.vllm_config.compilation_config
+            out["cudagraph_mode"] = str(getattr(cc, "cudagraph_mode", None))
+            out["compile_mode"] = str(getattr(cc, "mode", None))
+        except Exception as exc:
+            out["describe_error"] = repr(exc)
+        try:
+            out["kernels"] = self.rpc("hotswap_test_kernels")
+        except Exception as exc:
+            out["kernels_error"] = repr(exc)
+        return out
+
+    def rpc(self, method: str, *args: Any) -> dict[str, Any]:
+        res = self.llm.collective_rpc(method, args=args)
+        r: dict[str, Any] = res[0]
+        return r
+
+    def gen(self) -> tuple[list[int], list[float]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sp = SamplingParams(
+            temperature=0.0, max_tokens=N_TOKENS, ignore_eos=True, logprobs=1, detokenize=False
+        )
+        out = self.llm.generate(TokensPrompt(prompt_token_ids=PROMPT), sp, use_tqdm=False)
+        c = out[0].outputs[0]
+        lps = [step[t].logprob for t, step in zip(c.token_ids, c.logprobs or [], strict=False)]
+        return list(c.token_ids), lps
+
+    # -- the two sides
+
+    def raw_cycle(self) -> dict[str, Any]:
+        llm = self.llm
+        steps: dict[str, Any] = {}
+        t0 = time.monotonic()
+        llm.sleep(level=self.level)
+        steps["sleep_s"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        if self.level == 2:
+            llm.wake_up(tags=["weights"])
+            if self.host_reload:
+                r = self.rpc(HOST_RELOAD)
+                if not r.get("ok"):
+                    raise RuntimeError(f"host reload: {r.get('error')}")
+            else:
+                llm.collective_rpc("reload_weights")
+            llm.wake_up(tags=["kv_cache"])
+        else:
+            llm.wake_up()
+        steps["wake_s"] = time.monotonic() - t0
+        return steps
+
+    def ours_sequence(self) -> list[tuple[str, str, tuple[Any, ...]]]:
+        """(phase, method, args) in the controller's order for this level."""
+        level = self.level
+        seq: list[tuple[str, str, tuple[Any, ...]]] = [
+            ("quiesce", "hotswap_quiesce", (30.0,)),
+            ("prepare", "hotswap_prepare", (level,)),
+            ("suspend", "hotswap_suspend", (level,)),
+            ("resume_weights", "hotswap_resume", (["weights"],)),
+        ]
+        if level == 2:
+            seq.append(("reload", HOST_RELOAD if self.host_reload else "hotswap_reload", ()))
+        seq += [
+            ("resume_kv_cache", "hotswap_resume", (["kv_cache"],)),
+            ("restore_and_verify", "hotswap_restore_and_verify", ()),
+        ]
+        return seq
+
+    def ours_cycle(self) -> dict[str, Any]:
+        self.llm.reset_prefix_cache()  # the controller's /pause?clear_cache=true
+        steps: dict[str, Any] = {}
+        for phase, method, args in self.ours_sequence():
+            r = self.rpc(method, *args)
+            keep = {
+                k: r.get(k)
+                for k in (
+                    "ok",
+                    "error",
+                    "elapsed_s",
+                    "at_risk",
+                    "protected",
+                    "protected_bytes",
+                    "fingerprinted",
+                    "verified",
+                    "mismatched",
+                    "restored",
+                    "freed_bytes",
+                    "restored_bytes",
+                    "protection",
+                    "protected_ranges",
+                    "unnamed_ranges",
+                    "unnamed_bytes",
+                    "mismatched_ranges",
+                    "rebound",
+                    "repacked",
+                )
+                if k in r
+            }
+            steps[phase] = keep
+            if not r.get("ok"):
+                steps["failed_at"] = phase
+                steps["error"] = str(r.get("error"))
+                steps["mismatched"] = list(r.get("mismatched") or [])
+                steps["mismatched_ranges"] = list(r.get("mismatched_ranges") or [])
+                break
+        return steps
+
+    # -- the cell
+
+    def run(self, platform: str, cycles: int) -> int:
+        self.save("engine start")
+        try:
+            self.start(platform)
+        except BaseException as exc:
+            self.res["outcome"] = "not supported"
+            self.res["reason"] = _exc_line(exc)
+            self.res["traceback"] = traceback.format_exc()[-4000:]
+            self.save("engine start failed")
+            return 3
+        self.save("engine started")
+        try:
+            if self.host_reload:
+                r = self.rpc("hotswap_test_keep_host_copy")
+                if not r.get("ok"):
+                    raise RuntimeError(f"host copy: {r.get('error')}")
+            base = self.gen()
+            again = self.gen()
+            self.res["baseline"] = {"tokens": base[0], "logprobs": base[1]}
+            self.res["deterministic"] = again == base
+            audit = self.rpc("hotswap_audit", self.level, True)
+            self.res["audit"] = {
+                "ok": audit.get("ok"),
+                "error": audit.get("error"),
+                "count": audit.get("count"),
+                "at_risk": audit.get("at_risk"),
+                "at_risk_bytes": audit.get("at_risk_bytes"),
+                "protection": audit.get("protection"),
+                "unnamed_bytes": audit.get("unnamed_bytes"),
+                "unprotected_bytes": audit.get("unprotected_bytes"),
+                "unnamed": (audit.get("unnamed") or [])[:16],
+                "tensors": [
+                    {k: t.get(k) for k in ("name", "bytes", "kind", "pool", "restored", "at_risk")}
+                    for t in audit.get("tensors") or []
+                    if t.get("at_risk") or t.get("kind") != "parameter"
+                ][:200],
+            }
+        except BaseException as exc:
+            self.res["outcome"] = "crashed"
+            self.res["reason"] = f"before any sleep: {_exc_line(exc)}"
+            self.res["traceback"] = traceback.format_exc()[-4000:]
+            self.save("baseline failed")
+            return 4
+        self.save("baseline")
+        for n in range(cycles):
+            cyc: dict[str, Any] = {"cycle": n}
+            self.res["cycles"].append(cyc)
+            self.save(f"cycle {n}: sleep/wake")
+            try:
+                cyc["steps"] = self.raw_cycle() if self.side == "raw" else self.ours_cycle()
+            except BaseException as exc:
+                cyc["error"] = _exc_line(exc)
+                self.res["traceback"] = traceback.format_exc()[-4000:]
+                self.save(f"cycle {n}: sleep/wake raised")
+                break
+            self.save(f"cycle {n}: generate")
+            try:
+                toks, lps = self.gen()
+            except BaseException as exc:
+                cyc["gen_error"] = _exc_line(exc)
+                self.res["traceback"] = traceback.format_exc()[-4000:]
+                self.save(f"cycle {n}: generate raised")
+                break
+            cyc.update(compare(base, (toks, lps)))
+            cyc["tokens"] = toks
+            self.save(f"cycle {n}: done")
+            if cyc["steps"].get("failed_at"):
+                break
+        self.res["outcome"] = judge(self.res)
+        self.save("done")
+        return 0
+
+
+def _exc_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    return text[:400]
+
+
+def compare(
+    base: tuple[list[int], list[float]], now: tuple[list[int], list[float]]
+) -> dict[str, Any]:
+    toks_equal = base[0] == now[0]
+    first = next((i for i, (a, b) in enumerate(zip(base[0], now[0], strict=False)) if a != b), None)
+    diffs = [abs(a - b) for a, b in zip(base[1], now[1], strict=False)]
+    return {
+        "tokens_equal": toks_equal,
+        "first_diff": first,
+        "logprobs_equal": len(base[1]) == len(now[1]) and not any(d != 0.0 for d in diffs),
+        "logprob_max_diff": max(diffs) if diffs else None,
+    }
+
+
+def judge(res: dict[str, Any]) -> str:
+    """The cell's outcome word(s) from its cycles (see the module docstring)."""
+    if res.get("outcome") in ("not supported", "crashed"):
+        return str(res["outcome"])
+    cycles = res.get("cycles") or []
+    if not cycles:
+        return "crashed"
+    for c in cycles:
+        steps = c.get("steps") or {}
+        if res["side"] == "ours" and steps.get("failed_at"):
+            return "FAILED"
+        if "error" in c or "gen_error" in c:
+            return "crashed"
+        if not (c.get("tokens_equal") and c.get("logprobs_equal")):
+            return "VERIFIED BUT DIFFERENT" if res["side"] == "ours" else "DIFFERENT"
+    return "verified, equal" if res["side"] == "ours" else "equal"
+
+
+def cell_main(args: argparse.Namespace) -> int:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    row = BY_NAME[args.row]
+    cell = Cell(row, args.level, args.side, Path(args.models) / row.name, Path(args.out))
+    rc = cell.run(args.platform, args.cycles)
+    # The result is on disk; skip the engine's teardown (after a device assert it can hang
+    # until the runner's timeout, holding a slot).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
+# ----------------------------------------------------------------------------- the runner
+
+
+def _tail(path: Path, n: int = 4000) -> str:
+    try:
+        data = path.read_bytes()[-n:]
+    except OSError:
+        return ""
+    return data.decode("utf-8", "replace")
+
+
+def _crash_reason(log: Path, rc: int | None) -> str:
+    """What killed a cell process: the last error-looking lines of its log."""
+    lines = [ln.strip() for ln in _tail(log, 20000).splitlines() if ln.strip()]
+    keys = ("Error", "error", "assert", "Assert", "Traceback", "Aborted", "Killed", "CUDA")
+    hits = [ln for ln in lines if any(k in ln for k in keys)]
+    what = " | ".join(hits[-3:]) if hits else (lines[-1] if lines else "")
+    how = "timed out" if rc is None else f"exit code {rc}"
+    return f"{how}: {what}"[:600]
+
+
+def run_cell_process(
+    row: str,
+    level: int,
+    side: str,
+    out: Path,
+    platform: str,
+    cycles: int,
+    timeout_s: float,
+    models: Path | None = None,
+) -> dict[str, Any]:
+    cells = out / "cells"
+    name = f"{row}-L{level}-{side}"
+    result, log = cells / f"{name}.json", cells / f"{name}.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.coverage",
+        "cell",
+        "--row",
+        row,
+        "--level",
+        str(level),
+        "--side",
+        side,
+        "--models",
+        str(models or out / "models"),
+        "--out",
+        str(result),
+        "--platform",
+        platform,
+        "--cycles",
+        str(cycles),
+    ]
+    t0 = time.monotonic()
+    rc: int | None
+    with log.open("wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            rc = None
+    try:
+        res: dict[str, Any] = json.loads(result.read_text())
+    except (OSError, ValueError):
+        res = {"row": row, "level": level, "side": side, "phase": "process start", "cycles": []}
+    res["wall_s"] = round(time.monotonic() - t0, 1)
+    res["rc"] = rc
+    if "outcome" not in res or (
+        res.get("phase") != "done"
+        and res["outcome"]
+        not in (
+            "not supported",
+            "crashed",
+        )
+    ):
+        # the process died (device assert, abort, hang) in the phase it last wrote
+        res["outcome"] = "crashed"
+        res["reason"] = f"in '{res.get('phase')}': {_crash_reason(log, rc)}"
+    result.write_text(json.dumps(res, indent=1, default=str))
+    return res
+
+
+def prepare_models(rows: Sequence[Row], models: Path) -> dict[str, Any]:
+    written: dict[str, Any] = {}
+    for row in rows:
+        path = models / row.name
+        try:
+            w = write_model(row, path)
+        except Exception as exc:
+            w = {"checkpoint": False, "reason": f"config not written: {_exc_line(exc)}"}
+        written[row.name] = w
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "written.json").write_text(json.dumps(w))
+        print(f"[coverage] model {row.name}: {w}", flush=True)
+    return written
+
+
+def run_main(args: argparse.Namespace) -> int:
+    t_start = time.monotonic()
+    out = Path(args.out).resolve()
+    (out / "cells").mkdir(parents=True, exist_ok=True)
+    rows = [BY_NAME[n] for n in args.rows.split(",")] if args.rows else list(ROWS)
+    if args.platform == "cpu":
+        rows = [r for r in rows if r.cpu or args.rows]
+    models = Path(args.models).resolve() if args.models else out / "models"
+    written = prepare_models(rows, models)
+    sides = args.sides.split(",")
+    levels = [int(x) for x in args.levels.split(",")]
+    cells = [(r.name, lv, s) for r in rows for lv in levels for s in sides]
+    deadline = t_start + args.budget_s
+    results: list[dict[str, Any]] = []
+
+    def one(c: tuple[str, int, str]) -> dict[str, Any]:
+        left = deadline - time.monotonic()
+        if left < min(args.cell_timeout_s, 60.0):
+            return {
+                "row": c[0],
+                "level": c[1],
+                "side": c[2],
+                "outcome": "not run",
+                "reason": "out of time in this device call",
+                "cycles": [],
+            }
+        res = run_cell_process(
+            *c, out, args.platform, args.cycles, min(args.cell_timeout_s, left - 5), models
+        )
+        print(
+            f"[coverage] {c[0]} L{c[1]} {c[2]}: {res['outcome']} "
+            f"{res.get('reason', '')[:200]} ({res.get('wall_s')} s)",
+            flush=True,
+        )
+        return res
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        results = list(pool.map(one, cells))
+    doc = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "python -m benchmarks.coverage " + " ".join(sys.argv[1:]),
+        "platform": args.platform,
+        "models": written,
+        "rows": [dataclasses.asdict(r) for r in rows],
+        "cells": results,
+        "wall_s": round(time.monotonic() - t_start, 1),
+    }
+    (out / "coverage.json").write_text(json.dumps(doc, indent=1, default=str))
+    (out / "coverage.md").write_text(render([doc], args.command_text))
+    print(f"[coverage] {len(results)} cells in {doc['wall_s']} s; {out / 'coverage.json'}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def _cell_text(c: dict[str, Any] | None) -> str:
+    if c is None:
+        return "not run"
+    outcome = str(c.get("outcome"))
+    cycles = c.get("cycles") or []
+    if outcome in ("equal", "verified, equal"):
+        return f"**{outcome}** ({len(cycles)} cycles)"
+    if outcome == "DIFFERENT":
+        bad: dict[str, Any] = next(
+            (x for x in cycles if not (x.get("tokens_equal") and x.get("logprobs_equal"))), {}
+        )
+        what = (
+            f"tokens differ from token {bad.get('first_diff')}"
+            if not bad.get("tokens_equal")
+            else f"tokens equal, logprobs differ by up to {bad.get('logprob_max_diff'):.3g}"
+        )
+        return f"**silently different** (cycle {bad.get('cycle')}: {what})"
+    if outcome == "FAILED":
+        for x in cycles:
+            steps = x.get("steps") or {}
+            if steps.get("failed_at"):
+                names = [str(n) for n in steps.get("mismatched") or []]
+                names += [str(r)[:160] for r in steps.get("mismatched_ranges") or []]
+                if names:
+                    shown = ", ".join(f"`{n}`" for n in names[:6])
+                    more = f" and {len(names) - 6} more" if len(names) > 6 else ""
+                    what = f"names {shown}{more}"
+                else:
+                    what = str(steps.get("error"))[:300]
+                return f"**FAILED** at {steps['failed_at']}: {what}"
+        return "**FAILED**"
+    if outcome == "VERIFIED BUT DIFFERENT":
+        return "**VERIFIED BUT DIFFERENT (bug)**"
+    reason = str(c.get("reason") or "")
+    for x in cycles:
+        for k in ("error", "gen_error"):
+            if k in x:
+                reason = f"cycle {x.get('cycle')} {'wake' if k == 'error' else 'generate'}: {x[k]}"
+    return f"{outcome}: {reason[:300]}".replace("|", "/")
+
+
+def _engine_text(cells: list[dict[str, Any]]) -> str:
+    for c in cells:
+        eng = c.get("engine") or {}
+        k = eng.get("kernels") or {}
+        if not eng:
+            continue
+        parts = [f"graphs {eng.get('cudagraph_mode')}"]
+        if k.get("attention"):
+            parts.append("attn " + "/".join(k["attention"]))
+        if k.get("moe"):
+            parts.append("MoE " + "/".join(k["moe"]))
+        if k.get("linear"):
+            parts.append("linear " + "/".join(k["linear"]))
+        return "; ".join(parts).replace("|", "/")
+    return ""
+
+
+def _at_risk(cells: list[dict[str, Any]], level: int) -> str:
+    for c in cells:
+        if c.get("level") == level and (c.get("audit") or {}).get("at_risk") is not None:
+            names = c["audit"]["at_risk"]
+            if not names:
+                return "none"
+            short = sorted({n.split(".")[-1] if n.startswith("model.") else n for n in names})
+            return f"{len(names)}: " + ", ".join(short[:6]) + (" ..." if len(short) > 6 else "")
+    return "?"
+
+
+def _prepare_of(c: dict[str, Any] | None) -> dict[str, Any]:
+    for x in (c or {}).get("cycles") or []:
+        prep = (x.get("steps") or {}).get("prepare")
+        if isinstance(prep, dict) and prep.get("ok"):
+            return prep
+    return {}
+
+
+def render(docs: Sequence[dict[str, Any]], command: str | None = None) -> str:
+    """docs/coverage.md from one or more runs' coverage.json (later runs win per cell)."""
+    cells: dict[tuple[str, int, str], dict[str, Any]] = {}
+    rows: dict[str, dict[str, Any]] = {}
+    models: dict[str, Any] = {}
+    for d in docs:
+        for r in d["rows"]:
+            rows[r["name"]] = r
+        models.update(d.get("models") or {})
+        for c in d["cells"]:
+            if c.get("outcome") == "not run" and (c["row"], c["level"], c["side"]) in cells:
+                continue
+            cells[(c["row"], c["level"], c["side"])] = c
+    eng: dict[str, Any] = next(
+        (c["engine"] for c in cells.values() if (c.get("engine") or {}).get("vllm")), {}
+    )
+    lines = [
+        "# Model coverage: vLLM's own sleep and ours, per architecture",
+        "",
+        "Generated by `python -m benchmarks.coverage render` from the runs' `coverage.json`;",
+        "edit the runner (`benchmarks/coverage.py`), not this file.",
+        "",
+        f"- date: {', '.join(sorted({d['date'] for d in docs}))}",
+        f"- device: {eng.get('device', '?')} (sm {'.'.join(map(str, eng.get('capability', [])))}), "
+        f"vLLM {eng.get('vllm', '?')}, torch {eng.get('torch', '?')}",
+        f"- command: `{command or docs[-1].get('command')}`",
+        "- each cell is its own process and engine: tiny config with `architectures` set, "
+        "dummy weights at level 1, seeded bf16 safetensors at level 2 (reload from the "
+        "checkpoint), CUDA graphs on (decode replayed from captured graphs), 16 greedy tokens "
+        "and their logprobs compared with the pre-sleep ones after every wake",
+        "- raw: `LLM.sleep(level)` / `wake_up()` (level 2: wake weights, `reload_weights`, "
+        "wake kv_cache); ours: quiesce, prepare, suspend, resume weights, [reload], resume "
+        "kv_cache, restore_and_verify (the controller's order)",
+        "",
+        "| model | raw vLLM L1 | ours L1 | raw vLLM L2 | ours L2 | at risk L1 | at risk L2 "
+        "| engine |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in rows.items():
+        mine = [c for k, c in cells.items() if k[0] == name]
+        cols = [_cell_text(cells.get((name, lv, s))) for lv in (1, 2) for s in ("raw", "ours")]
+        lines.append(
+            f"| {r['what']} | {' | '.join(cols)} | {_at_risk(mine, 1)} | {_at_risk(mine, 2)} "
+            f"| {_engine_text(mine)} |"
+        )
+    lines += ["", "## Notes per row", ""]
+    for name, r in rows.items():
+        w = models.get(name) or {}
+        bits = [f"`{r['arch']}`", f"engine {json.dumps(r['engine'])}" if r["engine"] else ""]
+        if not w.get("checkpoint", True):
+            bits.append(f"level 2 from a host copy ({w.get('reason')})")
+        kern = next(
+            (
+                (c.get("engine") or {}).get("kernels")
+                for k, c in cells.items()
+                if k[0] == name and (c.get("engine") or {}).get("kernels")
+            ),
+            None,
+        )
+        for lv in (1, 2):
+            prep = _prepare_of(cells.get((name, lv, "ours")))
+            if prep:
+                ranges = prep.get("protected_ranges")
+                bits.append(
+                    f"ours L{lv}: protection {prep.get('protection', 'objects')}, "
+                    f"{prep.get('protected')} protected ({prep.get('protected_bytes')} B"
+                    f"{f', {ranges} ranges' if ranges else ''}), "
+                    f"{prep.get('fingerprinted')} fingerprinted"
+                )
+        if kern and kern.get("detail"):
+            bits.append(f"kernels: {json.dumps(kern['detail'])[:400]}")
+        lines.append(f"- **{r['what']}**: " + "; ".join(b for b in bits if b))
+    return "\n".join(lines) + "\n"
+
+
+def render_main(args: argparse.Namespace) -> int:
+    docs = []
+    for p in args.inputs:
+        path = Path(p)
+        docs.append(json.loads((path / "coverage.json" if path.is_dir() else path).read_text()))
+    sys.stdout.write(render(docs, args.command_text))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.coverage", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="write the models, run every cell, write the matrix")
+    run.add_argument("--out", required=True)
+    run.add_argument("--rows", default="", help="comma-separated row names (default: all)")
+    run.add_argument("--models", default="", help="where the models go (default: OUT/models)")
+    run.add_argument("--levels", default="1,2")
+    run.add_argument("--sides", default="raw,ours")
+    run.add_argument("--jobs", type=int, default=4, help="cell processes at once")
+    run.add_argument("--budget-s", type=float, default=540.0)
+    run.add_argument("--cell-timeout-s", type=float, default=240.0)
+    run.add_argument("--cycles", type=int, default=2)
+    run.add_argument("--platform", choices=("cuda", "cpu"), default="cuda")
+    run.add_argument("--command-text", default=None, help="the command line shown in the doc")
+    cell = sub.add_parser("cell", help="one row, level and side (its own process)")
+    cell.add_argument("--row", required=True, choices=sorted(BY_NAME))
+    cell.add_argument("--level", type=int, choices=(1, 2), required=True)
+    cell.add_argument("--side", choices=("raw", "ours"), required=True)
+    cell.add_argument("--models", required=True)
+    cell.add_argument("--out", required=True)
+    cell.add_argument("--platform", choices=("cuda", "cpu"), default="cuda")
+    cell.add_argument("--cycles", type=int, default=2)
+    ren = sub.add_parser("render", help="docs/coverage.md from coverage.json files")
+    ren.add_argument("inputs", nargs="+")
+    ren.add_argument("--command-text", default=None)
+    args = ap.parse_args(argv)
+    handlers: dict[str, Callable[[argparse.Namespace], int]] = {
+        "run": run_main,
+        "cell": cell_main,
+        "render": render_main,
+    }
+    return handlers[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
