@@ -23,7 +23,7 @@ import torch
 
 from worker_ext import ownership, snapshot
 from worker_ext.barrier import Quiescer
-from worker_ext.hostpools import HostBackend, unpacked_layers
+from worker_ext.hostpools import HostBackend, repack_moe_experts, unpacked_layers
 from worker_ext.phase import RankPhase
 from worker_ext.pools import ALL_TAGS, KV_CACHE, WEIGHTS, PoolBackend
 
@@ -328,10 +328,13 @@ class HotSwapExtension:
             raise RuntimeError("resume the weights pool before reloading")
         self._hotswap_fault("reload")
         t0 = time.monotonic()
+        repacked: list[str] = []
         with self._hotswap_step("reload") as ph:
             cast(Any, self).reload_weights()
+            if st.backend.name == "host":
+                repacked = repack_moe_experts(self._hotswap_model())
         ph.reloaded()
-        return {"reload_s": time.monotonic() - t0}
+        return {"reload_s": time.monotonic() - t0, "repacked": repacked}
 
     @rpc
     def hotswap_restore_and_verify(self) -> dict[str, Any]:

