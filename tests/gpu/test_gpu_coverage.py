@@ -6,31 +6,53 @@ against the pre-sleep ones. A cell of ours may be "verified, equal" or "FAILED" 
 differs; never verified and different, never a crash. A row whose engine does not start on
 this device (a kernel not built for it, a missing package) is skipped with the reason.
 vLLM's own sleep is recorded by the runner (docs/coverage.md), not asserted here.
+
+The cells run at once (HOTSWAP_GPU_COVERAGE_JOBS, default 8) before the first case. They
+take a few minutes of device time, so they run only with HOTSWAP_GPU_COVERAGE=1 (the
+matrix runner, `python -m benchmarks.coverage run`, is the usual way to run them).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from benchmarks.coverage import ROWS, prepare_models, run_cell_process
 
-pytestmark = pytest.mark.gpu
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        os.environ.get("HOTSWAP_GPU_COVERAGE") != "1",
+        reason="set HOTSWAP_GPU_COVERAGE=1 (minutes of device time; the runner covers it)",
+    ),
+]
+LEVELS = (1, 2)
 
 
 @pytest.fixture(scope="module")
-def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("coverage")
+def cells(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], dict[str, Any]]:
+    root: Path = tmp_path_factory.mktemp("coverage")
     (root / "cells").mkdir()
     prepare_models(ROWS, root / "models")
-    return root
+    todo = [(r.name, lv) for r in ROWS for lv in LEVELS]
+    jobs = int(os.environ.get("HOTSWAP_GPU_COVERAGE_JOBS", "8"))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        done = pool.map(
+            lambda c: run_cell_process(c[0], c[1], "ours", root, "cuda", 2, 240.0), todo
+        )
+        return dict(zip(todo, done, strict=True))
 
 
-@pytest.mark.parametrize("level", [1, 2])
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("row", [r.name for r in ROWS])
-def test_ours_verified_and_equal_or_failed_with_names(out: Path, row: str, level: int) -> None:
-    res = run_cell_process(row, level, "ours", out, "cuda", cycles=2, timeout_s=240.0)
+def test_ours_verified_and_equal_or_failed_with_names(
+    cells: dict[tuple[str, int], dict[str, Any]], row: str, level: int
+) -> None:
+    res = cells[(row, level)]
     outcome = res["outcome"]
     if outcome == "not supported":
         pytest.skip(f"{row}: engine does not start here: {res.get('reason')}")
