@@ -134,7 +134,7 @@ class Guard:
     async def _admit(self, scope: Scope, receive: Receive, send: Send, headers: Headers) -> None:
         declared = headers.get("content-length")
         if declared is not None:
-            if not declared.isdigit():
+            if not (declared.isascii() and declared.isdigit()):
                 bad = Refused(400, "BadRequest", "Content-Length must be a decimal byte count")
                 await self._refuse(bad, scope, receive, send)
                 return
