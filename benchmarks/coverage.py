@@ -39,6 +39,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -730,12 +731,36 @@ def run_main(args: argparse.Namespace) -> int:
     levels = [int(x) for x in args.levels.split(",")]
     cells = [(r.name, lv, s) for r in rows for lv in levels for s in sides]
     deadline = t_start + args.budget_s
-    results: list[dict[str, Any]] = []
+    done: dict[tuple[str, int, str], dict[str, Any]] = {}
+    lock = threading.Lock()
+    started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
 
-    def one(c: tuple[str, int, str]) -> dict[str, Any]:
+    def write() -> dict[str, Any]:
+        """coverage.json with every cell so far (rewritten after each: a killed run keeps
+        what it measured); cells not finished yet read "not run"."""
+        results = [
+            done.get(c)
+            or {"row": c[0], "level": c[1], "side": c[2], "outcome": "not run", "cycles": []}
+            for c in cells
+        ]
+        doc = {
+            "date": started,
+            "command": "python -m benchmarks.coverage " + " ".join(sys.argv[1:]),
+            "platform": args.platform,
+            "models": written,
+            "rows": [dataclasses.asdict(r) for r in rows],
+            "cells": results,
+            "wall_s": round(time.monotonic() - t_start, 1),
+        }
+        tmp = out / "coverage.json.tmp"
+        tmp.write_text(json.dumps(doc, indent=1, default=str))
+        tmp.replace(out / "coverage.json")
+        return doc
+
+    def one(c: tuple[str, int, str]) -> None:
         left = deadline - time.monotonic()
         if left < min(args.cell_timeout_s, 60.0):
-            return {
+            res: dict[str, Any] = {
                 "row": c[0],
                 "level": c[1],
                 "side": c[2],
@@ -743,30 +768,25 @@ def run_main(args: argparse.Namespace) -> int:
                 "reason": "out of time in this device call",
                 "cycles": [],
             }
-        res = run_cell_process(
-            *c, out, args.platform, args.cycles, min(args.cell_timeout_s, left - 5), models
-        )
+        else:
+            res = run_cell_process(
+                *c, out, args.platform, args.cycles, min(args.cell_timeout_s, left - 5), models
+            )
         print(
             f"[coverage] {c[0]} L{c[1]} {c[2]}: {res['outcome']} "
-            f"{res.get('reason', '')[:200]} ({res.get('wall_s')} s)",
+            f"{str(res.get('reason', ''))[:200]} ({res.get('wall_s')} s)",
             flush=True,
         )
-        return res
+        with lock:
+            done[c] = res
+            write()
 
+    write()
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        results = list(pool.map(one, cells))
-    doc = {
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python -m benchmarks.coverage " + " ".join(sys.argv[1:]),
-        "platform": args.platform,
-        "models": written,
-        "rows": [dataclasses.asdict(r) for r in rows],
-        "cells": results,
-        "wall_s": round(time.monotonic() - t_start, 1),
-    }
-    (out / "coverage.json").write_text(json.dumps(doc, indent=1, default=str))
+        list(pool.map(one, cells))
+    doc = write()
     (out / "coverage.md").write_text(render([doc], args.command_text))
-    print(f"[coverage] {len(results)} cells in {doc['wall_s']} s; {out / 'coverage.json'}")
+    print(f"[coverage] {len(cells)} cells in {doc['wall_s']} s; {out / 'coverage.json'}")
     return 0
 
 
