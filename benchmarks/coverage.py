@@ -37,6 +37,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -240,8 +241,11 @@ ROWS: tuple[Row, ...] = (
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
         },
-        FA,
+        # on sm90 vLLM picks FlashInfer's GDN prefill, which the device's bundle lacks
+        {**FA, "additional_config": {"gdn_prefill_backend": "triton"}},
         cpu=True,
+        note="GDN prefill through vLLM's Triton kernel (FlashInfer's, vLLM's pick on sm90, "
+        "is not in the device's bundle)",
     ),
     Row(
         "granite4-hybrid",
@@ -852,14 +856,42 @@ def _engine_text(cells: list[dict[str, Any]]) -> str:
 
 
 def _at_risk(cells: list[dict[str, Any]], level: int) -> str:
+    """The audit's at-risk count and its names with layer and group numbers folded."""
     for c in cells:
         if c.get("level") == level and (c.get("audit") or {}).get("at_risk") is not None:
             names = c["audit"]["at_risk"]
             if not names:
                 return "none"
-            short = sorted({n.split(".")[-1] if n.startswith("model.") else n for n in names})
-            return f"{len(names)}: " + ", ".join(short[:6]) + (" ..." if len(short) > 6 else "")
+            short = sorted({re.sub(r"\.\d+(?=\.|$)", ".N", str(n)) for n in names})
+            more = f" and {len(short) - 5} more" if len(short) > 5 else ""
+            return f"{len(names)}: " + ", ".join(f"`{n}`" for n in short[:5]) + more
     return "?"
+
+
+def _summary(cells: dict[tuple[str, int, str], dict[str, Any]]) -> list[str]:
+    """One line per side: how many cells ended how; and the FP8 MoE path vLLM picked."""
+    lines = []
+    for side, label in (("raw", "raw vLLM"), ("ours", "ours")):
+        counts: dict[str, list[str]] = {}
+        for (row, level, s), c in sorted(cells.items()):
+            if s == side:
+                counts.setdefault(str(c.get("outcome")), []).append(f"{row} L{level}")
+        parts = [
+            f"{len(v)} {k}" + (f" ({', '.join(v)})" if len(v) <= 3 else "")
+            for k, v in sorted(counts.items(), key=lambda kv: -len(kv[1]))
+        ]
+        lines.append(f"- {label}: {sum(len(v) for v in counts.values())} cells: {'; '.join(parts)}")
+    for (row, _level, _side), c in sorted(cells.items()):
+        detail = ((c.get("engine") or {}).get("kernels") or {}).get("detail") or {}
+        if detail.get("fp8_backend"):
+            moe = "/".join(((c.get("engine") or {}).get("kernels") or {}).get("moe") or [])
+            lines.append(
+                f"- FP8 MoE path vLLM {((c.get('engine') or {}).get('vllm'))} picked on this "
+                f"device ({row}): `{moe}`, backend `{detail['fp8_backend']}`, experts "
+                f"`{detail.get('experts_cls')}`"
+            )
+            break
+    return lines
 
 
 def _prepare_of(c: dict[str, Any] | None) -> dict[str, Any]:
@@ -870,7 +902,9 @@ def _prepare_of(c: dict[str, Any] | None) -> dict[str, Any]:
     return {}
 
 
-def render(docs: Sequence[dict[str, Any]], command: str | None = None) -> str:
+def render(
+    docs: Sequence[dict[str, Any]], command: str | None = None, code: str | None = None
+) -> str:
     """docs/coverage.md from one or more runs' coverage.json (later runs win per cell)."""
     cells: dict[tuple[str, int, str], dict[str, Any]] = {}
     rows: dict[str, dict[str, Any]] = {}
@@ -896,6 +930,7 @@ def render(docs: Sequence[dict[str, Any]], command: str | None = None) -> str:
         f"- device: {eng.get('device', '?')} (sm {'.'.join(map(str, eng.get('capability', [])))}), "
         f"vLLM {eng.get('vllm', '?')}, torch {eng.get('torch', '?')}",
         f"- command: `{command or docs[-1].get('command')}`",
+        *([f"- code: {code}"] if code else []),
         "- each cell is its own process and engine: tiny config with `architectures` set, "
         "dummy weights at level 1, seeded bf16 safetensors at level 2 (reload from the "
         "checkpoint), CUDA graphs on (decode replayed from captured graphs), 16 greedy tokens "
@@ -903,6 +938,8 @@ def render(docs: Sequence[dict[str, Any]], command: str | None = None) -> str:
         "- raw: `LLM.sleep(level)` / `wake_up()` (level 2: wake weights, `reload_weights`, "
         "wake kv_cache); ours: quiesce, prepare, suspend, resume weights, [reload], resume "
         "kv_cache, restore_and_verify (the controller's order)",
+        "",
+        *_summary(cells),
         "",
         "| model | raw vLLM L1 | ours L1 | raw vLLM L2 | ours L2 | at risk L1 | at risk L2 "
         "| engine |",
@@ -921,6 +958,8 @@ def render(docs: Sequence[dict[str, Any]], command: str | None = None) -> str:
         bits = [f"`{r['arch']}`", f"engine {json.dumps(r['engine'])}" if r["engine"] else ""]
         if not w.get("checkpoint", True):
             bits.append(f"level 2 from a host copy ({w.get('reason')})")
+        elif r.get("note"):
+            bits.append(str(r["note"]))
         kern = next(
             (
                 (c.get("engine") or {}).get("kernels")
@@ -950,7 +989,7 @@ def render_main(args: argparse.Namespace) -> int:
     for p in args.inputs:
         path = Path(p)
         docs.append(json.loads((path / "coverage.json" if path.is_dir() else path).read_text()))
-    sys.stdout.write(render(docs, args.command_text))
+    sys.stdout.write(render(docs, args.command_text, args.code))
     return 0
 
 
@@ -980,6 +1019,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ren = sub.add_parser("render", help="docs/coverage.md from coverage.json files")
     ren.add_argument("inputs", nargs="+")
     ren.add_argument("--command-text", default=None)
+    ren.add_argument("--code", default=None, help="which code the runs ran (a line)")
     args = ap.parse_args(argv)
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {
         "run": run_main,
