@@ -7,13 +7,12 @@ calls an engine. Nothing here answers 500: anything unexpected becomes a 502 wit
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import http
 import logging
 import math
-from collections.abc import AsyncIterator, Coroutine, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Coroutine, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -28,13 +27,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from controller.errors import HotswapError, Unauthorized, http_status
 from controller.guard import Guard, Refused
 from controller.manager import Manager, ModelManager, Outcome
-from controller.metrics import Metrics
 from controller.openapi import control_table, document
 from controller.settings import HOUR_S, Settings
 from controller.state import Action, ModelSnapshot, PhaseRecord, TransitionRecord, overall_ready
 from controller.supervisor import Supervisor
 from controller.swap import SwapCoordinator
-from controller.swapmetrics import SwapMetrics
 
 log = logging.getLogger("hotswap.api")
 
@@ -94,7 +91,8 @@ def snapshot_dict(s: ModelSnapshot) -> dict[str, Any]:
         "level": s.level,
         "last_transition": transition_dict(s.last_transition),
         "last_error": s.last_error,
-        "extra": _plain(s.extra),
+        "phase": s.phase,
+        "extra": {"phase": s.phase} if s.phase is not None else {},  # the old place of `phase`
     }
 
 
@@ -126,7 +124,7 @@ def error_body(exc: HotswapError, request: Request | None = None) -> dict[str, A
 
 @dataclass(frozen=True)
 class AppContext:
-    """What the routes need, held on `app.state.hotswap` for the app's lifetime."""
+    """What the routes need (built by the Sidecar), read by the routes' dependencies."""
 
     settings: Settings
     manager: Manager
@@ -208,7 +206,9 @@ async def sleep_model(
         if swap is None:
             started = model.begin_sleep(req.level, req.drain, req.drain_timeout_s)
             return _accepted(name, started)
-        _background(swap.sleep(name, req.level, req.drain, req.drain_timeout_s), f"sleep-{name}")
+        _background(
+            ctx, swap.sleep(name, req.level, req.drain, req.drain_timeout_s), f"sleep-{name}"
+        )
         return _accepted(name, Outcome(Action.BEGIN, model.snapshot()))
     if swap is None:
         outcome = await model.sleep(req.level, req.drain, req.drain_timeout_s)
@@ -227,7 +227,7 @@ async def wake_model(
     if not wait:
         if swap is None:
             return _accepted(name, model.begin_wake())
-        _background(swap.wake(name, evict=evict), f"wake-{name}")
+        _background(ctx, swap.wake(name, evict=evict), f"wake-{name}")
         return _accepted(name, Outcome(Action.BEGIN, model.snapshot()))
     if swap is None:
         return JSONResponse(outcome_dict(name, await model.wake()))
@@ -238,20 +238,10 @@ async def wake_model(
     return JSONResponse(body)
 
 
-_BACKGROUND: set[asyncio.Task[Any]] = set()
-
-
-def _background(coro: Coroutine[Any, Any, Any], name: str) -> None:
-    """A ?wait=false transition through the coordinator: its outcome lands in the snapshot."""
-    task = asyncio.create_task(coro, name=f"hotswap-api-{name}")
-    _BACKGROUND.add(task)
-
-    def done(t: asyncio.Task[Any]) -> None:
-        _BACKGROUND.discard(t)
-        if not t.cancelled() and (exc := t.exception()) is not None:
-            log.warning("%s ended: %s", t.get_name(), exc)
-
-    task.add_done_callback(done)
+def _background(ctx: AppContext, coro: Coroutine[Any, Any, Any], name: str) -> None:
+    """A ?wait=false transition through the coordinator: its outcome lands in the snapshot;
+    the task is the sidecar's (cancelled at shutdown like every other)."""
+    ctx.manager.tasks.spawn(coro, name=f"hotswap-api-{name}")
 
 
 def _accepted(name: str, started: Outcome) -> Response:
@@ -401,51 +391,11 @@ class NeverFiveHundred:
 
 
 def create_app(
-    settings: Settings,
-    manager: Manager | None = None,
-    registry: CollectorRegistry | None = None,
-    *,
-    coordinator: SwapCoordinator | None = None,
-    supervisor: Supervisor | None = None,
+    ctx: AppContext, lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None
 ) -> FastAPI:
-    """The sidecar's app. Without `manager`, one is built from `settings` with its metrics on
-    `registry` (a fresh one when None). With `manager`, pass the registry its metrics use;
-    otherwise /metrics serves a fresh registry with only the state series read from it."""
+    """The control API over the sidecar's parts; `lifespan` starts and stops them."""
+    settings = ctx.settings
     token = settings.auth.token
-    if token is not None and not token.get_secret_value():
-        raise ValueError("auth.token is set but empty; unset it to disable auth")
-    reg = registry if registry is not None else CollectorRegistry()
-    if manager is None:
-        mgr = Manager(settings, Metrics(reg))  # the manager binds its state collector
-    else:
-        mgr = manager
-        if registry is None:
-            Metrics(reg, mgr.snapshots)
-    # Hot swap (a budget, managed engines, the gateway): the swap policy's coordinator, and
-    # the supervisor of the engines this process starts.
-    if coordinator is None and settings.hot_swap:
-        coordinator = SwapCoordinator(mgr, settings, SwapMetrics(reg))
-    if supervisor is None and settings.managed and coordinator is not None:
-        supervisor = Supervisor(mgr, coordinator, settings, coordinator.metrics)
-    sup = supervisor
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await mgr.start()
-        if sup is not None:
-            sup.start()  # staggered boot in the background: /livez answers meanwhile
-        log.info(
-            "managing %d model(s): %s", len(settings.models), [m.name for m in settings.models]
-        )
-        try:
-            yield
-        finally:
-            await mgr.stop()
-            log.info("manager stopped")
-            if sup is not None:
-                await sup.stop()
-                log.info("managed engines stopped")
-
     docs = settings.server.docs  # off by default: the schema maps every route for a caller
     app = FastAPI(
         title="vllm-hotswap",
@@ -456,13 +406,7 @@ def create_app(
         redoc_url="/redoc" if docs else None,
         redirect_slashes=False,  # a redirect would answer before auth, to any Host
     )
-    app.state.hotswap = AppContext(
-        settings=settings,
-        manager=mgr,
-        registry=reg,
-        coordinator=coordinator,
-        supervisor=supervisor,
-    )
+    app.state.hotswap = ctx  # read by get_context, the routes' one dependency
 
     app.add_exception_handler(HotswapError, _hotswap_error)
     app.add_exception_handler(RequestValidationError, _validation_error)

@@ -29,11 +29,10 @@ import httpx
 import uvicorn
 from pydantic import ValidationError
 
-from controller.api import create_app
 from controller.errors import HotswapError
-from controller.gateway import create_gateway
 from controller.logs import configure_logging
 from controller.settings import LogFormat, ModelSettings, Settings, load_settings
+from controller.sidecar import Sidecar
 
 log = logging.getLogger("hotswap.cli")
 
@@ -244,11 +243,11 @@ class _GatewayServer(uvicorn.Server):
 async def run_server(settings: Settings) -> int:
     """Serve until a signal; the app's lifespan starts and stops the manager (and, in
     managed mode, the engines). With the gateway on, it is served next to it, on its port."""
-    app = create_app(settings)
-    ctx = app.state.hotswap
+    side = Sidecar(settings)
+    app = side.app
     gateway: _GatewayServer | None = None
-    if settings.gateway_enabled and ctx.coordinator is not None:
-        gw_app = create_gateway(settings, ctx.manager, ctx.coordinator, ctx.coordinator.metrics)
+    if side.gateway_app is not None:
+        gw_app = side.gateway_app
         gateway = _GatewayServer(
             uvicorn.Config(
                 gw_app,

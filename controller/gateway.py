@@ -32,6 +32,7 @@ from controller.errors import HotswapError, ModelNotFound, WakeRefused
 from controller.guard import Guard, Refused
 from controller.manager import Manager
 from controller.openapi import document, gateway_table
+from controller.record import ModelRecord
 from controller.settings import Settings
 from controller.state import State
 from controller.swap import SwapCoordinator, SwapResult
@@ -40,8 +41,6 @@ from controller.swapmetrics import SwapMetrics
 log = logging.getLogger("hotswap.gateway")
 
 FORWARDED = ("/v1/completions", "/v1/chat/completions")
-# How often a held request looks at its model's state (a wake takes far longer).
-HOLD_POLL_S = 0.02
 # States from which a model comes back by itself (a managed engine booting).
 COMING = (State.STARTING, State.UNKNOWN, State.SUSPENDING, State.RESUMING)
 # Response headers worth passing back (hop-by-hop and length are the server's own business).
@@ -116,13 +115,9 @@ class Gateway:
         self.cfg = settings.gateway
         self.manager = manager
         self.coordinator = coordinator
-        self.traffic = coordinator.traffic
+        self.fleet = manager.fleet
         self.metrics = metrics
         self._mono = monotonic
-        self._urls = {m.name: m.url for m in settings.models}
-        self._waiting: dict[str, int] = {}
-        self._wakes: dict[str, asyncio.Task[SwapResult]] = {}
-        self._retry_at: dict[str, float] = {}
         token = settings.auth.token
         # The bearer token every request is checked against (None: the gateway is open).
         self._token: bytes | None = (
@@ -135,8 +130,7 @@ class Gateway:
         self.client = httpx.AsyncClient(transport=transport, timeout=timeout, limits=limits)
 
     async def aclose(self) -> None:
-        for task in self._wakes.values():
-            task.cancel()
+        await self.manager.tasks.cancel(*(r.gateway_wake for r in self.fleet.values()))
         await self.client.aclose()
 
     # ---- auth and parsing ------------------------------------------------------------------
@@ -152,60 +146,62 @@ class Gateway:
 
     # ---- admission -------------------------------------------------------------------------
 
-    def _admissible(self, name: str) -> bool:
-        snap = self.manager.get(name).snapshot()
-        return snap.state is State.RUNNING and not self.traffic.is_closed(name)
+    @staticmethod
+    def _admissible(rec: ModelRecord) -> bool:
+        return rec.state is State.RUNNING and not rec.lane.closed
 
-    def _set_waiting(self, name: str, delta: int) -> None:
-        n = self._waiting.get(name, 0) + delta
-        self._waiting[name] = n
-        self.metrics.queue_depth(name, n)
+    def _set_held(self, rec: ModelRecord, delta: int) -> None:
+        rec.lane.held += delta
+        self.metrics.queue_depth(rec.name, rec.lane.held)
 
     async def admit(self, name: str) -> float:
         """Count the request in flight once its model is RUNNING; returns seconds held."""
         self.coordinator.touch(name)
-        if self._admissible(name):
-            self.traffic.enter(name)
+        rec = self.fleet[name]
+        lane = rec.lane
+        if self._admissible(rec):
+            lane.enter()
             return 0.0
-        if self._waiting.get(name, 0) >= self.cfg.queue_size:
+        if lane.held >= self.cfg.queue_size:
             raise Refusal(
                 429,
                 "queue_full",
                 f"{self.cfg.queue_size} requests already wait for {name} to wake",
                 retry_after_s=self.cfg.retry_after_s,
             )
-        self._set_waiting(name, +1)
+        self._set_held(rec, +1)
         t0 = self._mono()
-        ticket = self.traffic.wait(name)
+        ticket = lane.ticket()
         try:
-            await self._hold(name, ticket, t0 + self.cfg.hold_timeout_s)
+            await self._hold(rec, ticket, t0 + self.cfg.hold_timeout_s)
         except BaseException:
-            if self.traffic.forget(name, ticket):
-                self.traffic.leave(name)  # admitted just as it gave up: uncount it
+            if lane.forget(ticket):
+                lane.leave()  # admitted just as it gave up: uncount it
             raise
         finally:
-            self._set_waiting(name, -1)
-        if not self.traffic.forget(name, ticket):
-            self.traffic.enter(name)  # admitted by its own look at the state, not handed over
+            self._set_held(rec, -1)
+        if not lane.forget(ticket):
+            lane.enter()  # admitted by its own look at the state, not handed over
         held = self._mono() - t0
         self.metrics.hold(name, held)
         return held
 
-    async def _hold(self, name: str, ticket: asyncio.Future[None], deadline: float) -> None:
-        """Return when admitted; Refusal (503) when the model's wake fails or is late."""
-        mm = self.manager.get(name)
+    async def _hold(self, rec: ModelRecord, ticket: asyncio.Future[None], deadline: float) -> None:
+        """Return when admitted; Refusal (503) when the model's wake fails or is late. Waits
+        on the ticket, the wake and the record's changes: nothing polls."""
+        name = rec.name
         seen: set[asyncio.Task[SwapResult]] = set()  # wakes that ran while this one waited
-        while not ticket.done() and not self._admissible(name):
+        while not ticket.done() and not self._admissible(rec):
             now = self._mono()
             if now >= deadline:
                 raise Refusal(
                     503,
                     "wake_timeout",
                     f"{name} did not become RUNNING within {self.cfg.hold_timeout_s:g} s "
-                    f"(state {mm.snapshot().state.value})",
+                    f"(state {rec.state.value})",
                     retry_after_s=self.cfg.retry_after_s,
                 )
-            snap = mm.snapshot()
+            snap = rec.snapshot
             if snap.state in (State.FAILED, State.STOPPED):
                 raise Refusal(
                     503,
@@ -213,26 +209,36 @@ class Gateway:
                     f"{name} is {snap.state.value}: {snap.last_error or 'engine not running'}",
                     retry_after_s=self.cfg.retry_after_s,
                 )
-            task = self._wakes.get(name)
+            task = rec.gateway_wake
             if task is not None and task.done():
-                self._wakes.pop(name, None)
+                rec.gateway_wake = None
                 if task in seen:  # an older request's wake that ended before: not ours to judge
-                    self._judge(name, task)
+                    self._judge(rec, task)
                 task = None
-            wakeable = snap.state is State.SUSPENDED and not self.traffic.is_closed(name)
-            if task is None and wakeable and now >= self._retry_at.get(name, 0.0):
-                task = asyncio.create_task(self.coordinator.wake(name), name=f"gateway-wake-{name}")
-                task.add_done_callback(_retrieve)
-                self._wakes[name] = task
+            wakeable = snap.state is State.SUSPENDED and not rec.lane.closed
+            until = deadline
+            if task is None and wakeable:
+                if now >= rec.retry_at:
+                    task = self.manager.tasks.spawn(
+                        self.coordinator.wake(name), name=f"gateway-wake-{name}"
+                    )
+                    rec.gateway_wake = task
+                else:
+                    until = min(deadline, rec.retry_at)  # a refusal said when to ask again
             if task is not None:
                 seen.add(task)
-            waits: set[asyncio.Future[Any]] = {ticket} if task is None else {ticket, task}
-            poll = HOLD_POLL_S if task is None else HOLD_POLL_S * 10
-            await asyncio.wait(
-                waits, timeout=min(poll, deadline - now), return_when=asyncio.FIRST_COMPLETED
-            )
+            # Our wake in flight hands the ticket over itself (before any eviction can plan):
+            # wait for it; otherwise for any change of the model's record.
+            changed = rec.changes.next()
+            waits: set[asyncio.Future[Any]] = {ticket, changed if task is None else task}
+            try:
+                await asyncio.wait(
+                    waits, timeout=max(0.0, until - now), return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                changed.cancel()
 
-    def _judge(self, name: str, task: asyncio.Task[SwapResult]) -> None:
+    def _judge(self, rec: ModelRecord, task: asyncio.Task[SwapResult]) -> None:
         """A finished wake: fine, retry later (a refusal that passes), or give up (503)."""
         if task.cancelled():
             return
@@ -240,14 +246,14 @@ class Gateway:
         if exc is None:
             return
         if isinstance(exc, WakeRefused) and exc.retry_after_s is not None:
-            self._retry_at[name] = self._mono() + exc.retry_after_s
+            rec.retry_at = self._mono() + exc.retry_after_s
             return
         message = exc.message if isinstance(exc, HotswapError) else str(exc)
         detail = {"plan": exc.plan} if isinstance(exc, WakeRefused) else {}
         raise Refusal(
             503,
             "wake_failed",
-            f"waking {name} failed: {message}",
+            f"waking {rec.name} failed: {message}",
             retry_after_s=self.cfg.retry_after_s,
             detail=detail,
         )
@@ -261,7 +267,7 @@ class Gateway:
         except ValueError:
             body = None
         name = body.get("model") if isinstance(body, dict) else None
-        label = name if isinstance(name, str) and name in self._urls else ""
+        label = name if isinstance(name, str) and name in self.fleet else ""
         try:
             self.check_token(request)
             if not isinstance(body, dict):
@@ -272,7 +278,7 @@ class Gateway:
             # streamed by vLLM and buffered here, and a disconnect would no longer abort it.
             if body.get("stream") is not None and not isinstance(body["stream"], bool):
                 raise Refusal(400, None, "`stream` must be true or false")
-            if name not in self._urls:
+            if name not in self.fleet:
                 raise Refusal(404, "unknown_model", f"The model `{name}` does not exist.")
             held = await self.admit(name)
         except Refusal as refusal:
@@ -301,9 +307,9 @@ class Gateway:
         if accept := request.headers.get("accept"):
             headers["accept"] = accept
         req = self.client.build_request(
-            "POST", self._urls[name] + path, content=raw, headers=headers
+            "POST", self.fleet[name].settings.url + path, content=raw, headers=headers
         )
-        left = _Once(lambda: self.traffic.leave(name))
+        left = _Once(self.fleet[name].lane.leave)
         try:
             resp = await self.client.send(req, stream=stream)
         except httpx.HTTPError as exc:
@@ -331,18 +337,17 @@ class Gateway:
         return StreamingResponse(passthrough(), status_code=resp.status_code, headers=out_headers)
 
     def models(self) -> dict[str, Any]:
-        snaps = self.manager.snapshots()
         return {
             "object": "list",
             "data": [
                 {
-                    "id": name,
+                    "id": rec.name,
                     "object": "model",
                     "created": 0,
                     "owned_by": "vllm-hotswap",
-                    "state": snaps[name].state.value if name in snaps else None,
+                    "state": rec.state.value,
                 }
-                for name in self._urls
+                for rec in self.fleet.values()
             ],
         }
 
@@ -359,22 +364,9 @@ class _Once:
             fn()
 
 
-def _retrieve(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled():
-        task.exception()  # judged by the waiters; never "exception was never retrieved"
-
-
-def create_gateway(
-    settings: Settings,
-    manager: Manager,
-    coordinator: SwapCoordinator,
-    metrics: SwapMetrics,
-    *,
-    transport: httpx.AsyncBaseTransport | None = None,
-) -> FastAPI:
-    """The gateway app. Its lifespan only closes the HTTP client: the manager and the
-    coordinator belong to the control API's app, which runs in the same process."""
-    gw = Gateway(settings, manager, coordinator, metrics, transport=transport)
+def create_gateway(gw: Gateway) -> FastAPI:
+    """The gateway app over the sidecar's Gateway. Its lifespan only closes the HTTP client:
+    the manager and the coordinator are started and stopped with the control app."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -392,7 +384,6 @@ def create_gateway(
         redoc_url=None,
         redirect_slashes=False,  # a redirect would answer before auth, to any Host
     )
-    app.state.gateway = gw
 
     async def completions(request: Request) -> Response:
         return await _guarded(lambda: gw.forward(request, "/v1/completions"))

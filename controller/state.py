@@ -164,7 +164,7 @@ class ModelSnapshot:
     level: int | None = None  # sleep level while SUSPENDED
     last_transition: TransitionRecord | None = None
     last_error: str | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    phase: str | None = None  # the phase of the transition in flight, if any
 
     @property
     def ready(self) -> bool:

@@ -3,8 +3,10 @@
 Boot is staggered per device: start one engine, wait until it answers /health, probe it
 (STARTING -> RUNNING), put it to sleep, then start the next, because vLLM sizes its KV
 cache from the memory it sees free at start. Pinned models stay awake. A background task
-watches every process: an engine that exits, or a model left FAILED by a transition, is
-restarted after a bounded exponential backoff, logged with the model's name. Engines in
+watches every process: a model left FAILED by a transition is seen at once (the fleet's
+records are awaited), an engine process that exits within `poll_s` (another OS process,
+read back on a timer); either is restarted after a bounded exponential backoff, logged with
+the model's name. Each model's process, start time and restart count live in its record. Engines in
 the models file without a `command` are attached: someone else runs them, and this module
 leaves them alone.
 """
@@ -18,36 +20,20 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 from urllib.parse import urlsplit
 
 from controller.errors import HotswapError
 from controller.launcher import EngineProcess, EngineSpec
 from controller.manager import Manager
 from controller.policy import budget_from_info, footprint_from_info, restart_delay
+from controller.record import EngineProcess as Engine
+from controller.record import ModelRecord
 from controller.settings import ModelSettings, Settings
 from controller.state import ModelSnapshot, State
 from controller.swap import SwapCoordinator
 from controller.swapmetrics import SwapMetrics
 
 log = logging.getLogger("hotswap.supervisor")
-
-
-class Engine(Protocol):
-    """What the supervisor needs of an engine process (launcher.EngineProcess has it)."""
-
-    @property
-    def returncode(self) -> int | None: ...
-
-    def start(self) -> None: ...
-
-    def is_alive(self) -> bool: ...
-
-    def wait_ready(self, timeout_s: float = ..., interval_s: float = ...) -> float: ...
-
-    def stop(self, grace_s: float = ...) -> int | None: ...
-
-    def kill(self) -> int | None: ...
 
 
 EngineFactory = Callable[[ModelSettings], Engine]
@@ -88,6 +74,8 @@ class Supervisor:
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.manager = manager
+        self.fleet = manager.fleet
+        self.tasks = manager.tasks
         self.coordinator = coordinator
         self.settings = settings
         self.cfg = settings.supervisor
@@ -102,25 +90,15 @@ class Supervisor:
                 log_dir = Path(self._tmp.name)
             engine_factory = process_factory(log_dir)
         self._factory = engine_factory
-        self.engines: dict[str, Engine] = {}
-        self.failures: dict[str, int] = {}
-        self._started_at: dict[str, float] = {}
-        self._restarts: dict[str, asyncio.Task[None]] = {}
         self._task: asyncio.Task[None] | None = None
+        self._restarts: list[asyncio.Task[None]] = []
         self.booted = asyncio.Event()
 
     # ---- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
         """Boot, then watch, in one named background task (the API serves meanwhile)."""
-        self._task = asyncio.create_task(self._run(), name="hotswap-supervisor")
-        self._task.add_done_callback(self._died)
-
-    def _died(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled():
-            log.info("supervisor stopped")
-        elif (exc := task.exception()) is not None:
-            log.error("supervisor died: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        self._task = self.tasks.spawn(self._run(), name="hotswap-supervisor")
 
     async def _run(self) -> None:
         await self.boot()
@@ -128,12 +106,10 @@ class Supervisor:
 
     async def stop(self) -> None:
         """Stop watching and restarting, then stop every engine (SIGTERM, then SIGKILL)."""
-        tasks = [t for t in (self._task, *self._restarts.values()) if t is not None]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.tasks.cancel(self._task, *self._restarts)
+        engines = [r.engine for r in self.fleet.values() if r.engine is not None]
         await asyncio.gather(
-            *(asyncio.to_thread(e.stop, self.cfg.stop_grace_s) for e in self.engines.values()),
+            *(asyncio.to_thread(e.stop, self.cfg.stop_grace_s) for e in engines),
             return_exceptions=True,
         )
         if self._tmp is not None:
@@ -157,10 +133,11 @@ class Supervisor:
     async def _start(self, m: ModelSettings) -> bool:
         """Start one engine (the caller holds its device's lock); True when it serves or sleeps."""
         mm = self.manager.get(m.name)
+        rec = self.fleet[m.name]
         fields = {"model": m.name, "phase": "start"}
         mm.mark_starting()
         engine = self._factory(m)
-        self.engines[m.name] = engine
+        rec.engine = engine
         t0 = self._mono()
         try:
             await asyncio.to_thread(engine.start)
@@ -171,7 +148,7 @@ class Supervisor:
             await asyncio.to_thread(engine.kill)
             mm.mark_failed(reason)
             return False
-        self._started_at[m.name] = self._mono()
+        rec.started_at = self._mono()
         snap = await mm.probe()
         if snap.state is not State.RUNNING:
             log.error("%s: started but the probe failed: %s", m.name, snap.last_error, extra=fields)
@@ -196,7 +173,7 @@ class Supervisor:
             return
         seen: set[str] = set()
         for m in self.models:
-            if m.device in seen or self.manager.get(m.name).snapshot().state not in (
+            if m.device in seen or self.fleet[m.name].state not in (
                 State.SUSPENDED,
                 State.RUNNING,
             ):
@@ -220,33 +197,46 @@ class Supervisor:
     # ---- watch and restart ---------------------------------------------------------------
 
     async def watch(self) -> None:
-        """Restart engines that exit, or whose model a transition left FAILED."""
+        """Restart engines whose model a transition left FAILED (awaited) or whose process
+        exited (read every `poll_s`)."""
+        records = [self.fleet[m.name] for m in self.models]
+        restarting: dict[str, asyncio.Task[None]] = {}
         while True:
-            for m in self.models:
-                if m.name in self._restarts and not self._restarts[m.name].done():
+            for m, rec in zip(self.models, records, strict=True):
+                if (t := restarting.get(m.name)) is not None and not t.done():
                     continue
-                engine = self.engines.get(m.name)
-                snap = self.manager.get(m.name).snapshot()
-                if snap.state is State.STARTING:
-                    continue
-                if snap.state is State.FAILED:
-                    why = f"FAILED: {snap.last_error}"
-                elif engine is not None and not engine.is_alive():
-                    why = f"engine exited with code {engine.returncode}"
-                else:
-                    continue
-                self._restarts[m.name] = asyncio.create_task(
-                    self._restart(m, why), name=f"hotswap-restart-{m.name}"
-                )
-            await asyncio.sleep(self.cfg.poll_s)
+                why = self._why_restart(rec)
+                if why is not None:
+                    task = self.tasks.spawn(self._restart(m, why), name=f"hotswap-restart-{m.name}")
+                    restarting[m.name] = task
+                    self._restarts = [t for t in restarting.values() if not t.done()]
+            await self.fleet.wait_for(
+                lambda: any(
+                    self._why_restart(r) is not None
+                    and (restarting.get(r.name) is None or restarting[r.name].done())
+                    for r in records
+                ),
+                self.cfg.poll_s,
+            )
+
+    @staticmethod
+    def _why_restart(rec: ModelRecord) -> str | None:
+        if rec.state is State.STARTING:
+            return None
+        if rec.state is State.FAILED:
+            return f"FAILED: {rec.snapshot.last_error}"
+        if rec.engine is not None and not rec.engine.is_alive():
+            return f"engine exited with code {rec.engine.returncode}"
+        return None
 
     async def _restart(self, m: ModelSettings, why: str) -> None:
         mm = self.manager.get(m.name)
+        rec = self.fleet[m.name]
         fields = {"model": m.name, "phase": "restart"}
-        up = self._mono() - self._started_at.get(m.name, self._mono())
-        if up >= self.cfg.stable_s:
-            self.failures[m.name] = 0  # it ran long enough: a fresh crash starts the backoff over
-        self.failures[m.name] = n = self.failures.get(m.name, 0) + 1
+        started = rec.started_at if rec.started_at is not None else self._mono()
+        if self._mono() - started >= self.cfg.stable_s:
+            rec.restarts = 0  # it ran long enough: a fresh crash starts the backoff over
+        rec.restarts = n = rec.restarts + 1
         delay = restart_delay(n, self.cfg.restart_backoff_s, self.cfg.restart_backoff_max_s)
         log.warning("%s: %s; restart #%d in %g s", m.name, why, n, delay, extra=fields)
         in_flight = mm.task
@@ -255,7 +245,7 @@ class Supervisor:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(in_flight), self.settings.timeouts.rpc_s)
         mm.mark_failed(why)
-        engine = self.engines.get(m.name)
+        engine = rec.engine
         if engine is not None and engine.is_alive():
             await asyncio.to_thread(engine.stop, self.cfg.stop_grace_s)
         await asyncio.sleep(delay)

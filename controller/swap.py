@@ -1,13 +1,13 @@
 """Wakes with the swap policy, and sleeps that drain the gateway's traffic first.
 
 `SwapCoordinator` is the one place that decides "wake X, putting Y to sleep first": it
-builds the policy's view from the manager's snapshots, its own use times and measured
-footprints, runs `policy.plan_wake` under one lock per device (plans never race), logs the
-decision with its reason, and runs the evictions and the wake through the manager.
+builds the policy's view from the fleet's records (snapshot, last use, footprint), runs
+`policy.plan_wake` under one lock per device (plans never race), logs the decision with
+its reason, and runs the evictions and the wake through the manager.
 
-`Traffic` counts the gateway's requests in flight per model and closes a model's admission
-while it is being put to sleep, so a drain=wait sleep waits for them and nothing new slips
-in between (the gateway holds those for the next wake).
+A sleep through the coordinator closes the model's admission lane first (its record's
+`lane`), so a drain=wait sleep waits for the gateway's requests in flight and nothing new
+slips in between (the gateway holds those for the next wake).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from controller.errors import DrainTimeout, HotswapError, WakeRefused
@@ -38,81 +38,6 @@ from controller.swapmetrics import SwapMetrics
 log = logging.getLogger("hotswap.swap")
 
 Clock = Callable[[], float]
-# Other models' transitions (a manual sleep, a boot) must settle before a plan is made.
-SETTLE_POLL_S = 0.02
-
-
-@dataclass
-class Lane:
-    """One model's gateway traffic: requests in flight, and whether admission is closed."""
-
-    in_flight: int = 0
-    closed: bool = False
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
-    # Held requests; a finished wake admits them all at once, before anyone can evict again.
-    waiters: list[asyncio.Future[None]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.idle.set()
-
-
-class Traffic:
-    """In-flight counts and admission per model, shared by the gateway and the coordinator."""
-
-    def __init__(self) -> None:
-        self._lanes: dict[str, Lane] = {}
-
-    def lane(self, name: str) -> Lane:
-        return self._lanes.setdefault(name, Lane())
-
-    def enter(self, name: str) -> None:
-        lane = self.lane(name)
-        lane.in_flight += 1
-        lane.idle.clear()
-
-    def leave(self, name: str) -> None:
-        lane = self.lane(name)
-        lane.in_flight = max(0, lane.in_flight - 1)
-        if lane.in_flight == 0:
-            lane.idle.set()
-
-    def wait(self, name: str) -> asyncio.Future[None]:
-        """A held request's ticket: resolved when `hand_over` admits it (already counted)."""
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.lane(name).waiters.append(fut)
-        return fut
-
-    def forget(self, name: str, fut: asyncio.Future[None]) -> bool:
-        """Withdraw a ticket; True if it had been admitted meanwhile (the caller must leave)."""
-        lane = self.lane(name)
-        if fut in lane.waiters:
-            lane.waiters.remove(fut)
-        if fut.done() and not fut.cancelled():
-            return True
-        fut.cancel()
-        return False
-
-    def hand_over(self, name: str) -> int:
-        """Admit every held request of a model that is RUNNING with admission open."""
-        lane = self.lane(name)
-        if lane.closed:
-            return 0
-        admitted = 0
-        for fut in lane.waiters:
-            if not fut.done():
-                fut.set_result(None)
-                admitted += 1
-        lane.waiters.clear()
-        if admitted:
-            lane.in_flight += admitted
-            lane.idle.clear()
-        return admitted
-
-    def in_flight(self, name: str) -> int:
-        return self.lane(name).in_flight
-
-    def is_closed(self, name: str) -> bool:
-        return self.lane(name).closed
 
 
 @dataclass(frozen=True)
@@ -144,33 +69,26 @@ class SwapCoordinator:
         settings: Settings,
         metrics: SwapMetrics,
         *,
-        traffic: Traffic | None = None,
         clock: Clock = time.time,
         monotonic: Clock = time.monotonic,
     ) -> None:
         self.manager = manager
+        self.fleet = manager.fleet
         self.settings = settings
         self.metrics = metrics
-        self.traffic = traffic if traffic is not None else Traffic()
         self._clock = clock  # the manager's clock: snapshots' `since` is on it
         self._mono = monotonic
-        self._models = {m.name: m for m in settings.models}
-        self._footprints: dict[str, int] = {
-            m.name: m.footprint_bytes for m in settings.models if m.footprint_bytes is not None
-        }
-        self._configured = set(self._footprints)
-        self._last_used: dict[str, float] = {}
+        # Per device, not per model: what the policy plans against.
         self._measured_budget: dict[str, int] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        self._pending: dict[str, asyncio.Task[SwapResult]] = {}
         for m in settings.models:
             metrics.register_model(m.name)
 
     # ---- what the policy sees ------------------------------------------------------------
 
     def device(self, name: str) -> str:
-        m = self._models.get(name)
-        return m.device if m is not None else "0"
+        rec = self.fleet.get(name)
+        return rec.settings.device if rec is not None else "0"
 
     def budget(self, device: str) -> Budget:
         cfg = self.settings.swap
@@ -188,38 +106,36 @@ class SwapCoordinator:
 
     def touch(self, name: str) -> None:
         """A request for `name` arrived: it is the most recently used now."""
-        self._last_used[name] = self._clock()
+        self.fleet[name].last_used = self._clock()
 
     def footprint(self, name: str) -> int | None:
-        return self._footprints.get(name)
+        return self.fleet[name].footprint
 
     def learn_footprint(self, name: str, n: int | None, source: str) -> None:
         """Record a measured awake footprint (a configured one is never overwritten)."""
-        if n is None or name in self._configured:
+        rec = self.fleet[name]
+        if n is None or rec.footprint_configured:
             return
-        if self._footprints.get(name) != n:
+        if rec.footprint != n:
             log.info("%s: awake footprint %d bytes (%s)", name, n, source, extra={"model": name})
-        self._footprints[name] = n
+        rec.footprint = n
 
     def learn_from_info(self, name: str, ranks: list[dict[str, Any]]) -> None:
         self.learn_footprint(name, footprint_from_info(ranks), "hotswap_info pools")
 
     def views(self) -> list[ModelView]:
-        out = []
-        for name, snap in self.manager.snapshots().items():
-            cfg = self._models.get(name)
-            out.append(
-                ModelView(
-                    name=name,
-                    state=snap.state,
-                    footprint_bytes=self._footprints.get(name),
-                    last_used=self._last_used.get(name, 0.0),
-                    awake_since=snap.since if snap.state is State.RUNNING else None,
-                    pinned=cfg.pinned if cfg is not None else False,
-                    device=cfg.device if cfg is not None else "0",
-                )
+        return [
+            ModelView(
+                name=rec.name,
+                state=rec.state,
+                footprint_bytes=rec.footprint,
+                last_used=rec.last_used,
+                awake_since=rec.snapshot.since if rec.state is State.RUNNING else None,
+                pinned=rec.settings.pinned,
+                device=rec.settings.device,
             )
-        return out
+            for rec in self.fleet.values()
+        ]
 
     def plan(self, name: str, *, allow_evict: bool = True) -> WakePlan:
         device = self.device(name)
@@ -244,23 +160,20 @@ class SwapCoordinator:
             return SwapResult(WakePlan(name, Decision.NOOP, "already RUNNING"), None)
         if not evict:
             return await self._wake(name, evict=False)
-        task = self._pending.get(name)
+        rec = self.fleet[name]
+        task = rec.swap
         if task is None or task.done():
-            task = asyncio.create_task(self._wake(name, evict=True), name=f"hotswap-swap-{name}")
-            task.add_done_callback(self._swap_done)
-            self._pending[name] = task
+            task = self.manager.tasks.spawn(self._wake(name, evict=True), f"hotswap-swap-{name}")
+            rec.swap = task
         # shield: one caller giving up (a client gone) does not stop the swap for the others.
-        return await asyncio.shield(task)
-
-    def _swap_done(self, task: asyncio.Task[SwapResult]) -> None:
-        if not task.cancelled():
-            task.exception()  # retrieved here; the callers got it already
+        result: SwapResult = await asyncio.shield(task)
+        return result
 
     async def _wake(self, name: str, *, evict: bool) -> SwapResult:
         mm = self.manager.get(name)
         device = self.device(name)
         async with self._lock(device):
-            await self._settle(device, name)
+            await self._settle(device)
             plan = self.plan(name, allow_evict=evict)
             fields = {"model": name, "phase": "policy"}
             log.info(
@@ -273,7 +186,7 @@ class SwapCoordinator:
             if plan.decision is Decision.NOOP:
                 outcome = await mm.wake() if mm.snapshot().state is State.RESUMING else None
                 if mm.snapshot().state is State.RUNNING:
-                    self.traffic.hand_over(name)
+                    self.fleet[name].lane.hand_over()
                 return SwapResult(plan, outcome)
             if plan.decision is Decision.REFUSE:
                 self.metrics.swap(name, "refused")
@@ -297,7 +210,9 @@ class SwapCoordinator:
                 raise
             t2 = self._mono()
             if mm.snapshot().state is State.RUNNING:
-                self.traffic.hand_over(name)  # before the lock goes: no eviction overtakes them
+                self.fleet[
+                    name
+                ].lane.hand_over()  # before the lock goes: no eviction overtakes them
             self.metrics.swap(name, "ok", t2 - t0)
             result = SwapResult(plan, outcome, tuple(evicted), t1 - t0, t2 - t1)
             log.info(
@@ -333,20 +248,15 @@ class SwapCoordinator:
                 evicted.append(victim)
         return tuple(evicted)
 
-    async def _settle(self, device: str, name: str) -> None:
+    async def _settle(self, device: str) -> None:
         """Wait (bounded) for transitions in flight on the device, so the plan sees where
         they end. Timeouts: a drain, then an RPC, at most."""
-        deadline = self._mono() + self.settings.timeouts.drain_s + self.settings.timeouts.rpc_s
         moving = (State.SUSPENDING, State.STARTING)
-        while self._mono() < deadline:
-            busy = [
-                n
-                for n, s in self.manager.snapshots().items()
-                if self.device(n) == device and s.state in moving
-            ]
-            if not busy:
-                return
-            await asyncio.sleep(SETTLE_POLL_S)
+        on_device = [r for r in self.fleet.values() if r.settings.device == device]
+        await self.fleet.wait_for(
+            lambda: not any(r.state in moving for r in on_device),
+            self.settings.timeouts.drain_s + self.settings.timeouts.rpc_s,
+        )
 
     # ---- sleep ---------------------------------------------------------------------------
 
@@ -371,8 +281,8 @@ class SwapCoordinator:
                 grace = self.settings.timeouts.drain_s if drain == "wait" else 0.0
         else:
             grace = drain_timeout_s
-        lane = self.traffic.lane(name)
-        lane.closed = True
+        lane = self.fleet[name].lane
+        lane.close()
         fields = {"model": name, "phase": "drain"}
         try:
             t0 = self._mono()
@@ -385,22 +295,20 @@ class SwapCoordinator:
                     drain,
                     extra=fields,
                 )
-                try:
-                    await asyncio.wait_for(lane.idle.wait(), grace)
-                except TimeoutError:
-                    if drain == "wait":
-                        raise DrainTimeout(
-                            f"drain=wait: {lane.in_flight} gateway request(s) still in flight "
-                            f"after {grace:g} s; {name} stays RUNNING",
-                            model=name,
-                            phase="drain",
-                        ) from None
+                idle = await self.fleet[name].wait_for(lambda r: r.lane.in_flight == 0, grace)
+                if not idle and drain == "wait":
+                    raise DrainTimeout(
+                        f"drain=wait: {lane.in_flight} gateway request(s) still in flight "
+                        f"after {grace:g} s; {name} stays RUNNING",
+                        model=name,
+                        phase="drain",
+                    ) from None
                     # drain=abort: the engine's /pause?mode=abort ends them; they see "abort".
             left = max(0.0, grace - (self._mono() - t0))
             outcome = await mm.sleep(level, drain, left)
         finally:
-            lane.closed = False
+            lane.close(False)
             if mm.snapshot().state is State.RUNNING:
-                self.traffic.hand_over(name)  # the sleep gave up: serve what was held
+                self.fleet[name].lane.hand_over()  # the sleep gave up: serve what was held
         self.learn_footprint(name, footprint_from_sleep(outcome.transition), "bytes freed at sleep")
         return outcome

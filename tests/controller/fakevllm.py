@@ -16,11 +16,9 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from controller.engine import EngineClient
-from controller.manager import Manager
-from controller.metrics import Metrics
 from controller.settings import ModelSettings, Settings, TimeoutSettings
-from controller.swap import SwapCoordinator
-from controller.swapmetrics import SwapMetrics
+from controller.sidecar import Sidecar
+from controller.supervisor import EngineFactory as ProcessFactory
 
 Failure = Literal["rank", "http500", "timeout", "unreachable", "mismatch"]
 
@@ -198,15 +196,21 @@ class FakeVllm:
 
 
 def wire(
-    settings: Settings, transport: httpx.AsyncBaseTransport
-) -> tuple[Manager, SwapCoordinator, SwapMetrics, CollectorRegistry]:
-    """A manager whose engine clients all go through `transport` (fake engines), and the
-    swap coordinator over it, with metrics on a fresh registry. Nothing is started yet."""
-    registry = CollectorRegistry()
+    settings: Settings,
+    transport: httpx.AsyncBaseTransport,
+    *,
+    process_factory: ProcessFactory | None = None,
+) -> Sidecar:
+    """The sidecar whose engine clients (and gateway) all go through `transport` (fake
+    engines), with metrics on a fresh registry. Nothing is started yet."""
 
     def factory(model: ModelSettings, timeouts: TimeoutSettings) -> EngineClient:
         return EngineClient(model.url, transport=transport, timeouts=timeouts)
 
-    manager = Manager(settings, Metrics(registry), engine_factory=factory)
-    swap_metrics = SwapMetrics(registry)
-    return manager, SwapCoordinator(manager, settings, swap_metrics), swap_metrics, registry
+    return Sidecar(
+        settings,
+        registry=CollectorRegistry(),
+        engine_factory=factory,
+        process_factory=process_factory,
+        gateway_transport=transport,
+    )

@@ -16,11 +16,9 @@ import pytest
 from fakevllm import FakeVllm
 from prometheus_client import CollectorRegistry
 
-from controller import api
 from controller.engine import EngineClient
-from controller.manager import Manager
-from controller.metrics import Metrics
 from controller.settings import ModelSettings, Settings, TimeoutSettings
+from controller.sidecar import Sidecar
 from controller.state import Gate
 
 TOKEN = "s3cret-token"
@@ -40,17 +38,15 @@ def make_settings(fakes: dict[str, FakeVllm], token: str | None = None, **models
     )
 
 
-def make_manager(
+def make_sidecar(
     settings: Settings, fakes: dict[str, FakeVllm], registry: CollectorRegistry
-) -> Manager:
+) -> Sidecar:
     by_url = {m.url: fakes[m.name] for m in settings.models}
-    metrics = Metrics(registry)
 
     def engine_factory(model: ModelSettings, timeouts: TimeoutSettings) -> EngineClient:
         return EngineClient(model.url, transport=by_url[model.url].transport(), timeouts=timeouts)
 
-    manager = Manager(settings, metrics, engine_factory=engine_factory)
-    return manager
+    return Sidecar(settings, registry=registry, engine_factory=engine_factory)
 
 
 @asynccontextmanager
@@ -59,7 +55,7 @@ async def sidecar(
 ) -> AsyncIterator[httpx.AsyncClient]:
     settings = make_settings(fakes, token, **(models or {}))
     registry = CollectorRegistry()
-    app = api.create_app(settings, make_manager(settings, fakes, registry), registry)
+    app = make_sidecar(settings, fakes, registry).app
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with (
         app.router.lifespan_context(app),
@@ -464,13 +460,14 @@ def test_unexpected_error_is_502_never_500(monkeypatch: pytest.MonkeyPatch) -> N
         fake = FakeVllm(name="a")
         settings = make_settings({"a": fake})
         registry = CollectorRegistry()
-        app = api.create_app(settings, make_manager(settings, {"a": fake}, registry), registry)
+        side = make_sidecar(settings, {"a": fake}, registry)
+        app = side.app
 
         async def broken() -> None:
             raise ZeroDivisionError("division in a route")
 
         app.add_api_route("/broken", broken, methods=["GET"])
-        model_cls = type(app.state.hotswap.manager.get("a"))
+        model_cls = type(side.manager.get("a"))
         monkeypatch.setattr(model_cls, "audit", boom)
         transport = httpx.ASGITransport(app=app)  # raise_app_exceptions: a leak would raise here
         async with (
@@ -550,7 +547,7 @@ def test_create_app_builds_its_own_manager_and_metrics() -> None:
             models=[ModelSettings(name="gone", url=f"http://127.0.0.1:{port}")],
             timeouts=TimeoutSettings(probe_s=2.0, control_s=2.0, shutdown_s=1.0),
         )
-        app = api.create_app(settings)
+        app = Sidecar(settings).app
         async with (
             app.router.lifespan_context(app),
             httpx.AsyncClient(

@@ -24,11 +24,10 @@ import uvicorn
 from fakevllm import FakeVllm
 from prometheus_client import CollectorRegistry
 
-from controller import api, cli
+from controller import cli
 from controller.engine import EngineClient
-from controller.manager import Manager
-from controller.metrics import Metrics
 from controller.settings import LogFormat, ModelSettings, Settings, TimeoutSettings
+from controller.sidecar import Sidecar
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -175,8 +174,7 @@ class LiveSidecar:
         def factory(m: ModelSettings, timeouts: TimeoutSettings) -> EngineClient:
             return EngineClient(m.url, transport=fakes[m.name].transport(), timeouts=timeouts)
 
-        manager = Manager(self.settings, Metrics(registry), engine_factory=factory)
-        app = api.create_app(self.settings, manager, registry)
+        app = Sidecar(self.settings, registry=registry, engine_factory=factory).app
         config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="on")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="live-sidecar", daemon=True)

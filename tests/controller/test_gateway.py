@@ -21,7 +21,6 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from controller.errors import DrainTimeout, WakeRefused
-from controller.gateway import create_gateway
 from controller.manager import Manager
 from controller.settings import ModelSettings, Settings, TimeoutSettings
 from controller.state import State
@@ -125,8 +124,11 @@ async def world(
         swap={"max_awake": 1, "min_awake_s": 0.0, **overrides.pop("swap", {})},
     )
     router = Router(engines)
-    manager, coordinator, swap_metrics, registry = wire(settings, router)
-    app = create_gateway(settings, manager, coordinator, swap_metrics, transport=router)
+    side = wire(settings, router)
+    manager, coordinator, registry = side.manager, side.coordinator, side.registry
+    assert coordinator is not None
+    assert side.gateway_app is not None
+    app = side.gateway_app
     await manager.start()
     for n in names[1:]:
         await coordinator.sleep(n)  # one awake: the budget's steady state
@@ -193,7 +195,7 @@ def test_streaming_is_passed_through() -> None:
             assert events[-1] == "data: [DONE]"
             texts = [json.loads(e[len("data: ") :])["choices"][0]["text"] for e in events[:-1]]
             assert "".join(texts) == "from-b"
-            assert w.coordinator.traffic.in_flight("b") == 0
+            assert w.manager.fleet["b"].lane.in_flight == 0
 
     run(body)
 
@@ -361,10 +363,10 @@ def test_eviction_waits_for_requests_in_flight_and_holds_new_ones() -> None:
             await a.arrived.wait()
             for_b = asyncio.create_task(ask(w, "b"))
             for _ in range(50):
-                if w.coordinator.traffic.is_closed("a"):
+                if w.manager.fleet["a"].lane.closed:
                     break
                 await asyncio.sleep(0.01)
-            assert w.coordinator.traffic.is_closed("a")
+            assert w.manager.fleet["a"].lane.closed
             late_a = asyncio.create_task(ask(w, "a"))  # must be held, not forwarded
             await asyncio.sleep(0.1)
             assert w.state("a") is State.RUNNING  # still draining the slow request
@@ -392,7 +394,7 @@ def test_drain_wait_timeout_keeps_the_model_running_and_admitting() -> None:
             with pytest.raises(DrainTimeout):
                 await w.coordinator.sleep("a", drain="wait", drain_timeout_s=0.1)
             assert w.state("a") is State.RUNNING
-            assert not w.coordinator.traffic.is_closed("a")
+            assert not w.manager.fleet["a"].lane.closed
             a.hold.set()
             assert (await slow).status_code == 200
 

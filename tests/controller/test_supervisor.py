@@ -129,14 +129,21 @@ async def world(
             **supervisor,
         },
     )
-    manager, coordinator, swap_metrics, registry = wire(settings, Router(fleet))
 
     def make(model: ModelSettings) -> FakeProcess:
         proc = FakeProcess(model, fleet)
         fleet.procs[model.name] = proc
         return proc
 
-    sup = Supervisor(manager, coordinator, settings, swap_metrics, engine_factory=make)
+    side = wire(settings, Router(fleet), process_factory=make)
+    manager, coordinator, sup, registry = (
+        side.manager,
+        side.coordinator,
+        side.supervisor,
+        side.registry,
+    )
+    assert coordinator is not None
+    assert sup is not None
     await manager.start()
     try:
         yield World(fleet, manager, coordinator, sup, registry)
@@ -235,7 +242,7 @@ def test_restarts_back_off_exponentially_up_to_the_cap(caplog: pytest.LogCapture
             w.supervisor.start()
             await w.until("a", State.SUSPENDED, timeout_s=10)
             assert w.fleet.events.count(("start", "a")) == 5
-            assert w.supervisor.failures["a"] == 4
+            assert w.manager.fleet["a"].restarts == 4
 
     with caplog.at_level(logging.WARNING, logger="hotswap.supervisor"):
         run(body())

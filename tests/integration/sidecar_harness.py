@@ -1,6 +1,6 @@
-"""The real sidecar (create_app, and the gateway when the settings turn it on, served by
-uvicorn on loopback) in a background thread, a /health poller, and small clients for the
-sidecar's API and for vLLM's completions.
+"""The real sidecar (the `Sidecar` that `hotswap serve` builds: its control app, and its
+gateway app when the settings turn it on, served by uvicorn on loopback) in a background
+thread, a /health poller, and small clients for the sidecar's API and for vLLM's completions.
 
 Everything talks real HTTP over 127.0.0.1, so concurrency (probes during a wake, wakes
 racing each other) is what a deployment sees.
@@ -21,10 +21,9 @@ import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.api import AppContext, create_app
-from controller.gateway import create_gateway
 from controller.launcher import free_port
 from controller.settings import ModelSettings, Settings
+from controller.sidecar import Sidecar
 
 ModelsSource = Callable[[], AbstractAsyncContextManager[list[ModelSettings]]]
 
@@ -51,7 +50,7 @@ class SidecarThread:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.gateway_url: str | None = None
         self.models: list[ModelSettings] = []
-        self.ctx: AppContext | None = None
+        self.ctx: Sidecar | None = None
         self.error: BaseException | None = None
         self._servers: list[uvicorn.Server] = []
         self._done = threading.Event()
@@ -71,14 +70,10 @@ class SidecarThread:
             settings = Settings(
                 models=models, server={"host": "127.0.0.1", "port": self.port}, **self._settings
             )
-            app = create_app(settings)
-            ctx: AppContext = app.state.hotswap
-            apps: list[tuple[Any, int]] = [(app, self.port)]
-            if settings.gateway_enabled and ctx.coordinator is not None:
-                gateway = create_gateway(
-                    settings, ctx.manager, ctx.coordinator, ctx.coordinator.metrics
-                )
-                apps.append((gateway, settings.gateway.port))
+            side = Sidecar(settings)
+            apps: list[tuple[Any, int]] = [(side.app, self.port)]
+            if side.gateway_app is not None:
+                apps.append((side.gateway_app, settings.gateway.port))
                 self.gateway_url = f"http://127.0.0.1:{settings.gateway.port}"
             self._servers = [
                 uvicorn.Server(
@@ -93,7 +88,7 @@ class SidecarThread:
                 )
                 for application, port in apps
             ]
-            self.ctx = ctx
+            self.ctx = side
             await asyncio.gather(*(s.serve() for s in self._servers))
 
     def start(self, timeout_s: float = 600.0, booted: bool = False) -> SidecarThread:

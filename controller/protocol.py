@@ -1,0 +1,297 @@
+"""The sleep and wake RPC sequences as data, and the typed rank reports they return.
+
+Written once, read by everyone who drives a worker extension: the controller's runner
+(`controller.runner`), the worker-extension tests (in-process `LLM.collective_rpc`), the
+GPU tests and the benchmarks. Dependency-free on purpose (stdlib only), so a GPU host that
+has only `worker_ext` and vLLM can import it without the controller's packages.
+
+A `Step` names its phase (the name the transition record, the metrics and the logs use),
+the extension method, how its arguments are built from the `Params` of one transition,
+which timeout bounds its HTTP call, how each rank's report is read, and what a rank
+failure of this step means (`fault`). `sleep_steps(level)` and `wake_steps(level)` are the
+only places the order is written:
+
+    sleep:  hotswap_quiesce(timeout_s) -> hotswap_prepare(level) -> hotswap_suspend(level)
+    wake:   hotswap_resume(["weights"]) -> [level 2: hotswap_reload()]
+            -> hotswap_resume(["kv_cache"]) -> hotswap_restore_and_verify()
+
+The controller wraps them in its engine-level steps (drain before the sleep's, /resume and
+a warm-up after the wake's); an in-process caller clears the prefix cache instead of the
+drain (`/pause?clear_cache=true` does that) and runs the RPC steps as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, Self, TypeVar
+
+# What a rank failure of a step means, beyond "the engine needs a restart".
+Fault = Literal["rank", "barrier", "verify"]
+
+
+class Timeouts(Protocol):
+    """The HTTP timeouts a step's call is bounded by (controller.settings.TimeoutSettings)."""
+
+    @property
+    def rpc_s(self) -> float: ...
+
+    @property
+    def reload_s(self) -> float: ...
+
+    @property
+    def quiesce_s(self) -> float: ...
+
+    @property
+    def control_s(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class Params:
+    """What one transition's steps are built from."""
+
+    level: int = 1
+    quiesce_timeout_s: float = 30.0  # the barrier's timeout inside the ranks
+    tags: tuple[str, ...] | None = None  # suspend/resume only these pools (None: the level's)
+
+
+# ----------------------------------------------------------------------------- rank reports
+
+
+def _int_map(value: object) -> dict[str, int]:
+    if not isinstance(value, Mapping):
+        return {}
+    return {str(k): int(v) for k, v in value.items() if isinstance(v, int | float)}
+
+
+def _names(value: object) -> tuple[str, ...]:
+    if not isinstance(value, list | tuple):
+        return ()
+    return tuple(str(v) for v in value)
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One rank's answer to one RPC; `raw` is the plain dict as the extension sent it."""
+
+    ok: bool
+    rank: int | None
+    error: str | None
+    elapsed_s: float | None
+    raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> Self:
+        rank, elapsed = raw.get("rank"), raw.get("elapsed_s")
+        error = raw.get("error")
+        return cls(
+            ok=raw.get("ok") is True,
+            rank=rank if isinstance(rank, int) else None,
+            error=str(error) if error is not None else None,
+            elapsed_s=float(elapsed) if isinstance(elapsed, int | float) else None,
+            raw=raw,
+            **cls._fields(raw),
+        )
+
+    @classmethod
+    def _fields(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
+        return {}
+
+
+@dataclass(frozen=True)
+class QuiesceReport(RankReport):
+    late_ranks: tuple[int, ...] = ()
+    barrier_s: float | None = None
+
+    @classmethod
+    def _fields(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
+        late = raw.get("late_ranks") or []
+        barrier = raw.get("barrier_s")
+        return {
+            "late_ranks": tuple(int(n) for n in late if isinstance(n, int | float | str)),
+            "barrier_s": float(barrier) if isinstance(barrier, int | float) else None,
+        }
+
+
+@dataclass(frozen=True)
+class SuspendReport(RankReport):
+    freed_bytes: Mapping[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def _fields(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
+        return {"freed_bytes": _int_map(raw.get("freed_bytes"))}
+
+
+@dataclass(frozen=True)
+class ResumeReport(RankReport):
+    restored_bytes: Mapping[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def _fields(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
+        return {"restored_bytes": _int_map(raw.get("restored_bytes"))}
+
+
+@dataclass(frozen=True)
+class VerifyReport(RankReport):
+    mismatched: tuple[str, ...] = ()
+
+    @classmethod
+    def _fields(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
+        return {"mismatched": _names(raw.get("mismatched"))}
+
+
+@dataclass(frozen=True)
+class InfoReport(RankReport):
+    suspended: Mapping[str, str] = field(default_factory=dict)
+    level: int | None = None
+
+    @classmethod
+    def _fields(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
+        suspended = raw.get("suspended")
+        level = raw.get("level")
+        return {
+            "suspended": (
+                {str(k): str(v) for k, v in suspended.items()}
+                if isinstance(suspended, Mapping)
+                else {}
+            ),
+            "level": level if isinstance(level, int) and not isinstance(level, bool) else None,
+        }
+
+
+R = TypeVar("R", bound=RankReport)
+
+
+def parse_all(kind: type[R], ranks: Iterable[Mapping[str, Any]]) -> tuple[R, ...]:
+    return tuple(kind.parse(r) for r in ranks)
+
+
+def sum_by_pool(per_rank: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    """Per-pool bytes summed over ranks, e.g. every rank's `freed_bytes`."""
+    out: dict[str, int] = {}
+    for pools in per_rank:
+        for pool, n in pools.items():
+            out[pool] = out.get(pool, 0) + n
+    return out
+
+
+def late_ranks(reports: Iterable[RankReport]) -> list[int]:
+    return sorted({n for r in reports if isinstance(r, QuiesceReport) for n in r.late_ranks})
+
+
+def mismatched(reports: Iterable[RankReport]) -> list[str]:
+    return sorted({n for r in reports if isinstance(r, VerifyReport) for n in r.mismatched})
+
+
+def suspended_level(reports: Iterable[InfoReport]) -> int | None:
+    """The level an engine is suspended at, read back from `hotswap_info`; None: awake."""
+    asleep = [r for r in reports if r.suspended]
+    if not asleep:
+        return None
+    level = next((r.level for r in asleep if r.level is not None), None)
+    if level is not None:
+        return level
+    kinds = {v for r in asleep for v in r.suspended.values()}
+    return 2 if kinds == {"discarded"} else 1
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def _rpc_timeout(t: Timeouts) -> float:
+    return t.rpc_s
+
+
+def _reload_timeout(t: Timeouts) -> float:
+    return t.reload_s
+
+
+def _quiesce_timeout(t: Timeouts) -> float:
+    # The barrier timeout is an argument to the ranks; the HTTP timeout must outlast it.
+    return max(t.rpc_s, t.quiesce_s + t.control_s)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One RPC of a sequence: phase, method, arguments, HTTP timeout, report type, fault."""
+
+    phase: str
+    method: str
+    args: Callable[[Params], tuple[Any, ...]]
+    timeout: Callable[[Timeouts], float] = _rpc_timeout
+    report: type[RankReport] = RankReport
+    fault: Fault = "rank"
+
+    def call_args(self, params: Params) -> tuple[Any, ...]:
+        return self.args(params)
+
+    def parse(self, ranks: Iterable[Mapping[str, Any]]) -> tuple[RankReport, ...]:
+        return parse_all(self.report, ranks)
+
+
+QUIESCE = Step(
+    "quiesce",
+    "hotswap_quiesce",
+    lambda p: (p.quiesce_timeout_s,),
+    timeout=_quiesce_timeout,
+    report=QuiesceReport,
+    fault="barrier",
+)
+PREPARE = Step("prepare", "hotswap_prepare", lambda p: (p.level,))
+SUSPEND = Step(
+    "suspend",
+    "hotswap_suspend",
+    lambda p: (p.level,) if p.tags is None else (p.level, list(p.tags)),
+    report=SuspendReport,
+)
+RESUME_WEIGHTS = Step(
+    "resume_weights", "hotswap_resume", lambda p: (["weights"],), report=ResumeReport
+)
+RELOAD = Step("reload", "hotswap_reload", lambda p: (), timeout=_reload_timeout)
+RESUME_KV = Step(
+    "resume_kv_cache", "hotswap_resume", lambda p: (["kv_cache"],), report=ResumeReport
+)
+VERIFY = Step(
+    "restore_and_verify",
+    "hotswap_restore_and_verify",
+    lambda p: (),
+    report=VerifyReport,
+    fault="verify",
+)
+INFO = Step("info", "hotswap_info", lambda p: (), report=InfoReport)
+AUDIT = Step("hotswap_audit", "hotswap_audit", lambda p: (p.level, True))
+
+# Which pool a wake step brings back (a partial sleep suspends only some of them).
+_POOL_OF = {RESUME_WEIGHTS.phase: "weights", RELOAD.phase: "weights", RESUME_KV.phase: "kv_cache"}
+
+
+def sleep_steps(level: int) -> tuple[Step, ...]:
+    """The RPCs of a sleep at `level`, in order (after the engine is paused, cache cleared)."""
+    _check_level(level)
+    return (QUIESCE, PREPARE, SUSPEND)
+
+
+def wake_steps(level: int, suspended: Iterable[str] | None = None) -> tuple[Step, ...]:
+    """The RPCs of a wake from `level`, in order (before the engine is resumed).
+
+    `suspended`: the pools actually asleep (a partial sleep); None: both, as a full sleep
+    leaves them. Verification always runs."""
+    _check_level(level)
+    steps: tuple[Step, ...] = (
+        (RESUME_WEIGHTS, RELOAD, RESUME_KV) if level == 2 else (RESUME_WEIGHTS, RESUME_KV)
+    )
+    if suspended is not None:
+        asleep = set(suspended)
+        steps = tuple(s for s in steps if _POOL_OF[s.phase] in asleep)
+    return (*steps, VERIFY)
+
+
+def _check_level(level: int) -> None:
+    if level not in (1, 2):
+        raise ValueError(f"sleep level must be 1 or 2, not {level}")
+
+
+def with_method(steps: Sequence[Step], phase: str, method: str) -> tuple[Step, ...]:
+    """The same sequence with one phase's method swapped (e.g. a test's own reload)."""
+    return tuple(dataclasses.replace(s, method=method) if s.phase == phase else s for s in steps)

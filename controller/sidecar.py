@@ -1,0 +1,138 @@
+"""The composition root: one `Sidecar` built from the settings owns every part.
+
+    Settings ──> Sidecar
+                  ├── registry, Metrics, SwapMetrics     (Prometheus, injected everywhere)
+                  ├── Fleet: one ModelRecord per model   (controller.record)
+                  ├── Tasks: every background task       (controller.tasks)
+                  ├── Manager: a ModelManager per model  (requests, sequences, runner)
+                  ├── SwapCoordinator                    (hot swap: policy wakes, draining sleeps)
+                  ├── Supervisor                         (managed engines: boot, watch, restart)
+                  ├── Gateway                            (the /v1 router, when enabled)
+                  └── app, gateway_app                   (the two ASGI apps)
+
+`hotswap serve` (controller.server) and the integration tests' harness build the same
+object; the control app's lifespan starts and stops it. Nothing reaches into an app's state
+to wire a part: the apps are built from the parts here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+from controller import api, gateway
+from controller.manager import EngineFactory, Manager, default_engine_factory
+from controller.metrics import Metrics
+from controller.record import Fleet
+from controller.settings import Settings
+from controller.supervisor import EngineFactory as ProcessFactory
+from controller.supervisor import Supervisor
+from controller.swap import SwapCoordinator
+from controller.swapmetrics import SwapMetrics
+from controller.tasks import Tasks
+
+log = logging.getLogger("hotswap.sidecar")
+
+Clock = Callable[[], float]
+
+
+class Sidecar:
+    """Every part of one sidecar process, built from `settings`; test seams are keywords."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        registry: CollectorRegistry | None = None,
+        engine_factory: EngineFactory = default_engine_factory,
+        process_factory: ProcessFactory | None = None,
+        gateway_transport: httpx.AsyncBaseTransport | None = None,
+        clock: Clock = time.time,
+        monotonic: Clock = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.tasks = Tasks()
+        self.fleet = Fleet(settings.models, clock=clock)
+        self.metrics = Metrics(self.registry)
+        self.manager = Manager(
+            settings,
+            self.metrics,
+            engine_factory,
+            clock,
+            monotonic=monotonic,
+            fleet=self.fleet,
+            tasks=self.tasks,
+        )
+        # Hot swap (a budget, managed engines, the gateway): the policy's coordinator, the
+        # supervisor of the engines this process starts, and the gateway in front.
+        self.coordinator: SwapCoordinator | None = None
+        self.supervisor: Supervisor | None = None
+        self.gateway: gateway.Gateway | None = None
+        if settings.hot_swap:
+            self.swap_metrics = SwapMetrics(self.registry)
+            self.coordinator = SwapCoordinator(
+                self.manager, settings, self.swap_metrics, clock=clock, monotonic=monotonic
+            )
+            if settings.managed:
+                self.supervisor = Supervisor(
+                    self.manager,
+                    self.coordinator,
+                    settings,
+                    self.swap_metrics,
+                    engine_factory=process_factory,
+                    monotonic=monotonic,
+                )
+            if settings.gateway_enabled:
+                self.gateway = gateway.Gateway(
+                    settings,
+                    self.manager,
+                    self.coordinator,
+                    self.swap_metrics,
+                    transport=gateway_transport,
+                    monotonic=monotonic,
+                )
+        self.app = api.create_app(
+            api.AppContext(
+                settings=settings,
+                manager=self.manager,
+                registry=self.registry,
+                coordinator=self.coordinator,
+                supervisor=self.supervisor,
+            ),
+            lifespan=self._lifespan,
+        )
+        self.gateway_app: FastAPI | None = (
+            gateway.create_gateway(self.gateway) if self.gateway is not None else None
+        )
+
+    async def start(self) -> None:
+        """Probe the attached engines, then boot the managed ones in the background."""
+        await self.manager.start()
+        if self.supervisor is not None:
+            self.supervisor.start()  # staggered boot in the background: /livez answers meanwhile
+        names = [m.name for m in self.settings.models]
+        log.info("managing %d model(s): %s", len(names), names)
+
+    async def stop(self) -> None:
+        """Drain transitions (bounded), stop the engines, cancel every task that is left."""
+        await self.manager.stop()
+        log.info("manager stopped")
+        if self.supervisor is not None:
+            await self.supervisor.stop()
+            log.info("managed engines stopped")
+        await self.tasks.aclose()
+
+    @asynccontextmanager
+    async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        await self.start()
+        try:
+            yield
+        finally:
+            await self.stop()

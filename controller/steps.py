@@ -1,0 +1,105 @@
+"""The controller's own steps around the extension's RPCs, and the full sequences.
+
+A sleep is `drain` followed by `protocol.sleep_steps(level)`; a wake is
+`protocol.wake_steps(level)` followed by `/resume` and a warm-up; the start-up probe is
+`/health` then `hotswap_info`. Each engine-level step returns its phase's detail.
+
+Drain, as measured on vLLM 0.32 (docs/contracts.md, "Measured: pause semantics"):
+a `/pause?mode=wait` whose HTTP call times out leaves the engine paused, a `/resume`
+unpauses it at once even with the wait pending, and a second `/pause?mode=abort` while a
+wait is pending aborts what is left and ends both pauses. A "paused" answer is not proof
+(a concurrent /resume wins), so every drain ends by asking `/is_paused`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from controller import protocol
+from controller.errors import DrainTimeout, EngineError, EngineTimeout
+from controller.runner import AnyStep, EngineStep, Runner
+
+DrainMode = Literal["wait", "abort"]
+
+
+async def _ensure_paused(r: Runner) -> None:
+    # A "paused" answer is not proof: a /resume sent meanwhile unpauses at once (measured).
+    if not await r.engine.is_paused():
+        raise EngineError("the engine answered /pause but is not paused (resumed by someone else?)")
+
+
+def drain(mode: DrainMode, grace_s: float) -> EngineStep:
+    """wait: pause once in-flight requests finished; if they outlast `grace_s`, give up with
+    the engine resumed (DrainTimeout, still RUNNING). abort: give them `grace_s`, then
+    abort the rest."""
+
+    async def wait(r: Runner) -> Mapping[str, Any]:
+        try:
+            await r.engine.pause("wait", clear_cache=True, timeout_s=grace_s)
+        except EngineTimeout:
+            # Measured: the engine stays paused after the HTTP timeout; undo that and check.
+            await r.engine.resume()
+            if await r.engine.is_paused():
+                raise EngineError(
+                    "drain gave up, but the engine is still paused after /resume"
+                ) from None
+            raise DrainTimeout(
+                f"drain=wait: in-flight requests did not finish within {grace_s:g} s; "
+                "engine resumed",
+                model=r.name,
+                phase="drain",
+            ) from None
+        await _ensure_paused(r)
+        return {"mode": "wait"}
+
+    async def abort(r: Runner) -> Mapping[str, Any]:
+        waited = False
+        if grace_s > 0:
+            try:
+                # New requests queue from now on; those in flight may finish within the grace.
+                await r.engine.pause("wait", clear_cache=True, timeout_s=grace_s)
+                waited = True
+            except EngineTimeout:
+                pass  # measured: a second /pause?mode=abort ends the pending wait
+        if not waited:
+            await r.engine.pause("abort", clear_cache=True)
+        await _ensure_paused(r)
+        return {"mode": "abort", "aborted": not waited}
+
+    return EngineStep("drain", "/pause", wait if mode == "wait" else abort)
+
+
+async def _resume_engine(r: Runner) -> Mapping[str, Any]:
+    await r.engine.resume()
+    if await r.engine.is_paused():
+        raise EngineError("the engine is still paused after /resume")
+    return {}
+
+
+async def _warmup(r: Runner) -> Mapping[str, Any]:
+    if r.record.served_model is None:
+        r.record.served_model = await r.engine.served_model()
+    return {"warmup_s": await r.engine.warmup(r.record.served_model)}
+
+
+async def _health(r: Runner) -> Mapping[str, Any]:
+    if not await r.engine.health(timeout_s=r.timeouts.probe_s):
+        raise EngineError("/health answered 503: the engine is dead")
+    return {}
+
+
+RESUME_ENGINE = EngineStep("resume_engine", "/resume", _resume_engine)
+WARMUP = EngineStep("warmup", "/v1/completions", _warmup)
+HEALTH = EngineStep("health", "/health", _health)
+
+
+def sleep_sequence(level: int, mode: DrainMode, grace_s: float) -> tuple[AnyStep, ...]:
+    return (drain(mode, grace_s), *protocol.sleep_steps(level))
+
+
+def wake_sequence(level: int) -> tuple[AnyStep, ...]:
+    return (*protocol.wake_steps(level), RESUME_ENGINE, WARMUP)
+
+
+PROBE: tuple[AnyStep, ...] = (HEALTH, protocol.INFO)
