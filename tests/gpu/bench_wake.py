@@ -31,6 +31,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from controller import protocol  # noqa: E402  (after ROOT is importable)
+
 GB = 1e9
 GiB = 1 << 30
 
@@ -216,18 +218,29 @@ class ViaExtension:
         return self.rpc("hotswap_info")["pools"]  # type: ignore[no-any-return]
 
     def sleep(self) -> tuple[dict[str, Any], float]:
+        """controller.protocol's level-1 sleep steps; each report and its seconds."""
         self.llm.reset_prefix_cache()
-        q, tq = timed(self.rpc, "hotswap_quiesce", 30.0)
-        p, tp = timed(self.rpc, "hotswap_prepare", 1)
-        s, ts = timed(self.rpc, "hotswap_suspend", 1)
-        return {"quiesce": q, "prepare": p, "prepare_s": tp, "quiesce_s": tq, "suspend": s}, ts
+        params = protocol.Params(level=1, quiesce_timeout_s=30.0)
+        out: dict[str, Any] = {}
+        for step in protocol.sleep_steps(1):
+            out[step.phase], out[f"{step.phase}_s"] = timed(
+                self.rpc, step.method, *step.call_args(params)
+            )
+        return out, out.pop(f"{protocol.SUSPEND.phase}_s")
 
     def wake(self) -> tuple[dict[str, Any], float, float]:
+        """controller.protocol's level-1 wake steps; reports by pool and "verify", the
+        wake's seconds and the verify's."""
+        keys = {"resume_weights": "weights", "resume_kv_cache": "kv_cache"}
+        params = protocol.Params(level=1)
+        out: dict[str, Any] = {}
         t = time.perf_counter()
-        r1 = self.rpc("hotswap_resume", ["weights"])
-        r2 = self.rpc("hotswap_resume", ["kv_cache"])
-        v, tv = timed(self.rpc, "hotswap_restore_and_verify")
-        return {"weights": r1, "kv_cache": r2, "verify": v}, time.perf_counter() - t, tv
+        for step in protocol.wake_steps(1):
+            out[keys.get(step.phase, step.phase)], seconds = timed(
+                self.rpc, step.method, *step.call_args(params)
+            )
+        out["verify"] = out.pop(protocol.VERIFY.phase)
+        return out, time.perf_counter() - t, seconds
 
 
 CHECKS: list[dict[str, Any]] = []  # one per verify: the fingerprint check alone, in the worker

@@ -19,7 +19,16 @@ from typing import Any
 
 import pytest
 
+from controller import protocol
+
 ROOT = Path(__file__).resolve().parents[2]
+# The keys the GPU tests read a wake's reports by.
+_WAKE_KEYS = {
+    protocol.RESUME_WEIGHTS.phase: "weights",
+    protocol.RELOAD.phase: "reload",
+    protocol.RESUME_KV.phase: "kv_cache",
+    protocol.VERIFY.phase: "verify",
+}
 EXTENSION = "tests.gpu.gpu_ext.GpuTestExtension"
 PROMPT = [2, 5, 9, 12, 7, 3, 11, 4]
 
@@ -179,28 +188,28 @@ class Engine:
         return r
 
     def sleep(self, level: int, tags: list[str] | None = None) -> dict[str, Any]:
-        """The controller's order, in-process: cache cleared (its pause does that),
-        quiesce, prepare, suspend."""
+        """controller.protocol's sleep steps, in-process: cache cleared (the controller's
+        pause does that), quiesce, prepare, suspend (only `tags`' pools, when given)."""
         self.llm.reset_prefix_cache()
-        self.rpc("hotswap_quiesce", 30.0)
-        prep = self.rpc("hotswap_prepare", level)
-        sus = self.rpc("hotswap_suspend", level, tags)
-        return {"prepare": prep, "suspend": sus}
+        params = protocol.Params(
+            level=level, quiesce_timeout_s=30.0, tags=tuple(tags) if tags is not None else None
+        )
+        return {
+            s.phase: self.rpc(s.method, *s.call_args(params)) for s in protocol.sleep_steps(level)
+        }
 
     def wake(
         self, level: int, tags: list[str] | None = None, reload: str = "hotswap_reload"
     ) -> dict[str, Any]:
-        """The controller's order; `reload` names the level-2 refill RPC."""
-        out: dict[str, Any] = {}
+        """controller.protocol's wake steps for the pools asleep (weights only when `tags`
+        allow); `reload` names the level-2 refill RPC. Reports by pool ("weights",
+        "reload", "kv_cache") and "verify"."""
         asleep = set(self.rpc("hotswap_info")["suspended"])
-        if (tags is None or "weights" in tags) and "weights" in asleep:
-            out["weights"] = self.rpc("hotswap_resume", ["weights"])
-            if level == 2:
-                out["reload"] = self.rpc(reload)
-        if "kv_cache" in asleep:
-            out["kv_cache"] = self.rpc("hotswap_resume", ["kv_cache"])
-        out["verify"] = self.rpc("hotswap_restore_and_verify")
-        return out
+        if tags is not None and "weights" not in tags:
+            asleep.discard("weights")
+        steps = protocol.with_method(protocol.wake_steps(level, asleep), "reload", reload)
+        params = protocol.Params(level=level)
+        return {_WAKE_KEYS[s.phase]: self.rpc(s.method, *s.call_args(params)) for s in steps}
 
     def close(self) -> None:
         llm = self.llm

@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from controller import protocol
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 _paths = [str(HERE), str(ROOT)]
@@ -91,21 +93,20 @@ def ok(llm: Any, method: str, *args: Any, **kwargs: Any) -> list[dict[str, Any]]
     return res
 
 
+# After each pool comes back, `poison` overwrites it where a wake must have restored it.
+_POISON_AFTER = {protocol.RESUME_WEIGHTS.phase: "weights", protocol.RESUME_KV.phase: "kv_cache"}
+
+
 def cycle(llm: Any, level: int, poison: bool = False, timeout_s: float = 10.0) -> dict[str, Any]:
-    """The controller's sleep+wake sequence through the RPCs; returns rank 0's reports."""
+    """The controller's sleep+wake RPCs (controller.protocol's steps, in their order);
+    returns rank 0's report by phase."""
     llm.reset_prefix_cache()  # the controller's pause(clear_cache=true): KV is about to go
-    rep: dict[str, Any] = {"quiesce": ok(llm, "hotswap_quiesce", timeout_s)[0]}
-    rep["prepare"] = ok(llm, "hotswap_prepare", level)[0]
-    rep["suspend"] = ok(llm, "hotswap_suspend", level)[0]
-    rep["resume_w"] = ok(llm, "hotswap_resume", ["weights"])[0]
-    if poison:
-        ok(llm, "hotswap_test_poison", ["weights"], level)
-    if level == 2:
-        rep["reload"] = ok(llm, "hotswap_reload")[0]
-    rep["resume_kv"] = ok(llm, "hotswap_resume", ["kv_cache"])[0]
-    if poison:
-        ok(llm, "hotswap_test_poison", ["kv_cache"], level)
-    rep["verify"] = ok(llm, "hotswap_restore_and_verify")[0]
+    params = protocol.Params(level=level, quiesce_timeout_s=timeout_s)
+    rep: dict[str, Any] = {}
+    for step in (*protocol.sleep_steps(level), *protocol.wake_steps(level)):
+        rep[step.phase] = ok(llm, step.method, *step.call_args(params))[0]
+        if poison and step.phase in _POISON_AFTER:
+            ok(llm, "hotswap_test_poison", [_POISON_AFTER[step.phase]], level)
     return rep
 
 
