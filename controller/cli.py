@@ -1,54 +1,50 @@
-"""The `hotswap` command: `serve` runs the sidecar; `status`, `sleep`, `wake` talk to one.
+"""The `hotswap` command line: `serve` runs the sidecar (controller.server); `status`,
+`sleep`, `wake` talk to one (controller.client).
 
 Every flag has an environment twin. `serve` flags map onto Settings fields, so their twins
-are the settings' own variables (HOTSWAP_SERVER__PORT, ...); the client commands read
-HOTSWAP_URL, HOTSWAP_TOKEN and HOTSWAP_CLIENT_TIMEOUT. A flag given on the command line
-always wins over its twin.
+are the settings' own variables (HOTSWAP_SERVER__PORT, ...); the client commands' twins are
+controller.client.ClientSettings (HOTSWAP_URL, HOTSWAP_TOKEN, HOTSWAP_CLIENT_TIMEOUT). A
+flag given on the command line always wins over its twin.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
-import math
 import os
-import shutil
 import signal
 import sys
-import tempfile
-import threading
-from collections.abc import Iterator, Sequence
-from datetime import UTC, datetime
+from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
 from typing import Any, TextIO
 
 import httpx
-import uvicorn
 from pydantic import ValidationError
 
-from controller.errors import HotswapError
+from controller.client import (
+    DEFAULT_CLIENT_TIMEOUT_S,
+    DEFAULT_URL,
+    HttpFailure,
+    cmd_status,
+    cmd_transition,
+)
+from controller.errors import (
+    EXIT_HTTP_ERROR,
+    EXIT_OK,
+    EXIT_STARTUP,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    CliError,
+    HotswapError,
+)
 from controller.logs import configure_logging
+from controller.server import serve
 from controller.settings import LogFormat, ModelSettings, Settings, load_settings
-from controller.sidecar import Sidecar
+
+__all__ = ["EXIT_OK", "CliError", "build_parser", "main", "parse_engine", "settings_from_args"]
 
 log = logging.getLogger("hotswap.cli")
-
-DEFAULT_URL = "http://127.0.0.1:8800"
-# A wait=true sleep or wake can legitimately take minutes (a level-2 reload reads a checkpoint).
-DEFAULT_CLIENT_TIMEOUT_S = 900.0
-
-EXIT_OK = 0
-EXIT_HTTP_ERROR = 1  # the sidecar answered with an error status
-EXIT_USAGE = 2  # bad arguments or configuration (argparse uses 2 as well)
-EXIT_UNREACHABLE = 3  # no answer from the sidecar
-EXIT_STARTUP = 4  # serve: the app did not start (port taken, lifespan failed)
-
-
-class CliError(Exception):
-    """A problem with the command line or configuration, reported without a traceback."""
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -73,16 +69,6 @@ def _env_engines() -> list[str]:
     """HOTSWAP_ENGINES, the twin of repeated --engine: NAME=URL entries, comma-separated."""
     raw = os.environ.get("HOTSWAP_ENGINES", "")
     return [part.strip() for part in raw.split(",") if part.strip()]
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise CliError(f"{name}={raw!r} is not a number") from None
 
 
 def _env_flag(name: str) -> bool:
@@ -200,128 +186,6 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         raise CliError(f"invalid settings: {exc}") from None
 
 
-# ----------------------------------------------------------------------------- serve
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's server, except that a signal only sets the exit flag.
-
-    uvicorn re-raises a captured SIGTERM after serving, which would kill the process before
-    the demo engines are stopped; here the caller shuts everything down and picks the code.
-    """
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.signals: list[int] = []
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield  # signals can only be handled on the main thread
-            return
-        handled = (signal.SIGINT, signal.SIGTERM)
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self.signals.append(sig)
-        super().handle_exit(sig, frame)
-
-
-class _GatewayServer(uvicorn.Server):
-    """The gateway's server: it follows the control API's, which alone handles signals."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-async def run_server(settings: Settings) -> int:
-    """Serve until a signal; the app's lifespan starts and stops the manager (and, in
-    managed mode, the engines). With the gateway on, it is served next to it, on its port."""
-    side = Sidecar(settings)
-    app = side.app
-    gateway: _GatewayServer | None = None
-    if side.gateway_app is not None:
-        gw_app = side.gateway_app
-        gateway = _GatewayServer(
-            uvicorn.Config(
-                gw_app,
-                host=settings.gateway.host,
-                port=settings.gateway.port,
-                log_config=None,
-                lifespan="on",
-                timeout_graceful_shutdown=math.ceil(settings.timeouts.shutdown_s),
-            )
-        )
-    config = uvicorn.Config(
-        app,
-        host=settings.server.host,
-        port=settings.server.port,
-        log_config=None,  # our root handler formats uvicorn's lines too
-        lifespan="on",
-        timeout_graceful_shutdown=math.ceil(settings.timeouts.shutdown_s),
-    )
-    server = _Server(config)
-    if gateway is None:
-        await server.serve()
-    else:
-        gw_task = asyncio.create_task(_serve_gateway(gateway, server), name="hotswap-gateway")
-        try:
-            await server.serve()
-        finally:
-            gateway.should_exit = True
-            await gw_task
-        if not gateway.started:
-            return EXIT_STARTUP
-    if server.signals:
-        return 128 + server.signals[0]  # the shell's convention for "ended by signal N"
-    return EXIT_OK if server.started else EXIT_STARTUP
-
-
-async def _serve_gateway(gateway: uvicorn.Server, control: uvicorn.Server) -> None:
-    """Run the gateway; if it cannot start (port taken), stop the control API too."""
-    try:
-        await gateway.serve()
-    except (SystemExit, OSError) as exc:  # uvicorn exits when it cannot bind
-        log.error("the gateway did not start: %s", exc)
-    if not gateway.started:
-        control.should_exit = True
-
-
-def demo_settings(settings: Settings, models: list[ModelSettings], workdir: Path) -> Settings:
-    """The embedded default: managed engines behind the gateway, a budget of one awake
-    model (unless one is configured), engine logs in the demo's work dir."""
-    data = settings.model_dump()
-    data["models"] = [m.model_dump(exclude_unset=True) for m in models]
-    if settings.swap.budget_bytes is None and settings.swap.max_awake is None:
-        data["swap"]["max_awake"] = 1
-    if settings.supervisor.log_dir is None:
-        data["supervisor"]["log_dir"] = workdir / "logs"
-    return Settings.model_validate(data)
-
-
-async def serve(settings: Settings, demo: bool, demo_dir: Path | None) -> int:
-    if not demo:
-        return await run_server(settings)
-    try:
-        from controller.launcher import demo_models  # only for --demo
-    except ImportError as exc:
-        raise CliError(f"--demo needs controller.launcher, which is not available: {exc}") from exc
-    own = demo_dir is None
-    workdir = Path(tempfile.mkdtemp(prefix="hotswap-demo-")) if demo_dir is None else demo_dir
-    try:
-        models = await demo_models(workdir)
-        return await run_server(demo_settings(settings, models, workdir))
-    finally:
-        if own:
-            shutil.rmtree(workdir, ignore_errors=True)
-
-
 def refuse_open_binds(settings: Settings) -> None:
     """No open door by default: a non-loopback bind without a token needs --insecure."""
     binds = settings.open_binds()
@@ -349,138 +213,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return asyncio.run(serve(settings, demo, demo_dir))
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
-
-
-# ----------------------------------------------------------------------------- client
-
-
-class ClientOptions:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.url = (args.url or os.environ.get("HOTSWAP_URL") or DEFAULT_URL).rstrip("/")
-        self.token = args.token if args.token is not None else os.environ.get("HOTSWAP_TOKEN")
-        if args.timeout is not None:
-            self.timeout = args.timeout
-        else:
-            self.timeout = _env_float("HOTSWAP_CLIENT_TIMEOUT", DEFAULT_CLIENT_TIMEOUT_S)
-
-    def client(self) -> httpx.Client:
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=self.timeout)
-
-
-class HttpFailure(Exception):
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(f"HTTP {status}: {reason}")
-        self.status = status
-        self.reason = reason
-
-
-def _check(resp: httpx.Response, ok: tuple[int, ...] = (200, 202)) -> dict[str, Any]:
-    try:
-        body = resp.json()
-    except ValueError:
-        body = None
-    if resp.status_code not in ok:
-        if isinstance(body, dict) and "message" in body:
-            extra = {k: v for k, v in body.items() if k not in ("error", "message", "details")}
-            reason = f"{body.get('error', 'error')}: {body['message']}"
-            if extra:
-                reason += " (" + ", ".join(f"{k}={v}" for k, v in extra.items()) + ")"
-        else:
-            reason = resp.text.strip()[:500] or resp.reason_phrase
-        raise HttpFailure(resp.status_code, reason)
-    if not isinstance(body, dict):
-        raise HttpFailure(resp.status_code, "the answer is not a JSON object")
-    return body
-
-
-def _fmt_time(ts: Any) -> str:
-    if not isinstance(ts, int | float):
-        return "-"
-    return datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%d %H:%M:%SZ")
-
-
-def _fmt_transition(t: Any) -> str:
-    if not isinstance(t, dict):
-        return "-"
-    text = f"{t.get('kind')} {t.get('result')} in {t.get('duration_s', 0.0):.3f}s"
-    if t.get("error"):
-        text += f" ({t.get('failed_phase') or '?'}: {t['error']})"
-    return text
-
-
-def format_status(models: list[dict[str, Any]], health: dict[str, Any] | None) -> str:
-    header = ("MODEL", "STATE", "LEVEL", "VERIFIED", "READY", "SINCE", "LAST TRANSITION")
-    rows = [header]
-    for m in models:
-        level = m.get("level")
-        rows.append(
-            (
-                str(m.get("name")),
-                str(m.get("state")),
-                str(level) if level is not None else "-",
-                "yes" if m.get("verified") else "no",
-                "yes" if m.get("ready") else "no",
-                _fmt_time(m.get("since")),
-                _fmt_transition(m.get("last_transition")),
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
-    lines = [
-        "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1]
-        for r in rows
-    ]
-    if health is not None:
-        lines.append(f"sidecar ready: {'yes' if health.get('ready') else 'no'}")
-    return "\n".join(lines)
-
-
-def format_outcome(body: dict[str, Any]) -> str:
-    lines = [
-        f"{body.get('model')}: {body.get('state')} (action {body.get('action')})",
-    ]
-    t = body.get("transition")
-    if isinstance(t, dict):
-        lines[0] += f", {_fmt_transition(t)}"
-        for p in t.get("phases") or []:
-            mark = "ok" if p.get("ok") else "FAILED"
-            ranks = len(p.get("ranks") or [])
-            lines.append(
-                f"  {p.get('name'):<20} {p.get('duration_s', 0.0):8.3f}s  {mark}  ranks={ranks}"
-            )
-    return "\n".join(lines)
-
-
-def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
-    opts = ClientOptions(args)
-    with opts.client() as client:
-        models = _check(client.get("/models"), ok=(200,))
-        health = _check(client.get("/health"), ok=(200, 503))
-    out.write(format_status(list(models.get("models") or []), health) + "\n")
-    return EXIT_OK
-
-
-def cmd_transition(args: argparse.Namespace, out: TextIO) -> int:
-    opts = ClientOptions(args)
-    params = {"wait": "false" if args.no_wait else "true"}
-    body: dict[str, Any] | None = None
-    if args.command == "sleep":
-        body = {}
-        if args.level is not None:
-            body["level"] = args.level
-        if args.drain is not None:
-            body["drain"] = args.drain
-        if args.drain_timeout is not None:
-            body["drain_timeout_s"] = args.drain_timeout
-    with opts.client() as client:
-        resp = client.post(f"/models/{args.name}/{args.command}", params=params, json=body)
-    answer = _check(resp)
-    if resp.status_code == 202:
-        where = resp.headers.get("location", f"/models/{args.name}")
-        out.write(f"{args.name}: accepted ({answer.get('state')}); poll {opts.url}{where}\n")
-    else:
-        out.write(format_outcome(answer) + "\n")
-    return EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:

@@ -1,7 +1,37 @@
-"""The sidecar's error tree. Library errors are translated into these in one place (the
-engine adapter) and mapped to HTTP status codes in one place (`http_status`)."""
+"""The sidecar's error tree, in one module. Library errors are translated into these in one
+place (the engine adapter, controller.engine._send), rank failures in one place (the step
+runner, controller.runner), and errors are mapped to HTTP status codes in one place
+(`http_status`). The gateway answers OpenAI-shaped bodies from the same classes.
+
+    HotswapError                      502 unless a child says otherwise
+     ├── ModelNotFound                404
+     ├── TransitionConflict           409  the opposite transition runs, or the state forbids it
+     │    └── WakeRefused             409  the swap policy says no (the plan attached)
+     ├── Unauthorized                 401
+     ├── DrainTimeout                 504  drain=wait gave up; still RUNNING, nothing touched
+     └── EngineError                  502  the engine answered wrongly: FAILED
+          ├── EngineUnavailable       502  not reachable
+          ├── EngineTimeout           504  no answer in time; for an RPC the ranks are unknown
+          ├── RankError               502  a rank said ok: false (controller.engine; reports kept)
+          ├── VerificationFailed      502  tensors differ after a wake (named)
+          ├── BarrierTimeout          504  quiesce: ranks missed the barrier (named)
+          └── EngineStartError        502  a managed engine would not start (controller.launcher)
+
+    CliError                          the command line or configuration (exit code EXIT_USAGE)
+"""
 
 from __future__ import annotations
+
+# The `hotswap` command's exit codes.
+EXIT_OK = 0
+EXIT_HTTP_ERROR = 1  # the sidecar answered with an error status
+EXIT_USAGE = 2  # bad arguments or configuration (argparse uses 2 as well)
+EXIT_UNREACHABLE = 3  # no answer from the sidecar
+EXIT_STARTUP = 4  # serve: the app did not start (port taken, lifespan failed)
+
+
+class CliError(Exception):
+    """A problem with the command line or configuration, reported without a traceback."""
 
 
 class HotswapError(Exception):

@@ -24,7 +24,7 @@ import uvicorn
 from fakevllm import FakeVllm
 from prometheus_client import CollectorRegistry
 
-from controller import cli
+from controller import cli, server
 from controller.engine import EngineClient
 from controller.settings import LogFormat, ModelSettings, Settings, TimeoutSettings
 from controller.sidecar import Sidecar
@@ -396,9 +396,9 @@ def test_demo_models_replace_configured_ones(monkeypatch: pytest.MonkeyPatch) ->
         return 0
 
     monkeypatch.setattr(launcher, "demo_models", fake_demo)
-    monkeypatch.setattr(cli, "run_server", fake_run)
+    monkeypatch.setattr(server, "run_server", fake_run)
     settings = serve_settings("--engine", "mine=http://127.0.0.1:8001")
-    assert asyncio.run(cli.serve(settings, True, Path("demo-dir"))) == 0
+    assert asyncio.run(server.serve(settings, True, Path("demo-dir"))) == 0
     assert seen == {
         "workdir": Path("demo-dir"),
         "models": ["tiny-a", "tiny-b"],

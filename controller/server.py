@@ -1,0 +1,147 @@
+"""`hotswap serve`'s runtime: the Sidecar's two apps on uvicorn, signals, the demo directory.
+
+uvicorn's split is the model: settings (controller.settings) are the config, this module
+the server, controller.cli the command line. The control API's lifespan starts and stops
+the Sidecar; the gateway, when enabled, is served next to it on its own port and follows it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import shutil
+import signal
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+
+import uvicorn
+
+from controller.errors import EXIT_OK, EXIT_STARTUP, CliError
+from controller.settings import ModelSettings, Settings
+from controller.sidecar import Sidecar
+
+log = logging.getLogger("hotswap.server")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that a signal only sets the exit flag.
+
+    uvicorn re-raises a captured SIGTERM after serving, which would kill the process before
+    the demo engines are stopped; here the caller shuts everything down and picks the code.
+    """
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.signals: list[int] = []
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals can only be handled on the main thread
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.signals.append(sig)
+        super().handle_exit(sig, frame)
+
+
+class _GatewayServer(uvicorn.Server):
+    """The gateway's server: it follows the control API's, which alone handles signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def run_server(settings: Settings) -> int:
+    """Serve until a signal; the app's lifespan starts and stops the manager (and, in
+    managed mode, the engines). With the gateway on, it is served next to it, on its port."""
+    side = Sidecar(settings)
+    app = side.app
+    gateway: _GatewayServer | None = None
+    if side.gateway_app is not None:
+        gw_app = side.gateway_app
+        gateway = _GatewayServer(
+            uvicorn.Config(
+                gw_app,
+                host=settings.gateway.host,
+                port=settings.gateway.port,
+                log_config=None,
+                lifespan="on",
+                timeout_graceful_shutdown=math.ceil(settings.timeouts.shutdown_s),
+            )
+        )
+    config = uvicorn.Config(
+        app,
+        host=settings.server.host,
+        port=settings.server.port,
+        log_config=None,  # our root handler formats uvicorn's lines too
+        lifespan="on",
+        timeout_graceful_shutdown=math.ceil(settings.timeouts.shutdown_s),
+    )
+    server = _Server(config)
+    if gateway is None:
+        await server.serve()
+    else:
+        gw_task = asyncio.create_task(_serve_gateway(gateway, server), name="hotswap-gateway")
+        try:
+            await server.serve()
+        finally:
+            gateway.should_exit = True
+            await gw_task
+        if not gateway.started:
+            return EXIT_STARTUP
+    if server.signals:
+        return 128 + server.signals[0]  # the shell's convention for "ended by signal N"
+    return EXIT_OK if server.started else EXIT_STARTUP
+
+
+async def _serve_gateway(gateway: uvicorn.Server, control: uvicorn.Server) -> None:
+    """Run the gateway; if it cannot start (port taken), stop the control API too."""
+    try:
+        await gateway.serve()
+    except (SystemExit, OSError) as exc:  # uvicorn exits when it cannot bind
+        log.error("the gateway did not start: %s", exc)
+    if not gateway.started:
+        control.should_exit = True
+
+
+def demo_settings(settings: Settings, models: list[ModelSettings], workdir: Path) -> Settings:
+    """The embedded default: managed engines behind the gateway, a budget of one awake
+    model (unless one is configured), engine logs in the demo's work dir."""
+    data = settings.model_dump()
+    data["models"] = [m.model_dump(exclude_unset=True) for m in models]
+    if settings.swap.budget_bytes is None and settings.swap.max_awake is None:
+        data["swap"]["max_awake"] = 1
+    if settings.supervisor.log_dir is None:
+        data["supervisor"]["log_dir"] = workdir / "logs"
+    return Settings.model_validate(data)
+
+
+async def serve(settings: Settings, demo: bool, demo_dir: Path | None) -> int:
+    if not demo:
+        return await run_server(settings)
+    try:
+        from controller.launcher import demo_models  # only for --demo
+    except ImportError as exc:
+        raise CliError(f"--demo needs controller.launcher, which is not available: {exc}") from exc
+    own = demo_dir is None
+    workdir = Path(tempfile.mkdtemp(prefix="hotswap-demo-")) if demo_dir is None else demo_dir
+    try:
+        models = await demo_models(workdir)
+        return await run_server(demo_settings(settings, models, workdir))
+    finally:
+        if own:
+            shutil.rmtree(workdir, ignore_errors=True)
