@@ -7,7 +7,6 @@ calls an engine. Nothing here answers 500: anything unexpected becomes a 502 wit
 
 from __future__ import annotations
 
-import hmac
 import http
 import logging
 import math
@@ -25,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controller.errors import HotswapError, Unauthorized, http_status
-from controller.guard import Guard, Refused
+from controller.guard import Guard, Refused, bearer_ok
 from controller.manager import Manager, ModelManager, Outcome
 from controller.openapi import control_table, document
 from controller.settings import HOUR_S, Settings
@@ -161,10 +160,7 @@ def require_token(request: Request, ctx: ContextDep) -> None:
     token = ctx.settings.auth.token
     if token is None:
         return
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    # compare_digest on bytes: constant time, and no TypeError on non-ASCII input.
-    expected = token.get_secret_value().encode()
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+    if not bearer_ok(request.headers.get("authorization"), token.get_secret_value().encode()):
         raise Unauthorized("a valid bearer token is required")
 
 

@@ -9,6 +9,7 @@ runner, controller.runner), and errors are mapped to HTTP status codes in one pl
      │    └── WakeRefused             409  the swap policy says no (the plan attached)
      ├── Unauthorized                 401
      ├── DrainTimeout                 504  drain=wait gave up; still RUNNING, nothing touched
+     ├── Refusal                      4xx/5xx  the gateway answers a /v1 request itself
      └── EngineError                  502  the engine answered wrongly: FAILED
           ├── EngineUnavailable       502  not reachable
           ├── EngineTimeout           504  no answer in time; for an RPC the ranks are unknown
@@ -21,6 +22,8 @@ runner, controller.runner), and errors are mapped to HTTP status codes in one pl
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 # The `hotswap` command's exit codes.
 EXIT_OK = 0
@@ -125,6 +128,25 @@ class BarrierTimeout(EngineError):
         out = super().to_dict()
         out["late_ranks"] = self.late_ranks
         return out
+
+
+class Refusal(HotswapError):
+    """A /v1 request the gateway answers itself (OpenAI-shaped body); its status is its own."""
+
+    def __init__(
+        self,
+        status: int,
+        reason: str | None,
+        message: str,
+        *,
+        retry_after_s: float | None = None,
+        detail: Mapping[str, object] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason  # the hotswap_gateway_refused_total label, when it counts
+        self.retry_after_s = retry_after_s
+        self.detail = dict(detail or {})
 
 
 def http_status(exc: BaseException) -> int:

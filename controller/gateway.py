@@ -14,7 +14,6 @@ them. Served on its own port by the same process as the control API.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import math
@@ -28,8 +27,8 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from controller.errors import HotswapError, ModelNotFound, WakeRefused
-from controller.guard import Guard, Refused
+from controller.errors import HotswapError, ModelNotFound, Refusal, WakeRefused
+from controller.guard import Guard, Refused, bearer_ok
 from controller.manager import Manager
 from controller.openapi import document, gateway_table
 from controller.record import ModelRecord
@@ -41,49 +40,29 @@ from controller.swapmetrics import SwapMetrics
 log = logging.getLogger("hotswap.gateway")
 
 FORWARDED = ("/v1/completions", "/v1/chat/completions")
-# States from which a model comes back by itself (a managed engine booting).
-COMING = (State.STARTING, State.UNKNOWN, State.SUSPENDING, State.RESUMING)
 # Response headers worth passing back (hop-by-hop and length are the server's own business).
 _PASS_HEADERS = ("content-type", "cache-control", "x-request-id")
 
 
-class Refusal(Exception):
-    """A request the gateway answers itself, with an OpenAI-shaped error body."""
-
-    def __init__(
-        self,
-        status: int,
-        reason: str | None,
-        message: str,
-        *,
-        retry_after_s: float | None = None,
-        detail: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.reason = reason  # the hotswap_gateway_refused_total label, when it counts
-        self.message = message
-        self.retry_after_s = retry_after_s
-        self.detail = detail or {}
-
-    def response(self) -> JSONResponse:
-        body: dict[str, Any] = {
-            "error": {
-                "message": self.message,
-                "type": _ERROR_TYPES.get(self.status, "error"),
-                "param": None,
-                "code": self.status,
-            }
+def openai_error(refusal: Refusal) -> JSONResponse:
+    """A refusal as the OpenAI-shaped error body clients of /v1 expect."""
+    body: dict[str, Any] = {
+        "error": {
+            "message": refusal.message,
+            "type": _ERROR_TYPES.get(refusal.status, "error"),
+            "param": None,
+            "code": refusal.status,
         }
-        if self.reason is not None:
-            body["error"]["reason"] = self.reason
-        body["error"].update(self.detail)
-        headers = {}
-        if self.retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
-        if self.status == 401:
-            headers["WWW-Authenticate"] = "Bearer"
-        return JSONResponse(body, status_code=self.status, headers=headers)
+    }
+    if refusal.reason is not None:
+        body["error"]["reason"] = refusal.reason
+    body["error"].update(refusal.detail)
+    headers = {}
+    if refusal.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(refusal.retry_after_s)))
+    if refusal.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(body, status_code=refusal.status, headers=headers)
 
 
 _ERROR_TYPES = {
@@ -118,13 +97,9 @@ class Gateway:
         self.fleet = manager.fleet
         self.metrics = metrics
         self._mono = monotonic
-        token = settings.auth.token
         # The bearer token every request is checked against (None: the gateway is open).
-        self._token: bytes | None = (
-            token.get_secret_value().encode()
-            if token is not None and settings.auth.guard_gateway
-            else None
-        )
+        token = settings.auth.token if settings.auth.guard_gateway else None
+        self._token = token.get_secret_value().encode() if token is not None else None
         timeout = httpx.Timeout(self.cfg.request_timeout_s, connect=settings.timeouts.control_s)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         self.client = httpx.AsyncClient(transport=transport, timeout=timeout, limits=limits)
@@ -136,11 +111,8 @@ class Gateway:
     # ---- auth and parsing ------------------------------------------------------------------
 
     def check_token(self, request: Request) -> None:
-        if self._token is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            given.strip().encode(), self._token
+        if self._token is not None and not bearer_ok(
+            request.headers.get("authorization"), self._token
         ):
             raise Refusal(401, "unauthorized", "a valid bearer token is required")
 
@@ -294,7 +266,7 @@ class Gateway:
                     refusal.message,
                     extra={"model": label or None, "phase": "gateway"},
                 )
-            return refusal.response()
+            return openai_error(refusal)
         if held:
             log.info("%s: request held %.3f s", name, held, extra={"model": name})
         return await self._send(name, path, raw, request, stream=body.get("stream") is True)
@@ -316,7 +288,7 @@ class Gateway:
             left()
             self.metrics.request(name, 502)
             log.warning("%s: forwarding %s failed: %s", name, path, exc, extra={"model": name})
-            return Refusal(502, None, f"{name}: the engine did not answer: {exc}").response()
+            return openai_error(Refusal(502, None, f"{name}: the engine did not answer: {exc}"))
         except BaseException:
             left()
             raise
@@ -367,6 +339,7 @@ class _Once:
 def create_gateway(gw: Gateway) -> FastAPI:
     """The gateway app over the sidecar's Gateway. Its lifespan only closes the HTTP client:
     the manager and the coordinator are started and stopped with the control app."""
+    settings = gw.settings
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -396,12 +369,12 @@ def create_gateway(gw: Gateway) -> FastAPI:
             gw.check_token(request)
         except Refusal as refusal:
             gw.metrics.refused("", "unauthorized")
-            return refusal.response()
+            return openai_error(refusal)
         return JSONResponse(gw.models())
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
-        return Refusal(exc.status_code, None, str(exc.detail)).response()
+        return openai_error(Refusal(exc.status_code, None, str(exc.detail)))
 
     # The guard's reasons, as counted in hotswap_gateway_refused_total.
     reasons = {401: "unauthorized", 429: "too_many_requests", 413: "too_large"}
@@ -412,7 +385,7 @@ def create_gateway(gw: Gateway) -> FastAPI:
             gw.metrics.refused("", reason)
         gw.metrics.request("", refused.status)
         retry = 1.0 if refused.status == 429 else None
-        return Refusal(refused.status, reason, refused.message, retry_after_s=retry).response()
+        return openai_error(Refusal(refused.status, reason, refused.message, retry_after_s=retry))
 
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_middleware(
@@ -437,7 +410,7 @@ async def _guarded(call: Callable[[], Awaitable[Response]]) -> Response:
     try:
         return await call()
     except ModelNotFound as exc:
-        return Refusal(404, None, exc.message).response()
+        return openai_error(Refusal(404, None, exc.message))
     except Exception as exc:
         log.exception("gateway: unexpected error")
-        return Refusal(502, None, f"internal error: {type(exc).__name__}: {exc}").response()
+        return openai_error(Refusal(502, None, f"internal error: {type(exc).__name__}: {exc}"))

@@ -30,7 +30,16 @@ from controller.metrics import Metrics
 from controller.record import Fleet, ModelRecord
 from controller.runner import AnyStep, PhaseFailed, Run, Runner
 from controller.settings import ModelSettings, Settings, TimeoutSettings
-from controller.state import Action, Event, ModelSnapshot, Request, State, TransitionRecord, decide
+from controller.state import (
+    Action,
+    Event,
+    ModelSnapshot,
+    Request,
+    State,
+    TransitionRecord,
+    decide,
+    refusal_reason,
+)
 from controller.steps import DrainMode
 from controller.tasks import Tasks
 
@@ -88,16 +97,7 @@ class ModelManager:
         return self.record.in_flight_task()
 
     def _refuse(self, req: Request) -> TransitionConflict:
-        snap = self.record.snapshot
-        if snap.state is State.FAILED:
-            why = f"the model is FAILED ({snap.last_error}); restart its engine"
-        elif snap.state in (State.UNKNOWN, State.STARTING):
-            why = f"the model is {snap.state.value}: not probed or not started yet"
-        elif snap.state is State.STOPPED:
-            why = "the model's engine is stopped"
-        else:
-            other = "wake" if req is Request.SLEEP else "sleep"
-            why = f"a {other} is in flight (state {snap.state.value})"
+        why = refusal_reason(self.record.snapshot, req)
         return TransitionConflict(f"cannot {req.value} {self.name}: {why}", model=self.name)
 
     # ---- requests ------------------------------------------------------------------------
@@ -178,14 +178,8 @@ class ModelManager:
         run = self.runner.begin("sleep", level, State.RUNNING)
         params = protocol.Params(level=level, quiesce_timeout_s=self.timeouts.quiesce_s)
         sequence = steps.sleep_sequence(level, drain, grace)
-        reports = await self._guarded(run, sequence, params)
-        freed = [
-            r.freed_bytes
-            for r in reports[protocol.SUSPEND.phase]
-            if isinstance(r, protocol.SuspendReport)
-        ]
-        for pool, n in protocol.sum_by_pool(freed).items():
-            self.metrics.bytes(self.name, "released", pool, n)
+        await self._guarded(run, sequence, params)
+        self.runner.count_bytes(run)
         rec = self.runner.finish(
             run, Event.SLEEP_DONE, State.SUSPENDED, level=level, last_error=None
         )
@@ -194,29 +188,17 @@ class ModelManager:
     def _gave_up(self, run: Run, exc: DrainTimeout) -> DrainTimeout:
         # Nothing was touched: the model is as verified as before the sleep was asked for.
         self.runner.finish(
-            run,
-            Event.SLEEP_GAVE_UP,
-            State.RUNNING,
-            "gave_up",
-            error=exc.message,
-            failed_phase="drain",
-            verified=True,
-        )
+            run, Event.SLEEP_GAVE_UP, State.RUNNING, "gave_up", error=exc.message,
+            failed_phase="drain", verified=True,
+        )  # fmt: skip
         return exc
 
     async def _wake(self) -> Outcome:
         level = self.record.snapshot.level or 1
         run = self.runner.begin("wake", level, State.SUSPENDED)
         params = protocol.Params(level=level, quiesce_timeout_s=self.timeouts.quiesce_s)
-        reports = await self._guarded(run, steps.wake_sequence(level), params)
-        restored = [
-            r.restored_bytes
-            for rs in reports.values()
-            for r in rs
-            if isinstance(r, protocol.ResumeReport)
-        ]
-        for pool, n in protocol.sum_by_pool(restored).items():
-            self.metrics.bytes(self.name, "restored", pool, n)
+        await self._guarded(run, steps.wake_sequence(level), params)
+        self.runner.count_bytes(run)
         rec = self.runner.finish(
             run, Event.WAKE_DONE, State.RUNNING, verified=True, level=None, last_error=None
         )

@@ -250,12 +250,27 @@ class Runner:
         )
         return rec
 
+    def count_bytes(self, run: Run) -> None:
+        """A transition that succeeded: the bytes its ranks freed or brought back, by pool."""
+        reports = [r for rs in run.reports.values() for r in rs]
+        freed = [r.freed_bytes for r in reports if isinstance(r, protocol.SuspendReport)]
+        restored = [r.restored_bytes for r in reports if isinstance(r, protocol.ResumeReport)]
+        for direction, per_rank in (("released", freed), ("restored", restored)):
+            for pool, n in protocol.sum_by_pool(per_rank).items():
+                self.metrics.bytes(self.name, direction, pool, n)
+
     def finish(
-        self, run: Run, event: Event, to_state: State, result: str = "ok", **changes: Any
+        self,
+        run: Run,
+        event: Event,
+        to_state: State,
+        result: str = "ok",
+        *,
+        error: str | None = None,
+        failed_phase: str | None = None,
+        **changes: Any,
     ) -> TransitionRecord:
         """End a transition that did not fail: record it and apply `event`."""
-        error = changes.pop("error", None)
-        failed_phase = changes.pop("failed_phase", None)
         rec = self._transition(run, to_state, result, error=error, failed_phase=failed_phase)
         self._set_phase(None)
         self.apply(event, phase=failed_phase, last_transition=rec, **changes)

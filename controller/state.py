@@ -118,6 +118,18 @@ def decide(state: State, request: Request) -> Action:
     return REQUESTS.get((state, request), Action.CONFLICT)
 
 
+def refusal_reason(snap: ModelSnapshot, request: Request) -> str:
+    """Why a request `decide` answered CONFLICT (or a JOIN of a transition not ours) is refused."""
+    if snap.state is State.FAILED:
+        return f"the model is FAILED ({snap.last_error}); restart its engine"
+    if snap.state in (State.UNKNOWN, State.STARTING):
+        return f"the model is {snap.state.value}: not probed or not started yet"
+    if snap.state is State.STOPPED:
+        return "the model's engine is stopped"
+    other = "wake" if request is Request.SLEEP else "sleep"
+    return f"a {other} is in flight (state {snap.state.value})"
+
+
 class Gate(enum.StrEnum):
     """How a model counts toward the sidecar's readiness (/health)."""
 
