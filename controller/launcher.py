@@ -105,12 +105,18 @@ class EngineSpec:
     uni: bool = True  # single-process executor: about 2x faster start; False = production layout
     tensor_parallel_size: int = 1
     omp_threads_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND; TP2 on one NUMA node: "0|1"
-    kv_cache_memory_bytes: int = KV_CACHE_BYTES
+    kv_cache_memory_bytes: int | None = KV_CACHE_BYTES  # None: vLLM sizes it (GPU: by utilization)
     max_model_len: int = 256
     seed: int = 0
     worker_extension_cls: str | None = EXTENSION_CLS  # None only for probing vLLM itself
     skip_tokenizer_init: bool = False
     python: str = sys.executable
+    # CUDA: sleep mode on, a share of the GPU, and the engine's own shape of the run.
+    sleep_mode: bool = False
+    gpu_memory_utilization: float | None = None
+    dtype: str | None = None
+    load_format: str | None = None  # "dummy": random weights, no checkpoint read
+    max_num_seqs: int | None = None
     extra_args: tuple[str, ...] = ()
     extra_env: Mapping[str, str] = field(default_factory=dict)
     command: tuple[str, ...] | None = None  # a models file's own argv (managed mode), as given
@@ -153,8 +159,6 @@ class EngineSpec:
             LOOPBACK,
             "--port",
             str(self.port),
-            "--kv-cache-memory-bytes",
-            str(self.kv_cache_memory_bytes),
             "--enforce-eager",
             "--max-model-len",
             str(self.max_model_len),
@@ -169,6 +173,17 @@ class EngineSpec:
             args += ["--distributed-executor-backend", "mp"]
         if self.skip_tokenizer_init:
             args.append("--skip-tokenizer-init")
+        if self.sleep_mode:
+            args.append("--enable-sleep-mode")
+        for flag, value in (
+            ("--kv-cache-memory-bytes", self.kv_cache_memory_bytes),
+            ("--gpu-memory-utilization", self.gpu_memory_utilization),
+            ("--dtype", self.dtype),
+            ("--load-format", self.load_format),
+            ("--max-num-seqs", self.max_num_seqs),
+        ):
+            if value is not None:
+                args += [flag, str(value)]
         return args + list(self.extra_args)
 
     def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -18,7 +18,7 @@ refuse it (docs/benchmarks.md): the refused call per record made mapping a Llama
 pool cost 49-85 ms instead of 7-12 ms, and slowed the weights' map-and-copy loop enough
 that their copies ran at 1.13-1.14x instead of 1.00-1.01x the H2D bound.
 
-Used by the cumem backend when HOTSWAP_MAP_IMPL=driver, and by tests/gpu/bench_mapping.py.
+Used by the cumem backend when HOTSWAP_MAP_IMPL=driver, and by benchmarks/mapping.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """GPU tests: real vLLM 0.26 (CUDA) with sleep mode, in-process LLM objects.
 
 Every test here is marked `gpu` and skipped where CUDA or CUDA vLLM is missing, so CPU CI
-collects and skips them. On the device run them with tests/gpu/run-on-device.sh (it passes
+collects and skips them. On the device run them with benchmarks/run-on-device.sh (it passes
 --confcutdir, so the controller-side root conftest and its packages are not needed there).
 Each LLM runs its engine in its own process (multiprocessing on): vLLM's CuMemAllocator
 allows one sleep-mode engine per process.

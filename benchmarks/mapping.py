@@ -1,6 +1,6 @@
 """Where a level-1 wake's time goes below vLLM: cuMem create / map / access against the DMA.
 
-    python tests/gpu/bench_mapping.py [--weights-gb 16.08] [--kv-gb 49.48] [--reps 3]
+    python3 -m benchmarks.mapping [--weights-gb 16.08] [--kv-gb 49.48] [--reps 3]
 
 Not a pytest module. Runs on the lent device without an engine (torch + the CUDA driver
 through ctypes), with allocations shaped like vLLM 0.26's pools for the Llama-3-8B shape
@@ -22,18 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import torch
 
-import torch  # noqa: E402
-
-from worker_ext.cudriver import Driver  # noqa: E402
+from worker_ext.cudriver import Driver
 
 GB = 1e9
 MiB = 1 << 20

@@ -1,8 +1,8 @@
 """Level-1 sleep/wake benchmark on one GPU: raw vLLM against the hot-swap path, same process.
 
-    python tests/gpu/bench_wake.py --shape llama3-8b [--via extension|backend] [--cycles 2]
+    python3 -m benchmarks.wake --shape llama3-8b [--via extension|backend] [--cycles 2]
 
-Not a pytest module (no test_ prefix). Runs on the lent device (tests/gpu/run-on-device.sh).
+Runs on the lent device (benchmarks/run-on-device.sh).
 One in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0: the worker is this process, so its
 RSS is ours to read and the caller-side times are the worker's times), dummy bf16 weights,
 enforce_eager. Order: pinned-copy bandwidth (torch, this process) -> engine -> raw vLLM
@@ -27,80 +27,10 @@ import tempfile
 import time
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from benchmarks.common import GB, SHAPES, UTIL, GiB, gen, logger, rss, timed, write_config
+from controller import protocol
 
-from controller import protocol  # noqa: E402  (after ROOT is importable)
-
-GB = 1e9
-GiB = 1 << 30
-
-SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
-    "tiny": (
-        "llama",
-        {
-            "vocab_size": 1024,
-            "hidden_size": 256,
-            "intermediate_size": 512,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 2048,
-        },
-    ),
-    "llama3-8b": (
-        "llama",
-        {
-            "vocab_size": 128256,
-            "hidden_size": 4096,
-            "intermediate_size": 14336,
-            "num_hidden_layers": 32,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 8,
-            "max_position_embeddings": 8192,
-            "rope_theta": 500000.0,
-        },
-    ),
-    "qwen25-14b": (
-        "qwen2",
-        {
-            "vocab_size": 152064,
-            "hidden_size": 5120,
-            "intermediate_size": 13824,
-            "num_hidden_layers": 48,
-            "num_attention_heads": 40,
-            "num_key_value_heads": 8,
-            "max_position_embeddings": 32768,
-            "rope_theta": 1000000.0,
-        },
-    ),
-}
-UTIL = {"tiny": 0.05, "llama3-8b": 0.45, "qwen25-14b": 0.5}
-
-
-def log(*a: Any) -> None:
-    print("[bench]", *a, flush=True)
-
-
-def rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def write_config(shape: str, d: str) -> str:
-    import transformers
-
-    fam, kw = SHAPES[shape]
-    cls = transformers.LlamaConfig if fam == "llama" else transformers.Qwen2Config
-    arch = "LlamaForCausalLM" if fam == "llama" else "Qwen2ForCausalLM"
-    cfg = cls(architectures=[arch], **kw)
-    cfg.torch_dtype = "bfloat16"
-    cfg.save_pretrained(d)
-    return d
+log = logger("bench", clock=False)
 
 
 def bandwidth(nbytes: int = 2 * GiB, reps: int = 5) -> dict[str, float]:
@@ -127,27 +57,6 @@ def bandwidth(nbytes: int = 2 * GiB, reps: int = 5) -> dict[str, float]:
     torch.cuda.empty_cache()
     torch._C._host_emptyCache()  # give the pinned test buffer back: RSS is measured later
     return out
-
-
-def gen(llm: Any, n: int = 16) -> tuple[list[int], list[float]]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    sp = SamplingParams(
-        temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1, detokenize=False
-    )
-    out = llm.generate(
-        TokensPrompt(prompt_token_ids=[2, 5, 9, 12, 7, 3, 11, 4]), sp, use_tqdm=False
-    )
-    c = out[0].outputs[0]
-    lps = [step[t].logprob for t, step in zip(c.token_ids, c.logprobs or [], strict=False)]
-    return list(c.token_ids), lps
-
-
-def timed(fn: Any, *a: Any, **k: Any) -> tuple[Any, float]:
-    t = time.perf_counter()
-    r = fn(*a, **k)
-    return r, time.perf_counter() - t
 
 
 class Direct:

@@ -1,6 +1,6 @@
 """Device smoke run of worker_ext.cumem.CuMemBackend alone (no extension), tiny model.
 
-    python tests/gpu/smoke_cumem.py
+    python3 -m benchmarks.smoke_cumem
 
 Not a pytest module. In-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) driven through
 local callables: tag_of, a kv-only suspend, level 1 and level 2 (reload from a host copy,
@@ -17,10 +17,9 @@ import sys
 import tempfile
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from tests.gpu.bench_wake import gen, write_config
+from benchmarks.common import gen, write_config
 
 FAILED: list[str] = []
 

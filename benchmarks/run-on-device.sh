@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One-command GPU run on the lent device, from the repo root, after the vLLM bundle:
-#   . .gpu/install-vllm-bundle.sh || exit 1; bash tests/gpu/run-on-device.sh STEP...
+#   . .gpu/install-vllm-bundle.sh || exit 1; bash benchmarks/run-on-device.sh STEP...
 # STEP: smoke | tests | bench:SHAPE[:via] (SHAPE tiny|llama3-8b|qwen25-14b, via
-# extension|backend; BENCH_ARGS adds bench_wake.py options, e.g. "--kv-modes wait"; TESTS_K
-# is a pytest -k expression for the tests step, e.g. "flip or cycle") | sidecar:SHAPE (bench_sidecar.py;
+# extension|backend; BENCH_ARGS adds benchmarks.wake options, e.g. "--kv-modes wait"; TESTS_K
+# is a pytest -k expression for the tests step, e.g. "flip or cycle") | sidecar:SHAPE (benchmarks.sidecar;
 # needs the controller's wheels on PYTHONPATH).
 # Each step runs in its own process with a time budget and is skipped when it would end
 # past DEADLINE seconds (default 560); the sidecar step takes what is left (at least
@@ -18,7 +18,7 @@ for step in "$@"; do
   IFS=: read -r name shape via <<<"$step"
   now=$(( $(date +%s) - start ))
   case "$name" in
-    smoke) budget=${SMOKE_BUDGET_S:-150}; cmd=(python3 tests/gpu/smoke_cumem.py) ;;
+    smoke) budget=${SMOKE_BUDGET_S:-150}; cmd=(python3 -m benchmarks.smoke_cumem) ;;
     tests) budget=${TESTS_BUDGET_S:-300}
            # TESTS_K: a pytest -k expression (one word to the shell), e.g. "flip or cycle"
            cmd=(python3 -m pytest tests/gpu --confcutdir tests/gpu -p no:warnings -p no:cacheprovider -v -rA --timeout 250 ${TESTS_K:+-k "$TESTS_K"}) ;;
@@ -27,10 +27,10 @@ for step in "$@"; do
            (( DEADLINE - now - 5 < budget )) && budget=$(( DEADLINE - now - 5 ))
            (( budget >= ${BENCH_MIN_S:-90} )) || budget=${BENCH_MIN_S:-90}
            # shellcheck disable=SC2206  # BENCH_ARGS: extra words, e.g. "--kv-modes wait"
-           cmd=(python3 tests/gpu/bench_wake.py --shape "${shape:-llama3-8b}" --via "${via:-extension}" ${BENCH_ARGS:-}) ;;
+           cmd=(python3 -m benchmarks.wake --shape "${shape:-llama3-8b}" --via "${via:-extension}" ${BENCH_ARGS:-}) ;;
     sidecar) budget=$(( DEADLINE - now - 5 ))
              (( budget >= ${SIDECAR_MIN_S:-150} )) || budget=${SIDECAR_MIN_S:-150}
-             cmd=(python3 tests/gpu/bench_sidecar.py --shape "${shape:-llama3-8b}" --budget-s $(( budget - 25 ))) ;;
+             cmd=(python3 -m benchmarks.sidecar --shape "${shape:-llama3-8b}" --budget-s $(( budget - 25 ))) ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   if (( now + budget > DEADLINE )); then

