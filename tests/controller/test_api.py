@@ -17,6 +17,7 @@ from fakevllm import FakeVllm
 from prometheus_client import CollectorRegistry
 
 from controller.engine import EngineClient
+from controller.launcher import free_port
 from controller.settings import ModelSettings, Settings, TimeoutSettings
 from controller.sidecar import Sidecar
 from controller.state import Gate
@@ -536,11 +537,7 @@ def test_empty_token_refused() -> None:
 
 def test_create_app_builds_its_own_manager_and_metrics() -> None:
     """Without an injected manager: a real EngineClient to a closed port -> FAILED, 503."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again below: connecting is refused at once
+    port = free_port()  # closed again: connecting to it is refused at once
 
     async def main() -> None:
         settings = Settings(

@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from controller import cli, server
 from controller.engine import EngineClient
+from controller.launcher import free_port
 from controller.settings import LogFormat, ModelSettings, Settings, TimeoutSettings
 from controller.sidecar import Sidecar
 
@@ -54,13 +54,6 @@ def restore_logging() -> Iterator[None]:
 def serve_settings(*argv: str) -> Settings:
     args = cli.build_parser().parse_args(["serve", *argv])
     return cli.settings_from_args(args)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 # ----------------------------------------------------------------------------- serve arguments

@@ -16,11 +16,6 @@ from controller.settings import TimeoutSettings
 Handler = Callable[[httpx.Request], httpx.Response]
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class Recorder:
     """A MockTransport handler that records requests and which connection (client) sent them."""
 

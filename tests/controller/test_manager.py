@@ -36,11 +36,6 @@ from controller.state import Action, State
 Override = Callable[[httpx.Request], Awaitable[httpx.Response]]
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class FakeClock:
     def __init__(self) -> None:
         self.t = 0.0

@@ -11,7 +11,6 @@ import contextlib
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from controller.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -220,13 +221,6 @@ def dockerfile(path: Path) -> list[Instruction]:
 
 
 # ----------------------------------------------------------------------------- Prometheus
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class PrometheusServer:
