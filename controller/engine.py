@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from controller.errors import EngineError, EngineTimeout, EngineUnavailable
 from controller.settings import TimeoutSettings
@@ -26,8 +25,6 @@ PauseMode = Literal["wait", "abort", "keep"]
 
 # Token ids, not text: works with --skip-tokenizer-init and with every vocabulary.
 WARMUP_PROMPT = [1, 2, 3, 4]
-# In-flight requests as vLLM's Prometheus endpoint counts them.
-IN_FLIGHT_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 # A pause of an idle engine answers in tens of milliseconds; a zero HTTP timeout would not.
 MIN_PAUSE_TIMEOUT_S = 0.01
 _BODY_EXCERPT = 500
@@ -184,10 +181,6 @@ class EngineClient:
     async def is_paused(self) -> bool:
         return await self._flag("/is_paused", "is_paused")
 
-    async def is_sleeping(self) -> bool:
-        """Also true while merely paused (vLLM ORs the scheduler pause in)."""
-        return await self._flag("/is_sleeping", "is_sleeping")
-
     async def pause(
         self, mode: PauseMode, clear_cache: bool = True, timeout_s: float | None = None
     ) -> None:
@@ -257,23 +250,6 @@ class EngineClient:
                 f"{self.base_url}: warm-up completion answered {str(data)[:_BODY_EXCERPT]!r}"
             )
         return elapsed
-
-    async def metrics_text(self) -> str:
-        resp = await self._send("GET", "/metrics", timeout_s=self.timeouts.control_s)
-        return resp.text
-
-    async def in_flight(self) -> int:
-        """Running plus waiting requests, from vLLM's Prometheus gauges."""
-        text = await self.metrics_text()
-        total = 0.0
-        try:
-            for family in text_string_to_metric_families(text):
-                for sample in family.samples:
-                    if sample.name in IN_FLIGHT_METRICS:
-                        total += sample.value
-        except ValueError as exc:
-            raise EngineError(f"{self.base_url}: /metrics is not Prometheus text: {exc}") from exc
-        return int(total)
 
     async def aclose(self) -> None:
         if self._owns_client:

