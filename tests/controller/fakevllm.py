@@ -1,16 +1,22 @@
-"""A fake vLLM OpenAI server with the hotswap worker extension, behind httpx.MockTransport.
+"""The one fake vLLM OpenAI server (with the hotswap worker extension) of the unit tests,
+behind httpx.MockTransport.
 
-It keeps just enough state (paused, suspended pools, level) for the manager's sleep and
-wake sequences and answers each `hotswap_*` RPC with one plausible dict per rank. Tests
-steer it per method: block until an asyncio.Event is set, or fail in a chosen way.
+It keeps just enough state (paused, suspended pools, level, requests in flight) for the
+manager's sleep and wake sequences, answers each `hotswap_*` RPC with one plausible dict
+per rank, and pauses as vLLM 0.32 was measured to (docs/contracts.md, "Measured: pause
+semantics"): a `/pause?mode=wait` waits for the requests in flight within its HTTP timeout
+and stays paused when that runs out. Tests steer it per call: block until an asyncio.Event
+is set, fail in a chosen way, answer with their own handler (`overrides`), or cost fake
+seconds on a fake clock (`costs`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import httpx
 from prometheus_client import CollectorRegistry
@@ -23,6 +29,11 @@ from controller.supervisor import EngineFactory as ProcessFactory
 Failure = Literal["rank", "http500", "timeout", "unreachable", "mismatch"]
 
 POOL_BYTES = {"weights": 4096, "kv_cache": 2048}
+Override = Callable[[httpx.Request], Awaitable[httpx.Response]]
+
+
+class Clock(Protocol):
+    t: float
 
 
 @dataclass
@@ -32,16 +43,32 @@ class FakeVllm:
     paused: bool = False
     level: int | None = None
     suspended: dict[str, str] = field(default_factory=dict)
-    in_flight: int = 0
-    # method (an RPC name like "hotswap_suspend" or a path like "/pause") -> how it fails
+    pool_bytes: dict[str, int] = field(default_factory=lambda: dict(POOL_BYTES))  # per rank
+    in_flight_s: float = 0.0  # how long the requests in flight still need to finish
+    # A call's name: the RPC's method ("hotswap_suspend"), `/pause?wait` or `/pause?abort`,
+    # or the path ("/resume"). `fail` also takes the bare path ("/pause").
     fail: dict[str, Failure] = field(default_factory=dict)
-    # method -> event the answer waits for; `entered[method]` is set when the call arrives
+    overrides: dict[str, Override] = field(default_factory=dict)  # name -> own answer
+    # name -> event the answer waits for; `entered[name]` is set when the call arrives
     gates: dict[str, asyncio.Event] = field(default_factory=dict)
     entered: dict[str, asyncio.Event] = field(default_factory=dict)
+    clock: Clock | None = None  # advanced by `costs[name]` seconds per call
+    costs: dict[str, float] = field(default_factory=dict)
     calls: list[str] = field(default_factory=list)
+    requests: list[httpx.Request] = field(default_factory=list)
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        return await self.handle(request)
+
+    def rpc_calls(self) -> list[str]:
+        return [c for c in self.calls if c.startswith("hotswap_")]
+
+    def _advance(self, seconds: float) -> None:
+        if self.clock is not None:
+            self.clock.t += seconds
 
     def block(self, method: str) -> asyncio.Event:
         """Make `method` wait for the returned event; `entered[method]` says it arrived."""
@@ -56,12 +83,18 @@ class FakeVllm:
         if path == "/collective_rpc":
             body = json.loads(request.content)
             method = str(body["method"])
+        elif path == "/pause":
+            method = f"/pause?{request.url.params.get('mode', 'wait')}"
         self.calls.append(method)
+        self.requests.append(request)
+        self._advance(self.costs.get(method, 0.0))
         if method in self.entered:
             self.entered[method].set()
         if method in self.gates:
             await self.gates[method].wait()
-        failure = self.fail.get(method)
+        if method in self.overrides:
+            return await self.overrides[method](request)
+        failure = self.fail.get(method) or self.fail.get(path)
         if failure == "timeout":
             raise httpx.ReadTimeout(f"fake {method} timed out", request=request)
         if failure == "unreachable":
@@ -69,9 +102,26 @@ class FakeVllm:
         if failure == "http500":
             return httpx.Response(500, json={"error": {"message": f"fake {method} broke"}})
         if path == "/collective_rpc":
+            assert method != "hotswap_quiesce" or self.paused, "quiesce on an unpaused engine"
             results = [self._rank(method, r, body, failure) for r in range(self.world_size)]
             return httpx.Response(200, json={"results": results})
         return self._http(path, request)
+
+    def _pause(self, request: httpx.Request) -> httpx.Response:
+        """As measured: paused at once; a wait answers when the requests in flight are done,
+        and an HTTP timeout before that leaves the engine paused."""
+        self.paused = True
+        if request.url.params.get("mode") == "abort":
+            self.in_flight_s = 0.0
+        else:
+            budget = float(request.extensions["timeout"]["read"])
+            if self.in_flight_s > budget:
+                self._advance(budget)
+                self.in_flight_s -= budget
+                raise httpx.ReadTimeout("timed out", request=request)
+            self._advance(self.in_flight_s)
+            self.in_flight_s = 0.0
+        return httpx.Response(200, json={"status": "paused"})
 
     def _http(self, path: str, request: httpx.Request) -> httpx.Response:
         if path == "/health":
@@ -81,23 +131,16 @@ class FakeVllm:
         if path == "/is_sleeping":
             return httpx.Response(200, json={"is_sleeping": self.paused or bool(self.suspended)})
         if path == "/pause":
-            self.paused = True
-            return httpx.Response(200, json={"status": "paused"})
+            return self._pause(request)
         if path == "/resume":
             self.paused = False
             return httpx.Response(200, json={"status": "resumed"})
         if path == "/v1/models":
             return httpx.Response(200, json={"object": "list", "data": [{"id": self.name}]})
         if path == "/v1/completions":
+            if self.paused or self.suspended:  # a real engine would hang or serve garbage
+                return httpx.Response(500, json={"error": {"message": "would hang"}})
             return httpx.Response(200, json={"choices": [{"index": 0, "text": " a"}]})
-        if path == "/metrics":
-            text = (
-                "# TYPE vllm:num_requests_running gauge\n"
-                f'vllm:num_requests_running{{model_name="{self.name}"}} {self.in_flight}\n'
-                "# TYPE vllm:num_requests_waiting gauge\n"
-                f'vllm:num_requests_waiting{{model_name="{self.name}"}} 0\n'
-            )
-            return httpx.Response(200, text=text)
         return httpx.Response(404, json={"detail": "Not Found"})
 
     def _rank(
@@ -115,7 +158,7 @@ class FakeVllm:
                 backend="host",
                 vllm_version="0.0.fake",
                 model="FakeForCausalLM",
-                pools=dict(POOL_BYTES),
+                pools=dict(self.pool_bytes),
                 device_memory={"rss": 1 << 20},
                 suspended=dict(self.suspended),
                 level=self.level,
@@ -156,18 +199,18 @@ class FakeVllm:
             )
         elif method == "hotswap_suspend":
             level = int(args[0] if args else kwargs.get("level", 1))
-            tags = list(POOL_BYTES)
-            offloaded = {"weights": POOL_BYTES["weights"]} if level == 1 else {}
+            tags = list(self.pool_bytes)
+            offloaded = {"weights": self.pool_bytes["weights"]} if level == 1 else {}
             if rank == 0:
                 self.level = level
                 self.suspended = {t: "offloaded" if t in offloaded else "discarded" for t in tags}
             out.update(
                 level=level,
                 tags=tags,
-                freed_bytes=dict(POOL_BYTES),
+                freed_bytes=dict(self.pool_bytes),
                 offloaded_bytes=offloaded,
                 memory_before=1 << 20,
-                memory_after=(1 << 20) - sum(POOL_BYTES.values()),
+                memory_after=(1 << 20) - sum(self.pool_bytes.values()),
             )
         elif method == "hotswap_resume":
             tags = args[0] if args else kwargs.get("tags")
@@ -179,7 +222,7 @@ class FakeVllm:
                     self.level = None
             out.update(
                 tags=tags,
-                restored_bytes={t: POOL_BYTES.get(t, 0) for t in tags},
+                restored_bytes={t: self.pool_bytes.get(t, 0) for t in tags},
                 memory_before=1 << 19,
                 memory_after=1 << 20,
             )

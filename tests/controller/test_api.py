@@ -180,7 +180,7 @@ async def test_sleep_defaults_and_noop(client: httpx.AsyncClient, f: dict[str, F
     assert r.status_code == 200, r.text
     assert r.json()["state"] == "SUSPENDED"
     assert r.json()["transition"]["level"] == 2
-    assert "/pause" in f["a"].calls
+    assert "/pause?wait" in f["a"].calls
     r = await client.post("/models/a/sleep", json={})
     assert r.status_code == 200
     assert (r.json()["action"], r.json()["state"]) == ("noop", "SUSPENDED")
@@ -441,9 +441,8 @@ async def test_verification_failure_502_names_tensor(
 async def test_drain_timeout_504_stays_running(
     client: httpx.AsyncClient, f: dict[str, FakeVllm]
 ) -> None:
-    # MockTransport has no clock: the pause's HTTP timeout is simulated by the fake.
-    f["a"].fail["/pause"] = "timeout"
-    f["a"].in_flight = 1
+    # Requests in flight for longer than the drain timeout: the pause's HTTP call times out.
+    f["a"].in_flight_s = 10.0
     r = await client.post("/models/a/sleep", json={"drain": "wait", "drain_timeout_s": 0.05})
     assert_error(r, 504, "DrainTimeout")
     snap = (await client.get("/models/a")).json()

@@ -231,7 +231,7 @@ def test_status_sleep_wake(live: LiveSidecar) -> None:
     assert "suspend" in out
     assert "ranks=2" in out
     assert live.fakes["a"].level == 2
-    assert "/pause" in live.fakes["a"].calls
+    assert "/pause?abort" in live.fakes["a"].calls
 
     code, out = live.hotswap("status")
     row = next(line.split() for line in out.splitlines() if line.startswith("a "))

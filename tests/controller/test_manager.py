@@ -1,4 +1,5 @@
-"""ModelManager and Manager against a fake engine world played by httpx.MockTransport.
+"""ModelManager and Manager against the fake engine world (fakevllm.FakeVllm) played by
+httpx.MockTransport.
 
 The world keeps the little state the sequences need (paused, suspended pools, level) and
 answers like vLLM 0.32 with the hotswap extension (the pause semantics as measured, see
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
+from fakevllm import FakeVllm
 from prometheus_client import CollectorRegistry
 
 from controller.engine import EngineClient
@@ -33,8 +35,6 @@ from controller.metrics import Metrics
 from controller.settings import ModelSettings, Settings, TimeoutSettings
 from controller.state import Action, State
 
-Override = Callable[[httpx.Request], Awaitable[httpx.Response]]
-
 
 class FakeClock:
     def __init__(self) -> None:
@@ -47,116 +47,8 @@ class FakeClock:
         return 1_700_000_000.0 + self.t
 
 
-class World:
-    """One fake vLLM server with the extension; `calls` lists what it was asked, in order."""
-
-    def __init__(self, clock: FakeClock, ranks: int = 2) -> None:
-        self.clock = clock
-        self.ranks = ranks
-        self.paused = False
-        self.suspended: dict[str, str] = {}
-        self.level: int | None = None
-        self.in_flight_s = 0.0  # how long in-flight requests still need to finish
-        self.costs: dict[str, float] = {}  # call name -> fake seconds it takes
-        self.overrides: dict[str, Override] = {}
-        self.gates: dict[str, asyncio.Event] = {}
-        self.calls: list[str] = []
-        self.requests: list[httpx.Request] = []
-
-    def block(self, name: str) -> asyncio.Event:
-        self.gates[name] = asyncio.Event()
-        return self.gates[name]
-
-    def rpc_calls(self) -> list[str]:
-        return [c for c in self.calls if c.startswith("hotswap_")]
-
-    def ranks_ok(self, **extra: Any) -> httpx.Response:
-        return httpx.Response(
-            200,
-            json={
-                "results": [
-                    {"ok": True, "rank": r, "elapsed_s": 0.001, **extra} for r in range(self.ranks)
-                ]
-            },
-        )
-
-    async def __call__(self, request: httpx.Request) -> httpx.Response:
-        path = request.url.path
-        body: dict[str, Any] = json.loads(request.content) if request.content else {}
-        name = body["method"] if path == "/collective_rpc" else path
-        if path == "/pause":
-            name = f"/pause?{request.url.params['mode']}"
-        self.calls.append(name)
-        self.requests.append(request)
-        self.clock.t += self.costs.get(name, 0.0)
-        if name in self.gates:
-            await self.gates[name].wait()
-        if name in self.overrides:
-            return await self.overrides[name](request)
-        return self.answer(name, request, body)
-
-    def answer(self, name: str, request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
-        args = body.get("args", [])
-        if name == "/health":
-            return httpx.Response(200)
-        if name == "/is_paused":
-            return httpx.Response(200, json={"is_paused": self.paused})
-        if name == "/pause?wait":
-            budget = request.extensions["timeout"]["read"]
-            self.paused = True  # measured: set at once, kept after a client timeout
-            if self.in_flight_s > budget:
-                self.clock.t += budget
-                self.in_flight_s -= budget
-                raise httpx.ReadTimeout("timed out", request=request)
-            self.clock.t += self.in_flight_s
-            self.in_flight_s = 0.0
-            return httpx.Response(200, json={"status": "paused"})
-        if name == "/pause?abort":
-            self.paused, self.in_flight_s = True, 0.0
-            return httpx.Response(200, json={"status": "paused"})
-        if name == "/resume":
-            self.paused = False
-            return httpx.Response(200, json={"status": "resumed"})
-        if name == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": "tiny"}]})
-        if name == "/v1/completions":
-            if self.paused or self.suspended:
-                return httpx.Response(500, json={"error": {"message": "would hang"}})
-            return httpx.Response(200, json={"choices": [{"text": "", "finish_reason": "length"}]})
-        if name == "hotswap_info":
-            return self.ranks_ok(suspended=dict(self.suspended), level=self.level, pools={})
-        if name == "hotswap_quiesce":
-            assert self.paused, "quiesce on an unpaused engine"
-            return self.ranks_ok(barrier_s=0.001, late_ranks=[])
-        if name == "hotswap_prepare":
-            return self.ranks_ok(protected=1, protected_bytes=8, fingerprinted=3, at_risk=["a.b"])
-        if name == "hotswap_suspend":
-            (level,) = args
-            self.level = level
-            kind = "offloaded" if level == 1 else "discarded"
-            self.suspended = {"weights": kind, "kv_cache": "discarded"}
-            return self.ranks_ok(
-                level=level, freed_bytes={"weights": 1000, "kv_cache": 500}, offloaded_bytes={}
-            )
-        if name == "hotswap_resume":
-            (tags,) = args
-            for tag in tags:
-                self.suspended.pop(tag, None)
-            return self.ranks_ok(
-                tags=tags, restored_bytes={t: {"weights": 1000, "kv_cache": 500}[t] for t in tags}
-            )
-        if name == "hotswap_reload":
-            return self.ranks_ok()
-        if name == "hotswap_restore_and_verify":
-            self.level = None
-            return self.ranks_ok(restored=1, rebound=[], verified=3, mismatched=[])
-        if name == "hotswap_audit":
-            return self.ranks_ok(count=3, bytes=100, at_risk=[], at_risk_bytes=0)
-        raise AssertionError(f"unexpected call {name}")
-
-
 class Rig:
-    def __init__(self, world: World, manager: Manager, registry: CollectorRegistry) -> None:
+    def __init__(self, world: FakeVllm, manager: Manager, registry: CollectorRegistry) -> None:
         self.world = world
         self.manager = manager
         self.registry = registry
@@ -174,7 +66,10 @@ def make_rig(
     **timeouts: float,
 ) -> Rig:
     clock = clock or FakeClock()
-    world = World(clock, ranks)
+    # 1000 + 500 bytes per rank: the sums over ranks below are easy to read.
+    world = FakeVllm(
+        name="tiny", world_size=ranks, pool_bytes={"weights": 1000, "kv_cache": 500}, clock=clock
+    )
     settings = Settings(
         models=[ModelSettings(name="m", url="http://m:8000")],  # type: ignore[call-arg]
         timeouts=TimeoutSettings(**timeouts),  # type: ignore[arg-type]
