@@ -20,12 +20,7 @@ from typing import Any
 
 from controller import protocol, steps
 from controller.engine import EngineClient
-from controller.errors import (
-    DrainTimeout,
-    EngineError,
-    ModelNotFound,
-    TransitionConflict,
-)
+from controller.errors import DrainTimeout, EngineError, ModelNotFound, TransitionConflict
 from controller.metrics import Metrics
 from controller.record import Fleet, ModelRecord
 from controller.runner import AnyStep, PhaseFailed, Run, Runner
@@ -47,8 +42,6 @@ log = logging.getLogger("hotswap.manager")
 
 EngineFactory = Callable[[ModelSettings, TimeoutSettings], EngineClient]
 Clock = Callable[[], float]
-
-__all__ = ["DrainMode", "Manager", "ModelManager", "Outcome"]
 
 
 def default_engine_factory(model: ModelSettings, timeouts: TimeoutSettings) -> EngineClient:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from controller.errors import DrainTimeout, HotswapError, WakeRefused
-from controller.manager import DrainMode, Manager, Outcome
+from controller.manager import Manager, Outcome
 from controller.policy import (
     Budget,
     Decision,
@@ -33,6 +33,7 @@ from controller.policy import (
 )
 from controller.settings import Settings
 from controller.state import State
+from controller.steps import DrainMode
 from controller.swapmetrics import SwapMetrics
 
 log = logging.getLogger("hotswap.swap")
