@@ -57,9 +57,9 @@ class Changes:
                 return False
             fut = self.next()
             try:
-                await asyncio.wait_for(asyncio.shield(fut), left)
-            except TimeoutError:
-                return predicate()
+                # asyncio.wait, not wait_for: on 3.11 wait_for can swallow a cancellation that
+                # races with the change, and the waiter would never end.
+                await asyncio.wait({fut}, timeout=left)
             finally:
                 fut.cancel()
         return True

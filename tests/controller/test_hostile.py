@@ -23,10 +23,10 @@ from fakevllm import FakeVllm
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp
-from test_api import make_manager, make_settings
+from test_api import make_settings, make_sidecar
 from test_gateway import completion, world
 
-from controller import api, cli
+from controller import cli
 from controller.settings import Settings
 
 TOKEN = "hostile-test-token"
@@ -122,7 +122,7 @@ def control_app(token: str | None = TOKEN, **server: Any) -> ASGIApp:
             {**settings.model_dump(), "server": {**settings.server.model_dump(), **server}}
         )
     registry = CollectorRegistry()
-    return api.create_app(settings, make_manager(settings, fakes, registry), registry)
+    return make_sidecar(settings, fakes, registry).app
 
 
 # ----------------------------------------------------------------------------- auth first
@@ -372,7 +372,7 @@ def test_a_secret_with_a_trailing_newline_still_lets_the_token_in(tmp_path: Path
                 {**make_settings(fakes).model_dump(exclude={"auth"}), "auth": auth}
             )
             registry = CollectorRegistry()
-            app = api.create_app(settings, make_manager(settings, fakes, registry), registry)
+            app = make_sidecar(settings, fakes, registry).app
             transport = httpx.ASGITransport(app=app)
             async with (
                 app.router.lifespan_context(app),
