@@ -36,8 +36,6 @@ from schemathesis.specs.openapi.checks import (
 from starlette.types import Receive, Scope, Send
 from test_gateway import Chunks, Engine, Router
 
-from controller import api
-from controller.gateway import create_gateway
 from controller.settings import ModelSettings, Settings
 
 TOKEN = "fuzz-token"
@@ -107,11 +105,10 @@ class Pair:
         self.settings = fuzz_settings(token)
         self.engines = {n: Engine(FakeVllm(name=n, world_size=1)) for n in NAMES}
         router = WireRouter(self.engines)
-        manager, coordinator, swap_metrics, registry = wire(self.settings, router)
-        self.control = api.create_app(self.settings, manager, registry, coordinator=coordinator)
-        self.gateway = create_gateway(
-            self.settings, manager, coordinator, swap_metrics, transport=router
-        )
+        side = wire(self.settings, router)  # the Sidecar `hotswap serve` builds
+        assert side.gateway_app is not None
+        self.control = side.app
+        self.gateway = side.gateway_app
         self.target = self.control if target == "control" else self.gateway
 
     @asynccontextmanager
