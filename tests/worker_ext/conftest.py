@@ -95,16 +95,23 @@ def ok(llm: Any, method: str, *args: Any, **kwargs: Any) -> list[dict[str, Any]]
 
 # After each pool comes back, `poison` overwrites it where a wake must have restored it.
 _POISON_AFTER = {protocol.RESUME_WEIGHTS.phase: "weights", protocol.RESUME_KV.phase: "kv_cache"}
+# The keys the tests read rank 0's reports by.
+_KEY = {
+    protocol.RESUME_WEIGHTS.phase: "resume_w",
+    protocol.RESUME_KV.phase: "resume_kv",
+    protocol.VERIFY.phase: "verify",
+}
 
 
 def cycle(llm: Any, level: int, poison: bool = False, timeout_s: float = 10.0) -> dict[str, Any]:
     """The controller's sleep+wake RPCs (controller.protocol's steps, in their order);
-    returns rank 0's report by phase."""
+    returns rank 0's reports: quiesce, prepare, suspend, resume_w, [reload], resume_kv,
+    verify."""
     llm.reset_prefix_cache()  # the controller's pause(clear_cache=true): KV is about to go
     params = protocol.Params(level=level, quiesce_timeout_s=timeout_s)
     rep: dict[str, Any] = {}
     for step in (*protocol.sleep_steps(level), *protocol.wake_steps(level)):
-        rep[step.phase] = ok(llm, step.method, *step.call_args(params))[0]
+        rep[_KEY.get(step.phase, step.phase)] = ok(llm, step.method, *step.call_args(params))[0]
         if poison and step.phase in _POISON_AFTER:
             ok(llm, "hotswap_test_poison", [_POISON_AFTER[step.phase]], level)
     return rep

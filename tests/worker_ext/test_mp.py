@@ -31,7 +31,7 @@ def test_mp_level2_poisoned_cycle_and_failures(llm: Any) -> None:
     baseline = generate(llm)
     rep = cycle(llm, 2, poison=True)
     assert "model.embed_tokens.hotswap_test_scale" in rep["prepare"]["at_risk"]
-    assert rep["restore_and_verify"]["mismatched"] == []
+    assert rep["verify"]["mismatched"] == []
     assert generate(llm) == baseline
     # an internal failure in the worker process comes back as an answer, queues in step
     ok(llm, "hotswap_test_fail_next", "audit")

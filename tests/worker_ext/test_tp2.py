@@ -39,7 +39,7 @@ def test_barrier_and_cycles_on_two_ranks(llm: Any, baseline: Any) -> None:
     assert i0["world_size"] == i1["world_size"] == 2
     for level in (1, 2):
         rep = cycle(llm, level, poison=True)
-        assert rep["restore_and_verify"]["mismatched"] == []
+        assert rep["verify"]["mismatched"] == []
         assert generate(llm) == baseline
 
 

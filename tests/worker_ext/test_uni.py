@@ -83,8 +83,8 @@ def test_audit_finds_planted_attribute(llm: Any) -> None:
 def test_level1_cycle_identical(llm: Any, baseline: Any) -> None:
     rep = cycle(llm, 1, poison=True)
     assert rep["suspend"]["freed_bytes"]["kv_cache"] >= KV_BYTES
-    assert rep["restore_and_verify"]["mismatched"] == []
-    assert rep["restore_and_verify"]["verified"] == rep["prepare"]["fingerprinted"]
+    assert rep["verify"]["mismatched"] == []
+    assert rep["verify"]["verified"] == rep["prepare"]["fingerprinted"]
     assert generate(llm) == baseline
 
 
@@ -145,8 +145,8 @@ def test_phase_moves_through_a_sleep_and_wake(llm: Any, baseline: Any) -> None:
 def test_level2_poisoned_cycle_is_repaired(llm: Any, baseline: Any) -> None:
     rep = cycle(llm, 2, poison=True)
     assert PLANT in rep["prepare"]["at_risk"]
-    assert rep["restore_and_verify"]["restored"] == rep["prepare"]["protected"] > 0
-    assert rep["restore_and_verify"]["mismatched"] == []
+    assert rep["verify"]["restored"] == rep["prepare"]["protected"] > 0
+    assert rep["verify"]["mismatched"] == []
     assert rep["suspend"]["freed_bytes"]["weights"] > 0
     assert generate(llm) == baseline
 
