@@ -316,17 +316,25 @@ def write_model(row: Row, path: Path, seed: int = 0) -> dict[str, Any]:
 class Cell:
     """One engine, one level, one side; the JSON result is rewritten after every phase."""
 
-    def __init__(self, row: Row, level: int, side: str, model: Path, out: Path) -> None:
+    def __init__(
+        self, row: Row, level: int, side: str, model: Path, out: Path, l1_weights: str = "dummy"
+    ) -> None:
         self.row, self.level, self.side, self.model, self.out = row, level, side, model, out
         written = json.loads((model / "written.json").read_text())
         self.host_reload = level == 2 and not written["checkpoint"]
+        # vLLM's dummy weights (uniform within 1e-3) give near-uniform logits: 1-2 distinct
+        # greedy tokens, so a level-1 comparison says little; the checkpoint, where there is
+        # one, gives real tokens (`--l1-weights checkpoint`)
+        self.dummy = (
+            not written["checkpoint"] or self.host_reload or (level == 1 and l1_weights == "dummy")
+        )
         self.res: dict[str, Any] = {
             "row": row.name,
             "level": level,
             "side": side,
             "phase": "start",
             "cycles": [],
-            "weights": "dummy" if level == 1 or self.host_reload else "seeded checkpoint",
+            "weights": "dummy" if self.dummy else "seeded checkpoint",
             "level2_source": (
                 ("host copy: " + written["reason"]) if self.host_reload else "checkpoint"
             )
@@ -368,7 +376,7 @@ class Cell:
                 kw["enforce_eager"] = True
         else:
             kw["enforce_eager"] = True
-        if self.level == 1 or self.host_reload:
+        if self.dummy:
             kw["load_format"] = "dummy"
         kw.update(self.row.engine)
         if platform != "cuda":
@@ -613,7 +621,9 @@ def cell_main(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     row = BY_NAME[args.row]
-    cell = Cell(row, args.level, args.side, Path(args.models) / row.name, Path(args.out))
+    cell = Cell(
+        row, args.level, args.side, Path(args.models) / row.name, Path(args.out), args.l1_weights
+    )
     rc = cell.run(args.platform, args.cycles)
     # The result is on disk; skip the engine's teardown (after a device assert it can hang
     # until the runner's timeout, holding a slot).
@@ -652,6 +662,7 @@ def run_cell_process(
     cycles: int,
     timeout_s: float,
     models: Path | None = None,
+    l1_weights: str = "dummy",
 ) -> dict[str, Any]:
     cells = out / "cells"
     name = f"{row}-L{level}-{side}"
@@ -675,6 +686,8 @@ def run_cell_process(
         platform,
         "--cycles",
         str(cycles),
+        "--l1-weights",
+        l1_weights,
     ]
     t0 = time.monotonic()
     rc: int | None
@@ -774,7 +787,13 @@ def run_main(args: argparse.Namespace) -> int:
             }
         else:
             res = run_cell_process(
-                *c, out, args.platform, args.cycles, min(args.cell_timeout_s, left - 5), models
+                *c,
+                out,
+                args.platform,
+                args.cycles,
+                min(args.cell_timeout_s, left - 5),
+                models,
+                args.l1_weights,
             )
         print(
             f"[coverage] {c[0]} L{c[1]} {c[2]}: {res['outcome']} "
@@ -894,6 +913,19 @@ def _summary(cells: dict[tuple[str, int, str], dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _weights_lines(cells: dict[tuple[str, int, str], dict[str, Any]]) -> list[str]:
+    """Which weights the cells of each level had, and which rows had which."""
+    lines = []
+    for lv in (1, 2):
+        by: dict[str, set[str]] = {}
+        for (row, level, _side), c in cells.items():
+            if level == lv and c.get("weights"):
+                by.setdefault(str(c["weights"]), set()).add(row)
+        parts = [f"{w} ({', '.join(sorted(rows))})" for w, rows in sorted(by.items())]
+        lines.append(f"- level {lv} weights: " + "; ".join(parts))
+    return lines
+
+
 def _prepare_of(c: dict[str, Any] | None) -> dict[str, Any]:
     for x in (c or {}).get("cycles") or []:
         prep = (x.get("steps") or {}).get("prepare")
@@ -932,9 +964,9 @@ def render(
         f"- command: `{command or docs[-1].get('command')}`",
         *([f"- code: {code}"] if code else []),
         "- each cell is its own process and engine: tiny config with `architectures` set, "
-        "dummy weights at level 1, seeded bf16 safetensors at level 2 (reload from the "
-        "checkpoint), CUDA graphs on (decode replayed from captured graphs), 16 greedy tokens "
-        "and their logprobs compared with the pre-sleep ones after every wake",
+        "CUDA graphs on (decode replayed from captured graphs), 16 greedy tokens and their "
+        "logprobs compared with the pre-sleep ones after every wake",
+        *_weights_lines(cells),
         "- raw: `LLM.sleep(level)` / `wake_up()` (level 2: wake weights, `reload_weights`, "
         "wake kv_cache); ours: quiesce, prepare, suspend, resume weights, [reload], resume "
         "kv_cache, restore_and_verify (the controller's order)",
@@ -1007,6 +1039,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--cell-timeout-s", type=float, default=240.0)
     run.add_argument("--cycles", type=int, default=2)
     run.add_argument("--platform", choices=("cuda", "cpu"), default="cuda")
+    run.add_argument("--l1-weights", choices=("dummy", "checkpoint"), default="dummy")
     run.add_argument("--command-text", default=None, help="the command line shown in the doc")
     cell = sub.add_parser("cell", help="one row, level and side (its own process)")
     cell.add_argument("--row", required=True, choices=sorted(BY_NAME))
@@ -1016,6 +1049,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cell.add_argument("--out", required=True)
     cell.add_argument("--platform", choices=("cuda", "cpu"), default="cuda")
     cell.add_argument("--cycles", type=int, default=2)
+    cell.add_argument("--l1-weights", choices=("dummy", "checkpoint"), default="dummy")
     ren = sub.add_parser("render", help="docs/coverage.md from coverage.json files")
     ren.add_argument("inputs", nargs="+")
     ren.add_argument("--command-text", default=None)
