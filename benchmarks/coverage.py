@@ -3,10 +3,11 @@ and does ours? One matrix, generated here, kept in docs/coverage.md.
 
     python -m benchmarks.coverage run --out DIR [--rows a,b] [--jobs N] [--budget-s S]
     python -m benchmarks.coverage cell --row R --level L --side raw|ours --models DIR --out F
-    python -m benchmarks.coverage render DIR_OR_JSON... [--command TEXT] > docs/coverage.md
+    python -m benchmarks.coverage render DIR_OR_JSON... [--command-text T] > docs/coverage.md
 
 `run` writes every row's tiny model (config.json with `architectures`; seeded bf16
-safetensors for level 2, where transformers can write a checkpoint vLLM loads), then runs
+safetensors where transformers can write a checkpoint vLLM loads: both levels load it, a
+row without one and `--l1-weights dummy` take vLLM's dummy weights), then runs
 one process per cell (row x level x side), several at once on the one GPU (each engine
 gets a fixed KV cache, so no engine's memory profile depends on another's), and writes
 DIR/coverage.json and DIR/coverage.md. A cell process that crashes or hangs loses only its
@@ -317,14 +318,20 @@ class Cell:
     """One engine, one level, one side; the JSON result is rewritten after every phase."""
 
     def __init__(
-        self, row: Row, level: int, side: str, model: Path, out: Path, l1_weights: str = "dummy"
+        self,
+        row: Row,
+        level: int,
+        side: str,
+        model: Path,
+        out: Path,
+        l1_weights: str = "checkpoint",
     ) -> None:
         self.row, self.level, self.side, self.model, self.out = row, level, side, model, out
         written = json.loads((model / "written.json").read_text())
         self.host_reload = level == 2 and not written["checkpoint"]
         # vLLM's dummy weights (uniform within 1e-3) give near-uniform logits: 1-2 distinct
         # greedy tokens, so a level-1 comparison says little; the checkpoint, where there is
-        # one, gives real tokens (`--l1-weights checkpoint`)
+        # one, gives real tokens (the default; `--l1-weights dummy` for vLLM's)
         self.dummy = (
             not written["checkpoint"] or self.host_reload or (level == 1 and l1_weights == "dummy")
         )
@@ -662,7 +669,7 @@ def run_cell_process(
     cycles: int,
     timeout_s: float,
     models: Path | None = None,
-    l1_weights: str = "dummy",
+    l1_weights: str = "checkpoint",
 ) -> dict[str, Any]:
     cells = out / "cells"
     name = f"{row}-L{level}-{side}"
@@ -1039,7 +1046,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--cell-timeout-s", type=float, default=240.0)
     run.add_argument("--cycles", type=int, default=2)
     run.add_argument("--platform", choices=("cuda", "cpu"), default="cuda")
-    run.add_argument("--l1-weights", choices=("dummy", "checkpoint"), default="dummy")
+    run.add_argument("--l1-weights", choices=("dummy", "checkpoint"), default="checkpoint")
     run.add_argument("--command-text", default=None, help="the command line shown in the doc")
     cell = sub.add_parser("cell", help="one row, level and side (its own process)")
     cell.add_argument("--row", required=True, choices=sorted(BY_NAME))
@@ -1049,7 +1056,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cell.add_argument("--out", required=True)
     cell.add_argument("--platform", choices=("cuda", "cpu"), default="cuda")
     cell.add_argument("--cycles", type=int, default=2)
-    cell.add_argument("--l1-weights", choices=("dummy", "checkpoint"), default="dummy")
+    cell.add_argument("--l1-weights", choices=("dummy", "checkpoint"), default="checkpoint")
     ren = sub.add_parser("render", help="docs/coverage.md from coverage.json files")
     ren.add_argument("inputs", nargs="+")
     ren.add_argument("--command-text", default=None)
