@@ -20,8 +20,9 @@ the audit's at-risk list for the level, then runs `cycles` sleep/wake cycles:
 
 - raw: vLLM's own `LLM.sleep(level)` / `LLM.wake_up()`; at level 2 `wake_up(["weights"])`,
   `reload_weights`, `wake_up(["kv_cache"])` (vLLM's documented order);
-- ours: the controller's RPC order (quiesce, prepare, suspend; resume weights, [reload],
-  resume kv_cache, restore_and_verify), the prefix cache cleared first as `/pause` does;
+- ours: the controller's RPC order, from `controller.protocol` (quiesce, prepare, suspend;
+  resume weights, [reload], resume kv_cache, restore_and_verify), the prefix cache cleared
+  first as `/pause` does;
 
 and after each wake the same greedy generation, compared with the pre-sleep tokens and
 logprobs. Outcomes per cell: raw `equal` / `DIFFERENT` (silently: no error, other tokens
@@ -455,21 +456,16 @@ class Cell:
         return steps
 
     def ours_sequence(self) -> list[tuple[str, str, tuple[Any, ...]]]:
-        """(phase, method, args) in the controller's order for this level."""
-        level = self.level
-        seq: list[tuple[str, str, tuple[Any, ...]]] = [
-            ("quiesce", "hotswap_quiesce", (30.0,)),
-            ("prepare", "hotswap_prepare", (level,)),
-            ("suspend", "hotswap_suspend", (level,)),
-            ("resume_weights", "hotswap_resume", (["weights"],)),
-        ]
-        if level == 2:
-            seq.append(("reload", HOST_RELOAD if self.host_reload else "hotswap_reload", ()))
-        seq += [
-            ("resume_kv_cache", "hotswap_resume", (["kv_cache"],)),
-            ("restore_and_verify", "hotswap_restore_and_verify", ()),
-        ]
-        return seq
+        """(phase, method, args) in the controller's order for this level: the steps of
+        `controller.protocol`, the reload swapped for the host copy's where there is no
+        checkpoint."""
+        from controller import protocol
+
+        params = protocol.Params(level=self.level, quiesce_timeout_s=30.0)
+        steps = (*protocol.sleep_steps(self.level), *protocol.wake_steps(self.level))
+        if self.host_reload:
+            steps = protocol.with_method(steps, protocol.RELOAD.phase, HOST_RELOAD)
+        return [(s.phase, s.method, s.call_args(params)) for s in steps]
 
     def ours_cycle(self) -> dict[str, Any]:
         self.llm.reset_prefix_cache()  # the controller's /pause?clear_cache=true
