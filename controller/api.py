@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import http
 import logging
-import math
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -28,87 +27,12 @@ from controller.guard import Guard, Refused, bearer_ok
 from controller.manager import Manager, ModelManager, Outcome
 from controller.openapi import control_table, document
 from controller.settings import HOUR_S, Settings
-from controller.state import Action, ModelSnapshot, PhaseRecord, TransitionRecord, overall_ready
+from controller.state import Action, overall_ready
 from controller.supervisor import Supervisor
 from controller.swap import SwapCoordinator
+from controller.views import health_entry, outcome_dict, plain, snapshot_dict
 
 log = logging.getLogger("hotswap.api")
-
-
-# ----------------------------------------------------------------------------- JSON shapes
-
-
-def _plain(value: Any) -> Any:
-    """A JSON-safe copy of a rank report: NaN/inf would make the response itself fail."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple | set | frozenset):
-        return [_plain(v) for v in value]
-    if value is None or isinstance(value, str | int | float | bool):
-        return value
-    return str(value)
-
-
-def phase_dict(p: PhaseRecord) -> dict[str, Any]:
-    return {
-        "name": p.name,
-        "duration_s": p.duration_s,
-        "ok": p.ok,
-        "ranks": _plain(p.ranks),
-        "detail": _plain(p.detail),
-    }
-
-
-def transition_dict(t: TransitionRecord | None) -> dict[str, Any] | None:
-    if t is None:
-        return None
-    return {
-        "kind": t.kind,
-        "from_state": t.from_state.value,
-        "to_state": t.to_state.value,
-        "result": t.result,
-        "level": t.level,
-        "started_at": t.started_at,
-        "ended_at": t.ended_at,
-        "duration_s": t.duration_s,
-        "error": t.error,
-        "failed_phase": t.failed_phase,
-        "phases": [phase_dict(p) for p in t.phases],
-    }
-
-
-def snapshot_dict(s: ModelSnapshot) -> dict[str, Any]:
-    return {
-        "name": s.name,
-        "state": s.state.value,
-        "since": s.since,
-        "gate": s.gate.value,
-        "verified": s.verified,
-        "ready": s.ready,
-        "level": s.level,
-        "last_transition": transition_dict(s.last_transition),
-        "last_error": s.last_error,
-        "phase": s.phase,
-        "extra": {"phase": s.phase} if s.phase is not None else {},  # the old place of `phase`
-    }
-
-
-def outcome_dict(name: str, outcome: Outcome) -> dict[str, Any]:
-    snap = outcome.snapshot
-    return {
-        "model": name,
-        "action": outcome.action.value,
-        "state": snap.state.value,
-        "verified": snap.verified,
-        "level": snap.level,
-        "transition": transition_dict(outcome.transition),
-    }
-
-
-def _health_entry(s: ModelSnapshot, ready: bool) -> dict[str, Any]:
-    return {"state": s.state.value, "verified": s.verified, "gate": s.gate.value, "ready": ready}
 
 
 def error_body(exc: HotswapError, request: Request | None = None) -> dict[str, Any]:
@@ -262,7 +186,7 @@ async def audit_model(
 ) -> dict[str, Any]:
     lvl = level if level is not None else model.settings.default_level
     ranks = await model.audit(lvl)
-    return {"model": name, "level": lvl, "ranks": _plain(ranks)}
+    return {"model": name, "level": lvl, "ranks": plain(ranks)}
 
 
 async def health(manager: ManagerDep) -> Response:
@@ -270,14 +194,14 @@ async def health(manager: ManagerDep) -> Response:
     ready = overall_ready(snaps)
     body = {
         "ready": ready,
-        "models": {n: _health_entry(s, s.counts_ready) for n, s in snaps.items()},
+        "models": {n: health_entry(s, s.counts_ready) for n, s in snaps.items()},
     }
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
 async def model_health(name: str, model: ModelDep) -> Response:
     snap = model.snapshot()
-    body = {"ready": snap.ready, "models": {name: _health_entry(snap, snap.ready)}}
+    body = {"ready": snap.ready, "models": {name: health_entry(snap, snap.ready)}}
     return JSONResponse(body, status_code=200 if snap.ready else 503)
 
 

@@ -1,0 +1,84 @@
+"""The JSON shapes of the control API: snapshots, transitions, phases and outcomes as plain
+dicts (what GET /models, /health and the sleep and wake answers carry)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from controller.manager import Outcome
+from controller.state import ModelSnapshot, PhaseRecord, TransitionRecord
+
+
+def plain(value: Any) -> Any:
+    """A JSON-safe copy of a rank report: NaN/inf would make the response itself fail."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [plain(v) for v in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)
+
+
+def phase_dict(p: PhaseRecord) -> dict[str, Any]:
+    return {
+        "name": p.name,
+        "duration_s": p.duration_s,
+        "ok": p.ok,
+        "ranks": plain(p.ranks),
+        "detail": plain(p.detail),
+    }
+
+
+def transition_dict(t: TransitionRecord | None) -> dict[str, Any] | None:
+    if t is None:
+        return None
+    return {
+        "kind": t.kind,
+        "from_state": t.from_state.value,
+        "to_state": t.to_state.value,
+        "result": t.result,
+        "level": t.level,
+        "started_at": t.started_at,
+        "ended_at": t.ended_at,
+        "duration_s": t.duration_s,
+        "error": t.error,
+        "failed_phase": t.failed_phase,
+        "phases": [phase_dict(p) for p in t.phases],
+    }
+
+
+def snapshot_dict(s: ModelSnapshot) -> dict[str, Any]:
+    return {
+        "name": s.name,
+        "state": s.state.value,
+        "since": s.since,
+        "gate": s.gate.value,
+        "verified": s.verified,
+        "ready": s.ready,
+        "level": s.level,
+        "last_transition": transition_dict(s.last_transition),
+        "last_error": s.last_error,
+        "phase": s.phase,
+        "extra": {"phase": s.phase} if s.phase is not None else {},  # the old place of `phase`
+    }
+
+
+def outcome_dict(name: str, outcome: Outcome) -> dict[str, Any]:
+    snap = outcome.snapshot
+    return {
+        "model": name,
+        "action": outcome.action.value,
+        "state": snap.state.value,
+        "verified": snap.verified,
+        "level": snap.level,
+        "transition": transition_dict(outcome.transition),
+    }
+
+
+def health_entry(s: ModelSnapshot, ready: bool) -> dict[str, Any]:
+    return {"state": s.state.value, "verified": s.verified, "gate": s.gate.value, "ready": ready}
