@@ -126,15 +126,17 @@ class ViaExtension:
     def pools(self) -> dict[str, int]:
         return self.rpc("hotswap_info")["pools"]  # type: ignore[no-any-return]
 
-    def sleep(self) -> tuple[dict[str, Any], float]:
-        """controller.protocol's level-1 sleep steps; each report and its seconds."""
+    def sleep(self, prepare_level: int = 1) -> tuple[dict[str, Any], float]:
+        """controller.protocol's level-1 sleep steps; each report and its seconds.
+        `prepare_level` 2: the prepare protects what a level-2 sleep would (its cost, on
+        the same level-1 wake)."""
         self.llm.reset_prefix_cache()
         params = protocol.Params(level=1, quiesce_timeout_s=30.0)
+        prep = protocol.Params(level=prepare_level, quiesce_timeout_s=30.0)
         out: dict[str, Any] = {}
         for step in protocol.sleep_steps(1):
-            out[step.phase], out[f"{step.phase}_s"] = timed(
-                self.rpc, step.method, *step.call_args(params)
-            )
+            args = step.call_args(prep if step is protocol.PREPARE else params)
+            out[step.phase], out[f"{step.phase}_s"] = timed(self.rpc, step.method, *args)
         return out, out.pop(f"{protocol.SUSPEND.phase}_s")
 
     def wake(self) -> tuple[dict[str, Any], float, float]:
@@ -284,6 +286,17 @@ def main() -> int:
         help="HOTSWAP_VERIFY_KERNEL values, each run for --cycles cycles per kv mode",
     )
     ap.add_argument(
+        "--protect",
+        default="ranges",
+        help="HOTSWAP_PROTECT variants (ranges, objects), each run for --cycles cycles",
+    )
+    ap.add_argument(
+        "--prepare-levels",
+        default="1",
+        help="levels prepare protects for (2: what a level-2 sleep protects, on the level-1"
+        " cycle, so its cost is measured on the same wake; extension only)",
+    )
+    ap.add_argument(
         "--asleep-s",
         default="2,0",
         help="seconds between the end of a sleep and the wake (raw vLLM and ours alike):"
@@ -360,13 +373,24 @@ def main() -> int:
     kernels = [g.strip() for g in args.verify_kernel.split(",") if g.strip()]
     modes = [m.strip() for m in args.kv_modes.split(",") if m.strip()]
     impls = [m.strip() for m in args.map_impls.split(",") if m.strip()]
-    variants = [(m, i, k, a) for m in modes for i in impls for k in kernels for a in asleeps]
-    for mode, impl, vk, asleep in variants:
+    protects = [p.strip() for p in args.protect.split(",") if p.strip()]
+    plevels = [int(p) for p in args.prepare_levels.split(",") if p.strip()]
+    variants = [
+        (m, i, k, a, pr, pl)
+        for m in modes
+        for i in impls
+        for k in kernels
+        for pr in protects
+        for pl in plevels
+        for a in asleeps
+    ]
+    for mode, impl, vk, asleep, protect, plevel in variants:
         os.environ["HOTSWAP_RESUME_KV"] = mode  # in-process worker: read at every resume
         os.environ.update(map_env(impl))  # read at every resume
         os.environ["HOTSWAP_VERIFY_KERNEL"] = vk  # read when prepare builds the plan
+        os.environ["HOTSWAP_PROTECT"] = protect  # read at every prepare
         for _ in range(args.cycles):
-            s, ts = drv.sleep()
+            s, ts = drv.sleep(plevel) if plevel != 1 else drv.sleep()
             r_asleep = rss()
             time.sleep(asleep)
             n_checks = len(CHECKS)
@@ -377,6 +401,12 @@ def main() -> int:
                 {
                     "kv_mode": mode,
                     "map_impl": impl,
+                    "protect": protect,
+                    "prepare_level": plevel,
+                    "protected_bytes": (s.get("prepare") or {}).get("protected_bytes"),
+                    "protected_ranges": (s.get("prepare") or {}).get("protected_ranges"),
+                    "unnamed_bytes": (s.get("prepare") or {}).get("unnamed_bytes"),
+                    "prepare_s": s.get("prepare_s"),
                     "asleep_s": asleep,
                     "verify_kernel": vk,
                     "kernel_used": check.get("kernel"),
@@ -397,6 +427,10 @@ def main() -> int:
             log(
                 "ours",
                 mode,
+                f"protect={protect} prepare_level={plevel}",
+                f"protected_bytes={ours[-1]['protected_bytes']}",
+                f"protected_ranges={ours[-1]['protected_ranges']}",
+                f"unnamed_bytes={ours[-1]['unnamed_bytes']}",
                 {k: v for k, v in ours[-1].items() if k.endswith("_s")},
                 "equal",
                 equal[-1],

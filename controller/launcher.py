@@ -61,6 +61,7 @@ WORKER_ENV = frozenset(
         "HOTSWAP_RESUME_SYNC",
         "HOTSWAP_MAP_IMPL",
         "HOTSWAP_MAP_HANDLES",
+        "HOTSWAP_PROTECT",
     }
 )
 

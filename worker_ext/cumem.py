@@ -229,6 +229,7 @@ class CuMemBackend:
     """pools.PoolBackend over vLLM's CuMemAllocator records, with the fast copy path."""
 
     name = "cumem"
+    in_place = True
 
     def __init__(self, worker: Any) -> None:
         import torch
@@ -241,6 +242,7 @@ class CuMemBackend:
         self._unmap_and_release = unmap_and_release
         device = getattr(worker, "device", None)
         self._device = device if device is not None else torch.device("cuda", 0)
+        self.device = self._device
         self._cudart = _CudaRT()
         self._streams: list[Any] = []
         self._suspended: dict[str, str] = {}
@@ -302,6 +304,39 @@ class CuMemBackend:
             if attempt == 0:
                 self._rebuild_index()  # an entry went stale under the same key: look again
         return UNPOOLED
+
+    def records(self) -> list[tuple[int, int, str]]:
+        return sorted((p, p + int(d.handle[1]), str(d.tag)) for p, d in self._records().items())
+
+    def free_ranges(self) -> list[tuple[int, int]]:
+        """What no tensor can hold inside the records, from torch's snapshot of its caching
+        allocator (every pool): inactive blocks, and the end of an allocated block past the
+        size it was asked for (a storage never reaches past its request; large blocks are
+        handed out whole). Nothing when the snapshot cannot be read."""
+        try:
+            segments = self._torch.cuda.memory_snapshot()
+        except Exception as exc:  # an older or newer torch: protect the free blocks too
+            log.warning("hotswap: no allocator snapshot, free blocks protected: %s", exc)
+            return []
+        recs = self._records()
+        out: list[tuple[int, int]] = []
+        for seg in segments:
+            base = int(seg.get("address", 0))
+            if base not in recs:
+                continue
+            pos = base
+            for block in seg.get("blocks", []):
+                size = int(block.get("size", 0))
+                pos = int(block.get("address", pos))
+                state = block.get("state")
+                if state == "inactive":
+                    out.append((pos, pos + size))
+                elif state == "active_allocated":
+                    asked = int(block.get("requested_size", size))
+                    if 0 <= asked < size:
+                        out.append((pos + asked, pos + size))
+                pos += size
+        return out
 
     def suspended(self) -> dict[str, str]:
         return dict(self._suspended)

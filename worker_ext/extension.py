@@ -14,6 +14,7 @@ import contextlib
 import functools
 import importlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -21,13 +22,14 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from worker_ext import ownership, snapshot
+from worker_ext import ownership, protect, snapshot
 from worker_ext.barrier import Quiescer
 from worker_ext.hostpools import HostBackend, repack_moe_experts, unpacked_layers
 from worker_ext.phase import RankPhase
 from worker_ext.pools import ALL_TAGS, KV_CACHE, WEIGHTS, PoolBackend
 
 log = logging.getLogger("worker_ext")
+AUDIT_RANGES = 64  # unnamed ranges listed in an audit with detail (all are counted)
 
 F = TypeVar("F", bound=Callable[..., dict[str, Any]])
 
@@ -164,6 +166,10 @@ class HotSwapExtension:
     def _hotswap_before_barrier(self) -> None:
         """Test seam: subclasses delay here to hold a rank past the barrier timeout."""
 
+    def _hotswap_before_verify(self) -> None:
+        """Test seam: between the write-back and the fingerprints (a corruption there must
+        fail the wake)."""
+
     # -- RPC surface ----------------------------------------------------------------
 
     @rpc
@@ -206,17 +212,31 @@ class HotSwapExtension:
     @rpc
     def hotswap_audit(self, level: int, detail: bool = True) -> dict[str, Any]:
         self._hotswap_fault("audit")
-        rows = self._hotswap_audit_rows(int(level))
+        records = self._hotswap_records()
+        rows = self._hotswap_audit_rows(int(level), records)
         risky = [r for r in rows if r["at_risk"]]
+        mode = self._hotswap_protect_mode()
+        cover = self._hotswap_protection(int(level), records, always=True)
+        lost = cover.unnamed_bytes if cover is not None and mode != "ranges" else 0
         out: dict[str, Any] = {
             "level": int(level),
             "count": len(rows),
             "bytes": sum(r["bytes"] for r in rows),
             "at_risk": [r["name"] for r in risky],
             "at_risk_bytes": sum(r["bytes"] for r in risky),
+            "protection": mode,
+            "pools": cover.pools if cover is not None else {},
+            "unnamed_bytes": cover.unnamed_bytes if cover is not None else 0,
+            # what a sleep at this level would lose unseen (by object: the unnamed ranges)
+            "unprotected_bytes": lost,
         }
         if detail:
             out["tensors"] = rows
+            out["unnamed"] = (
+                [cover.describe((a, b), pool) for a, b, pool in cover.unnamed[:AUDIT_RANGES]]
+                if cover is not None
+                else []
+            )
         return out
 
     def _hotswap_audit_rows(
@@ -245,17 +265,55 @@ class HotSwapExtension:
         rows = self._hotswap_audit_rows(level, records)
         at_risk = {r["name"] for r in rows if r["at_risk"]}
         t2 = time.perf_counter()
-        snap = snapshot.prepare(level, records, at_risk, pin=torch.cuda.is_available())
-        timings = {"records_s": t1 - t0, "audit_s": t2 - t1, "snapshot_s": time.perf_counter() - t2}
+        cover = self._hotswap_protection(level, records)
+        t3 = time.perf_counter()
+        # by range, the ranges hold every at-risk tensor's bytes: no copy per object
+        backups = set() if cover is not None else at_risk
+        snap = snapshot.prepare(
+            level, records, backups, torch.cuda.is_available(), cover, st.backend.device
+        )
+        timings = {
+            "records_s": t1 - t0,
+            "audit_s": t2 - t1,
+            "protect_plan_s": t3 - t2,
+            "snapshot_s": time.perf_counter() - t3,
+        }
         st.snap = snap
         return {
             "level": level,
-            "protected": len(snap.protected),
-            "protected_bytes": sum(int(e.backup.numel()) for e in snap.protected),
-            "fingerprinted": len(snap.entries),
+            "protection": "ranges" if cover is not None else "objects",
+            "protected": len(snap.protected) + len(snap.ranges),
+            "protected_bytes": snap.protected_bytes,
+            "protected_ranges": len(snap.ranges),
+            "unnamed_ranges": len(snap.unnamed),
+            "unnamed_bytes": sum(r.end - r.start for r in snap.unnamed),
+            "pools": cover.pools if cover is not None else {},
+            "fingerprinted": len(snap.entries) + len(snap.unnamed),
             "at_risk": sorted(at_risk),
             "timings": timings,
         }
+
+    def _hotswap_protect_mode(self) -> str:
+        """`ranges` where the backend maps pools back in place and HOTSWAP_PROTECT is not
+        `objects`; else `objects` (the host backend: docs/contracts.md §1.2)."""
+        st = self._hotswap_state()
+        asked = os.environ.get("HOTSWAP_PROTECT", "ranges").strip().lower()
+        return "ranges" if st.backend.in_place and asked != "objects" else "objects"
+
+    def _hotswap_protection(
+        self,
+        level: int,
+        records: list[ownership.TensorRecord],
+        always: bool = False,
+    ) -> protect.Protection | None:
+        """What a sleep at `level` protects by range; None when protection is by object
+        (with `always`, where the backend maps in place, what ranges would protect)."""
+        if self._hotswap_protect_mode() != "ranges" and not (
+            always and self._hotswap_state().backend.in_place
+        ):
+            return None
+        b = self._hotswap_state().backend
+        return protect.plan(level, b.records(), records, b.tag_of, b.free_ranges())
 
     @rpc
     def hotswap_suspend(self, level: int, tags: list[str] | None = None) -> dict[str, Any]:
@@ -355,8 +413,9 @@ class HotSwapExtension:
             rebound = snapshot.rebind(snap)
             t1 = time.perf_counter()
             restored = snapshot.restore(snap)  # ends when every copy on the device is done
+            self._hotswap_before_verify()
             t2 = time.perf_counter()
-            verified, mismatched = snapshot.verify(snap)
+            verified, mismatched, bad_ranges = snapshot.verify(snap)
             t3 = time.perf_counter()
         st.snap = None
         st.level = None
@@ -365,11 +424,13 @@ class HotSwapExtension:
             "rebound": rebound,
             "verified": verified,
             "mismatched": mismatched,
+            "mismatched_ranges": bad_ranges,
             "ok": not mismatched,
             "timings": {"rebind_s": t1 - t0, "restore_s": t2 - t1, "verify_s": t3 - t2},
         }
         if mismatched:
-            out["error"] = f"{len(mismatched)} tensor(s) differ after resume: {mismatched[:8]}"
+            what = "tensor(s) or range(s)" if bad_ranges else "tensor(s)"
+            out["error"] = f"{len(mismatched)} {what} differ after resume: {mismatched[:8]}"
             ph.failed(f"restore_and_verify: {out['error']}")
         else:
             ph.verified()

@@ -32,7 +32,8 @@ handful of kernels for the whole batch, and one device-to-host copy; no per-tens
 Kernel (HOTSWAP_VERIFY_KERNEL: `auto`, the default, on CUDA; `on` also on CPU under
 Triton's interpreter; `off` never): `Plan.baseline` builds a `fpkernel.SpanCheck` over the
 spans of the CUDA device that holds most of the bytes (spans elsewhere, e.g. a runner's
-CPU tensors, keep the eager check), and `Plan.changed` runs it: one Triton launch over all
+CPU tensors, and spans that do not start on 8 bytes, keep the eager check), and
+`Plan.changed` runs it: one Triton launch over all
 those spans in 2 MiB pieces, one comparison on the device, one bool to the host, about one
 memory pass. The check is
 cross-checked against torch on a sample of pieces when built; if Triton is missing or
@@ -301,7 +302,8 @@ class Plan:
             return None
         by_device: dict[Any, list[int]] = {}
         for k, it in enumerate(self._span_items):
-            if it.nbytes and (self._kernel == "on" or it.device.type == "cuda"):
+            aligned = int(it.raw.data_ptr()) % 8 == 0  # the kernel reads words
+            if it.nbytes and aligned and (self._kernel == "on" or it.device.type == "cuda"):
                 by_device.setdefault(it.device, []).append(k)
         if not by_device:
             return None

@@ -99,9 +99,11 @@ class _Storage:
 
 class HostBackend:
     name = "host"
+    in_place = False  # resume re-allocates: new addresses, so protection is by object
 
     def __init__(self, worker: Any) -> None:
         self._worker = worker
+        self.device = torch.device("cpu")
         self._members: dict[str, list[_Storage]] = {}
         self._asleep: dict[str, str] = {}
         self._dropped_kernels = 0
@@ -159,6 +161,12 @@ class HostBackend:
             if base <= data_ptr and data_ptr + nbytes <= end:
                 return tag
         return UNPOOLED
+
+    def records(self) -> list[tuple[int, int, str]]:
+        return list(self._range_table())
+
+    def free_ranges(self) -> list[tuple[int, int]]:
+        return []
 
     def suspended(self) -> dict[str, str]:
         return dict(self._asleep)

@@ -34,6 +34,20 @@ def policy(level: int, tag: str) -> str:
 
 class PoolBackend(Protocol):
     name: str
+    # True when resume maps every pool back at its old addresses (CUDA): then a sleep can
+    # protect bytes by address range (worker_ext.protect); False: by object only.
+    in_place: bool
+    device: Any  # the torch device the pools live on
+
+    def records(self) -> list[tuple[int, int, str]]:
+        """Every allocation the pools hold, as (start, end, tag), sorted by start."""
+        ...
+
+    def free_ranges(self) -> list[tuple[int, int]]:
+        """Ranges inside the records that no tensor can hold now (the caching allocator's
+        free blocks and the unused ends of its blocks): nobody reads them, nothing protects
+        them."""
+        ...
 
     def pools(self) -> dict[str, int]:
         """Bytes held by each tag (asleep or not)."""

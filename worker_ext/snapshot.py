@@ -1,9 +1,16 @@
-"""Protect at-risk tensors across a sleep and prove bit for bit that everything came back.
+"""Protect what a sleep loses and prove bit for bit that everything came back.
 
-Fingerprints (worker_ext.fingerprint) are taken of every non-KV storage at prepare and
-again at verify, all tensors in one batch per device with one host transfer; verification
-is an exact comparison of those fingerprints. Verify reads byte-adjacent storages as one
-span each and names the differing tensors from per-storage baselines only on a mismatch.
+Two ways to protect, chosen by the caller (docs/contracts.md §1.2):
+- by range (a `protect.Protection`, CUDA): every byte of a discarded pool the level's own
+  mechanism does not bring back is copied to one pinned host buffer and, after the wake,
+  written back at the same addresses; the bytes no named tensor holds are fingerprinted as
+  ranges next to the named storages;
+- by object (the at-risk names): each at-risk tensor's storage is copied and written back.
+
+Fingerprints (worker_ext.fingerprint) are taken of every non-KV storage (and every unnamed
+protected range) at prepare and again at verify, all in one batch per device with one host
+transfer; verification is an exact comparison. Verify reads byte-adjacent storages as one
+span each and names the differing tensors (or ranges) only on a mismatch.
 """
 
 from __future__ import annotations
@@ -13,8 +20,9 @@ from typing import Any
 
 import torch
 
-from worker_ext.fingerprint import Baseline, Plan, fingerprint, storage_bytes
+from worker_ext.fingerprint import Baseline, Plan, fingerprint, raw_bytes, storage_bytes
 from worker_ext.ownership import TensorRecord, storage_key
+from worker_ext.protect import Protection
 
 __all__ = ["Snapshot", "fingerprint", "prepare", "rebind", "restore", "storage_bytes", "verify"]
 
@@ -30,25 +38,56 @@ class _Entry:
 
 
 @dataclass
+class _Range:
+    start: int
+    end: int
+    pool: str
+    view: Any  # uint8 device tensor over [start, end) (owns nothing)
+    backup: Any = None  # host bytes (protected ranges only)
+
+
+@dataclass
 class Snapshot:
     level: int
     entries: list[_Entry] = field(default_factory=list)
-    plan: Plan | None = None  # fingerprints the entries' original storages, in order
+    plan: Plan | None = None  # the entries' original storages, then the unnamed ranges
     baseline: Baseline | None = None  # the plan's values at prepare
+    protection: Protection | None = None  # protection by range (None: by object)
+    ranges: list[_Range] = field(default_factory=list)  # protected, written back
+    unnamed: list[_Range] = field(default_factory=list)  # fingerprinted as ranges
+    host: Any = None  # the one host buffer the protected ranges' backups slice
 
     @property
     def protected(self) -> list[_Entry]:
         return [e for e in self.entries if e.backup is not None]
 
+    @property
+    def protected_bytes(self) -> int:
+        named = sum(int(e.backup.numel()) for e in self.protected)
+        return named + sum(r.end - r.start for r in self.ranges)
 
-def prepare(level: int, records: list[TensorRecord], at_risk: set[str], pin: bool) -> Snapshot:
-    """Fingerprint every record but the KV cache; copy the at-risk ones to host memory."""
-    snap = Snapshot(level)
+
+def prepare(
+    level: int,
+    records: list[TensorRecord],
+    at_risk: set[str],
+    pin: bool,
+    protection: Protection | None = None,
+    device: Any = None,
+) -> Snapshot:
+    """Fingerprint every record but the KV cache; copy the at-risk ones to host memory, or
+    with a `protection`, every protected range (on `device`) and fingerprint its unnamed
+    ones."""
+    snap = Snapshot(level, protection=protection)
     kept = [rec for rec in records if not rec.is_kv]
     aliases = [rec.tensor.detach() for rec in kept]
-    plan = Plan(aliases)
+    if protection is not None:
+        snap.unnamed = [
+            _Range(s, e, pool, raw_bytes(s, e - s, device)) for s, e, pool in protection.unnamed
+        ]
+    plan = Plan(aliases + [r.view for r in snap.unnamed])
     base = plan.baseline()
-    fps = plan.per_tensor(base)
+    fps = plan.per_tensor(base)[: len(kept)]
     for rec, alias, fp in zip(kept, aliases, fps, strict=True):
         t = rec.tensor
         entry = _Entry(
@@ -64,6 +103,15 @@ def prepare(level: int, records: list[TensorRecord], at_risk: set[str], pin: boo
             backup.copy_(raw, non_blocking=pin)
             entry.backup = backup
         snap.entries.append(entry)
+    if protection is not None and protection.protect:
+        host = torch.empty(protection.protected_bytes, dtype=torch.uint8, pin_memory=pin)
+        off = 0
+        for s, e, pool in protection.protect:
+            r = _Range(s, e, pool, raw_bytes(s, e - s, device), host[off : off + e - s])
+            r.backup.copy_(r.view, non_blocking=pin)
+            snap.ranges.append(r)
+            off += e - s
+        snap.host = host
     snap.plan = plan
     snap.baseline = base
     if pin and torch.cuda.is_available():
@@ -109,6 +157,9 @@ def restore(snap: Snapshot) -> int:
             )
         raw.copy_(e.backup, non_blocking=True)
         n += 1
+    for r in snap.ranges:  # the same addresses: CUDA maps the pools back in place
+        r.view.copy_(r.backup, non_blocking=True)
+        n += 1
     # Device-wide: the backend's copy streams (resumed weights) and these copies are done
     # before anything, on any stream, reads the restored bytes; verify relies on it.
     if torch.cuda.is_available():
@@ -116,11 +167,27 @@ def restore(snap: Snapshot) -> int:
     return n
 
 
-def verify(snap: Snapshot) -> tuple[int, list[str]]:
-    """(count checked, names whose bytes differ from prepare time)."""
+def verify(snap: Snapshot) -> tuple[int, list[str], list[dict[str, Any]]]:
+    """(count checked, names whose bytes differ from prepare time, the unnamed ranges that
+    differ: address range, size, pool and nearest named tensor; each also in the names)."""
     if snap.plan is None or snap.baseline is None:
         now = Plan([e.alias for e in snap.entries], coalesce=False).run()
         bad = [i for i, (e, fp) in enumerate(zip(snap.entries, now, strict=True)) if fp != e.fp]
     else:
         bad = snap.plan.changed(snap.baseline)
-    return len(snap.entries), [snap.entries[i].record.name for i in bad]
+    n = len(snap.entries)
+    names = [snap.entries[i].record.name for i in bad if i < n]
+    ranges: list[dict[str, Any]] = []
+    for i in bad:
+        if i < n:
+            continue
+        r = snap.unnamed[i - n]
+        if snap.protection is not None:
+            d = snap.protection.describe((r.start, r.end), r.pool)
+        else:
+            d = {"start": r.start, "end": r.end, "bytes": r.end - r.start, "pool": r.pool}
+            d["range"], d["nearest"] = f"{r.start:#x}-{r.end:#x}", None
+        ranges.append(d)
+        near = f", near {d['nearest']}" if d.get("nearest") else ""
+        names.append(f"<unnamed {d['pool']} {d['range']} ({d['bytes']} bytes{near})>")
+    return n + len(snap.unnamed), names, ranges

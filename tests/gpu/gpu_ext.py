@@ -5,11 +5,72 @@ Loaded by the engine as `tests.gpu.gpu_ext.GpuTestExtension` (the repo root on P
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from worker_ext.extension import HotSwapExtension, rpc
+
+# HOTSWAP_TEST_UNREACHABLE=1 in the engine's environment: while vLLM allocates inside each
+# cuMem pool (the weights while the model loads, the kv_cache pool while the KV cache is
+# made), three more tensors are allocated there that no ownership walk reaches, one in a
+# module global, one in a closure, one in a dict keyed outside the model; the embedding's
+# forward multiplies its output by their first elements (1.0: no change), so a lost value
+# changes the greedy tokens. Planted before CUDA graphs are captured, so graphs read them.
+POOLS = ("weights", "kv_cache")
+GLOBALS: dict[str, Any] = {}  # pool tag -> tensor (a module global)
+OUTSIDE: dict[str, Any] = {}  # a cache keyed outside the model (by pool tag)
+_CLOSURES: dict[str, Callable[[], Any]] = {}  # pool tag -> a closure holding the tensor
+_PLANT = os.environ.get("HOTSWAP_TEST_UNREACHABLE") == "1"
+
+
+def _held(t: Any) -> Callable[[], Any]:
+    return lambda: t
+
+
+def planted() -> dict[str, list[Any]]:
+    """Pool tag -> [global, closure, outside] tensors planted so far."""
+    return {tag: [GLOBALS[tag], _CLOSURES[tag](), OUTSIDE[tag]] for tag in POOLS if tag in GLOBALS}
+
+
+def _plant(tag: str) -> None:
+    if tag not in POOLS or tag in GLOBALS:
+        return  # once per pool (a reload may allocate in a pool again)
+    GLOBALS[tag] = torch.ones(256, device="cuda")
+    _CLOSURES[tag] = _held(torch.ones(256, device="cuda"))
+    OUTSIDE[tag] = torch.ones(256, device="cuda")
+
+
+def _install() -> None:
+    from vllm.device_allocator.cumem import CuMemAllocator
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    use_pool = CuMemAllocator.use_memory_pool
+    forward = VocabParallelEmbedding.forward
+
+    @contextlib.contextmanager
+    def use_memory_pool(self: Any, tag: str | None = None) -> Iterator[None]:
+        with use_pool(self, tag=tag):
+            yield
+            _plant(str(tag))  # still inside the pool: these allocations carry its tag
+
+    def scaled(self: Any, input_: Any) -> Any:
+        out = forward(self, input_)
+        k = None
+        for ts in planted().values():
+            for t in ts:
+                k = t[:1] if k is None else k * t[:1]
+        return out if k is None else out * k.to(out.dtype)
+
+    CuMemAllocator.use_memory_pool = use_memory_pool  # type: ignore[method-assign]
+    VocabParallelEmbedding.forward = scaled  # type: ignore[method-assign]
+
+
+if _PLANT:
+    _install()
 
 SCALE_NAMES = (
     "embed_scale",
@@ -20,6 +81,60 @@ SCALE_NAMES = (
 
 
 class GpuTestExtension(HotSwapExtension):
+    _hotswap_test_mode: str | None = None  # protection forced by hotswap_test_protect
+    _hotswap_test_corrupt: tuple[str, int] | None = None  # (pool, which) at verify
+
+    def _hotswap_protect_mode(self) -> str:
+        return self._hotswap_test_mode or super()._hotswap_protect_mode()
+
+    def _hotswap_before_verify(self) -> None:
+        armed, self._hotswap_test_corrupt = self._hotswap_test_corrupt, None
+        if armed is not None:
+            t = planted()[armed[0]][armed[1]]
+            t[7:8].add_(3.0)  # after the write-back, before the fingerprints
+            torch.cuda.synchronize()
+
+    @rpc
+    def hotswap_test_protect(self, mode: str | None) -> dict[str, Any]:
+        """Force `ranges` or `objects` protection (None: the extension's own choice)."""
+        if mode not in (None, "ranges", "objects"):
+            raise ValueError(f"mode {mode!r}")
+        self._hotswap_test_mode = mode
+        return {"mode": self._hotswap_protect_mode()}
+
+    @rpc
+    def hotswap_test_planted(self, value: float | None = None) -> dict[str, Any]:
+        """The unreachable tensors: per pool, each one's pool (by the allocator's records),
+        address, whether the walk reaches it and its sum; `value` fills them first."""
+        from worker_ext.ownership import storage_key
+
+        st = self._hotswap_state()
+        walked = {storage_key(r.tensor) for r in self._hotswap_records()}
+        out: dict[str, Any] = {}
+        for tag, ts in planted().items():
+            if value is not None:
+                for t in ts:
+                    t.fill_(float(value))
+            out[tag] = [
+                {
+                    "pool": st.backend.tag_of(int(t.data_ptr()), int(t.nbytes)),
+                    "ptr": int(t.data_ptr()),
+                    "reached": storage_key(t) in walked,
+                    "sum": float(t.sum().item()),
+                }
+                for t in ts
+            ]
+        torch.cuda.synchronize()
+        return {"planted": out}
+
+    @rpc
+    def hotswap_test_corrupt_at_verify(self, pool: str, which: int) -> dict[str, Any]:
+        """Arm: the next restore_and_verify changes one planted tensor of `pool` (0 global,
+        1 closure, 2 outside) between its write-back and its fingerprints."""
+        t = planted()[pool][int(which)]
+        self._hotswap_test_corrupt = (pool, int(which))
+        return {"ptr": int(t.data_ptr()) + 7 * t.element_size()}
+
     @rpc
     def hotswap_test_checksum(self) -> dict[str, Any]:
         """float64 sum of every parameter: a cheap "did the weights move" probe."""

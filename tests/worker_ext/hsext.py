@@ -15,10 +15,20 @@ import torch
 
 from worker_ext import ownership
 from worker_ext.extension import HotSwapExtension, rpc
+from worker_ext.ownership import storage_key
 from worker_ext.pools import DISCARDED, policy
 from worker_ext.snapshot import storage_bytes
 
 PLANT_ATTR = "hotswap_test_scale"  # a module attribute, not a Worker attribute
+
+# Tensors no ownership walk reaches, read by every forward pass (hotswap_test_unreachable):
+UNREACHABLE: dict[str, Any] = {}  # a module global
+OUTSIDE: dict[int, Any] = {}  # a cache keyed outside the model (by the model's id)
+
+
+def _held(t: Any) -> Any:
+    """A closure that holds `t`: nothing but the returned function refers to it."""
+    return lambda: t
 
 
 def _install_plain_linear() -> None:
@@ -99,6 +109,37 @@ class HotSwapTestExtension(HotSwapExtension):
             )
         vars(emb)[PLANT_ATTR] = torch.tensor([value], dtype=torch.float32)
         return {"name": f"model.embed_tokens.{PLANT_ATTR}"}
+
+    @rpc
+    def hotswap_test_unreachable(self, value: float | None = None) -> dict[str, Any]:
+        """Plant (first call) three tensors no walk reaches: one in a module global, one in
+        a closure, one in a dict keyed outside the model; a forward hook on the embedding
+        multiplies its output by their first elements. `value` fills all three (1.0 leaves
+        the output as it was; a lost tensor changes it). Answers their values."""
+        model = self._hotswap_model()
+        emb = model.model.embed_tokens
+        if "global" not in UNREACHABLE:
+            UNREACHABLE["global"] = torch.ones(64)
+            OUTSIDE[id(model)] = torch.ones(64)
+            read_closure = _held(torch.ones(64))
+            key = id(model)
+
+            def hook(mod: Any, args: Any, out: Any) -> Any:
+                k = UNREACHABLE["global"][0] * read_closure()[0] * OUTSIDE[key][0]
+                return out * k.to(out.dtype)
+
+            UNREACHABLE["closure"] = read_closure
+            emb.register_forward_hook(hook)
+        tensors = [UNREACHABLE["global"], UNREACHABLE["closure"](), OUTSIDE[id(model)]]
+        if value is not None:
+            for t in tensors:
+                t.fill_(float(value))
+        walked = {storage_key(r.tensor) for r in self._hotswap_records()}
+        return {
+            "values": [float(t[0]) for t in tensors],
+            "sums": [float(t.sum()) for t in tensors],
+            "reached": [storage_key(t) in walked for t in tensors],
+        }
 
     @rpc
     def hotswap_test_poison(self, tags: list[str], level: int) -> dict[str, Any]:

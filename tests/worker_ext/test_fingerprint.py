@@ -351,9 +351,9 @@ def test_snapshot_verify_names_one_changed_element_in_packed_weights(check: str)
     assert snap.plan.n_spans == 1
     assert snap.baseline is not None
     assert (snap.baseline.check is not None) == (check == "kernel")
-    assert snapshot.verify(snap) == (4, [])
+    assert snapshot.verify(snap) == (4, [], [])
     model.p2.data.view(torch.int32).view(-1)[ROW_WORDS] ^= 1  # one element of one weight
-    assert snapshot.verify(snap) == (4, ["p2"])
+    assert snapshot.verify(snap) == (4, ["p2"], [])
 
 
 # -- the kernel itself (Triton's CPU interpreter) ---------------------------------------

@@ -27,6 +27,7 @@ def llm(tiny_model: Any) -> Iterator[Any]:
 
         engine = LLM(model=str(path), kv_cache_memory_bytes=KV_BYTES, **ENGINE_ARGS)
     ok(engine, "hotswap_test_plant", 1.5)
+    ok(engine, "hotswap_test_unreachable", 1.0)
     try:
         yield engine
     finally:
@@ -139,6 +140,32 @@ def test_phase_moves_through_a_sleep_and_wake(llm: Any, baseline: Any) -> None:
         "snapshot_held": False,
     }
     assert end["boot_id"] == start["boot_id"]
+    assert generate(llm) == baseline
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_unreachable_tensors_survive_host_levels(llm: Any, baseline: Any, level: int) -> None:
+    """The host backend's rule (docs/contracts.md §1.2): it frees only what the walk finds,
+    so a module global, a closure and a dict keyed outside the model survive untouched."""
+    (before,) = ok(llm, "hotswap_test_unreachable")
+    assert before["reached"] == [False, False, False]
+    assert before["values"] == [1.0, 1.0, 1.0]
+    # the forward pass reads them: a lost value (zeros) changes the greedy tokens
+    ok(llm, "hotswap_test_unreachable", 0.0)
+    llm.reset_prefix_cache()
+    assert generate(llm)[0] != baseline[0]
+    ok(llm, "hotswap_test_unreachable", 1.0)
+    llm.reset_prefix_cache()
+    assert generate(llm) == baseline
+    (audit,) = ok(llm, "hotswap_audit", level, detail=False)
+    assert audit["protection"] == "objects"
+    assert audit["unprotected_bytes"] == 0
+    rep = cycle(llm, level, poison=True)
+    assert rep["prepare"]["protection"] == "objects"
+    assert rep["verify"]["mismatched"] == []
+    (after,) = ok(llm, "hotswap_test_unreachable")
+    keys = ("values", "sums", "reached")
+    assert {k: after[k] for k in keys} == {k: before[k] for k in keys}
     assert generate(llm) == baseline
 
 

@@ -105,7 +105,7 @@ def test_snapshot_restores_in_place_and_rebinds() -> None:
     model.lin.weight = new  # a reload that pointed the slot at new storage
     rebound = snapshot.rebind(snap)
     assert snapshot.restore(snap) == 2
-    checked, mismatched = snapshot.verify(snap)
+    checked, mismatched, _ = snapshot.verify(snap)
     assert mismatched == []
     assert checked == len(snap.entries)
     assert rebound == ["lin.weight"]
