@@ -61,9 +61,14 @@ class HotSwapTestExtension(HotSwapExtension):
         return st
 
     def _hotswap_fault(self, point: str) -> None:
-        hold = self._hotswap_test_state().setdefault("hold", {}).pop(point, 0.0)
-        if hold:
-            time.sleep(hold)  # keeps a transition in flight for as long as a test needs
+        holds = self._hotswap_test_state().setdefault("hold", {})
+        if point in holds:
+            seconds, skip = holds[point]
+            if skip > 0:
+                holds[point] = (seconds, skip - 1)
+            else:
+                del holds[point]
+                time.sleep(seconds)  # keeps a transition in flight for as long as a test needs
         fail = self._hotswap_test_state()["fail"]
         if point in fail:
             fail.discard(point)
@@ -80,8 +85,16 @@ class HotSwapTestExtension(HotSwapExtension):
         return {}
 
     @rpc
-    def hotswap_test_hold_next(self, point: str, seconds: float) -> dict[str, Any]:
-        self._hotswap_test_state().setdefault("hold", {})[point] = float(seconds)
+    def hotswap_test_fail_next_on(self, rank: int, point: str) -> dict[str, Any]:
+        """Like hotswap_test_fail_next, on one rank only."""
+        if int(self.rank) == int(rank):
+            self._hotswap_test_state()["fail"].add(point)
+        return {}
+
+    @rpc
+    def hotswap_test_hold_next(self, point: str, seconds: float, skip: int = 0) -> dict[str, Any]:
+        """Hold the next call that reaches `point` (after `skip` such calls) for `seconds`."""
+        self._hotswap_test_state().setdefault("hold", {})[point] = (float(seconds), int(skip))
         return {}
 
     @rpc

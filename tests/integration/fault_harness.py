@@ -1,0 +1,372 @@
+"""The fault matrix's tools: the real sidecar as a subprocess (so it can be SIGKILLed), a
+watcher that polls the sidecar's readiness and the engine's pause flag and in-flight count
+throughout, a gateway client, and direct calls to the test extension's seams.
+
+Every check is black-box: the sidecar is driven and read through its HTTP API only; the
+engine's truth is read from vLLM's own endpoints (`/is_paused`, `/metrics`) and, between
+cases, from the ranks' `hotswap_info`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from controller.launcher import free_port
+
+IN_FLIGHT = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+ENDED = ("RUNNING", "SUSPENDED", "FAILED")
+
+
+def rpc(base_url: str, method: str, *args: Any, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+    """One collective_rpc straight to the engine (only while no sidecar sends to it)."""
+    r = httpx.post(
+        f"{base_url}/collective_rpc",
+        json={"method": method, "args": list(args), "kwargs": {}},
+        timeout=timeout_s,
+    )
+    r.raise_for_status()
+    results: list[dict[str, Any]] = r.json()["results"]
+    assert all(x.get("ok") for x in results), results
+    return results
+
+
+def hold_next(base_url: str, point: str, seconds: float, skip: int = 0) -> None:
+    """Hold every rank at the fault point of the next (after `skip`) call that reaches it."""
+    rpc(base_url, "hotswap_test_hold_next", point, seconds, skip)
+
+
+class SidecarProcess:
+    """`python -m controller serve` attached to the given engines, with the gateway on."""
+
+    def __init__(
+        self,
+        engines: Mapping[str, str],
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.engines = dict(engines)
+        self.log_path = log_path
+        self.env = dict(env or {})
+        self.port = 0
+        self.gateway_port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
+
+    def start(self, timeout_s: float = 120.0) -> SidecarProcess:
+        """Start it; a port taken between choosing and binding means a new try with new ports."""
+        deadline = time.monotonic() + timeout_s
+        for _ in range(5):
+            if not self.port:
+                self.port, self.gateway_port = free_port(), free_port()
+            self._spawn()
+            if self._wait_up(deadline):
+                return self
+            self.kill()
+            self.port = 0  # bind failed (or too slow): other ports next time
+            if time.monotonic() > deadline:
+                break
+        raise TimeoutError(f"the sidecar did not start; log: {self.log_tail()}")
+
+    def _spawn(self) -> None:
+        argv = [sys.executable, "-m", "controller", "serve", "--host", "127.0.0.1"]
+        argv += ["--port", str(self.port)]
+        for name, url in self.engines.items():
+            argv += ["--engine", f"{name}={url}"]
+        env = {
+            **os.environ,
+            "HOTSWAP_GATEWAY__ENABLED": "true",
+            "HOTSWAP_GATEWAY__HOST": "127.0.0.1",
+            "HOTSWAP_GATEWAY__PORT": str(self.gateway_port),
+            "HOTSWAP_LOG__LEVEL": "INFO",
+            **self.env,
+        }
+        self.starts += 1
+        log = self.log_path.open("ab")
+        log.write(f"\n==== start #{self.starts} on port {self.port}\n".encode())
+        log.flush()
+        self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+
+    def _wait_up(self, deadline: float) -> bool:
+        assert self.proc is not None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                if httpx.get(f"{self.url}/livez", timeout=2.0).status_code == 200:
+                    httpx.get(f"{self.gateway_url}/v1/models", timeout=2.0)
+                    return True
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        return False
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown of any kind runs."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(30)
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+        self.proc = None
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    # ---- the API ------------------------------------------------------------------------
+
+    def get(self, path: str, **kw: Any) -> httpx.Response:
+        return httpx.get(f"{self.url}{path}", timeout=kw.pop("timeout", 60.0), **kw)
+
+    def post(self, path: str, **kw: Any) -> httpx.Response:
+        return httpx.post(f"{self.url}{path}", timeout=kw.pop("timeout", 300.0), **kw)
+
+    def model(self, name: str) -> dict[str, Any]:
+        r = self.get(f"/models/{name}")
+        r.raise_for_status()
+        body: dict[str, Any] = r.json()
+        return body
+
+    def wait_for(
+        self, name: str, pred: Any, timeout_s: float = 120.0, what: str = ""
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        body: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                body = self.model(name)
+                if pred(body):
+                    return body
+            time.sleep(0.05)
+        raise TimeoutError(f"{name}: not {what} after {timeout_s:.0f} s: {body}\n{self.log_tail()}")
+
+    def wait_phase(self, name: str, phase: str, timeout_s: float = 60.0) -> dict[str, Any]:
+        return self.wait_for(
+            name, lambda b: b["extra"].get("phase") == phase, timeout_s, f"in phase {phase}"
+        )
+
+    def wait_settled(self, name: str, timeout_s: float = 120.0) -> dict[str, Any]:
+        """The model in an end state (RUNNING, SUSPENDED or FAILED) with nothing in flight."""
+        return self.wait_for(
+            name,
+            lambda b: b["state"] in ENDED and "phase" not in b["extra"],
+            timeout_s,
+            "settled",
+        )
+
+
+@dataclass(frozen=True)
+class Sample:
+    sent: float
+    received: float
+    value: Any
+
+
+@dataclass
+class Watcher:
+    """Polls, each in its own thread until stopped: the sidecar's per-model readiness, and the
+    engine's `/is_paused` and in-flight requests. `violations()` names every moment the
+    sidecar said ready while the engine was paused, and every request the engine held while
+    paused (only the gateway sends requests while a watcher runs)."""
+
+    sidecar: SidecarProcess
+    name: str
+    engine_url: str
+    interval_s: float = 0.02
+    max_s: float = 300.0
+    health: list[Sample] = field(default_factory=list)
+    engine: list[Sample] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def __enter__(self) -> Watcher:
+        for target in (self._poll_health, self._poll_engine):
+            t = threading.Thread(target=target, daemon=True, name=target.__name__)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(15.0)
+
+    def _loop(self, poll: Any) -> None:
+        deadline = time.monotonic() + self.max_s
+        with httpx.Client(timeout=5.0) as client:
+            while not self._stop.is_set() and time.monotonic() < deadline:
+                sent = time.monotonic()
+                value = poll(client)
+                self._record(Sample(sent, time.monotonic(), value), poll)
+                self._stop.wait(self.interval_s)
+
+    def _record(self, s: Sample, poll: Any) -> None:
+        (self.health if poll == self._health_once else self.engine).append(s)
+
+    def _poll_health(self) -> None:
+        self._loop(self._health_once)
+
+    def _poll_engine(self) -> None:
+        self._loop(self._engine_once)
+
+    def _health_once(self, client: httpx.Client) -> int:
+        if not self.sidecar.port:
+            return 0
+        try:
+            return client.get(f"{self.sidecar.url}/models/{self.name}/health").status_code
+        except httpx.HTTPError:
+            return 0
+
+    def _engine_once(self, client: httpx.Client) -> tuple[bool, int] | None:
+        try:
+            paused = bool(client.get(f"{self.engine_url}/is_paused").json()["is_paused"])
+            text = client.get(f"{self.engine_url}/metrics").text
+        except (httpx.HTTPError, ValueError, KeyError):
+            return None
+        busy = 0.0
+        for fam in text_string_to_metric_families(text):
+            for smp in fam.samples:
+                if smp.name in IN_FLIGHT:
+                    busy += smp.value
+        return paused, int(busy)
+
+    def violations(self) -> list[str]:
+        out: list[str] = []
+        health = sorted(self.health, key=lambda s: s.sent)
+        for e in self.engine:
+            if e.value is None or not e.value[0]:
+                continue
+            paused_at, busy = e.sent, e.value[1]
+            before = [h for h in health if h.received <= paused_at]
+            after = [h for h in health if h.sent >= e.received]
+            if before and after and before[-1].value == 200 and after[0].value == 200:
+                out.append(
+                    f"ready (200) before and after the engine was seen paused at {paused_at:.3f}"
+                )
+            if busy:
+                out.append(
+                    f"{busy} request(s) in the engine while it was paused at {paused_at:.3f}"
+                )
+        return out
+
+    def ever_ready(self) -> bool:
+        return any(h.value == 200 for h in self.health)
+
+
+@dataclass
+class GatewayClient:
+    """Sends greedy completions through the gateway, one after the other, until stopped."""
+
+    sidecar: SidecarProcess
+    model: str
+    expected: tuple[int, ...]
+    timeout_s: float = 60.0
+    answers: list[tuple[int, str]] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __enter__(self) -> GatewayClient:
+        self._thread = threading.Thread(target=self._run, daemon=True, name="gateway-client")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.timeout_s + 10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.answers.append(self.once())
+            self._stop.wait(0.05)
+
+    def once(self) -> tuple[int, str]:
+        """(status, what): 200 with the right tokens is "ok"; 0 = no sidecar to talk to."""
+        if not self.sidecar.port:
+            return 0, "no sidecar"
+        t0 = time.monotonic()
+        try:
+            r = httpx.post(
+                f"{self.sidecar.gateway_url}/v1/completions",
+                json=completion_body(self.model),
+                timeout=self.timeout_s,
+            )
+        except httpx.TimeoutException:
+            return -1, f"hung past {self.timeout_s:g} s"
+        except httpx.HTTPError as exc:
+            return 0, f"{type(exc).__name__}"
+        if r.status_code == 200:
+            got = tuple(r.json()["choices"][0]["token_ids"])
+            return (
+                200,
+                "ok"
+                if got == self.expected
+                else f"wrong tokens {got} after {time.monotonic() - t0:.1f} s",
+            )
+        if r.status_code in (429, 503):
+            return r.status_code, "refused" if "retry-after" in r.headers else "no Retry-After"
+        return r.status_code, r.text[:200]
+
+    def bad(self) -> list[tuple[int, str]]:
+        return [
+            a for a in self.answers if a[1] not in ("ok", "refused", "no sidecar") and a[0] != 0
+        ]
+
+
+def completion_body(model: str, max_tokens: int = 6) -> dict[str, Any]:
+    return {
+        "model": model,
+        "prompt": "the quick brown fox",
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+
+
+def greedy(url: str, model: str, timeout_s: float = 120.0) -> tuple[int, ...]:
+    r = httpx.post(f"{url}/v1/completions", json=completion_body(model), timeout=timeout_s)
+    r.raise_for_status()
+    return tuple(r.json()["choices"][0]["token_ids"])
+
+
+@contextlib.contextmanager
+def stopped(pid_group: int) -> Iterator[None]:
+    """SIGSTOP a process group for the duration; SIGCONT after, whatever happens."""
+    os.killpg(pid_group, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.killpg(pid_group, signal.SIGCONT)
