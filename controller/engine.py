@@ -251,6 +251,20 @@ class EngineClient:
             )
         return elapsed
 
+    async def process_start(self) -> str | None:
+        """A sign of which process answers, learned without an RPC: the API server's
+        `process_start_time_seconds` on its /metrics (prometheus_client's process collector;
+        vLLM 0.32 serves it). None when the engine does not report it."""
+        resp = await self._send("GET", "/metrics", timeout_s=self.timeouts.control_s)
+        for line in resp.text.splitlines():
+            if line.startswith("process_start_time_seconds "):
+                value = line.split()[1]
+                try:
+                    return repr(float(value))
+                except ValueError:
+                    return None
+        return None
+
     async def aclose(self) -> None:
         if self._owns_client:
             await self._client.aclose()

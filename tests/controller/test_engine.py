@@ -297,3 +297,22 @@ async def test_a_rank_that_answers_not_ok_leaves_the_queues_in_step() -> None:
         await e.rpc("hotswap_prepare", 1, timeout_s=2.0)
     assert info.value.may_desync is False
     await e.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("text", "sign"),
+    [
+        ("# HELP x\nprocess_start_time_seconds 1.79611398164e+09\nvllm:x 1\n", "1796113981.64"),
+        ("vllm:num_requests_running 0\n", None),
+        ("process_start_time_seconds nan-ish\n", None),
+    ],
+)
+async def test_process_start_is_read_from_metrics_without_an_rpc(
+    text: str, sign: str | None
+) -> None:
+    rec = Recorder(lambda r: httpx.Response(200, text=text))
+    e = engine(rec)
+    assert await e.process_start() == sign
+    assert [r.url.path for r in rec.requests] == ["/metrics"]
+    await e.aclose()
