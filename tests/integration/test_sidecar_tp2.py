@@ -70,6 +70,31 @@ def test_level2_cycle_across_two_ranks(
     cycle_report("tp2", woke.json()["transition"])
 
 
+def test_one_rank_failing_fails_the_sleep_naming_it_and_reconciliation_resumes_the_model(
+    api: Api, server: EngineProcess
+) -> None:
+    """Rank 1 refuses its prepare (before touching memory): the sleep answers 502 naming
+    rank 1; reconciliation after the failed step finds every rank awake and verified with the
+    engine paused, resumes it, and the model serves again, verified."""
+    before = complete(server.base_url, NAME)
+    armed = httpx.post(
+        f"{server.base_url}/collective_rpc",
+        json={"method": "hotswap_test_fail_next_on", "args": [1, "prepare"]},
+        timeout=30,
+    )
+    assert armed.status_code == 200, armed.text
+    slept = api.sleep(NAME, 1)
+    assert slept.status_code == 502, slept.text
+    body = slept.json()
+    assert body["phase"] == "prepare"
+    assert [r["rank"] for r in body["ranks"] if not r["ok"]] == [1]
+    assert "rank 1" in body["message"]
+    state = api.wait_state(NAME, "RUNNING", timeout_s=60)
+    assert state["verified"] is True
+    assert api.get("/health").status_code == 200
+    assert complete(server.base_url, NAME) == before
+
+
 def test_a_rank_late_for_the_barrier_fails_the_sleep_naming_it(
     api: Api, server: EngineProcess
 ) -> None:

@@ -1,0 +1,404 @@
+"""The fault matrix on a real vLLM-CPU server: the sidecar SIGKILLed at every phase of a
+sleep and of a wake, then started again; the engine SIGKILLed in a transition and at rest,
+then started again behind the sidecar's back; an RPC that hangs past its timeout (the
+engine SIGSTOPped). One engine serves every case it survives; a case that needs a new one
+starts it on the same port, as an operator's restart would.
+
+The oracle of every case: the model ends RUNNING and verified, SUSPENDED, or FAILED with a
+reason; the sidecar's readiness never said 200 while the engine was paused (polled every
+20 ms throughout); the engine never held a request while paused (only the gateway sends
+any); after the restart the gateway serves the model's own greedy tokens again, and every
+rank reports `awake_verified` with its last step a passed verify.
+
+`CASES` is the matrix; docs/reliability.md holds the same table (checked by
+`test_the_reliability_table_lists_every_case`) with the recovery times of a run.
+HOTSWAP_FAULT_MATRIX=full adds an engine SIGKILL at every phase (CI runs one per sequence).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+from fault_harness import (
+    GatewayClient,
+    SidecarProcess,
+    Watcher,
+    completion_body,
+    greedy,
+    hold_next,
+    rpc,
+    stopped,
+)
+
+from controller.launcher import EngineProcess
+
+if TYPE_CHECKING:
+    from conftest import EngineLauncher
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+NAME = "tiny-faults"
+REPO = Path(__file__).resolve().parents[2]
+DOC = REPO / "docs" / "reliability.md"
+HOLD_S = 3.0  # how long a rank is held at a phase: the fault lands inside it
+FULL = os.environ.get("HOTSWAP_FAULT_MATRIX", "") == "full"
+SIDECAR_ENV = {
+    "HOTSWAP_TIMEOUTS__RPC_S": "60",
+    "HOTSWAP_TIMEOUTS__REPROBE_INTERVAL_S": "0.5",
+    "HOTSWAP_TIMEOUTS__PROBE_S": "5",
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    fault: str
+    kind: str  # the transition the fault lands in ("rest": none)
+    level: int
+    phase: str  # the sidecar's phase when the fault lands
+    point: str | None  # the fault point the ranks are held at
+    skip: int  # calls that reach the point before the held one
+    end: str  # the model's state once the sidecar settled after the fault
+    ci: bool = True
+
+    @property
+    def id(self) -> str:
+        where = f"{self.kind}-L{self.level}-{self.phase}" if self.kind != "rest" else self.phase
+        return f"{self.fault.split()[0]}-{where}"
+
+
+SIDECAR_KILLS = [
+    Case("sidecar SIGKILL", "sleep", 1, "drain", None, 0, "RUNNING"),
+    Case("sidecar SIGKILL", "sleep", 1, "quiesce", "quiesce", 0, "RUNNING"),
+    Case("sidecar SIGKILL", "sleep", 1, "prepare", "prepare", 0, "RUNNING"),
+    Case("sidecar SIGKILL", "sleep", 1, "suspend", "suspend", 0, "SUSPENDED"),
+    Case("sidecar SIGKILL", "sleep", 2, "suspend", "suspend", 0, "SUSPENDED"),
+    Case("sidecar SIGKILL", "wake", 1, "resume_weights", "resume", 0, "SUSPENDED"),
+    Case("sidecar SIGKILL", "wake", 1, "resume_kv_cache", "resume", 1, "RUNNING"),
+    Case("sidecar SIGKILL", "wake", 1, "restore_and_verify", "restore_and_verify", 0, "RUNNING"),
+    Case("sidecar SIGKILL", "wake", 2, "resume_weights", "resume", 0, "SUSPENDED"),
+    Case("sidecar SIGKILL", "wake", 2, "reload", "reload", 0, "SUSPENDED"),
+    Case("sidecar SIGKILL", "wake", 2, "resume_kv_cache", "resume", 1, "RUNNING"),
+]
+_ENGINE_PHASES = [
+    ("sleep", 1, "quiesce", "quiesce", 0),
+    ("sleep", 1, "prepare", "prepare", 0),
+    ("sleep", 1, "suspend", "suspend", 0),
+    ("wake", 1, "resume_weights", "resume", 0),
+    ("wake", 2, "reload", "reload", 0),
+    ("wake", 1, "resume_kv_cache", "resume", 1),
+    ("wake", 1, "restore_and_verify", "restore_and_verify", 0),
+]
+ENGINE_KILLS = [
+    Case("engine SIGKILL", kind, lvl, phase, point, skip, "FAILED", ci=phase in ("prepare", "restore_and_verify"))
+    for kind, lvl, phase, point, skip in _ENGINE_PHASES
+]  # fmt: skip
+ENGINE_RESTARTS = [
+    Case("engine restarted", "rest", 1, "RUNNING", None, 0, "RUNNING"),
+    Case("engine restarted", "rest", 1, "SUSPENDED", None, 0, "RUNNING"),
+]
+HANGS = [Case("engine SIGSTOP", "sleep", 1, "prepare", "prepare", 0, "FAILED")]
+CASES = SIDECAR_KILLS + ENGINE_KILLS + ENGINE_RESTARTS + HANGS
+
+
+def _params(cases: list[Case]) -> list[Any]:
+    return [
+        pytest.param(c, id=c.id, marks=() if c.ci or FULL else pytest.mark.skip("full matrix only"))
+        for c in cases
+    ]
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+class Engine:
+    """The one engine of the module; `restart()` starts a new process on the same port."""
+
+    def __init__(self, engines: EngineLauncher, proc: EngineProcess) -> None:
+        self.engines = engines
+        self.proc = proc
+        self.restarts = 0
+
+    @property
+    def url(self) -> str:
+        return self.proc.base_url
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def restart(self) -> float:
+        """SIGKILL (if alive) and start anew; returns the seconds until it answered."""
+        self.proc.kill()
+        self.restarts += 1
+        log = self.proc.log_path.with_name(f"{NAME}-restart{self.restarts}.log")
+        self.proc = EngineProcess(self.proc.spec, log)
+        self.engines.started.append(self.proc)
+        t0 = time.monotonic()
+        self.proc.start()
+        self.proc.wait_ready(300)
+        return time.monotonic() - t0
+
+    def rpc_lines(self) -> int:
+        """collective_rpc calls the current process answered (its access log)."""
+        return self.proc.log_path.read_text(errors="replace").count("POST /collective_rpc")
+
+    def ranks(self) -> list[dict[str, Any]]:
+        return rpc(self.url, "hotswap_info")
+
+    def paused(self) -> bool:
+        return bool(httpx.get(f"{self.url}/is_paused", timeout=10).json()["is_paused"])
+
+
+@pytest.fixture(scope="module")
+def engine(engines: EngineLauncher, tiny_llama: Path) -> Engine:
+    path = os.pathsep.join([str(REPO), str(REPO / "tests" / "worker_ext")])
+    proc = engines.start(
+        tiny_llama,
+        NAME,
+        worker_extension_cls="hsext.HotSwapTestExtension",
+        extra_env={"PYTHONPATH": path},
+    )
+    return Engine(engines, proc)
+
+
+@pytest.fixture(scope="module")
+def baseline(engine: Engine) -> tuple[int, ...]:
+    return greedy(engine.url, NAME)
+
+
+@pytest.fixture
+def healthy(engine: Engine) -> Engine:
+    """The engine awake, verified and unpaused at the start of a case (restarted if not)."""
+    try:
+        ok = not engine.paused() and all(
+            r["phase"] == "awake_verified" and not r["poisoned"] for r in engine.ranks()
+        )
+    except (httpx.HTTPError, AssertionError, KeyError):
+        ok = False
+    if not ok:
+        engine.restart()
+    return engine
+
+
+@pytest.fixture
+def sidecar(engine: Engine, tmp_path: Path) -> Iterator[SidecarProcess]:
+    side = SidecarProcess({NAME: engine.url}, tmp_path / "sidecar.log", SIDECAR_ENV)
+    try:
+        yield side
+    finally:
+        side.stop()
+
+
+_RECOVERY: dict[str, float] = {}
+
+
+def _report(case: Case, seconds: float) -> None:
+    _RECOVERY[case.id] = seconds
+    print(f"\nfault-matrix {case.id}: recovered in {seconds:.1f} s")
+
+
+# ----------------------------------------------------------------------------- the oracle
+
+
+def _settle_and_check(
+    side: SidecarProcess, eng: Engine, baseline: tuple[int, ...], case: Case, t0: float
+) -> dict[str, Any]:
+    """Poll readiness while the sidecar settles; then the end state, the gateway's answers,
+    and the ranks' own truth."""
+    with Watcher(side, NAME, eng.url) as watch:
+        body = side.wait_settled(NAME, timeout_s=180)
+        settled_s = time.monotonic() - t0
+        assert body["state"] == case.end, body
+        if body["state"] == "FAILED":
+            assert body["last_error"], body
+        else:
+            assert body["verified"] is (body["state"] == "RUNNING"), body
+        # Through the gateway: a SUSPENDED model is woken by the request itself.
+        with GatewayClient(side, NAME, baseline) as client:
+            deadline = time.monotonic() + 120
+            while sum(a[1] == "ok" for a in client.answers) < 3 and time.monotonic() < deadline:
+                time.sleep(0.1)
+        assert client.bad() == [], client.answers
+        assert sum(a[1] == "ok" for a in client.answers) >= 3, client.answers
+        assert side.model(NAME)["state"] == "RUNNING"
+    assert watch.violations() == []
+    assert watch.ever_ready()
+    ranks = eng.ranks()
+    assert [r["phase"] for r in ranks] == ["awake_verified"] * len(ranks)
+    assert all(r["verified_transition"] == r["transitions"] for r in ranks), ranks
+    assert greedy(eng.url, NAME) == baseline
+    _report(case, settled_s)
+    return body
+
+
+def _to_start(side: SidecarProcess, case: Case) -> None:
+    """The model in the state the case's transition starts from."""
+    if case.kind == "wake":
+        r = side.post(f"/models/{NAME}/sleep", json={"level": case.level})
+        assert r.status_code == 200, r.text
+        assert r.json()["state"] == "SUSPENDED"
+
+
+def _begin(side: SidecarProcess, eng: Engine, case: Case) -> None:
+    """Hold the ranks at the case's phase, start the transition, wait until it is there."""
+    if case.point is not None:
+        hold_next(eng.url, case.point, HOLD_S, case.skip)
+    if case.kind == "sleep":
+        r = side.post(f"/models/{NAME}/sleep", params={"wait": "false"}, json={"level": case.level})
+    else:
+        r = side.post(f"/models/{NAME}/wake", params={"wait": "false"})
+    assert r.status_code == 202, r.text
+    side.wait_phase(NAME, case.phase, timeout_s=60)
+
+
+def _long_request(url: str) -> threading.Thread:
+    """A completion long enough for a drain to wait on (straight to the engine)."""
+
+    def run() -> None:
+        body = completion_body(NAME, max_tokens=200)
+        httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+
+    t = threading.Thread(target=run, daemon=True, name="long-request")
+    t.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        if re.search(r"^vllm:num_requests_running\{[^}]*\} [1-9]", text, re.M):
+            return t
+        time.sleep(0.02)
+    raise AssertionError("the long request never ran")
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+@pytest.mark.parametrize("case", _params(SIDECAR_KILLS))
+def test_sidecar_sigkill(
+    case: Case, healthy: Engine, sidecar: SidecarProcess, baseline: tuple[int, ...]
+) -> None:
+    eng = healthy
+    sidecar.start()
+    sidecar.wait_settled(NAME)
+    _to_start(sidecar, case)
+    long = _long_request(eng.url) if case.phase == "drain" else None
+    _begin(sidecar, eng, case)
+    if case.phase == "prepare":
+        # A read-only route never touches a model in transition.
+        audit = sidecar.get(f"/models/{NAME}/audit")
+        assert audit.status_code == 409, audit.text
+    sidecar.kill()
+    if long is not None:
+        long.join(120)  # the engine finishes it, then stays paused: nobody resumes it
+    t0 = time.monotonic()
+    sidecar.start()
+    _settle_and_check(sidecar, eng, baseline, case, t0)
+
+
+@pytest.mark.parametrize("case", _params(ENGINE_KILLS))
+def test_engine_sigkill_in_a_transition(
+    case: Case, healthy: Engine, sidecar: SidecarProcess, baseline: tuple[int, ...]
+) -> None:
+    eng = healthy
+    sidecar.start()
+    sidecar.wait_settled(NAME)
+    _to_start(sidecar, case)
+    _begin(sidecar, eng, case)
+    with Watcher(sidecar, NAME, eng.url) as watch:
+        eng.kill()
+        body = sidecar.wait_settled(NAME, timeout_s=120)
+        assert body["state"] == "FAILED", body
+        assert body["last_error"], body
+        t0 = time.monotonic()
+        eng.restart()  # an operator's restart, on the same port, behind the sidecar's back
+    assert watch.violations() == []
+    assert not any(h.value == 200 for h in watch.health), "ready while the engine was down"
+    _settle_and_check(sidecar, eng, baseline, _replace_end(case, "RUNNING"), t0)
+
+
+@pytest.mark.parametrize("case", _params(ENGINE_RESTARTS))
+def test_engine_restarted_behind_the_sidecars_back(
+    case: Case, healthy: Engine, sidecar: SidecarProcess, baseline: tuple[int, ...]
+) -> None:
+    eng = healthy
+    sidecar.start()
+    sidecar.wait_settled(NAME)
+    if case.phase == "SUSPENDED":
+        r = sidecar.post(f"/models/{NAME}/sleep", json={"level": 1})
+        assert r.json()["state"] == "SUSPENDED", r.text
+    t0 = time.monotonic()
+    eng.restart()
+    _settle_and_check(sidecar, eng, baseline, case, t0)
+
+
+@pytest.mark.parametrize("case", _params(HANGS))
+def test_an_rpc_that_hangs_past_its_timeout(
+    case: Case, healthy: Engine, tmp_path: Path, baseline: tuple[int, ...]
+) -> None:
+    """The engine SIGSTOPped inside an RPC: the call times out, the model is FAILED, and
+    the sidecar sends that process nothing more (its queues may be out of step) until a
+    new process answers."""
+    eng = healthy
+    env = {**SIDECAR_ENV, "HOTSWAP_TIMEOUTS__RPC_S": "4", "HOTSWAP_TIMEOUTS__CONTROL_S": "2"}
+    side = SidecarProcess({NAME: eng.url}, tmp_path / "sidecar.log", env)
+    try:
+        side.start()
+        side.wait_settled(NAME)
+        _begin(side, eng, case)
+        assert eng.proc.pid is not None
+        with Watcher(side, NAME, eng.url) as watch:
+            with stopped(eng.proc.pid):
+                body = side.wait_settled(NAME, timeout_s=60)
+            assert body["state"] == "FAILED", body
+            time.sleep(HOLD_S + 2)  # the held call finishes late; its reply goes nowhere
+            sent = eng.rpc_lines()
+            time.sleep(3.0)  # six reconciliations
+            audit = side.get(f"/models/{NAME}/audit")
+            assert audit.status_code in (409, 503), audit.text
+            body = side.model(NAME)
+            assert body["state"] == "FAILED", body
+            assert "out of step" in str(body["last_error"]), body
+            assert eng.rpc_lines() == sent, "an RPC was sent to an engine out of step"
+            t0 = time.monotonic()
+            eng.restart()
+        assert not any(h.value == 200 for h in watch.health)
+        _settle_and_check(side, eng, baseline, _replace_end(case, "RUNNING"), t0)
+    finally:
+        side.stop()
+
+
+def _replace_end(case: Case, end: str) -> Case:
+    return Case(case.fault, case.kind, case.level, case.phase, case.point, case.skip, end, case.ci)
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def test_the_reliability_table_lists_every_case() -> None:
+    """docs/reliability.md: one row per case, with its fault, phase, end state and test."""
+    rows = {}
+    for line in DOC.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 6 and cells[-1].startswith("`test_"):
+            rows[cells[-1].strip("`")] = cells
+    for case in CASES:
+        test = {
+            "sidecar SIGKILL": "test_sidecar_sigkill",
+            "engine SIGKILL": "test_engine_sigkill_in_a_transition",
+            "engine restarted": "test_engine_restarted_behind_the_sidecars_back",
+            "engine SIGSTOP": "test_an_rpc_that_hangs_past_its_timeout",
+        }[case.fault]
+        key = f"{test}[{case.id}]"
+        assert key in rows, f"docs/reliability.md has no row for {key}"
+        fault, where, end = rows[key][0], rows[key][1], rows[key][2]
+        assert fault == case.fault, rows[key]
+        phase = case.phase if case.kind == "rest" else f"{case.kind} L{case.level}: {case.phase}"
+        assert where == phase, rows[key]
+        assert end.startswith(case.end), rows[key]
