@@ -41,6 +41,7 @@ class HotswapError(Exception):
     """Root of every error the sidecar raises on purpose."""
 
     status = 502
+    may_desync = False  # see EngineError
 
     def __init__(self, message: str, *, model: str | None = None, phase: str | None = None) -> None:
         super().__init__(message)
@@ -81,6 +82,11 @@ class EngineError(HotswapError):
     status = 502
     may_desync = True
 
+    def to_dict(self) -> dict[str, object]:
+        out = super().to_dict()
+        out["queues_may_be_out_of_step"] = self.may_desync
+        return out
+
 
 class EngineUnavailable(EngineError):
     """The engine could not be reached (connection refused or reset)."""
@@ -104,6 +110,7 @@ class VerificationFailed(EngineError):
     """A tensor that must survive differs after the wake: the model stays out of rotation."""
 
     status = 502
+    may_desync = False  # every rank answered
 
     def __init__(self, message: str, *, tensors: list[str], model: str | None = None) -> None:
         super().__init__(message, model=model, phase="restore_and_verify")
@@ -119,6 +126,7 @@ class BarrierTimeout(EngineError):
     """Quiesce: some ranks missed the barrier; they are named."""
 
     status = 504
+    may_desync = False  # every rank answered
 
     def __init__(self, message: str, *, late_ranks: list[int], model: str | None = None) -> None:
         super().__init__(message, model=model, phase="quiesce")

@@ -22,6 +22,7 @@ from controller import protocol, steps
 from controller.engine import EngineClient
 from controller.errors import DrainTimeout, EngineError, ModelNotFound, TransitionConflict
 from controller.metrics import Metrics
+from controller.reconciler import Reconciler
 from controller.record import Fleet, ModelRecord
 from controller.runner import AnyStep, PhaseFailed, Run, Runner
 from controller.settings import ModelSettings, Settings, TimeoutSettings
@@ -79,6 +80,7 @@ class ModelManager:
         self.metrics = metrics
         self.tasks = tasks
         self.runner = Runner(record, engine, timeouts, metrics, clock=clock, monotonic=monotonic)
+        self.reconciler = Reconciler(record, engine, self.runner, timeouts)
         self._lock = asyncio.Lock()
 
     def snapshot(self) -> ModelSnapshot:
@@ -173,6 +175,7 @@ class ModelManager:
         sequence = steps.sleep_sequence(level, drain, grace)
         await self._guarded(run, sequence, params)
         self.runner.count_bytes(run)
+        self.record.asleep = None  # every pool the level releases
         rec = self.runner.finish(
             run, Event.SLEEP_DONE, State.SUSPENDED, level=level, last_error=None
         )
@@ -190,7 +193,8 @@ class ModelManager:
         level = self.record.snapshot.level or 1
         run = self.runner.begin("wake", level, State.SUSPENDED)
         params = protocol.Params(level=level, quiesce_timeout_s=self.timeouts.quiesce_s)
-        await self._guarded(run, steps.wake_sequence(level), params)
+        await self._guarded(run, steps.wake_sequence(level, self.record.asleep), params)
+        self.record.asleep = None
         self.runner.count_bytes(run)
         rec = self.runner.finish(
             run, Event.WAKE_DONE, State.RUNNING, verified=True, level=None, last_error=None
@@ -208,7 +212,12 @@ class ModelManager:
             except PhaseFailed as failed:
                 if isinstance(failed.error, DrainTimeout):
                     raise self._gave_up(run, failed.error) from None
-                raise self.runner.fail(run, failed) from failed.error
+                self.reconciler.note_failure(failed)
+                err = self.runner.fail(run, failed)
+                # The ranks say what the failed step left: read it back (never an RPC to an
+                # engine whose queues may be out of step).
+                await self.reconciler.run("after a failed step", failure=rec_error(self))
+                raise err from failed.error
             except asyncio.CancelledError:
                 err = EngineError("cancelled at shutdown: the engine is in an unknown state")
                 self.runner.fail(run, PhaseFailed(self.record.phase or run.kind, "cancelled", err))
@@ -223,31 +232,19 @@ class ModelManager:
     # ---- probe and pass-through ----------------------------------------------------------
 
     async def probe(self) -> ModelSnapshot:
-        """Start-up: ask the engine what it is doing; -> RUNNING, SUSPENDED or FAILED."""
+        """Start-up (and a managed engine once it answers): read the engine back and
+        reconcile; -> RUNNING, SUSPENDED, FAILED, or a finished interrupted sequence."""
         async with self._lock:
-            run = self.runner.begin("start")
-            try:
-                reports = await self.runner.run(run, steps.PROBE, protocol.Params())
-            except PhaseFailed as failed:
-                self.runner.fail(run, failed)
-                return self.record.snapshot
-            info = [r for r in reports[protocol.INFO.phase] if isinstance(r, protocol.InfoReport)]
-            level = protocol.suspended_level(info)
-            if self.record.state is State.STARTING:
-                # A managed engine just booted: it serves (nothing of it can be suspended yet).
-                self.runner.finish(run, Event.STARTED, State.RUNNING, verified=True, level=None)
-            elif level is not None:
-                self.runner.finish(
-                    run, Event.PROBED_SUSPENDED, State.SUSPENDED, verified=False, level=level
-                )
-            else:
-                self.runner.finish(
-                    run, Event.PROBED_RUNNING, State.RUNNING, verified=True, level=None
-                )
+            fresh = self.record.state is State.STARTING
+            await self.reconciler.run("start-up", kind="start", fresh=fresh)
             return self.record.snapshot
 
     def mark_starting(self) -> None:
-        """Managed engine: its process is being (re)started; `probe` then makes it RUNNING."""
+        """Managed engine: its process is being (re)started; `probe` then makes it RUNNING.
+        The sidecar starts that process itself: whatever an RPC to the old one left out of
+        step does not concern it."""
+        rec = self.record
+        rec.desynced, rec.process_sign, rec.boot_ids, rec.asleep = False, None, None, None
         self.runner.apply(Event.START, verified=False, level=None)
 
     def mark_failed(self, reason: str) -> None:
@@ -256,45 +253,39 @@ class ModelManager:
             self.runner.apply(Event.FAIL, verified=False, last_error=reason)
 
     async def check_recovered(self) -> bool:
-        """Attached engine in FAILED: probe it afresh once it is safe to, i.e. when it failed
-        before ever being reached, or after it was seen down (restarted, so its RPC reply
-        queues are fresh). An engine that stayed up after a failed RPC is never called again:
-        its replies may be out of step. Returns True when a new probe ran."""
+        """Attached engine, every `reprobe_interval_s`, in every state but a transition in
+        flight: read it back and reconcile (a new process is judged afresh; one whose
+        queues may be out of step is sent nothing). True when the state changed or an
+        action (resume, finish a wake) ran."""
         rec = self.record
-        if rec.state is not State.FAILED or self._lock.locked():
+        resting = (State.RUNNING, State.SUSPENDED, State.FAILED, State.UNKNOWN)
+        if self._lock.locked() or rec.in_flight_task() is not None or rec.state not in resting:
             return False
-        try:
-            up = await self.engine.health(timeout_s=self.timeouts.probe_s)
-        except EngineError:
-            up = False
-        if not up:
-            rec.seen_down_since_failure = True
-            return False
-        last = rec.snapshot.last_transition
-        never_reached = last is not None and last.kind == "start" and last.failed_phase == "health"
-        if not (never_reached or rec.seen_down_since_failure):
-            return False
-        log.info(
-            "%s: engine answers again after a failure; probing it afresh",
-            self.name,
-            extra={"model": self.name, "phase": "probe", "rank": None},
-        )
-        rec.seen_down_since_failure = False
-        await self.probe()
-        return True
+        async with self._lock:
+            if rec.in_flight_task() is not None or rec.state not in resting:
+                return False  # a request began meanwhile: its own sequence goes next
+            before = (rec.state, rec.snapshot.verified)
+            verdict = await self.reconciler.run("periodic")
+            return verdict.sends_rpc or (rec.state, rec.snapshot.verified) != before
 
     async def _passthrough(
         self, step: protocol.Step, params: protocol.Params
     ) -> list[dict[str, Any]]:
-        """An RPC outside a transition; a failure is FAILED too (the queues may be out of step)."""
-        if self.record.state not in (
-            State.RUNNING,
-            State.SUSPENDED,
-            State.SUSPENDING,
-            State.RESUMING,
-        ):
+        """A read-only RPC outside a transition. It never changes the model's state, except
+        that a call which may have left the reply queues out of step (a timeout, a broken
+        connection, a 5xx) makes it FAILED: nothing can be sent to that process again."""
+        rec = self.record
+        if rec.desynced:
             raise TransitionConflict(
-                f"cannot call {step.method} on {self.name} in state {self.record.state.value}",
+                f"cannot call {step.method} on {self.name}: an earlier RPC may have left its "
+                "reply queues out of step; nothing is sent until a new process answers",
+                model=self.name,
+            )
+        busy = self._lock.locked() or rec.in_flight_task() is not None
+        if busy or rec.state not in (State.RUNNING, State.SUSPENDED):
+            raise TransitionConflict(
+                f"cannot call {step.method} on {self.name} now: state {rec.state.value}"
+                + (", a transition or reconciliation in flight" if busy else ""),
                 model=self.name,
             )
         async with self._lock:
@@ -302,7 +293,12 @@ class ModelManager:
             try:
                 reports = await self.runner.step(run, step, params)
             except PhaseFailed as failed:
-                raise self.runner.fail(run, failed) from failed.error
+                if failed.error.may_desync:
+                    self.reconciler.note_failure(failed)
+                    raise self.runner.fail(run, failed) from failed.error
+                self.runner.discard()
+                raise failed.error from None
+            self.runner.discard()
             return [dict(r.raw) for r in reports]
 
     async def audit(self, level: int) -> list[dict[str, Any]]:
@@ -316,6 +312,10 @@ class ModelManager:
 _INFO_PASSTHROUGH = protocol.Step(
     "hotswap_info", "hotswap_info", lambda p: (), report=protocol.InfoReport
 )
+
+
+def rec_error(m: ModelManager) -> str | None:
+    return m.record.snapshot.last_error
 
 
 class Manager:
@@ -374,10 +374,9 @@ class Manager:
             self._watcher = self.tasks.spawn(self._watch(attached), name="watch-attached")
 
     async def _watch(self, models: list[ModelManager]) -> None:
+        # Every state, on a timer: the engine is another process, its truth is read back.
         interval = self.settings.timeouts.reprobe_interval_s
         while True:
-            # Nothing to re-probe until one of them is FAILED: wait for that, not a tick.
-            await self.fleet.wait_for(lambda: any(m.record.state is State.FAILED for m in models))
             await asyncio.sleep(interval)
             await asyncio.gather(*(m.check_recovered() for m in models), return_exceptions=True)
 

@@ -114,6 +114,7 @@ class Observation:
     process: str | None = None  # a non-RPC sign of the process (its start time); None: none
     ranks: tuple[RankView, ...] | None = None  # every rank's hotswap_info, in rank order
     info_error: str | None = None  # hotswap_info itself got no usable answer (timeout, 5xx)
+    info_may_desync: bool = True  # that failure may have left the reply queues out of step
     detail: str = ""  # why it was unreachable or dead, for the reason
 
 
@@ -300,7 +301,7 @@ def reconcile(obs: Observation, mem: Memory) -> Verdict:
             "info-failed",
             State.FAILED,
             _with("hotswap_info failed", obs.info_error),
-            desynced=True,
+            desynced=obs.info_may_desync,
         )
     ranks = obs.ranks
     ids = tuple(r.boot_id for r in ranks)

@@ -156,8 +156,13 @@ class ModelRecord:
         self.transition: asyncio.Task[Any] | None = None
         self.transition_kind: Request | None = None
         self.phase: str | None = None
-        # Attached engines: seen unreachable since its last failure (restarted, fresh queues).
-        self.seen_down_since_failure = False
+        # What reconciliation remembers of the engine (controller.reconcile.Memory): an RPC
+        # to this process may have left its reply queues out of step; the non-RPC sign of
+        # the process and the ranks' boot ids last seen; the pools asleep (a partial wake).
+        self.desynced = False
+        self.process_sign: str | None = None
+        self.boot_ids: tuple[str | None, ...] | None = None
+        self.asleep: tuple[str, ...] | None = None
         # Managed engines: the process, when it last started, how often it failed in a row.
         self.engine: EngineProcess | None = None
         self.started_at: float | None = None

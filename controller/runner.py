@@ -276,6 +276,24 @@ class Runner:
         self.apply(event, phase=failed_phase, last_transition=rec, **changes)
         return rec
 
+    def finish_same(
+        self, run: Run, *, error: str | None = None, **changes: Any
+    ) -> TransitionRecord:
+        """Record a run that left the state as it was (a start-up probe of a known state)."""
+        state = self.record.state
+        rec = self._transition(run, state, "ok", error=error)
+        self._set_phase(None)
+        self.record.snapshot = dataclasses.replace(
+            self.record.snapshot, last_transition=rec, **changes
+        )
+        return rec
+
+    def discard(self) -> None:
+        """End a run that changed nothing (a reconciliation that found the cache right):
+        no transition is recorded, only the phase shown is cleared."""
+        if self.record.phase is not None:
+            self._set_phase(None)
+
     def fail(self, run: Run, failed: PhaseFailed) -> HotswapError:
         """FAILED with the phase and reason kept; returns the error to raise."""
         exc = failed.error

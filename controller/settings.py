@@ -143,8 +143,9 @@ class TimeoutSettings(BaseModel):
         2.0,
         gt=0,
         le=HOUR_S,
-        description="How often a FAILED attached engine is checked for having come back; "
-        "short against a vLLM restart (tens of seconds), so the outage is always seen.",
+        description="How often every attached engine is read back and reconciled, in every "
+        "state but a transition in flight (/health, /is_paused, /metrics; hotswap_info only "
+        "when those do not match the cache); short against a vLLM restart (tens of seconds).",
     )
     shutdown_s: float = Field(
         30.0, ge=0, le=HOUR_S, description="How long shutdown waits for transitions in flight."

@@ -35,6 +35,9 @@ class Event(enum.StrEnum):
     START = "start"  # a managed engine is (re)started
     STARTED = "started"
     STOP = "stop"
+    # Reconciliation found a sleep stopped before it suspended anything, or a wake stopped
+    # before its verify: finish it (controller.reconcile).
+    PROBED_UNFINISHED = "probed_unfinished"
 
 
 class Request(enum.StrEnum):
@@ -91,6 +94,15 @@ TRANSITIONS: Mapping[tuple[State, Event], State] = {
     # A failed attached engine that answers again is probed afresh.
     (S.FAILED, E.PROBED_RUNNING): S.RUNNING,
     (S.FAILED, E.PROBED_SUSPENDED): S.SUSPENDED,
+    # Reconciliation: the ranks' own truth overrides the cache (an engine restarted behind
+    # the sidecar's back, a sequence a dead sidecar left half done).
+    (S.RUNNING, E.PROBED_SUSPENDED): S.SUSPENDED,
+    (S.SUSPENDED, E.PROBED_RUNNING): S.RUNNING,
+    (S.UNKNOWN, E.PROBED_UNFINISHED): S.RESUMING,
+    (S.STARTING, E.PROBED_UNFINISHED): S.RESUMING,
+    (S.RUNNING, E.PROBED_UNFINISHED): S.RESUMING,
+    (S.SUSPENDED, E.PROBED_UNFINISHED): S.RESUMING,
+    (S.FAILED, E.PROBED_UNFINISHED): S.RESUMING,
 }
 
 REQUESTS: Mapping[tuple[State, Request], Action] = {

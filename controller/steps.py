@@ -13,7 +13,7 @@ wait is pending aborts what is left and ends both pauses. A "paused" answer is n
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 from controller import protocol
@@ -98,8 +98,10 @@ def sleep_sequence(level: int, mode: DrainMode, grace_s: float) -> tuple[AnyStep
     return (drain(mode, grace_s), *protocol.sleep_steps(level))
 
 
-def wake_sequence(level: int) -> tuple[AnyStep, ...]:
-    return (*protocol.wake_steps(level), RESUME_ENGINE, WARMUP)
+def wake_sequence(level: int, suspended: Iterable[str] | None = None) -> tuple[AnyStep, ...]:
+    """`suspended`: the pools asleep when only some are (a wake a dead sidecar left half
+    done, read back by reconciliation); None: as the level's sleep leaves them."""
+    return (*protocol.wake_steps(level, suspended), RESUME_ENGINE, WARMUP)
 
 
 PROBE: tuple[AnyStep, ...] = (HEALTH, protocol.INFO)

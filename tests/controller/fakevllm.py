@@ -55,6 +55,49 @@ class FakeVllm:
     clock: Clock | None = None  # advanced by `costs[name]` seconds per call
     costs: dict[str, float] = field(default_factory=dict)
     calls: list[str] = field(default_factory=list)
+    # Each rank's own truth (docs/contracts.md §1.1), and the API server's start time.
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    started_at: float = 1_796_000_000.0
+
+    def __post_init__(self) -> None:
+        if not self.ranks:
+            self.ranks = [self._fresh(r) for r in range(self.world_size)]
+
+    def _fresh(self, rank: int) -> dict[str, Any]:
+        return {
+            "phase": "awake_verified",
+            "phase_level": None,
+            "phase_tags": [],
+            "phase_reason": None,
+            "transitions": 0,
+            "verified_transition": 0,
+            "snapshot_held": False,
+            "boot_id": f"{self.started_at:.0f}-{rank}",
+            "process_start_s": self.started_at,
+            "pid": 1000 + rank,
+        }
+
+    def set_truth(self, **truth: Any) -> None:
+        """What every rank reports of itself from now on (e.g. phase="suspended")."""
+        for r in self.ranks:
+            r.update(truth)
+
+    def fresh(self) -> None:
+        """A new process: nothing paused or asleep, fresh ranks, a new start time."""
+        self.started_at += 60.0
+        self.paused, self.level, self.suspended = False, None, {}
+        self.ranks = [self._fresh(r) for r in range(self.world_size)]
+
+    def asleep(self, level: int = 1) -> FakeVllm:
+        """As a sleep leaves it: paused, every pool suspended, every rank saying so."""
+        self.paused, self.level = True, level
+        self.suspended = {"weights": "offloaded" if level == 1 else "discarded"}
+        self.suspended["kv_cache"] = "discarded"
+        for r in self.ranks:
+            r.update(phase="suspended", phase_level=level, phase_tags=sorted(self.suspended))
+            r["snapshot_held"] = True
+            r["transitions"] += 1
+        return self
     requests: list[httpx.Request] = field(default_factory=list)
 
     def transport(self) -> httpx.MockTransport:
@@ -137,11 +180,21 @@ class FakeVllm:
             return httpx.Response(200, json={"status": "resumed"})
         if path == "/v1/models":
             return httpx.Response(200, json={"object": "list", "data": [{"id": self.name}]})
+        if path == "/metrics":
+            text = f"# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {self.started_at}\n"
+            return httpx.Response(200, text=text)
         if path == "/v1/completions":
             if self.paused or self.suspended:  # a real engine would hang or serve garbage
                 return httpx.Response(500, json={"error": {"message": "would hang"}})
             return httpx.Response(200, json={"choices": [{"index": 0, "text": " a"}]})
         return httpx.Response(404, json={"detail": "Not Found"})
+
+    @staticmethod
+    def _step(me: dict[str, Any], **truth: Any) -> None:
+        """One memory step of a rank; a failed rank stays failed (docs/contracts.md §1.1)."""
+        me["transitions"] += 1
+        if me["phase"] != "failed":
+            me.update(truth)
 
     def _rank(
         self, method: str, rank: int, body: dict[str, Any], failure: str | None
@@ -150,7 +203,9 @@ class FakeVllm:
         kwargs: dict[str, Any] = dict(body.get("kwargs") or {})
         out: dict[str, Any] = {"ok": True, "rank": rank, "elapsed_s": 0.001}
         if failure == "rank" and rank == self.world_size - 1:
+            # Refused before it touched memory: the rank's phase does not move.
             return {"ok": False, "rank": rank, "elapsed_s": 0.001, "error": f"fake {method} failed"}
+        me = self.ranks[rank]
         if method == "hotswap_info":
             out.update(
                 world_size=self.world_size,
@@ -162,6 +217,8 @@ class FakeVllm:
                 device_memory={"rss": 1 << 20},
                 suspended=dict(self.suspended),
                 level=self.level,
+                poisoned=False,
+                **me,
             )
         elif method == "hotswap_quiesce":
             out.update(barrier_s=0.0005, late_ranks=[])
@@ -194,6 +251,7 @@ class FakeVllm:
                 at_risk_bytes=4 * len(risky),
             )
         elif method == "hotswap_prepare":
+            me["snapshot_held"] = True
             out.update(
                 protected=1, protected_bytes=4, fingerprinted=2, at_risk=["model.embed_scale"]
             )
@@ -204,6 +262,7 @@ class FakeVllm:
             if rank == 0:
                 self.level = level
                 self.suspended = {t: "offloaded" if t in offloaded else "discarded" for t in tags}
+            self._step(me, phase="suspended", phase_level=level, phase_tags=sorted(tags))
             out.update(
                 level=level,
                 tags=tags,
@@ -220,6 +279,8 @@ class FakeVllm:
                     self.suspended.pop(t, None)
                 if not self.suspended:
                     self.level = None
+            left = sorted(set(me["phase_tags"]) - set(tags))
+            self._step(me, phase="suspended" if left else "resumed_unverified", phase_tags=left)
             out.update(
                 tags=tags,
                 restored_bytes={t: self.pool_bytes.get(t, 0) for t in tags},
@@ -227,12 +288,18 @@ class FakeVllm:
                 memory_after=1 << 20,
             )
         elif method == "hotswap_reload":
-            pass
+            self._step(me)
         elif method == "hotswap_restore_and_verify":
             mismatched = ["model.embed_scale"] if failure == "mismatch" else []
             out.update(restored=1, rebound=[], verified=2, mismatched=mismatched)
+            me["snapshot_held"] = False
             if mismatched:
                 out.update(ok=False, error="fingerprint mismatch: model.embed_scale")
+                self._step(me, phase="failed", phase_reason="verify: model.embed_scale differs")
+            else:
+                self._step(me, phase="awake_verified", phase_level=None, phase_tags=[])
+                if me["phase"] == "awake_verified":
+                    me["verified_transition"] = me["transitions"]
         else:
             return {"ok": False, "rank": rank, "elapsed_s": 0.0, "error": f"no method {method}"}
         return out

@@ -301,7 +301,7 @@ def test_a_full_queue_answers_429_and_the_held_requests_are_served() -> None:
 def test_a_failed_wake_answers_503_with_retry_after() -> None:
     async def body() -> None:
         async with world() as w:
-            w.engines["b"].fake.fail["hotswap_resume"] = "rank"
+            w.engines["b"].fake.fail["hotswap_restore_and_verify"] = "mismatch"
             r = await ask(w, "b")
             assert r.status_code == 503
             assert r.headers["retry-after"] == "5"
@@ -421,13 +421,11 @@ def test_min_awake_time_holds_the_request_until_the_swap_may_happen() -> None:
 def test_a_past_failed_wake_does_not_fail_a_later_request() -> None:
     async def body() -> None:
         async with world() as w:
-            w.engines["b"].fake.fail["hotswap_resume"] = "rank"
+            w.engines["b"].fake.fail["hotswap_restore_and_verify"] = "mismatch"
             assert (await ask(w, "b")).status_code == 503
             assert (await ask(w, "b")).status_code == 503  # FAILED: refused at once
             # The engine is back (what a restart does): a fresh engine, probed asleep.
-            w.engines["b"] = Engine(FakeVllm(name="b", world_size=1))
-            w.engines["b"].fake.suspended = {"weights": "offloaded", "kv_cache": "discarded"}
-            w.engines["b"].fake.level = 1
+            w.engines["b"] = Engine(FakeVllm(name="b", world_size=1, started_at=2e9).asleep(1))
             await w.manager.get("b").probe()
             assert w.state("b") is State.SUSPENDED
             r = await ask(w, "b")

@@ -19,7 +19,7 @@ import pytest
 from fakevllm import FakeVllm
 from prometheus_client import CollectorRegistry
 
-from controller.engine import EngineClient
+from controller.engine import EngineClient, RankError
 from controller.errors import (
     BarrierTimeout,
     DrainTimeout,
@@ -122,7 +122,9 @@ async def test_start_probes_running_engine() -> None:
     assert snap.state is State.RUNNING
     assert snap.verified
     assert snap.ready
-    assert rig.world.calls == ["/health", "hotswap_info"]
+    # Read back without an RPC first (readiness, pause, the process's start time), then
+    # every rank's own truth.
+    assert rig.world.calls == ["/health", "/is_paused", "/metrics", "hotswap_info"]
     assert rig.sample("hotswap_model_state", model="m", state="RUNNING") == 1.0
     assert rig.sample("hotswap_model_ready", model="m") == 1.0
     await rig.manager.stop()
@@ -133,11 +135,54 @@ async def test_start_probes_suspended_engine_and_keeps_its_level() -> None:
     rig = make_rig()
     rig.world.suspended = {"weights": "discarded", "kv_cache": "discarded"}
     rig.world.level = 2
+    rig.world.paused = True
+    rig.world.set_truth(phase="suspended", phase_level=2, phase_tags=["kv_cache", "weights"])
     await rig.manager.start()
     snap = rig.m.snapshot()
     assert snap.state is State.SUSPENDED
     assert snap.level == 2
     assert not snap.verified
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("paused", "truth", "state", "calls"),
+    [
+        # A sleep stopped before it suspended anything (its sidecar died): resumed.
+        (True, {"snapshot_held": True}, State.RUNNING, ["/resume", "/is_paused"]),
+        # A wake stopped before its verify: finished.
+        (
+            True,
+            {"phase": "resumed_unverified", "phase_level": 1, "snapshot_held": True},
+            State.RUNNING,
+            ["hotswap_restore_and_verify", "/resume", "/is_paused"],
+        ),
+        # ... but not once the protected copies are gone.
+        (True, {"phase": "resumed_unverified", "phase_level": 1}, State.FAILED, []),
+        # Pools asleep while the engine serves: never RUNNING.
+        (
+            False,
+            {"phase": "suspended", "phase_level": 1, "phase_tags": ["kv_cache"]},
+            State.FAILED,
+            [],
+        ),
+    ],
+)
+async def test_start_finishes_what_a_dead_sidecar_left_or_fails_with_the_reason(
+    paused: bool, truth: dict[str, Any], state: State, calls: list[str]
+) -> None:
+    """The old start-up probe read only `suspended` and called all of these RUNNING."""
+    rig = make_rig()
+    rig.world.paused = paused
+    rig.world.set_truth(**truth)
+    await rig.manager.start()
+    snap = rig.m.snapshot()
+    assert snap.state is state, snap.last_error
+    assert snap.verified is (state is State.RUNNING)
+    assert [c for c in rig.world.calls[4:] if c not in ("/v1/models", "/v1/completions")] == calls
+    if state is State.FAILED:
+        assert snap.last_error
     await rig.manager.stop()
 
 
@@ -387,8 +432,13 @@ async def test_pause_that_does_not_hold_fails_before_memory_is_touched() -> None
     rig.world.overrides["/pause?wait"] = resumed_meanwhile
     with pytest.raises(EngineError, match="not paused"):
         await rig.m.sleep(1)
-    assert rig.world.rpc_calls() == []
-    assert rig.m.snapshot().state is State.FAILED
+    # Reconciled after the failed step: every rank awake and verified, the engine unpaused.
+    assert rig.world.rpc_calls() == ["hotswap_info"]
+    snap = rig.m.snapshot()
+    assert snap.state is State.RUNNING
+    assert snap.verified
+    assert snap.last_error is not None
+    assert "not paused" in snap.last_error
     await rig.manager.stop()
 
 
@@ -453,12 +503,16 @@ async def test_unreachable_engine_during_wake_is_failed() -> None:
         raise httpx.ConnectError("connection refused", request=r)
 
     rig.world.overrides["hotswap_resume"] = gone
-    with pytest.raises(EngineUnavailable):
+    with pytest.raises(EngineUnavailable) as info:
         await rig.m.wake()
+    assert info.value.may_desync is False  # never connected: nothing was delivered
     snap = rig.m.snapshot()
-    assert snap.state is State.FAILED
+    # Reconciled after the failed step: the ranks are still asleep, the engine paused.
+    assert snap.state is State.SUSPENDED
     assert snap.last_transition is not None
-    assert snap.last_transition.failed_phase == "resume_weights"
+    assert snap.last_transition.kind == "reconcile"
+    assert snap.last_error is not None
+    assert snap.last_error.startswith("resume_weights: ")
     err = {"model": "m", "method": "hotswap_resume", "reason": "unavailable"}
     assert rig.sample("hotswap_engine_rpc_errors_total", **err) == 1
     await rig.manager.stop()
@@ -480,15 +534,18 @@ async def test_rank_not_ok_is_failed_with_every_rank_report_kept() -> None:
         )
 
     rig.world.overrides["hotswap_prepare"] = rank1_fails
-    with pytest.raises(EngineError, match="rank 1: RuntimeError: host copy failed"):
+    with pytest.raises(RankError, match="rank 1: RuntimeError: host copy failed") as info:
         await rig.m.sleep(1)
+    assert [(r["rank"], r["ok"]) for r in info.value.ranks] == [(0, True), (1, False)]
+    # Nothing was suspended (every rank awake and verified, the engine paused by the drain):
+    # reconciliation resumes the engine.
     snap = rig.m.snapshot()
-    assert snap.state is State.FAILED
-    assert snap.last_transition is not None
-    phase = snap.last_transition.phases[-1]
-    assert phase.name == "prepare"
-    assert not phase.ok
-    assert [(r["rank"], r["ok"]) for r in phase.ranks] == [(0, True), (1, False)]
+    assert snap.state is State.RUNNING
+    assert snap.verified
+    assert rig.world.calls[-4:-2] == ["/resume", "/is_paused"] or "/resume" in rig.world.calls
+    assert not rig.world.paused
+    assert snap.last_error is not None
+    assert "rank 1" in snap.last_error
     err = {"model": "m", "method": "hotswap_prepare", "reason": "rank_failed"}
     assert rig.sample("hotswap_engine_rpc_errors_total", **err) == 1
     await rig.manager.stop()
@@ -499,6 +556,7 @@ async def test_late_ranks_are_named() -> None:
     rig = await started(ranks=4)
 
     async def late(r: httpx.Request) -> httpx.Response:
+        rig.world.set_truth(poisoned=True)  # as the extension reports a failed barrier
         reports = [
             {"ok": rank not in (2, 3), "rank": rank, "barrier_s": 10.0, "late_ranks": [2, 3]}
             for rank in range(4)
@@ -766,14 +824,19 @@ async def test_engine_failed_mid_transition_is_never_called_again_until_it_resta
     with pytest.raises(EngineError):
         await rig.m.sleep(1)
     assert rig.m.snapshot().state is State.FAILED
+    assert "prepare" in str(rig.m.snapshot().last_error)  # the failed step's own reason kept
     rig.world.calls.clear()
     assert not await rig.m.check_recovered()  # up, but the same process: hands off
-    assert rig.world.calls == ["/health"]
-    rig.world.overrides["/health"] = _refuse  # the operator restarts the engine...
+    assert rig.world.calls == ["/health", "/is_paused", "/metrics"]
+    rig.world.overrides["/health"] = _refuse  # down for a while...
     assert not await rig.m.check_recovered()
-    del rig.world.overrides["/health"]  # ...and it answers again: a fresh process
+    del rig.world.overrides["/health"]  # ...and back, but the same process (same start time)
+    assert not await rig.m.check_recovered()
+    assert rig.world.rpc_calls() == []
+    with pytest.raises(TransitionConflict, match="out of step"):
+        await rig.m.info()
     del rig.world.overrides["hotswap_prepare"]
-    rig.world.paused, rig.world.suspended, rig.world.level = False, {}, None
+    rig.world.fresh()  # the operator restarts it: a new process
     assert await rig.m.check_recovered()
     assert rig.m.snapshot().state is State.RUNNING
     await rig.m.sleep(1)  # and it serves transitions again
@@ -793,4 +856,121 @@ async def test_the_watcher_task_recovers_a_failed_engine_in_the_background() -> 
             break
         await asyncio.sleep(0.01)
     assert rig.m.snapshot().state is State.RUNNING
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_an_engine_restarted_behind_the_sidecars_back_while_suspended_is_running() -> None:
+    """The old sidecar kept it SUSPENDED; its next wake failed ("pools not suspended") and
+    left it FAILED for good. The periodic pass sees the new process and reads it back."""
+    rig = await started()
+    await rig.m.sleep(1)
+    assert rig.m.snapshot().state is State.SUSPENDED
+    rig.world.calls.clear()
+    assert not await rig.m.check_recovered()  # as probed: no RPC at all
+    assert rig.world.rpc_calls() == []
+    rig.world.fresh()
+    assert await rig.m.check_recovered()
+    snap = rig.m.snapshot()
+    assert snap.state is State.RUNNING
+    assert snap.verified
+    assert rig.world.rpc_calls() == ["hotswap_info"]
+    assert (await rig.m.wake()).action is Action.NOOP
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_a_running_engine_someone_paused_is_not_ready_until_resumed() -> None:
+    rig = await started()
+    rig.world.paused = True  # e.g. an operator's /pause
+    assert await rig.m.check_recovered()
+    snap = rig.m.snapshot()
+    assert snap.state is State.RUNNING  # reconciled: resumed, warmed up, verified
+    assert not rig.world.paused
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_an_audit_is_refused_while_a_transition_is_in_flight() -> None:
+    rig = await started()
+    gate = rig.world.block("hotswap_prepare")
+    task = asyncio.create_task(rig.m.sleep(1))
+    for _ in range(1000):  # bounded: the fake answers at once
+        if "hotswap_prepare" in rig.world.calls:
+            break
+        await asyncio.sleep(0)
+    with pytest.raises(TransitionConflict, match="in flight"):
+        await rig.m.audit(1)
+    assert rig.world.rpc_calls().count("hotswap_audit") == 0
+    gate.set()
+    await task
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("raised", "state", "out_of_step"),
+    [
+        (httpx.ConnectError, State.RUNNING, False),  # never delivered: nothing changes
+        (httpx.ReadTimeout, State.FAILED, True),  # a reply may still come: out of step
+    ],
+)
+async def test_a_failed_audit_changes_the_state_only_when_the_queues_may_be_out_of_step(
+    raised: type[httpx.TransportError], state: State, out_of_step: bool
+) -> None:
+    rig = await started()
+
+    async def fail(r: httpx.Request) -> httpx.Response:
+        raise raised("nope", request=r)
+
+    rig.world.overrides["hotswap_audit"] = fail
+    with pytest.raises(EngineError) as info:
+        await rig.m.audit(1)
+    assert info.value.to_dict()["queues_may_be_out_of_step"] is out_of_step
+    assert rig.m.snapshot().state is state
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("level", [1, 2])
+async def test_a_half_done_wake_read_back_resumes_only_what_is_still_asleep(level: int) -> None:
+    """A sidecar died after the weights came back: the next wake must not resume them again
+    (the extension refuses: "pools not suspended"), but reloads them at level 2."""
+    rig = make_rig()
+    rig.world.paused = True
+    rig.world.level = level
+    rig.world.suspended = {"kv_cache": "discarded"}
+    rig.world.set_truth(phase="suspended", phase_level=level, phase_tags=["kv_cache"])
+    rig.world.set_truth(snapshot_held=True)
+    await rig.manager.start()
+    assert rig.m.snapshot().state is State.SUSPENDED
+    rig.world.calls.clear()
+    out = await rig.m.wake()
+    assert out.snapshot.state is State.RUNNING
+    rpcs = rig.world.rpc_calls()
+    assert rpcs == ["hotswap_reload"] * (level == 2) + [
+        "hotswap_resume",
+        "hotswap_restore_and_verify",
+    ]
+    resume = next(
+        json.loads(r.content) for r in rig.world.requests if b"hotswap_resume" in r.content
+    )
+    assert resume["args"] == [["kv_cache"]]
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_a_periodic_pass_in_suspended_does_not_shorten_the_next_wake() -> None:
+    """Seen on real servers: a pass that found the cache right forgot which pools were
+    asleep, and the wake went straight to the verify of still-suspended pools."""
+    rig = await started()
+    await rig.m.sleep(1)
+    assert not await rig.m.check_recovered()
+    rig.world.calls.clear()
+    await rig.m.wake()
+    assert rig.world.rpc_calls() == [
+        "hotswap_resume",
+        "hotswap_resume",
+        "hotswap_restore_and_verify",
+    ]
     await rig.manager.stop()

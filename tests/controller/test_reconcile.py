@@ -520,3 +520,9 @@ def test_rules_table_lines_are_one_per_rule() -> None:
     rows = [ln for ln in rules_table().splitlines() if re.match(r"\| `", ln)]
     assert len(rows) == len(RULES)
     assert dataclasses.is_dataclass(RULES[0])
+
+
+def test_an_info_call_that_never_connected_leaves_the_queues_in_step() -> None:
+    v = reconcile(obs(info_error="connection refused", info_may_desync=False), mem())
+    assert v.state is S.FAILED
+    assert not v.desynced

@@ -223,8 +223,8 @@ def test_a_failed_transition_restarts_the_engine() -> None:
         async with world(("a", "b")) as w:
             w.supervisor.start()
             await asyncio.wait_for(w.supervisor.booted.wait(), 5)
-            w.fleet.vllm["a"].fail["hotswap_resume"] = "rank"
-            with pytest.raises(Exception, match="hotswap_resume"):
+            w.fleet.vllm["a"].fail["hotswap_restore_and_verify"] = "mismatch"
+            with pytest.raises(Exception, match="differ"):
                 await w.coordinator.wake("a")
             assert w.state("a") in (State.FAILED, State.STARTING)
             await w.until("a", State.SUSPENDED)
