@@ -137,8 +137,8 @@ class Reconciler:
         rec.desynced = v.desynced
         rec.process_sign = v.process
         rec.boot_ids = v.boot_ids
-        if v.state is State.SUSPENDED:
-            rec.asleep = v.tags
+        if v.rule == "suspended":  # read from the ranks (a cache-fits verdict says nothing)
+            rec.asleep = v.tags or None
         elif v.state in (State.RUNNING, State.RESUMING):
             rec.asleep = None
 

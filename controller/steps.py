@@ -100,8 +100,13 @@ def sleep_sequence(level: int, mode: DrainMode, grace_s: float) -> tuple[AnyStep
 
 def wake_sequence(level: int, suspended: Iterable[str] | None = None) -> tuple[AnyStep, ...]:
     """`suspended`: the pools asleep when only some are (a wake a dead sidecar left half
-    done, read back by reconciliation); None: as the level's sleep leaves them."""
-    return (*protocol.wake_steps(level, suspended), RESUME_ENGINE, WARMUP)
+    done, read back by reconciliation); None: as the level's sleep leaves them. At level 2
+    with the weights already mapped, they are reloaded anyway: the dead wake may have died
+    before its reload (a second reload refills the same checkpoint; verify checks it)."""
+    rpcs = protocol.wake_steps(level, suspended)
+    if level == 2 and suspended is not None and "weights" not in set(suspended):
+        rpcs = (protocol.RELOAD, *rpcs)
+    return (*rpcs, RESUME_ENGINE, WARMUP)
 
 
 PROBE: tuple[AnyStep, ...] = (HEALTH, protocol.INFO)

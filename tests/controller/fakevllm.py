@@ -98,6 +98,7 @@ class FakeVllm:
             r["snapshot_held"] = True
             r["transitions"] += 1
         return self
+
     requests: list[httpx.Request] = field(default_factory=list)
 
     def transport(self) -> httpx.MockTransport:
@@ -181,7 +182,7 @@ class FakeVllm:
         if path == "/v1/models":
             return httpx.Response(200, json={"object": "list", "data": [{"id": self.name}]})
         if path == "/metrics":
-            text = f"# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {self.started_at}\n"
+            text = f"process_start_time_seconds {self.started_at}\n"
             return httpx.Response(200, text=text)
         if path == "/v1/completions":
             if self.paused or self.suspended:  # a real engine would hang or serve garbage
@@ -217,8 +218,7 @@ class FakeVllm:
                 device_memory={"rss": 1 << 20},
                 suspended=dict(self.suspended),
                 level=self.level,
-                poisoned=False,
-                **me,
+                **{"poisoned": False, **me},
             )
         elif method == "hotswap_quiesce":
             out.update(barrier_s=0.0005, late_ranks=[])

@@ -32,6 +32,8 @@ class Fleet:
     vllm: dict[str, FakeVllm] = field(default_factory=dict)
     procs: dict[str, FakeProcess] = field(default_factory=dict)
     start_failures: dict[str, int] = field(default_factory=dict)  # model -> starts that fail
+    # model -> an engine already there (an orphan of a dead sidecar) that answers instead
+    orphans: dict[str, FakeVllm] = field(default_factory=dict)
 
 
 class FakeProcess:
@@ -47,7 +49,8 @@ class FakeProcess:
 
     def start(self) -> None:
         self.fleet.events.append(("start", self.name))
-        self.fleet.vllm[self.name] = FakeVllm(name=self.name, world_size=1)
+        orphan = self.fleet.orphans.pop(self.name, None)
+        self.fleet.vllm[self.name] = orphan or FakeVllm(name=self.name, world_size=1)
         self.alive = True
 
     def is_alive(self) -> bool:
@@ -252,3 +255,19 @@ def test_restarts_back_off_exponentially_up_to_the_cap(caplog: pytest.LogCapture
         if "restart #" in r.getMessage()
     ]
     assert delays == [0.05, 0.1, 0.2, 0.2]  # doubling, capped at restart_backoff_max_s
+
+
+def test_a_start_answered_by_an_orphan_is_never_taken_for_its_own_engine() -> None:
+    """The engine that answers made memory steps (here: it is fully asleep): not the process
+    just started. The old probe made a STARTING model RUNNING whatever answered."""
+
+    async def body() -> None:
+        async with world(("a",), pinned=("a",)) as w:
+            w.fleet.orphans["a"] = FakeVllm(name="a", world_size=1).asleep(1)
+            await w.supervisor.boot()
+            snap = w.manager.get("a").snapshot()
+            assert snap.state is State.FAILED
+            assert not snap.ready
+            assert "not the process just started" in str(snap.last_error)
+
+    run(body())

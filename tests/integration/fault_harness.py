@@ -173,18 +173,23 @@ class SidecarProcess:
         raise TimeoutError(f"{name}: not {what} after {timeout_s:.0f} s: {body}\n{self.log_tail()}")
 
     def wait_phase(self, name: str, phase: str, timeout_s: float = 60.0) -> dict[str, Any]:
-        return self.wait_for(
-            name, lambda b: b["extra"].get("phase") == phase, timeout_s, f"in phase {phase}"
-        )
+        return self.wait_for(name, lambda b: phase_of(b) == phase, timeout_s, f"in phase {phase}")
 
     def wait_settled(self, name: str, timeout_s: float = 120.0) -> dict[str, Any]:
         """The model in an end state (RUNNING, SUSPENDED or FAILED) with nothing in flight."""
         return self.wait_for(
             name,
-            lambda b: b["state"] in ENDED and "phase" not in b["extra"],
+            lambda b: b["state"] in ENDED and phase_of(b) is None,
             timeout_s,
             "settled",
         )
+
+
+def phase_of(body: Mapping[str, Any]) -> str | None:
+    phase = body.get("phase")
+    if phase is None:
+        phase = (body.get("extra") or {}).get("phase")
+    return str(phase) if phase is not None else None
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ HOTSWAP_FAULT_MATRIX=full adds an engine SIGKILL at every phase (CI runs one per
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 from collections.abc import Iterator
@@ -35,6 +34,7 @@ from fault_harness import (
     completion_body,
     greedy,
     hold_next,
+    phase_of,
     rpc,
     stopped,
 )
@@ -215,8 +215,15 @@ def _settle_and_check(
     """Poll readiness while the sidecar settles; then the end state, the gateway's answers,
     and the ranks' own truth."""
     with Watcher(side, NAME, eng.url) as watch:
-        body = side.wait_settled(NAME, timeout_s=180)
+        body = side.wait_for(
+            NAME,
+            lambda b: b["state"] == case.end and phase_of(b) is None,
+            timeout_s=180,
+            what=case.end,
+        )
         settled_s = time.monotonic() - t0
+        time.sleep(1.0)  # and it stays there
+        body = side.model(NAME)
         assert body["state"] == case.end, body
         if body["state"] == "FAILED":
             assert body["last_error"], body
@@ -261,21 +268,22 @@ def _begin(side: SidecarProcess, eng: Engine, case: Case) -> None:
 
 
 def _long_request(url: str) -> threading.Thread:
-    """A completion long enough for a drain to wait on (straight to the engine)."""
+    """A completion long enough for a drain to wait on (straight to the engine, streamed:
+    its first token says it runs)."""
+    running = threading.Event()
 
     def run() -> None:
-        body = completion_body(NAME, max_tokens=200)
-        httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+        body = {**completion_body(NAME, max_tokens=240), "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+            for _ in r.iter_lines():
+                running.set()
+        running.set()
 
     t = threading.Thread(target=run, daemon=True, name="long-request")
     t.start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        text = httpx.get(f"{url}/metrics", timeout=10).text
-        if re.search(r"^vllm:num_requests_running\{[^}]*\} [1-9]", text, re.M):
-            return t
-        time.sleep(0.02)
-    raise AssertionError("the long request never ran")
+    assert running.wait(60), "the long request never ran"
+    assert t.is_alive(), "the long request ended before the drain"
+    return t
 
 
 # ----------------------------------------------------------------------------- cases
@@ -320,7 +328,8 @@ def test_engine_sigkill_in_a_transition(
         t0 = time.monotonic()
         eng.restart()  # an operator's restart, on the same port, behind the sidecar's back
     assert watch.violations() == []
-    assert not any(h.value == 200 for h in watch.health), "ready while the engine was down"
+    # Never ready from the kill until the new process answered (a boot takes tens of s).
+    assert not [h for h in watch.health if h.value == 200 and h.received < t0 + 5.0]
     _settle_and_check(sidecar, eng, baseline, _replace_end(case, "RUNNING"), t0)
 
 
@@ -369,7 +378,7 @@ def test_an_rpc_that_hangs_past_its_timeout(
             assert eng.rpc_lines() == sent, "an RPC was sent to an engine out of step"
             t0 = time.monotonic()
             eng.restart()
-        assert not any(h.value == 200 for h in watch.health)
+        assert not [h for h in watch.health if h.value == 200 and h.received < t0 + 5.0]
         _settle_and_check(side, eng, baseline, _replace_end(case, "RUNNING"), t0)
     finally:
         side.stop()
