@@ -72,9 +72,15 @@ class Case:
     @property
     def id(self) -> str:
         where = f"{self.kind}-L{self.level}-{self.phase}" if self.kind != "rest" else self.phase
-        return f"{self.fault.split()[0]}-{where}"
+        return f"{_PREFIX[self.fault]}-{where}"
 
 
+_PREFIX = {
+    "sidecar SIGKILL": "sidecar",
+    "engine SIGKILL": "engine",
+    "engine restarted": "restarted",
+    "engine SIGSTOP": "sigstop",
+}
 SIDECAR_KILLS = [
     Case("sidecar SIGKILL", "sleep", 1, "drain", None, 0, "RUNNING"),
     Case("sidecar SIGKILL", "sleep", 1, "quiesce", "quiesce", 0, "RUNNING"),
