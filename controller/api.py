@@ -22,12 +22,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from controller.errors import HotswapError, Unauthorized, http_status
+from controller.errors import HotswapError, TransitionConflict, Unauthorized, http_status
 from controller.guard import Guard, Refused, bearer_ok
 from controller.manager import Manager, ModelManager, Outcome
 from controller.openapi import control_table, document
 from controller.settings import HOUR_S, Settings
-from controller.state import Action, overall_ready
+from controller.state import Action, State, decide, overall_ready
+from controller.state import Request as Transition
 from controller.supervisor import Supervisor
 from controller.swap import SwapCoordinator
 from controller.views import health_entry, outcome_dict, plain, snapshot_dict
@@ -126,10 +127,11 @@ async def sleep_model(
         if swap is None:
             started = model.begin_sleep(req.level, req.drain, req.drain_timeout_s)
             return _accepted(name, started)
+        now = _decide_now(model, Transition.SLEEP)
         _background(
             ctx, swap.sleep(name, req.level, req.drain, req.drain_timeout_s), f"sleep-{name}"
         )
-        return _accepted(name, Outcome(Action.BEGIN, model.snapshot()))
+        return _accepted(name, now)
     if swap is None:
         outcome = await model.sleep(req.level, req.drain, req.drain_timeout_s)
     else:
@@ -147,8 +149,9 @@ async def wake_model(
     if not wait:
         if swap is None:
             return _accepted(name, model.begin_wake())
+        now = _decide_now(model, Transition.WAKE)
         _background(ctx, swap.wake(name, evict=evict), f"wake-{name}")
-        return _accepted(name, Outcome(Action.BEGIN, model.snapshot()))
+        return _accepted(name, now)
     if swap is None:
         return JSONResponse(outcome_dict(name, await model.wake()))
     result = await swap.wake(name, evict=evict)
@@ -156,6 +159,20 @@ async def wake_model(
     body = outcome_dict(name, outcome)
     body["policy"] = result.to_dict()
     return JSONResponse(body)
+
+
+def _decide_now(model: ModelManager, req: Transition) -> Outcome:
+    """?wait=false through the coordinator: a request the state forbids is answered 409 now,
+    in the reply, not only in the background task's log line; else what will happen."""
+    snap = model.snapshot()
+    action = decide(snap.state, req)
+    if action is Action.CONFLICT:
+        if snap.state is State.FAILED:
+            why = f"the model is FAILED ({snap.last_error}); restart its engine"
+        else:
+            why = f"the model is {snap.state.value}"
+        raise TransitionConflict(f"cannot {req.value} {model.name}: {why}", model=model.name)
+    return Outcome(action, snap)
 
 
 def _background(ctx: AppContext, coro: Coroutine[Any, Any, Any], name: str) -> None:

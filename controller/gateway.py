@@ -26,6 +26,7 @@ import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive
 
 from controller.errors import HotswapError, ModelNotFound, Refusal, WakeRefused
 from controller.guard import Guard, Refused, bearer_ok
@@ -126,14 +127,25 @@ class Gateway:
         rec.lane.held += delta
         self.metrics.queue_depth(rec.name, rec.lane.held)
 
-    async def admit(self, name: str) -> float:
-        """Count the request in flight once its model is RUNNING; returns seconds held."""
+    async def admit(self, name: str, receive: Receive | None = None) -> float:
+        """Count the request in flight once its model is RUNNING; returns seconds held.
+
+        `receive` (the request's): a client that disconnects while held gives its queue slot
+        back at once and starts no wake (Refusal 499, counted as `client_gone`)."""
         self.coordinator.touch(name)
         rec = self.fleet[name]
-        lane = rec.lane
         if self._admissible(rec):
-            lane.enter()
+            rec.lane.enter()
             return 0.0
+        gone = asyncio.ensure_future(_disconnected(receive)) if receive is not None else None
+        try:
+            return await self._queue(rec, gone)
+        finally:
+            if gone is not None:
+                gone.cancel()
+
+    async def _queue(self, rec: ModelRecord, gone: asyncio.Future[None] | None) -> float:
+        name, lane = rec.name, rec.lane
         if lane.held >= self.cfg.queue_size:
             raise Refusal(
                 429,
@@ -145,7 +157,7 @@ class Gateway:
         t0 = self._mono()
         ticket = lane.ticket()
         try:
-            await self._hold(rec, ticket, t0 + self.cfg.hold_timeout_s)
+            await self._hold(rec, ticket, t0 + self.cfg.hold_timeout_s, gone)
         except BaseException:
             if lane.forget(ticket):
                 lane.leave()  # admitted just as it gave up: uncount it
@@ -158,12 +170,23 @@ class Gateway:
         self.metrics.hold(name, held)
         return held
 
-    async def _hold(self, rec: ModelRecord, ticket: asyncio.Future[None], deadline: float) -> None:
-        """Return when admitted; Refusal (503) when the model's wake fails or is late. Waits
-        on the ticket, the wake and the record's changes: nothing polls."""
+    async def _hold(
+        self,
+        rec: ModelRecord,
+        ticket: asyncio.Future[None],
+        deadline: float,
+        gone: asyncio.Future[None] | None = None,
+    ) -> None:
+        """Return when admitted; Refusal (503) when the model's wake fails or is late, 499
+        as soon as the client has disconnected (before any wake is started for it). Waits
+        on the ticket, the wake, the record's changes and the client: nothing polls."""
         name = rec.name
         seen: set[asyncio.Task[SwapResult]] = set()  # wakes that ran while this one waited
+        if gone is not None:
+            await asyncio.sleep(0)  # a client already gone says so at its first receive
         while not ticket.done() and not self._admissible(rec):
+            if gone is not None and gone.done():
+                raise Refusal(499, "client_gone", f"the client left while {name} was woken")
             now = self._mono()
             if now >= deadline:
                 raise Refusal(
@@ -203,6 +226,8 @@ class Gateway:
             # wait for it; otherwise for any change of the model's record.
             changed = rec.changes.next()
             waits: set[asyncio.Future[Any]] = {ticket, changed if task is None else task}
+            if gone is not None:
+                waits.add(gone)
             try:
                 await asyncio.wait(
                     waits, timeout=max(0.0, until - now), return_when=asyncio.FIRST_COMPLETED
@@ -252,7 +277,7 @@ class Gateway:
                 raise Refusal(400, None, "`stream` must be true or false")
             if name not in self.fleet:
                 raise Refusal(404, "unknown_model", f"The model `{name}` does not exist.")
-            held = await self.admit(name)
+            held = await self.admit(name, request.receive)
         except Refusal as refusal:
             if refusal.reason is not None:
                 self.metrics.refused(label, refusal.reason)
@@ -334,6 +359,12 @@ class _Once:
         fn, self._fn = self._fn, None
         if fn is not None:
             fn()
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Return once the client has disconnected (the body has been read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def create_gateway(gw: Gateway) -> FastAPI:

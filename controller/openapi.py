@@ -285,6 +285,7 @@ def gateway_table(auth: bool, models: Sequence[str]) -> dict[tuple[str, str], Ro
             "wrong type; or the engine's own 400 (vLLM's errors are OpenAI-shaped too)."
         ),
         404: err("No model of that name (or the engine's own 404)."),
+        499: err("The client disconnected while its request was held (nobody reads it)."),
         502: err("The engine did not answer."),
         503: err(
             "The model's wake failed or did not finish within gateway.hold_timeout_s.",

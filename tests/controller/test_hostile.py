@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -28,6 +29,7 @@ from test_gateway import completion, world
 
 from controller import cli
 from controller.settings import Settings
+from controller.state import State
 
 TOKEN = "hostile-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -254,6 +256,61 @@ def test_a_value_the_gateway_reads_of_the_wrong_type_answers_400(bad: dict[str, 
     run(body())
 
 
+# ----------------------------------------------------------------------------- disconnects
+
+
+def _gone_request(port: int) -> bytes:
+    body = json.dumps(completion("b")).encode()
+    lines = [
+        "POST /v1/completions HTTP/1.1",
+        "Host: t",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+    ]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+async def _connect_and_close(port: int) -> None:
+    """A client that sends a whole request and leaves at once."""
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(_gone_request(port))
+    await writer.drain()
+    writer.close()
+    with contextlib.suppress(ConnectionError):
+        await writer.wait_closed()
+
+
+def test_a_held_request_whose_client_left_gives_its_slot_back_and_wakes_nothing() -> None:
+    """The issue: four clients that connect and close filled the queue (the fifth, live one
+    got 429), and a model was then evicted for nobody."""
+    swap = {"min_awake_s": 2.0}  # `a` was just woken: `b` waits this long for its turn
+
+    async def body() -> None:
+        async with (
+            world(gateway={"queue_size": 4}, swap=swap) as w,
+            served(w.app, lifespan="off") as port,
+        ):
+            await w.coordinator.wake("a")  # woken now: b's wake must wait min_awake_s
+            await asyncio.gather(*(_connect_and_close(port) for _ in range(4)))
+            await asyncio.sleep(0.2)  # they arrive and are held (old: for good)
+            for _ in range(80):  # each held request notices its client's departure
+                if w.sample("hotswap_gateway_queue_depth", model="b") == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert w.sample("hotswap_gateway_queue_depth", model="b") == 0, "slots kept"
+            assert w.sample("hotswap_gateway_refused_total", model="b", reason="client_gone") == 4
+            await asyncio.sleep(2.2)  # past min_awake_s: a wake for them would run now
+            assert w.state("b") is State.SUSPENDED, "a model was woken for nobody"
+            assert w.state("a") is State.RUNNING, "a model was evicted for nobody"
+            # A live client now: its request is held, then served (not 429).
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+                r = await c.post("/v1/completions", json=completion("b"), timeout=10)
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == "b"
+
+    run(body())
+
+
 # ----------------------------------------------------------------------------- concurrency
 
 
@@ -407,6 +464,32 @@ def test_drain_timeout_has_an_upper_bound() -> None:
                 r = await c.post("/models/a/sleep", json={"drain_timeout_s": value})
                 assert r.status_code == 422, r.text
                 assert "drain_timeout_s" in r.json()["message"]
+
+    run(body())
+
+
+@pytest.mark.parametrize("action", ["wake", "sleep"])
+def test_wait_false_on_a_failed_model_answers_409_in_the_reply(action: str) -> None:
+    """The issue: in hot-swap mode `?wait=false` on a FAILED model answered 202 `begin`; the
+    409 only reached a log line."""
+
+    async def body() -> None:
+        fakes = {"a": FakeVllm(name="a")}
+        hot_swap = {**make_settings(fakes).model_dump(), "gateway": {"enabled": True}}
+        settings = Settings.model_validate(hot_swap)
+        side = make_sidecar(settings, fakes, CollectorRegistry())
+        assert side.coordinator is not None, "hot-swap mode"
+        app = side.app
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://c") as c,
+        ):
+            side.manager.get("a").mark_failed("engine died")
+            r = await c.post(f"/models/a/{action}", params={"wait": "false"})
+            assert r.status_code == 409, r.text
+            assert r.json()["error"] == "TransitionConflict"
+            assert "FAILED" in r.json()["message"]
+            assert "engine died" in r.json()["message"]
 
     run(body())
 
