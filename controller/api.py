@@ -22,10 +22,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from controller.errors import HotswapError, TransitionConflict, Unauthorized, http_status
+from controller.errors import (
+    HotswapError,
+    TransitionConflict,
+    Unauthorized,
+    WakeRefused,
+    http_status,
+)
 from controller.guard import Guard, Refused, bearer_ok
 from controller.manager import Manager, ModelManager, Outcome
 from controller.openapi import control_table, document
+from controller.policy import Decision
 from controller.settings import HOUR_S, Settings
 from controller.state import Action, State, decide, overall_ready
 from controller.state import Request as Transition
@@ -150,6 +157,15 @@ async def wake_model(
         if swap is None:
             return _accepted(name, model.begin_wake())
         now = _decide_now(model, Transition.WAKE)
+        if not evict and now.action is Action.BEGIN:
+            plan = swap.plan(name, allow_evict=False)  # no room and no eviction: say so now
+            if plan.decision is Decision.REFUSE:
+                raise WakeRefused(
+                    f"cannot wake {name}: {plan.reason}",
+                    plan=plan.to_dict(),
+                    retry_after_s=plan.retry_after_s,
+                    model=name,
+                )
         _background(ctx, swap.wake(name, evict=evict), f"wake-{name}")
         return _accepted(name, now)
     if swap is None:

@@ -494,6 +494,27 @@ def test_wait_false_on_a_failed_model_answers_409_in_the_reply(action: str) -> N
     run(body())
 
 
+def test_wait_false_wake_without_room_and_eviction_answers_409_in_the_reply() -> None:
+    async def body() -> None:
+        fakes = {"a": FakeVllm(name="a"), "b": FakeVllm(name="b")}
+        one_awake = {"gateway": {"enabled": True}, "swap": {"max_awake": 1, "min_awake_s": 0}}
+        settings = Settings.model_validate({**make_settings(fakes).model_dump(), **one_awake})
+        side = make_sidecar(settings, fakes, CollectorRegistry())
+        app = side.app
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://c") as c,
+        ):
+            assert (await c.post("/models/b/sleep")).status_code == 200  # a runs, b sleeps
+            r = await c.post("/models/b/wake", params={"wait": "false", "evict": "false"})
+            assert r.status_code == 409, r.text
+            assert r.json()["error"] == "WakeRefused"
+            assert r.json()["plan"]["decision"] == "refuse"
+            assert side.manager.get("b").snapshot().state is State.SUSPENDED
+
+    run(body())
+
+
 def _numeric_fields(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, Any]]:
     for name, info in model.model_fields.items():
         ann = info.annotation
