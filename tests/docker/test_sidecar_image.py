@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
@@ -17,7 +16,7 @@ import pytest
 from controller.launcher import EngineProcess, free_port
 
 if TYPE_CHECKING:
-    from conftest import EngineLauncher, Images
+    from conftest import EngineLauncher, Images, ModelFactory
 
 pytestmark = pytest.mark.vllm
 
@@ -35,8 +34,8 @@ def image(images: Images) -> imagetools.Build:
 
 
 @pytest.fixture(scope="module")
-def engine(engines: EngineLauncher, tiny_llama: Path) -> EngineProcess:
-    return engines.start(tiny_llama, NAME)
+def engine(engines: EngineLauncher, tiny_model: ModelFactory) -> EngineProcess:
+    return engines.start(tiny_model("llama", 0, True), NAME)
 
 
 @pytest.fixture(scope="module")
