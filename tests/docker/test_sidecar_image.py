@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
@@ -44,19 +45,37 @@ def sidecar(
 ) -> Iterator[tuple[imagetools.Container, str]]:
     port = free_port()
     log = tmp_path_factory.mktemp("sidecar-container") / "container.log"
+    address, mounts = _engine_address(engine)
     with imagetools.container(
         image.tag,
         # The image's own command, on loopback (the host's network is shared) and attached.
         *("serve", "--host", "127.0.0.1", "--port", str(port)),
-        *("--engine", f"{NAME}={engine.base_url}"),
+        *("--engine", f"{NAME}={address}"),
         log=log,
         env={"HOTSWAP_AUTH__TOKEN": TOKEN},
         # Nothing writable at all: no tmpfs either.
-        options=("--read-only", "--read-only-tmpfs=false", "--cap-drop=all"),
+        options=("--read-only", "--read-only-tmpfs=false", "--cap-drop=all", *mounts),
     ) as box:
         url = f"http://127.0.0.1:{port}"
         _wait_running(box, url)
         yield box, url
+
+
+def _engine_address(engine: EngineProcess) -> tuple[str, tuple[str, ...]]:
+    """How the container reaches the engine: its URL, or its Unix socket with the socket's
+    folder mounted in (`U`: handed to the container's user, who must be able to enter it)."""
+    uds = getattr(engine.spec, "uds", None)
+    if uds is None:
+        return engine.base_url, ()
+    folder = Path(uds).parent
+    return f"unix:{uds}", ("--volume", f"{folder}:{folder}:U")
+
+
+def _engine_health(engine: EngineProcess) -> int:
+    uds = getattr(engine.spec, "uds", None)
+    transport = httpx.HTTPTransport(uds=str(uds)) if uds is not None else None
+    with httpx.Client(transport=transport, timeout=10.0) as client:
+        return client.get(f"{engine.base_url}/health").status_code
 
 
 def _wait_running(box: imagetools.Container, url: str, timeout_s: float = 180.0) -> None:
@@ -115,7 +134,7 @@ def test_sleep_and_wake_through_the_container_with_the_token_from_its_environmen
     health = httpx.get(f"{url}/health", timeout=10.0)
     assert health.status_code == 503, health.text
     assert httpx.get(f"{url}/models/{NAME}/health", timeout=10.0).status_code == 503
-    assert httpx.get(f"{engine.base_url}/health", timeout=10.0).status_code == 200
+    assert _engine_health(engine) == 200
 
     woke = httpx.post(f"{url}/models/{NAME}/wake", headers=AUTH, timeout=120.0)
     assert woke.status_code == 200, woke.text
