@@ -51,15 +51,22 @@ log = logging.getLogger("hotswap.cli")
 
 
 def parse_engine(spec: str) -> ModelSettings:
-    """`NAME=URL` (one attached engine) -> ModelSettings; CliError with the reason otherwise."""
+    """`NAME=URL` or `NAME=unix:PATH` (one attached engine, on TCP or on vLLM's `--uds`
+    socket) -> ModelSettings; CliError with the reason otherwise."""
     name, sep, url = spec.partition("=")
     name, url = name.strip(), url.strip()
     if not sep or not name or not url:
         raise CliError(f"--engine {spec!r}: expected NAME=URL, e.g. chat=http://127.0.0.1:8001")
-    if not url.startswith(("http://", "https://")):
-        raise CliError(f"--engine {spec!r}: the URL must start with http:// or https://")
+    where: dict[str, str] = {"url": url}
+    if url.startswith("unix:"):
+        path = url.removeprefix("unix:")
+        if not path.startswith("/"):
+            raise CliError(f"--engine {spec!r}: unix: needs an absolute socket path")
+        where = {"uds": path}
+    elif not url.startswith(("http://", "https://")):
+        raise CliError(f"--engine {spec!r}: the URL must start with http://, https:// or unix:")
     try:
-        return ModelSettings.model_validate({"name": name, "url": url})
+        return ModelSettings.model_validate({"name": name, **where})
     except ValidationError as exc:
         reasons = "; ".join(str(e["msg"]) for e in exc.errors())
         raise CliError(f"--engine {spec!r}: {reasons}") from None
@@ -89,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine",
         action="append",
         default=None,
-        metavar="NAME=URL",
+        metavar="NAME=URL|NAME=unix:PATH",
         help="attach an engine started elsewhere; repeatable; replaces the file's models "
         "(env: HOTSWAP_ENGINES, comma-separated)",
     )

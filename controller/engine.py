@@ -68,6 +68,11 @@ def _excerpt(resp: httpx.Response) -> str:
     return resp.text[:_BODY_EXCERPT]
 
 
+def engine_transport(uds: str | None) -> httpx.AsyncHTTPTransport | None:
+    """The transport to an engine on a Unix socket (vLLM's --uds); None: TCP by URL."""
+    return None if uds is None else httpx.AsyncHTTPTransport(uds=uds)
+
+
 class EngineClient:
     """All HTTP to one vLLM server. Methods raise `EngineError` and its children only."""
 
@@ -77,10 +82,12 @@ class EngineClient:
         client: httpx.AsyncClient | None = None,
         *,
         transport: httpx.AsyncBaseTransport | None = None,
+        uds: str | None = None,
         timeouts: TimeoutSettings,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeouts = timeouts
+        self.uds = uds
         self._transport = transport
         # An injected client belongs to the caller: used until the first error, never closed here.
         self._client = client if client is not None else self._new_client()
@@ -88,7 +95,13 @@ class EngineClient:
         self.connections_dropped = 0
 
     def _new_client(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=self.base_url, transport=self._transport)
+        return httpx.AsyncClient(base_url=self.base_url, transport=self._new_transport())
+
+    def _new_transport(self) -> httpx.AsyncBaseTransport | None:
+        # A closed client closes its transport: each new client gets its own socket pool.
+        if self._transport is None and self.uds is not None:
+            return engine_transport(self.uds)
+        return self._transport
 
     async def _drop_connection(self) -> None:
         """Forget the pooled connection: vLLM closes it after a 5xx, and a broken one must go."""

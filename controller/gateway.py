@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive
 
+from controller.engine import engine_transport
 from controller.errors import HotswapError, ModelNotFound, Refusal, WakeRefused
 from controller.guard import Guard, Refused, bearer_ok
 from controller.manager import Manager
@@ -103,11 +104,19 @@ class Gateway:
         self._token = token.get_secret_value().encode() if token is not None else None
         timeout = httpx.Timeout(self.cfg.request_timeout_s, connect=settings.timeouts.control_s)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        self.client = httpx.AsyncClient(transport=transport, timeout=timeout, limits=limits)
+        # One client per engine: an engine on a Unix socket needs its own transport.
+        self.clients = {
+            m.name: httpx.AsyncClient(
+                transport=transport if transport is not None else engine_transport(m.uds),
+                timeout=timeout,
+                limits=limits,
+            )
+            for m in settings.models
+        }
 
     async def aclose(self) -> None:
         await self.manager.tasks.cancel(*(r.gateway_wake for r in self.fleet.values()))
-        await self.client.aclose()
+        await asyncio.gather(*(c.aclose() for c in self.clients.values()))
 
     # ---- auth and parsing ------------------------------------------------------------------
 
@@ -121,7 +130,7 @@ class Gateway:
 
     @staticmethod
     def _admissible(rec: ModelRecord) -> bool:
-        return rec.state is State.RUNNING and not rec.lane.closed
+        return rec.snapshot.ready and not rec.lane.closed  # RUNNING and verified only
 
     def _set_held(self, rec: ModelRecord, delta: int) -> None:
         rec.lane.held += delta
@@ -303,17 +312,27 @@ class Gateway:
         headers = {"content-type": "application/json"}
         if accept := request.headers.get("accept"):
             headers["accept"] = accept
-        req = self.client.build_request(
+        client = self.clients[name]
+        req = client.build_request(
             "POST", self.fleet[name].settings.url + path, content=raw, headers=headers
         )
         left = _Once(self.fleet[name].lane.leave)
         try:
-            resp = await self.client.send(req, stream=stream)
+            resp = await client.send(req, stream=stream)
         except httpx.HTTPError as exc:
             left()
-            self.metrics.request(name, 502)
+            # Its engine died or restarts (the supervisor sees it within a poll): retry later.
+            self.metrics.request(name, 503)
+            self.metrics.refused(name, "engine_unavailable")
             log.warning("%s: forwarding %s failed: %s", name, path, exc, extra={"model": name})
-            return openai_error(Refusal(502, None, f"{name}: the engine did not answer: {exc}"))
+            return openai_error(
+                Refusal(
+                    503,
+                    "engine_unavailable",
+                    f"{name}: the engine did not answer: {exc}",
+                    retry_after_s=self.cfg.retry_after_s,
+                )
+            )
         except BaseException:
             left()
             raise

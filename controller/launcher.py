@@ -1,11 +1,15 @@
 """Start, probe and stop real vLLM OpenAI servers as subprocesses, and the embedded default.
 
 The controller never imports torch or vLLM: an engine is `python -m
-vllm.entrypoints.openai.api_server` in its own process group (so a stop reaches the
-EngineCore and worker children too), bound to 127.0.0.1, with the dev endpoints on and the
-worker extension loaded. `EngineProcess` is what tests and a managed-mode supervisor use;
-`demo_engines()` is the embedded default behind `hotswap serve --demo`: two tiny seeded
-models on two real CPU servers.
+vllm.entrypoints.openai.api_server`, with the dev endpoints on and the worker extension
+loaded, serving on a Unix socket (`--uds`) in a private 0700 folder: no TCP port to be taken
+between choosing and binding it, and nothing else in the pod reaches the dev endpoints. It
+runs under a keeper (`controller.reaper`) that leads its own process group and ends that
+group when the sidecar dies (SIGKILL included) or the engine exits. `wait_ready` accepts an
+answer only from a process of that group (the socket peer's credentials), so an orphan or
+another server can never pass for the engine. `EngineProcess` is what tests and a
+managed-mode supervisor use; `demo_engines()` is the embedded default behind
+`hotswap serve --demo`: two tiny seeded models on two real CPU servers.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import os
 import shutil
 import signal
 import socket
+import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -30,7 +36,7 @@ from typing import IO
 import httpx
 
 from controller.errors import HotswapError
-from controller.settings import ModelSettings, flag_value
+from controller.settings import ModelSettings, Settings, flag_value
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +83,77 @@ class EngineStartError(HotswapError):
     status = 502
 
 
+# sockaddr_un.sun_path is 108 bytes with its terminating NUL.
+MAX_SOCKET_PATH = 107
+# Where an engine on a Unix socket is addressed: any host works, vLLM ignores it.
+UDS_BASE_URL = "http://localhost"
+
+
 def free_port(host: str = LOOPBACK) -> int:
-    """A port the kernel considers free right now (the engine binds it a moment later)."""
+    """A port the kernel considers free right now. Racy (it can be taken before it is bound):
+    for servers that cannot bind port 0 themselves; engines use Unix sockets instead."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def private_dir(path: Path | None = None, prefix: str = "hotswap-sockets-") -> Path:
+    """A folder only this user can enter (0700): a new temporary one, or `path` made so.
+
+    Refuses a `path` owned by another user or that is a symlink: whoever could write there
+    could put a socket in the engine's place.
+    """
+    if path is None:
+        return Path(tempfile.mkdtemp(prefix=prefix))  # mkdtemp makes it 0700
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise EngineStartError(f"socket folder {path} is not a plain folder")
+    if st.st_uid != os.getuid():
+        raise EngineStartError(f"socket folder {path} belongs to uid {st.st_uid}, not to us")
+    os.chmod(path, 0o700)
+    return path
+
+
+def socket_path(folder: Path, name: str) -> Path:
+    """The engine socket of model `name` in `folder`; checked against the kernel's limit."""
+    path = folder / f"{name}.sock"
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise EngineStartError(
+            f"socket path {path} is longer than {MAX_SOCKET_PATH} bytes; use a shorter "
+            "supervisor.socket_dir"
+        )
+    return path
+
+
+def socket_peer_pid(sock: socket.socket) -> int:
+    """The pid of the process that listens on the other end of a connected Unix socket."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid: int = struct.unpack("3i", creds)[0]
+    return pid
+
+
+def process_group(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def http_status_over(sock: socket.socket, path: str) -> int:
+    """GET `path` over an already connected socket; the status code (0: no valid answer)."""
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n".encode())
+    head = b""
+    while b"\r\n" not in head and len(head) < 4096:
+        chunk = sock.recv(1024)
+        if not chunk:
+            break
+        head += chunk
+    parts = head.split(b"\r\n", 1)[0].split()
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/") or not parts[1].isdigit():
+        return 0
+    return int(parts[1])
 
 
 def extension_root() -> Path:
@@ -98,11 +169,14 @@ def extension_root() -> Path:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """How to start one vLLM OpenAI server on loopback."""
+    """How to start one vLLM OpenAI server: on a Unix socket (`uds`, what the sidecar and the
+    tests use), or on a loopback `port` (the benchmarks' own runs, and the sidecar process
+    they launch the same way). Exactly one of the two."""
 
     model: Path
-    port: int
     served_model_name: str
+    uds: Path | None = None
+    port: int | None = None
     uni: bool = True  # single-process executor, starts faster; False = production layout
     tensor_parallel_size: int = 1
     omp_threads_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND; TP2 on one NUMA node: "0|1"
@@ -122,28 +196,53 @@ class EngineSpec:
     extra_env: Mapping[str, str] = field(default_factory=dict)
     command: tuple[str, ...] | None = None  # a models file's own argv (managed mode), as given
 
+    def __post_init__(self) -> None:
+        if (self.uds is None) == (self.port is None):
+            raise ValueError("an engine listens on a Unix socket (uds) or a port, exactly one")
+
     @classmethod
     def from_command(
-        cls, name: str, command: Sequence[str], port: int, env: Mapping[str, str]
+        cls, name: str, command: Sequence[str], where: Path | int, env: Mapping[str, str]
     ) -> EngineSpec:
-        """A managed model's engine: its argv, on 127.0.0.1 at `port` unless it says so."""
+        """A command's engine: a managed model's argv on the Unix socket `where` (an argv
+        that names an address is refused), or (benchmarks) on 127.0.0.1 at port `where`."""
         argv = list(command)
-        if flag_value(argv, "--host") is None:
-            argv += ["--host", LOOPBACK]
-        if flag_value(argv, "--port") is None:
-            argv += ["--port", str(port)]
+        if isinstance(where, int):
+            if flag_value(argv, "--host") is None:
+                argv += ["--host", LOOPBACK]
+            if flag_value(argv, "--port") is None:
+                argv += ["--port", str(where)]
+            return cls(
+                model=Path(),
+                port=where,
+                served_model_name=name,
+                uni=False,
+                command=tuple(argv),
+                extra_env=dict(env),
+            )
+        for flag in ("--host", "--port", "--uds"):
+            if flag_value(argv, flag) is not None:
+                raise ValueError(f"{name}: the sidecar chooses the engine's socket; drop {flag}")
         return cls(
             model=Path(),
-            port=port,
+            uds=where,
             served_model_name=name,
             uni=False,  # the command's env decides the executor
-            command=tuple(argv),
+            command=(*argv, "--uds", str(where)),
             extra_env=dict(env),
         )
 
     @property
     def base_url(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
+        return UDS_BASE_URL if self.uds is not None else f"http://{LOOPBACK}:{self.port}"
+
+    def transport(self) -> httpx.HTTPTransport:
+        """A synchronous httpx transport to the engine (its socket, or TCP)."""
+        return httpx.HTTPTransport(uds=None if self.uds is None else str(self.uds))
+
+    def client(self, **kwargs: object) -> httpx.Client:
+        """A synchronous httpx client of the engine, its base URL set."""
+        return httpx.Client(base_url=self.base_url, transport=self.transport(), **kwargs)  # type: ignore[arg-type]
 
     def argv(self) -> list[str]:
         if self.command is not None:
@@ -156,10 +255,11 @@ class EngineSpec:
             str(self.model),
             "--served-model-name",
             self.served_model_name,
-            "--host",
-            LOOPBACK,
-            "--port",
-            str(self.port),
+            *(
+                ("--uds", str(self.uds))
+                if self.uds is not None
+                else ("--host", LOOPBACK, "--port", str(self.port))
+            ),
             "--enforce-eager",
             "--max-model-len",
             str(self.max_model_len),
@@ -208,11 +308,14 @@ class EngineSpec:
 
 
 class EngineProcess:
-    """One vLLM server subprocess: start, wait_ready (a real /health ping), stop, kill."""
+    """One vLLM server under its keeper: start, wait_ready (a real /health ping, answered by a
+    process of this engine's own group), stop, kill. Start it from a thread that lives as long
+    as the engine should: the keeper's parent-death signal follows that thread."""
 
-    def __init__(self, spec: EngineSpec, log_path: Path) -> None:
+    def __init__(self, spec: EngineSpec, log_path: Path, *, stop_grace_s: float = 15.0) -> None:
         self.spec = spec
         self.log_path = log_path
+        self.stop_grace_s = stop_grace_s
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
@@ -221,23 +324,49 @@ class EngineProcess:
         return self.spec.base_url
 
     @property
+    def uds(self) -> Path:
+        if self.spec.uds is None:
+            raise ValueError(f"engine {self.spec.served_model_name} listens on a port")
+        return self.spec.uds
+
+    @property
     def pid(self) -> int | None:
+        """The keeper's pid, which is also the engine's process group."""
         return self._proc.pid if self._proc is not None else None
 
     @property
     def returncode(self) -> int | None:
         return self._proc.poll() if self._proc is not None else None
 
+    def client(self, **kwargs: object) -> httpx.Client:
+        return self.spec.client(**kwargs)
+
+    def argv(self) -> list[str]:
+        """The keeper's argv around the engine's."""
+        keeper = [sys.executable, "-m", "controller.reaper", f"{self.stop_grace_s:g}", "--"]
+        return keeper + self.spec.argv()
+
     def start(self) -> None:
         if self._proc is not None:
             raise RuntimeError("engine already started")
+        if self.spec.uds is not None:
+            folder = self.spec.uds.parent
+            if stat.S_IMODE(os.stat(folder).st_mode) & 0o077:
+                raise EngineStartError(
+                    f"the socket folder {folder} is open to others; it must be 0700",
+                    model=self.spec.served_model_name,
+                )
+            # A socket left by an earlier engine: unreachable once unlinked, even if alive.
+            with contextlib.suppress(FileNotFoundError):
+                self.spec.uds.unlink()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("ab")
-        argv = self.spec.argv()
+        argv = self.argv()
+        env = self.spec.env()
         log.info("starting engine %s: %s", self.spec.served_model_name, " ".join(argv))
         self._proc = subprocess.Popen(
             argv,
-            env=self.spec.env(),
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -247,13 +376,40 @@ class EngineProcess:
     def is_alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    def owns(self, pid: int) -> bool:
+        """Whether `pid` is a process of this engine's group (the keeper leads it)."""
+        return self.is_alive() and self.pid is not None and process_group(pid) == self.pid
+
     def ping(self, timeout_s: float = 2.0) -> bool:
-        """True when the server answers GET /health with 200 right now."""
+        """True when this engine's own process answers GET /health with 200 right now.
+
+        On a socket, over one connection: its peer's pid must belong to this engine's
+        process group, so an answer from any other process on the socket is no answer. On a
+        port (benchmarks only) whoever answers there counts.
+        """
+        if self.spec.uds is None:
+            try:
+                r = httpx.get(f"{self.base_url}/health", timeout=timeout_s)
+            except httpx.HTTPError:
+                return False
+            return r.status_code == 200
         try:
-            r = httpx.get(f"{self.base_url}/health", timeout=timeout_s)
-        except httpx.HTTPError:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(timeout_s)
+                sock.connect(str(self.spec.uds))
+                peer = socket_peer_pid(sock)
+                if not self.owns(peer):
+                    log.warning(
+                        "%s: pid %d answers on %s but is not this engine's (group %s)",
+                        self.spec.served_model_name,
+                        peer,
+                        self.spec.uds,
+                        self.pid,
+                    )
+                    return False
+                return http_status_over(sock, "/health") == 200
+        except OSError:
             return False
-        return r.status_code == 200
 
     def wait_ready(self, timeout_s: float = 180.0, interval_s: float = 0.5) -> float:
         """Block until /health answers 200; returns seconds waited. Fails fast if it exits."""
@@ -296,15 +452,16 @@ class EngineProcess:
     def _group_alive(self) -> bool:
         return self._signal_group(0)
 
-    def stop(self, grace_s: float = 15.0) -> int | None:
+    def stop(self, grace_s: float | None = None) -> int | None:
         """SIGTERM the group, wait up to `grace_s` for it to empty, then SIGKILL what is left."""
         if self._proc is None:
             return None
-        deadline = time.monotonic() + grace_s
+        grace = self.stop_grace_s if grace_s is None else grace_s
+        deadline = time.monotonic() + grace + 5.0  # the keeper's own grace, then its SIGKILLs
         self._signal_group(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        # The API server may exit before its EngineCore/worker children have: wait for them too.
+        # The keeper ends the group before it exits; this covers a keeper killed outright.
         while self._group_alive() and time.monotonic() < deadline:
             time.sleep(0.1)
         if self._group_alive() or self._proc.poll() is None:
@@ -326,6 +483,9 @@ class EngineProcess:
         if self._log is not None:
             self._log.close()
             self._log = None
+        with contextlib.suppress(FileNotFoundError):
+            if self.spec.uds is not None and not self._group_alive():
+                self.spec.uds.unlink()
         return self._proc.poll()
 
 
@@ -390,51 +550,71 @@ async def demo_engines(
     own = workdir is None
     root = Path(tempfile.mkdtemp(prefix="hotswap-demo-")) if workdir is None else workdir
     root.mkdir(parents=True, exist_ok=True)
+    sockets = private_dir()
     engines: list[EngineProcess] = []
     try:
         await write_demo_models(root / "models")
         settings: list[ModelSettings] = []
         for m in DEMO_MODELS:
+            uds = socket_path(sockets, m.name)
             spec = EngineSpec(
-                model=root / "models" / m.name, port=free_port(), served_model_name=m.name, uni=uni
+                model=root / "models" / m.name, uds=uds, served_model_name=m.name, uni=uni
             )
             engine = EngineProcess(spec, root / "logs" / f"{m.name}.log")
             engines.append(engine)
-            engine.start()
+            engine.start()  # on this thread: the keeper dies with it
             waited = await asyncio.to_thread(engine.wait_ready, ready_timeout_s)
-            log.info("demo engine %s ready at %s after %.1f s", m.name, spec.base_url, waited)
+            log.info("demo engine %s ready at %s after %.1f s", m.name, uds, waited)
             settings.append(
                 ModelSettings.model_validate(
-                    {"name": m.name, "url": spec.base_url, "served_model_name": m.name}
+                    {"name": m.name, "uds": str(uds), "served_model_name": m.name}
                 )
             )
         yield settings
     finally:
         for engine in reversed(engines):
             await asyncio.to_thread(engine.stop)
+        shutil.rmtree(sockets, ignore_errors=True)
         if own:
             shutil.rmtree(root, ignore_errors=True)
 
 
 async def demo_models(workdir: Path, *, uni: bool = True) -> list[ModelSettings]:
     """The embedded default under managed mode: the tiny models (written to `workdir` unless
-    there), each with its engine's argv, env and loopback port; the sidecar starts them."""
+    there), each with its engine's argv and env; the sidecar starts them on its own sockets."""
     await write_demo_models(workdir / "models")
     models = []
     for m in DEMO_MODELS:
         spec = EngineSpec(
-            model=workdir / "models" / m.name, port=free_port(), served_model_name=m.name, uni=uni
+            model=workdir / "models" / m.name, uds=Path(), served_model_name=m.name, uni=uni
         )
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if uni else {}
         models.append(
             ModelSettings.model_validate(
                 {
                     "name": m.name,
-                    "command": spec.argv(),
+                    "command": managed_argv(spec),
                     "env": env,
-                    "port": spec.port,
                     "served_model_name": m.name,
                 }
             )
         )
     return models
+
+
+def managed_argv(spec: EngineSpec) -> list[str]:
+    """`spec`'s argv without its socket, for a models file (the supervisor adds `--uds`)."""
+    argv = spec.argv()
+    i = argv.index("--uds")
+    return argv[:i] + argv[i + 2 :]
+
+
+def with_engine_sockets(settings: Settings, folder: Path) -> Settings:
+    """`settings` with every managed model that names no socket given one in `folder`."""
+    models = [
+        m.model_copy(update={"uds": str(socket_path(folder, m.name))})
+        if m.managed and m.uds is None
+        else m
+        for m in settings.models
+    ]
+    return settings.model_copy(update={"models": models})

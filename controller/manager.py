@@ -46,7 +46,7 @@ Clock = Callable[[], float]
 
 
 def default_engine_factory(model: ModelSettings, timeouts: TimeoutSettings) -> EngineClient:
-    return EngineClient(model.url, timeouts=timeouts)
+    return EngineClient(model.url, uds=model.uds, timeouts=timeouts)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ A device has a memory budget (bytes, and optionally a count of awake models). Ev
 has an awake footprint, measured from the engine's own reports (the pools `hotswap_info`
 lists, or the bytes a suspend freed). A wake that does not fit puts the least recently used
 unpinned models to sleep first; pinned models are never evicted, and a model awake for less
-than the minimum awake time is not evicted either (no thrash). Every plan carries its reason.
+than the minimum awake time is not evicted either (no thrash). A FAILED or UNKNOWN model
+counts at its footprint until its engine process is known to be gone. Every plan carries its
+reason.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from controller.state import State, TransitionRecord
 
 # States whose engine holds its awake footprint (SUSPENDING until its suspend has finished).
 HOLDING = frozenset({State.RUNNING, State.RESUMING, State.SUSPENDING, State.STARTING})
+# States that say nothing of the engine's memory: counted at the footprint while it may live.
+UNSURE = frozenset({State.FAILED, State.UNKNOWN})
 
 
 class Decision(enum.StrEnum):
@@ -38,6 +42,13 @@ class ModelView:
     awake_since: float | None = None  # when it last became RUNNING
     pinned: bool = False
     device: str = "0"
+    process_gone: bool = False  # its engine process is known to be gone (none was started)
+
+    @property
+    def holds(self) -> bool:
+        """Whether its engine may hold its awake footprint now: a FAILED or UNKNOWN model
+        counts until its process is gone (a failed step may have freed nothing)."""
+        return self.state in HOLDING or (self.state in UNSURE and not self.process_gone)
 
 
 @dataclass(frozen=True)
@@ -112,7 +123,7 @@ def plan_wake(
     if t.state is not State.SUSPENDED:
         return WakePlan(target, Decision.REFUSE, f"cannot wake a model in state {t.state.value}")
     device = [m for m in models if m.device == t.device]
-    peers = [m for m in device if m.name != target and m.state in HOLDING]
+    peers = [m for m in device if m.name != target and m.holds]
     sizes = {m.name: estimate(m, device, budget) for m in device}
     need = sizes[target]
     used = sum(sizes[p.name] for p in peers)

@@ -12,7 +12,6 @@ import ipaddress
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
@@ -263,6 +262,11 @@ class SupervisorSettings(BaseModel):
     log_dir: Path | None = Field(
         None, description="Engine logs (one file per model); None = a temporary folder."
     )
+    socket_dir: Path | None = Field(
+        None,
+        description="Folder of the engines' Unix sockets, kept 0700 (only the sidecar's user "
+        "reaches the dev endpoints); None = a new private temporary folder per start.",
+    )
 
 
 def is_loopback(host: str) -> bool:
@@ -291,7 +295,13 @@ class ModelSettings(BaseModel):
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
     url: str = Field(
-        description="Base URL of the engine, e.g. http://127.0.0.1:8001 (dev endpoints on)."
+        description="Base URL of the engine, e.g. http://127.0.0.1:8001 (dev endpoints on); "
+        "with `uds` (and for managed engines) http://NAME, whose host only names it in logs.",
+    )
+    uds: str | None = Field(
+        None,
+        description="The engine's Unix socket (vLLM's --uds), reached instead of url's host "
+        "and port; managed engines get one in supervisor.socket_dir.",
     )
     gate: Gate = Field(Gate.GATED, description="How this model counts toward /health.")
     default_level: int = Field(1, ge=1, le=2, description="Sleep level when a request names none.")
@@ -305,9 +315,6 @@ class ModelSettings(BaseModel):
     env: dict[str, str] = Field(
         default_factory=dict, description="Extra environment of the engine."
     )
-    port: int | None = Field(
-        None, ge=1, le=65535, description="Managed: the engine's port; it binds 127.0.0.1 only."
-    )
     pinned: bool = Field(False, description="Never put to sleep to make room for another model.")
     footprint_bytes: int | None = Field(
         None,
@@ -319,12 +326,20 @@ class ModelSettings(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _managed_url(cls, data: Any) -> Any:
-        # A managed engine is always on loopback: its URL follows from its port.
-        if isinstance(data, dict) and data.get("command") and not data.get("url"):
-            if data.get("port") is None:
-                raise ValueError("a managed model (command set) needs a port")
-            return {**data, "url": f"http://127.0.0.1:{data['port']}"}
+    def _socket_url(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if data.get("command") and data.get("port") is not None:
+            raise ValueError(
+                "a managed engine listens on a Unix socket the sidecar creates, not on a port: "
+                "remove `port`"
+            )
+        # On a socket the URL's host only names the model in logs and errors (vLLM ignores it).
+        named = f"http://{data.get('name', 'engine')}"
+        if data.get("command") and data.get("url") not in (None, named):
+            raise ValueError("a managed engine has no url: the sidecar reaches it on its socket")
+        if (data.get("command") or data.get("uds")) and not data.get("url"):
+            return {**data, "url": named}
         return data
 
     @field_validator("url")
@@ -333,22 +348,17 @@ class ModelSettings(BaseModel):
         return v.rstrip("/")
 
     @model_validator(mode="after")
-    def _managed_on_loopback(self) -> ModelSettings:
+    def _managed_on_its_socket(self) -> ModelSettings:
         if self.command is None:
             return self
         if not self.command:
             raise ValueError("command must not be empty")
-        parts = urlsplit(self.url)
-        if parts.hostname != "127.0.0.1":
-            raise ValueError("a managed engine must listen on 127.0.0.1 (dev endpoints stay local)")
-        if self.port is not None and parts.port != self.port:
-            raise ValueError(f"url {self.url} and port {self.port} disagree")
-        host = flag_value(self.command, "--host")
-        if host is not None and host != "127.0.0.1":
-            raise ValueError("a managed engine's --host must be 127.0.0.1")
-        port = flag_value(self.command, "--port")
-        if port is not None and port != str(parts.port):
-            raise ValueError(f"the command's --port {port} disagrees with the model's port")
+        for flag in ("--host", "--port", "--uds"):
+            if flag_value(self.command, flag) is not None:
+                raise ValueError(
+                    f"a managed engine's command must not set {flag}: the sidecar serves it on "
+                    "a Unix socket in its private folder (dev endpoints stay unreachable)"
+                )
         return self
 
     @property

@@ -32,7 +32,7 @@ from controller.metrics import Metrics
 from controller.record import Fleet
 from controller.settings import Settings
 from controller.supervisor import EngineFactory as ProcessFactory
-from controller.supervisor import Supervisor
+from controller.supervisor import Supervisor, place_engine_sockets
 from controller.swap import SwapCoordinator
 from controller.swapmetrics import SwapMetrics
 from controller.tasks import Tasks
@@ -56,6 +56,8 @@ class Sidecar:
         clock: Clock = time.time,
         monotonic: Clock = time.monotonic,
     ) -> None:
+        # Managed engines' sockets, placed before anything is built from the settings.
+        settings, socket_folder = place_engine_sockets(settings)
         self.settings = settings
         self.registry = registry if registry is not None else CollectorRegistry()
         self.tasks = Tasks()
@@ -88,6 +90,7 @@ class Sidecar:
                     self.swap_metrics,
                     engine_factory=process_factory,
                     monotonic=monotonic,
+                    socket_folder=socket_folder,
                 )
             if settings.gateway_enabled:
                 self.gateway = gateway.Gateway(

@@ -146,7 +146,8 @@ class Gate(enum.StrEnum):
     """How a model counts toward the sidecar's readiness (/health)."""
 
     GATED = "gated"  # ready only when RUNNING and verified
-    SWAPPABLE = "swappable"  # ready in every state but FAILED (hot-swap behind the gateway)
+    # Servable asleep or awake (hot swap behind the gateway); the pod stays ready while one is.
+    SWAPPABLE = "swappable"
 
 
 @dataclass(frozen=True)
@@ -204,5 +205,11 @@ class ModelSnapshot:
 
 
 def overall_ready(snapshots: Mapping[str, ModelSnapshot] | list[ModelSnapshot]) -> bool:
-    items = snapshots.values() if isinstance(snapshots, Mapping) else snapshots
-    return all(s.counts_ready for s in items)
+    """The sidecar's readiness: every gated model ready, and, when there are swappable
+    models, at least one of them servable. A FAILED swappable model alone does not take the
+    pod out of its Service: the gateway answers its requests 503 with Retry-After while the
+    supervisor restarts it, and the other models keep being served."""
+    items = list(snapshots.values() if isinstance(snapshots, Mapping) else snapshots)
+    gated = all(s.counts_ready for s in items if s.gate is not Gate.SWAPPABLE)
+    swappable = [s for s in items if s.gate is Gate.SWAPPABLE]
+    return gated and (not swappable or any(s.counts_ready for s in swappable))

@@ -16,14 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from controller.errors import HotswapError
-from controller.launcher import EngineProcess, EngineSpec
+from controller.launcher import EngineProcess, EngineSpec, private_dir, with_engine_sockets
 from controller.manager import Manager
 from controller.policy import budget_from_info, footprint_from_info, restart_delay
 from controller.record import EngineProcess as Engine
@@ -39,17 +39,27 @@ log = logging.getLogger("hotswap.supervisor")
 EngineFactory = Callable[[ModelSettings], Engine]
 
 
-def process_factory(log_dir: Path) -> EngineFactory:
-    """Real engines: the model's argv and env on 127.0.0.1 at its port, one log per model."""
+def process_factory(log_dir: Path, stop_grace_s: float = 15.0) -> EngineFactory:
+    """Real engines: the model's argv and env on its Unix socket, one log per model."""
 
     def make(model: ModelSettings) -> Engine:
-        port = model.port if model.port is not None else urlsplit(model.url).port
-        if model.command is None or port is None:
-            raise ValueError(f"{model.name}: a managed model needs a command and a port")
-        spec = EngineSpec.from_command(model.name, model.command, port, model.env)
-        return EngineProcess(spec, log_dir / f"{model.name}.log")
+        if model.command is None or model.uds is None:
+            raise ValueError(f"{model.name}: a managed model needs a command and a socket")
+        spec = EngineSpec.from_command(model.name, model.command, Path(model.uds), model.env)
+        return EngineProcess(spec, log_dir / f"{model.name}.log", stop_grace_s=stop_grace_s)
 
     return make
+
+
+def place_engine_sockets(settings: Settings) -> tuple[Settings, Path | None]:
+    """Give every managed model without one a socket in the private folder (0700), before
+    anything is built from the settings. Returns the new settings and the folder when this
+    made a temporary one (the supervisor removes it at stop), else None."""
+    if not any(m.managed and m.uds is None for m in settings.models):
+        return settings, None
+    configured = settings.supervisor.socket_dir
+    folder = private_dir(configured)
+    return with_engine_sockets(settings, folder), folder if configured is None else None
 
 
 def _info_ranks(snap: ModelSnapshot) -> list[dict[str, object]]:
@@ -72,6 +82,7 @@ class Supervisor:
         *,
         engine_factory: EngineFactory | None = None,
         monotonic: Callable[[], float] = time.monotonic,
+        socket_folder: Path | None = None,
     ) -> None:
         self.manager = manager
         self.fleet = manager.fleet
@@ -82,13 +93,14 @@ class Supervisor:
         self.metrics = metrics
         self._mono = monotonic
         self.models = [m for m in settings.models if m.managed]
+        self._socket_folder = socket_folder  # made for this run: removed at stop
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if engine_factory is None:
             log_dir = self.cfg.log_dir
             if log_dir is None:
                 self._tmp = tempfile.TemporaryDirectory(prefix="hotswap-engines-")
                 log_dir = Path(self._tmp.name)
-            engine_factory = process_factory(log_dir)
+            engine_factory = process_factory(log_dir, self.cfg.stop_grace_s)
         self._factory = engine_factory
         self._task: asyncio.Task[None] | None = None
         self._restarts: list[asyncio.Task[None]] = []
@@ -114,14 +126,19 @@ class Supervisor:
         )
         if self._tmp is not None:
             self._tmp.cleanup()
+        if self._socket_folder is not None:
+            shutil.rmtree(self._socket_folder, ignore_errors=True)
 
     # ---- boot ----------------------------------------------------------------------------
 
     async def boot(self) -> None:
         """Start every managed engine, one at a time per device, each asleep before the next."""
         for m in self.models:
+            # The lock covers the plan only: once STARTING, the policy counts the model at its
+            # footprint, so wakes on the device go on (or wait with a reason) during the boot.
             async with self.coordinator.device_lock(m.name):
-                await self._start(m)
+                self.manager.get(m.name).mark_starting()
+            await self._start(m)
         await self._measure_budgets()
         self.booted.set()
         log.info("managed engines booted: %s", self._states())
@@ -131,16 +148,18 @@ class Supervisor:
         return ", ".join(f"{m.name}={snaps[m.name].state.value}" for m in self.models)
 
     async def _start(self, m: ModelSettings) -> bool:
-        """Start one engine (the caller holds its device's lock); True when it serves or sleeps."""
+        """Start one engine of a model marked STARTING, holding no lock (a boot may take
+        `boot_timeout_s`); True when it serves or sleeps."""
         mm = self.manager.get(m.name)
         rec = self.fleet[m.name]
         fields = {"model": m.name, "phase": "start"}
-        mm.mark_starting()
         engine = self._factory(m)
         rec.engine = engine
         t0 = self._mono()
         try:
-            await asyncio.to_thread(engine.start)
+            # On the loop's thread: the keeper's parent-death signal follows the thread that
+            # started it, and this one lives as long as the sidecar.
+            engine.start()
             await asyncio.to_thread(engine.wait_ready, self.cfg.boot_timeout_s)
         except (HotswapError, OSError) as exc:
             reason = f"engine did not start: {exc}"
@@ -251,8 +270,9 @@ class Supervisor:
         await asyncio.sleep(delay)
         async with self.coordinator.device_lock(m.name):
             await self.coordinator.make_room(m.name)
-            self.metrics.restart(m.name)
-            ok = await self._start(m)
+            mm.mark_starting()  # counted at its footprint from here: the lock can go
+        self.metrics.restart(m.name)
+        ok = await self._start(m)
         log.info(
             "%s: restart #%d %s (%s)",
             m.name,

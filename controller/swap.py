@@ -82,6 +82,9 @@ class SwapCoordinator:
         # Per device, not per model: what the policy plans against.
         self._measured_budget: dict[str, int] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        # Whether a model's engine process is known to be gone: by default, for a managed model
+        # whose record holds no live process (a FAILED attached engine may hold its memory).
+        self.engine_gone: Callable[[str], bool] = self._engine_gone
         for m in settings.models:
             metrics.register_model(m.name)
 
@@ -134,9 +137,14 @@ class SwapCoordinator:
                 awake_since=rec.snapshot.since if rec.state is State.RUNNING else None,
                 pinned=rec.settings.pinned,
                 device=rec.settings.device,
+                process_gone=self.engine_gone(rec.name),
             )
             for rec in self.fleet.values()
         ]
+
+    def _engine_gone(self, name: str) -> bool:
+        rec = self.fleet[name]
+        return rec.settings.managed and (rec.engine is None or not rec.engine.is_alive())
 
     def plan(self, name: str, *, allow_evict: bool = True) -> WakePlan:
         device = self.device(name)
@@ -252,7 +260,8 @@ class SwapCoordinator:
     async def _settle(self, device: str) -> None:
         """Wait (bounded) for transitions in flight on the device, so the plan sees where
         they end. Timeouts: a drain, then an RPC, at most."""
-        moving = (State.SUSPENDING, State.STARTING)
+        # Not STARTING: a boot may take many minutes, and the policy counts it as holding.
+        moving = (State.SUSPENDING,)
         on_device = [r for r in self.fleet.values() if r.settings.device == device]
         await self.fleet.wait_for(
             lambda: not any(r.state in moving for r in on_device),

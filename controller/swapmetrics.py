@@ -12,6 +12,7 @@ REFUSAL_REASONS = (
     "queue_full",
     "wake_failed",
     "wake_timeout",
+    "engine_unavailable",  # the engine did not answer a forwarded request (it died)
     "unknown_model",
     "unauthorized",
     "too_many_requests",  # the gateway's cap on requests at once (gateway.max_concurrent)

@@ -4,6 +4,8 @@
 #                                 CPU vLLM servers, gateway in front (hotswap serve --demo ARGS)
 #   scripts/dev.sh test [ARGS]    every check and every test (scripts/check.sh; ARGS go to pytest)
 #   scripts/dev.sh fix            ruff format + ruff check --fix
+#   scripts/dev.sh soak [ARGS]    the full soak (tests/integration/test_soak.py): 100 swap cycles through
+#                                 the gateway, an engine killed every 20; figures printed (docs/reliability.md)
 #   scripts/dev.sh models OUTDIR  write the tiny test models (llama seeds 0 and 1, tokenizers)
 #   scripts/dev.sh venv           print the path of the project's cached venv (built on first use)
 # The first call on a machine builds the venv (about 3 minutes); later calls reuse it.
@@ -45,6 +47,11 @@ case "$cmd" in
     scripts/system-deps.sh
     HOTSWAP_VENV=$(venv) scripts/check.sh "$@"
     ;;
+  soak)
+    scripts/system-deps.sh
+    export HOTSWAP_SOAK_CYCLES=${HOTSWAP_SOAK_CYCLES:-100} HOTSWAP_SOAK_KILL_EVERY=${HOTSWAP_SOAK_KILL_EVERY:-20}
+    HOTSWAP_VENV=$(venv) scripts/check.sh tests/integration/test_soak.py -s "$@"
+    ;;
   fix)
     v=$(venv)
     "$v/bin/ruff" format .
@@ -60,11 +67,11 @@ case "$cmd" in
     venv
     ;;
   help | -h | --help)
-    sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
     ;;
   *)
     echo "unknown command: $cmd" >&2
-    sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
     ;;
 esac

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from controller.launcher import MANDATORY_ENV, EngineProcess, EngineSpec, free_port
+from controller.launcher import MANDATORY_ENV, EngineProcess, EngineSpec, private_dir, socket_path
 
 for _key, _value in MANDATORY_ENV.items():
     os.environ[_key] = _value
@@ -78,6 +79,7 @@ class EngineLauncher:
     """Starts real vLLM OpenAI servers (with the worker extension) and always stops them."""
 
     logs: Path
+    sockets: Path  # private (0700): each engine serves on a Unix socket there, no TCP port
     started: list[EngineProcess] = field(default_factory=list)
 
     def start(
@@ -99,7 +101,7 @@ class EngineLauncher:
         engine = EngineProcess(
             EngineSpec(
                 model=model,
-                port=free_port(),
+                uds=socket_path(self.sockets, f"{name}-{len(self.started)}"),
                 served_model_name=name,
                 uni=uni,
                 tensor_parallel_size=tp,
@@ -120,8 +122,9 @@ class EngineLauncher:
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineLauncher]:
     """Module-scoped: servers started through it live for the module, then stop."""
-    launcher = EngineLauncher(tmp_path_factory.mktemp("engine-logs"))
+    launcher = EngineLauncher(tmp_path_factory.mktemp("engine-logs"), private_dir())
     try:
         yield launcher
     finally:
         launcher.stop_all()
+        shutil.rmtree(launcher.sockets, ignore_errors=True)

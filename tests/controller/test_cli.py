@@ -372,8 +372,8 @@ def test_demo_models_replace_configured_ones(monkeypatch: pytest.MonkeyPatch) ->
 
     seen: dict[str, Any] = {}
     demo = [
-        ModelSettings.model_validate({"name": n, "command": ["engine", n], "port": p})
-        for n, p in (("tiny-a", 9001), ("tiny-b", 9002))
+        ModelSettings.model_validate({"name": n, "command": ["engine", n]})
+        for n in ("tiny-a", "tiny-b")
     ]
 
     async def fake_demo(workdir: Path) -> list[ModelSettings]:

@@ -38,12 +38,15 @@ class Engine:
     wrong: list[str] = field(default_factory=list)  # requests that reached it asleep
     hold: asyncio.Event | None = None  # completions wait for it when set
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    died: bool = False  # its data plane refuses connections, the control plane not yet
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
         if path not in ("/v1/completions", "/v1/chat/completions"):
             return await self.fake.handle(request)
         body = json.loads(request.content)
+        if self.died and isinstance(body.get("prompt"), str):
+            raise httpx.ConnectError("fake connection refused", request=request)
         if not isinstance(body.get("prompt", body.get("messages")), str | list) or isinstance(
             body.get("prompt"), list
         ):
@@ -298,9 +301,29 @@ def test_a_full_queue_answers_429_and_the_held_requests_are_served() -> None:
     run(body)
 
 
-def test_a_failed_wake_answers_503_with_retry_after() -> None:
+def test_an_engine_that_does_not_answer_is_503_with_retry_after() -> None:
+    """The engine died under a RUNNING model (before the supervisor saw it): the forwarded
+    request is refused with Retry-After, so a client retries instead of losing it."""
+
     async def body() -> None:
         async with world() as w:
+            w.engines["a"].died = True
+            r = await ask(w, "a")
+            assert r.status_code == 503
+            assert r.headers["retry-after"] == "5"
+            assert r.json()["error"]["reason"] == "engine_unavailable"
+            assert (
+                w.sample("hotswap_gateway_refused_total", model="a", reason="engine_unavailable")
+                == 1
+            )
+            assert w.coordinator.traffic.in_flight("a") == 0
+
+    run(body)
+
+
+def test_a_failed_wake_answers_503_with_retry_after() -> None:
+    async def body() -> None:
+        async with world(gateway={"hold_timeout_s": 0.5}) as w:
             w.engines["b"].fake.fail["hotswap_restore_and_verify"] = "mismatch"
             r = await ask(w, "b")
             assert r.status_code == 503
@@ -312,7 +335,14 @@ def test_a_failed_wake_answers_503_with_retry_after() -> None:
             r = await ask(w, "b")
             assert r.status_code == 503
             assert w.sample("hotswap_gateway_refused_total", model="b", reason="wake_failed") == 2
-            # a was evicted for b; a FAILED engine holds no budget, so a wakes again.
+            # a was evicted for b. A FAILED engine's process may still hold its memory, so a
+            # waits (and is refused with Retry-After) until that process is known to be gone.
+            r = await ask(w, "a")
+            assert r.status_code == 503
+            assert r.json()["error"]["reason"] == "wake_timeout"
+            assert "retry-after" in r.headers
+            w.coordinator.engine_gone = lambda name: name == "b"
+            await asyncio.sleep(1.1)  # the refusal's own Retry-After (a busy peer: 1 s)
             assert (await ask(w, "a")).status_code == 200
 
     run(body)

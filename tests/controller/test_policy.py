@@ -269,3 +269,44 @@ def test_budget_from_info_is_the_tightest_cuda_rank() -> None:
 )
 def test_restart_delay_is_bounded_exponential(failures: int, expected: float) -> None:
     assert restart_delay(failures, 1.0, 30.0) == expected
+
+
+# A FAILED or UNKNOWN model says nothing of its engine's memory: it counts at its footprint
+# (measured, else the estimate) until its process is known to be gone.
+@pytest.mark.parametrize(
+    ("peer", "mib", "gone", "decision"),
+    [
+        (S.FAILED, 100, False, Decision.REFUSE),
+        (S.FAILED, 100, True, Decision.WAKE),
+        (S.FAILED, None, False, Decision.REFUSE),  # unmeasured: the largest known footprint
+        (S.FAILED, None, True, Decision.WAKE),
+        (S.UNKNOWN, 100, False, Decision.REFUSE),
+        (S.UNKNOWN, 100, True, Decision.WAKE),
+        (S.STARTING, 100, True, Decision.REFUSE),  # a boot holds whatever its process says
+        (S.SUSPENDED, 100, False, Decision.WAKE),
+        (S.STOPPED, 100, False, Decision.WAKE),
+        (S.RUNNING, 100, False, Decision.EVICT),
+    ],
+)
+def test_failed_and_unknown_count_until_their_process_is_gone(
+    peer: State, mib: int | None, gone: bool, decision: Decision
+) -> None:
+    models = (
+        v("a", S.SUSPENDED, 100),
+        ModelView(
+            "b", peer, None if mib is None else mib * MIB, awake_since=0.0, process_gone=gone
+        ),
+    )
+    plan = plan_wake("a", models, Budget(150 * MIB), NOW)
+    assert plan.decision is decision, plan.reason
+    if decision is Decision.REFUSE:
+        assert f"b ({peer.value})" in plan.reason
+        assert plan.retry_after_s == 1.0  # it may settle: the gateway retries, not 503 at once
+        assert plan.used_bytes == 100 * MIB
+
+
+def test_a_failed_model_counts_toward_max_awake_too() -> None:
+    models = (v("a"), ModelView("b", S.FAILED, 100 * MIB))
+    assert plan_wake("a", models, Budget(max_awake=1), NOW).decision is Decision.REFUSE
+    gone = (v("a"), ModelView("b", S.FAILED, 100 * MIB, process_gone=True))
+    assert plan_wake("a", gone, Budget(max_awake=1), NOW).decision is Decision.WAKE

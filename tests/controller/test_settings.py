@@ -62,21 +62,25 @@ def test_flag_value_reads_both_spellings(argv: list[str], expected: str | None) 
 
 
 @pytest.mark.parametrize(
-    "command",
+    ("model", "why"),
     [
-        ["vllm", "--host", "0.0.0.0"],
-        ["vllm", "--host=0.0.0.0"],
-        ["vllm", "--port=9999"],
+        ({"command": ["vllm", "--host", "127.0.0.1"]}, "must not set --host"),
+        ({"command": ["vllm", "--port=9999"]}, "must not set --port"),
+        ({"command": ["vllm", "--uds", "/x.sock"]}, "must not set --uds"),
+        ({"command": ["vllm"], "port": 8001}, "not on a port"),
+        ({"command": ["vllm"], "url": "http://127.0.0.1:8001"}, "has no url"),
     ],
 )
-def test_managed_command_stays_on_loopback_and_its_port(command: list[str]) -> None:
-    with pytest.raises(ValidationError):
-        ModelSettings.model_validate({"name": "m", "port": 8001, "command": command})
+def test_a_managed_engine_gets_no_address_but_its_socket(
+    model: dict[str, object], why: str
+) -> None:
+    with pytest.raises(ValidationError, match=why):
+        ModelSettings.model_validate({"name": "m", **model})
 
 
-def test_managed_command_on_loopback_is_accepted() -> None:
-    m = ModelSettings.model_validate(
-        {"name": "m", "port": 8001, "command": ["vllm", "--host=127.0.0.1", "--port", "8001"]}
-    )
+def test_a_managed_or_socket_engine_is_named_by_its_url_host() -> None:
+    m = ModelSettings.model_validate({"name": "m", "command": ["vllm", "--model=x"]})
     assert m.managed
-    assert m.url == "http://127.0.0.1:8001"
+    assert (m.url, m.uds) == ("http://m", None)  # the supervisor places the socket
+    a = ModelSettings.model_validate({"name": "a", "uds": "/run/hotswap/a.sock"})
+    assert (a.managed, a.url, a.uds) == (False, "http://a", "/run/hotswap/a.sock")

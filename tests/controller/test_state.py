@@ -125,3 +125,36 @@ def test_overall_ready_needs_every_model() -> None:
     assert not overall_ready([a, b, c])
     assert overall_ready({"a": a})
     assert overall_ready([])
+
+
+def _named(name: str, state: State, gate: Gate = Gate.SWAPPABLE) -> ModelSnapshot:
+    return ModelSnapshot(name=name, state=state, since=0.0, gate=gate, verified=True)
+
+
+S = State
+
+
+@pytest.mark.parametrize(
+    ("swappable", "gated", "ready"),
+    [
+        # One FAILED swappable model leaves the pod ready: the gateway answers its requests
+        # 503 with Retry-After while it restarts; the others keep being served.
+        ((S.FAILED, S.SUSPENDED), (), True),
+        ((S.FAILED, S.RUNNING), (), True),
+        ((S.STARTING, S.SUSPENDED), (), True),
+        ((S.FAILED, S.STARTING), (), False),  # nothing servable: out of the Service
+        ((S.UNKNOWN, S.UNKNOWN), (), False),  # still booting
+        ((S.FAILED,), (), False),
+        ((S.SUSPENDED, S.SUSPENDED), (), True),
+        # Gated models stay strict.
+        ((S.SUSPENDED,), (S.RUNNING,), True),
+        ((S.SUSPENDED,), (S.FAILED,), False),
+        ((), (S.SUSPENDED,), False),
+    ],
+)
+def test_pod_readiness_with_swappable_models(
+    swappable: tuple[State, ...], gated: tuple[State, ...], ready: bool
+) -> None:
+    snaps = [_named(f"s{i}", s) for i, s in enumerate(swappable)]
+    snaps += [_named(f"g{i}", s, Gate.GATED) for i, s in enumerate(gated)]
+    assert overall_ready(snaps) is ready

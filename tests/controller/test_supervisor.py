@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ import pytest
 from fakevllm import POOL_BYTES, FakeVllm, wire
 from prometheus_client import CollectorRegistry
 
+from controller.errors import WakeRefused
 from controller.launcher import EngineStartError
 from controller.manager import Manager
 from controller.settings import ModelSettings, Settings, TimeoutSettings
@@ -34,6 +36,8 @@ class Fleet:
     start_failures: dict[str, int] = field(default_factory=dict)  # model -> starts that fail
     # model -> an engine already there (an orphan of a dead sidecar) that answers instead
     orphans: dict[str, FakeVllm] = field(default_factory=dict)
+    # model -> event its next boot's wait_ready waits for (a slow boot); one boot only
+    slow_boots: dict[str, threading.Event] = field(default_factory=dict)
 
 
 class FakeProcess:
@@ -57,6 +61,8 @@ class FakeProcess:
         return self.alive
 
     def wait_ready(self, timeout_s: float = 0.0, interval_s: float = 0.0) -> float:
+        if (slow := self.fleet.slow_boots.pop(self.name, None)) is not None:
+            slow.wait(10)
         if self.fleet.start_failures.get(self.name, 0) > 0:
             self.fleet.start_failures[self.name] -= 1
             self.alive, self.rc = False, 1
@@ -78,8 +84,7 @@ class Router(httpx.AsyncBaseTransport):
         self.fleet = fleet
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        name = request.url.host.split(".")[0] if request.url.port is None else ""
-        name = name or next(n for n, p in PORTS.items() if p == request.url.port)
+        name = request.url.host  # a managed engine's URL is http://NAME (its socket aside)
         proc = self.fleet.procs.get(name)
         if proc is None or not proc.alive:
             raise httpx.ConnectError("connection refused", request=request)
@@ -87,9 +92,6 @@ class Router(httpx.AsyncBaseTransport):
         if request.url.path == "/collective_rpc" and b"hotswap_suspend" in request.content:
             self.fleet.events.append(("suspend", name))
         return await vllm.handle(request)
-
-
-PORTS = {"a": 9101, "b": 9102, "c": 9103}
 
 
 @dataclass
@@ -113,18 +115,21 @@ class World:
 
 @asynccontextmanager
 async def world(
-    names: tuple[str, ...] = ("a", "b"), pinned: tuple[str, ...] = (), **supervisor: Any
+    names: tuple[str, ...] = ("a", "b"),
+    pinned: tuple[str, ...] = (),
+    swap: dict[str, Any] | None = None,
+    **supervisor: Any,
 ) -> AsyncIterator[World]:
     fleet = Fleet()
     settings = Settings(
         models=[
             ModelSettings.model_validate(
-                {"name": n, "command": ["engine", n], "port": PORTS[n], "pinned": n in pinned}
+                {"name": n, "command": ["engine", n], "pinned": n in pinned}
             )
             for n in names
         ],
         timeouts=TimeoutSettings(drain_s=1.0, shutdown_s=1.0),
-        swap={"max_awake": 1, "min_awake_s": 0.0},
+        swap={"max_awake": 1, "min_awake_s": 0.0, **(swap or {})},
         supervisor={
             "restart_backoff_s": 0.05,
             "restart_backoff_max_s": 0.2,
@@ -269,5 +274,61 @@ def test_a_start_answered_by_an_orphan_is_never_taken_for_its_own_engine() -> No
             assert snap.state is State.FAILED
             assert not snap.ready
             assert "not the process just started" in str(snap.last_error)
+
+    run(body())
+
+
+def test_no_lock_is_held_across_a_boot() -> None:
+    """b's engine takes its time to boot; a wake of a on the same device, which fits, goes
+    on meanwhile (the device lock covers the plan, not the boot of up to boot_timeout_s)."""
+
+    async def body() -> None:
+        async with world(("a", "b"), swap={"max_awake": 2}) as w:
+            slow = w.fleet.slow_boots["b"] = threading.Event()
+            w.supervisor.start()
+            await w.until("a", State.SUSPENDED)
+            await w.until("b", State.STARTING)
+            try:
+                await asyncio.wait_for(w.coordinator.wake("a"), 2.0)
+                assert w.state("a") is State.RUNNING
+                assert w.state("b") is State.STARTING  # still booting
+            finally:
+                slow.set()
+            await asyncio.wait_for(w.supervisor.booted.wait(), 5)
+            assert w.state("b") is State.SUSPENDED
+
+    run(body())
+
+
+def test_a_booting_model_counts_at_its_footprint_meanwhile() -> None:
+    """With room for one awake model, a wake during b's boot is refused with a retry (the
+    gateway holds and retries), not run into the memory b's engine is taking."""
+
+    async def body() -> None:
+        async with world(("a", "b")) as w:
+            slow = w.fleet.slow_boots["b"] = threading.Event()
+            w.supervisor.start()
+            await w.until("b", State.STARTING)
+            try:
+                with pytest.raises(WakeRefused, match=r"b \(STARTING\)") as refused:
+                    await asyncio.wait_for(w.coordinator.wake("a"), 2.0)
+                assert refused.value.retry_after_s == 1.0
+            finally:
+                slow.set()
+            await asyncio.wait_for(w.supervisor.booted.wait(), 5)
+            await w.coordinator.wake("a")
+            assert w.state("a") is State.RUNNING
+
+    run(body())
+
+
+def test_a_failed_engine_counts_until_its_process_is_gone() -> None:
+    async def body() -> None:
+        async with world(("a", "b")) as w:
+            await w.supervisor.boot()
+            assert w.coordinator.engine_gone("a") is False
+            w.fleet.procs["a"].kill()
+            assert w.coordinator.engine_gone("a") is True
+            assert w.coordinator.engine_gone("b") is False
 
     run(body())

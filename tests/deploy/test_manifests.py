@@ -22,7 +22,7 @@ from controller.settings import Settings
 K8S_VERSION = "1.30.0"
 CONTROL_PORT = 8800
 GATEWAY_PORT = 8801
-VLLM_PORT = 8000
+ENGINE_SOCKET = "/run/hotswap/engine.sock"
 EXTENSION = "worker_ext.HotSwapExtension"
 
 VARIANTS = {p.relative_to(K8S).as_posix(): p for p in kustomize_dirs()}
@@ -201,7 +201,11 @@ def test_vllm_runs_with_sleep_mode_and_the_extension_on_loopback_only(
     engines = _engine_argvs(docs, _pod(docs))
     assert engines, f"{name}: no vLLM server found"
     for argv, env in engines:
-        assert _flag(argv, "--host") == "127.0.0.1", argv
+        # No TCP port: a socket in a volume of the pod (attached) or in the controller's
+        # private folder, which the controller adds itself (managed).
+        assert _flag(argv, "--host") is None, argv
+        assert _flag(argv, "--port") is None, argv
+        assert (_flag(argv, "--uds") == ENGINE_SOCKET) is name.startswith(("base", "overlays/tp2"))
         assert _flag(argv, "--enable-sleep-mode") == "", argv
         assert _flag(argv, "--worker-extension-cls") == EXTENSION, argv
         assert env.get("VLLM_SERVER_DEV_MODE") == "1", argv
@@ -221,11 +225,13 @@ def test_the_models_file_is_valid_settings(
     assert settings.models, f"{name}: the models file names no model"
     managed = any(m.command for m in settings.models)
     for model in settings.models:
-        assert re.match(r"^http://127\.0\.0\.1:\d+$", model.url), model.url
         if model.command:
-            # The controller reaches the engine where the engine was told to listen.
-            assert _flag(model.command, "--port") == model.url.rsplit(":", 1)[1], model.name
+            # The controller places the socket itself, in its private folder.
+            assert model.uds is None, model.name
             assert _flag(model.command, "--served-model-name") == model.served_model_name
+        else:
+            # The controller reaches the engine where the engine was told to listen.
+            assert model.uds == ENGINE_SOCKET, model.name
         # Managed pods stay ready while models sleep; attached pods gate readiness strictly.
         assert model.gate.value == ("swappable" if managed else "gated"), model.name
     assert managed == name.endswith("managed")
@@ -268,9 +274,9 @@ def test_model_load_has_a_startup_budget(variant: tuple[str, list[dict[str, Any]
         budget_s = probe["periodSeconds"] * probe["failureThreshold"]
         # Minutes, not seconds: a 7B checkpoint alone takes minutes to download and load.
         assert budget_s >= 20 * 60, f"{name}: {c['name']} startup budget {budget_s} s"
-        assert "127.0.0.1:8000/health" in " ".join(probe["exec"]["command"])
+        assert ENGINE_SOCKET in " ".join(probe["exec"]["command"])
         hook = " ".join(c["lifecycle"]["postStart"]["exec"]["command"])
-        assert "127.0.0.1:8000/health" in hook
+        assert ENGINE_SOCKET in hook
         names = [x["name"] for x in pod["spec"]["containers"]]
         assert names.index(c["name"]) < names.index(_controller(pod)["name"])
 
@@ -360,7 +366,7 @@ def _targets(service: dict[str, Any], pod: dict[str, Any]) -> dict[int, int]:
     named = {
         p["name"]: p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])
     }
-    assert VLLM_PORT not in named.values()
+    assert set(named.values()) == {CONTROL_PORT, GATEWAY_PORT}  # the sidecar's, nothing else
     targets = {}
     for port in service["spec"]["ports"]:
         target = port["targetPort"]
@@ -443,13 +449,36 @@ def test_the_pdb_covers_the_pods_and_allows_drains(
         assert int(pdb["spec"]["minAvailable"]) < replicas
 
 
-def test_no_manifest_names_the_vllm_port_outside_loopback() -> None:
-    """Port 8000 appears only in loopback URLs and vLLM's own --port flag."""
+def test_the_engine_socket_is_shared_by_vllm_and_the_sidecar_only(
+    variant: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """Attached pods: vLLM's socket lives in a memory emptyDir that exactly the vllm and the
+    sidecar containers mount; the pod's fsGroup owns it and vLLM's umask keeps the socket to
+    that group, which the sidecar runs as."""
+    name, docs = variant
+    pod = _pod(docs)
+    if name.endswith("managed"):
+        return  # one container: its engines' sockets are in the controller's private folder
+    folder = ENGINE_SOCKET.rsplit("/", 1)[0]
+    mounting = {
+        c["name"]: m["name"]
+        for c in pod["spec"]["containers"]
+        for m in c.get("volumeMounts", [])
+        if m["mountPath"] == folder
+    }
+    assert set(mounting) == {"vllm", _controller(pod)["name"]}
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] in mounting.values())
+    assert volume["emptyDir"]["medium"] == "Memory"
+    group = pod["spec"]["securityContext"]["fsGroup"]
+    assert _controller(pod)["securityContext"]["runAsGroup"] == group
+    vllm = next(c for c in pod["spec"]["containers"] if c["name"] == "vllm")
+    assert "umask 0007" in " ".join(vllm["command"])
+
+
+def test_no_manifest_names_a_vllm_port() -> None:
+    """vLLM has no TCP listener in any variant: no 8000, no loopback URL, no --port."""
     for path in K8S.rglob("*.yaml"):
         for n, text in enumerate(path.read_text().splitlines(), 1):
             line = text.split("#", 1)[0]  # comments may talk about it
-            for m in re.finditer(r"\b8000\b", line):
-                before = line[: m.start()]
-                assert before.endswith(("127.0.0.1:", "--port=")), (
-                    f"{path.relative_to(K8S)}:{n}: {line.strip()}"
-                )
+            where = f"{path.relative_to(K8S)}:{n}: {line.strip()}"
+            assert not re.search(r"\b8000\b|127\.0\.0\.1|--port\b|--host\b", line), where

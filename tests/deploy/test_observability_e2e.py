@@ -145,7 +145,7 @@ def observed(
     engines: EngineLauncher, tiny_model: ModelFactory, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Observed]:
     urls = {
-        name: engines.start(tiny_model("llama", seed, True), name).base_url
+        name: f"unix:{engines.start(tiny_model('llama', seed, True), name).uds}"
         for seed, name in enumerate(MODELS)
     }
     work = tmp_path_factory.mktemp("observe")

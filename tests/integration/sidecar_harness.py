@@ -21,7 +21,7 @@ import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.launcher import free_port
+from controller.launcher import EngineProcess
 from controller.settings import ModelSettings, Settings
 from controller.sidecar import Sidecar
 
@@ -38,6 +38,12 @@ def attached(models: list[ModelSettings]) -> ModelsSource:
     return source
 
 
+def bound_port(server: uvicorn.Server) -> int:
+    """The port a started uvicorn server listens on (it was given port 0)."""
+    port: int = server.servers[0].sockets[0].getsockname()[1]
+    return port
+
+
 class SidecarThread:
     """Runs `models_source` (e.g. launcher.demo_engines) and the sidecar app over the models
     it yields, in one event loop on a background thread, like `hotswap serve` does: the
@@ -46,8 +52,9 @@ class SidecarThread:
     def __init__(self, models_source: ModelsSource, **settings: Any) -> None:
         self._source = models_source
         self._settings = settings
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        # Port 0: each server binds a free port itself (a port chosen free beforehand can be
+        # taken before it is bound); the URLs are read back once they listen.
+        self.base_url = ""
         self.gateway_url: str | None = None
         self.models: list[ModelSettings] = []
         self.ctx: Sidecar | None = None
@@ -67,14 +74,17 @@ class SidecarThread:
     async def _main(self) -> None:
         async with self._source() as models:
             self.models = models
+            self._settings.setdefault("gateway", {})
+            self._settings["gateway"] = {"port": 0, **self._settings["gateway"]}
             settings = Settings(
-                models=models, server={"host": "127.0.0.1", "port": self.port}, **self._settings
+                models=models, server={"host": "127.0.0.1", "port": 0}, **self._settings
             )
             side = Sidecar(settings)
-            apps: list[tuple[Any, int]] = [(side.app, self.port)]
+            settings = side.settings  # with the managed engines' sockets placed
+            self.models = list(settings.models)
+            apps: list[tuple[Any, int]] = [(side.app, 0)]
             if side.gateway_app is not None:
                 apps.append((side.gateway_app, settings.gateway.port))
-                self.gateway_url = f"http://127.0.0.1:{settings.gateway.port}"
             self._servers = [
                 uvicorn.Server(
                     uvicorn.Config(
@@ -104,8 +114,11 @@ class SidecarThread:
         return self
 
     def _up(self, booted: bool) -> bool:
-        if self.ctx is None or not all(s.started for s in self._servers):
+        if self.ctx is None or not self._servers or not all(s.started for s in self._servers):
             return False
+        urls = [f"http://127.0.0.1:{bound_port(s)}" for s in self._servers]
+        self.base_url = urls[0]
+        self.gateway_url = urls[1] if len(urls) > 1 else None
         sup = self.ctx.supervisor
         return not booted or (sup is not None and sup.booted.is_set())
 
@@ -134,11 +147,18 @@ class SidecarThread:
             time.sleep(0.05)
 
 
+def attach(name: str, engine: EngineProcess) -> ModelSettings:
+    """The settings of a model served by `engine` (someone else's process, on its socket)."""
+    return ModelSettings.model_validate(
+        {"name": name, "uds": str(engine.uds), "served_model_name": name}
+    )
+
+
 @contextlib.contextmanager
-def sidecar_over(name: str, base_url: str, **settings: Any) -> Iterator[Api]:
+def sidecar_over(name: str, engine: EngineProcess, **settings: Any) -> Iterator[Api]:
     """The sidecar attached to one running engine that serves `name`, as its API client;
     `settings` go to the sidecar's Settings (e.g. timeouts)."""
-    model = ModelSettings.model_validate({"name": name, "url": base_url, "served_model_name": name})
+    model = attach(name, engine)
     side = SidecarThread(attached([model]), **settings).start()
     try:
         yield Api(side.base_url)
@@ -250,23 +270,42 @@ class Completion:
 PROMPT = "the quick brown fox"
 
 
+def http(target: str | EngineProcess, timeout_s: float = 120.0) -> httpx.Client:
+    """A client of a URL (the sidecar, the gateway) or of an engine on its Unix socket."""
+    if isinstance(target, EngineProcess):
+        return target.client(timeout=timeout_s)
+    return httpx.Client(base_url=target, timeout=timeout_s)
+
+
+def post(
+    target: str | EngineProcess, path: str, timeout_s: float = 120.0, **kw: Any
+) -> httpx.Response:
+    """One POST to a URL or to an engine on its socket, on a connection closed after it."""
+    with http(target, timeout_s) as client:
+        return client.post(path, **kw)
+
+
 def complete(
-    base_url: str, model: str, prompt: str = PROMPT, max_tokens: int = 8, timeout_s: float = 120.0
+    target: str | EngineProcess,
+    model: str,
+    prompt: str = PROMPT,
+    max_tokens: int = 8,
+    timeout_s: float = 120.0,
 ) -> Completion:
-    """A greedy completion straight from a vLLM server: token ids and their logprobs."""
-    r = httpx.post(
-        f"{base_url}/v1/completions",
-        json={
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "logprobs": 1,
-            "return_token_ids": True,
-        },
-        timeout=timeout_s,
-    )
+    """A greedy completion from a vLLM server (or the gateway): token ids and logprobs."""
+    with http(target, timeout_s) as client:
+        r = client.post(
+            "/v1/completions",
+            json={
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "logprobs": 1,
+                "return_token_ids": True,
+            },
+        )
     r.raise_for_status()
     choice = r.json()["choices"][0]
     return Completion(tuple(choice["token_ids"]), tuple(choice["logprobs"]["token_logprobs"]))

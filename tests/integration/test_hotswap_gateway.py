@@ -21,7 +21,7 @@ import httpx
 import pytest
 from sidecar_harness import Api, SidecarThread, attached
 
-from controller.launcher import EngineSpec, free_port
+from controller.launcher import EngineSpec, managed_argv
 from controller.settings import ModelSettings
 
 pytestmark = pytest.mark.vllm
@@ -38,21 +38,20 @@ def _settings(models: dict[str, Path], logs: Path) -> dict[str, Any]:
     """SidecarThread's settings: managed engines, one awake, the gateway with a short queue."""
     managed = []
     for name, path in models.items():
-        spec = EngineSpec(model=path, port=free_port(), served_model_name=name, uni=True)
+        spec = EngineSpec(model=path, uds=Path(), served_model_name=name, uni=True)
         managed.append(
             ModelSettings.model_validate(
                 {
                     "name": name,
-                    "command": spec.argv(),
+                    "command": managed_argv(spec),  # the sidecar adds its own --uds
                     "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-                    "port": spec.port,
                 }
             )
         )
     return {
         "models_source": attached(managed),
         "auth": {"token": TOKEN},
-        "gateway": {"port": free_port(), "queue_size": 3, "hold_timeout_s": 120.0},
+        "gateway": {"queue_size": 3, "hold_timeout_s": 120.0},
         "swap": {"max_awake": 1, "min_awake_s": 0.0},
         "supervisor": {"log_dir": logs, "restart_backoff_s": 0.5, "boot_timeout_s": 300.0},
     }

@@ -12,9 +12,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import pytest
-from sidecar_harness import Api, Completion, complete, sidecar_over
+from sidecar_harness import Api, Completion, complete, post, sidecar_over
 
 from controller.launcher import EngineProcess
 
@@ -44,13 +43,13 @@ def server(engines: EngineLauncher, tiny_llama: Path) -> EngineProcess:
 
 @pytest.fixture(scope="module")
 def api(server: EngineProcess) -> Iterator[Api]:
-    with sidecar_over(NAME, server.base_url) as api:
+    with sidecar_over(NAME, server) as api:
         yield api
 
 
 @pytest.fixture(scope="module")
 def baseline(server: EngineProcess) -> Completion:
-    return complete(server.base_url, NAME)
+    return complete(server, NAME)
 
 
 @pytest.mark.parametrize("level", [1, 2])
@@ -70,7 +69,7 @@ def test_cycle_in_the_multiprocess_layout(
     assert woke.status_code == 200, woke.text
     assert woke.json()["state"] == "RUNNING"
     assert api.get("/health").status_code == 200
-    assert complete(server.base_url, NAME) == baseline
+    assert complete(server, NAME) == baseline
     # The worker is its own process here: its reports come back over vLLM's RPC queues.
     suspend = next(p for p in slept.json()["transition"]["phases"] if p["name"] == "suspend")
     assert [r["rank"] for r in suspend["ranks"]] == [0]
@@ -81,10 +80,11 @@ def test_cycle_in_the_multiprocess_layout(
 def test_sleep_during_a_wake_is_refused(api: Api, server: EngineProcess) -> None:
     """The wake is held open inside the ranks (a test seam), so the sleep surely lands in it."""
     assert api.sleep(NAME, 1).status_code == 200
-    held = httpx.post(
-        f"{server.base_url}/collective_rpc",
+    held = post(
+        server,
+        "/collective_rpc",
         json={"method": "hotswap_test_hold_next", "args": ["restore_and_verify", 2.0]},
-        timeout=30,
+        timeout_s=30,
     )
     assert held.status_code == 200, held.text
     accepted = api.wake(NAME, wait="false")

@@ -10,9 +10,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import pytest
-from sidecar_harness import Api, complete, sidecar_over
+from sidecar_harness import Api, complete, post, sidecar_over
 
 from controller.launcher import EngineProcess
 
@@ -43,14 +42,14 @@ def server(engines: EngineLauncher, tiny_llama: Path) -> EngineProcess:
 
 @pytest.fixture(scope="module")
 def api(server: EngineProcess) -> Iterator[Api]:
-    with sidecar_over(NAME, server.base_url, timeouts={"quiesce_s": QUIESCE_S}) as api:
+    with sidecar_over(NAME, server, timeouts={"quiesce_s": QUIESCE_S}) as api:
         yield api
 
 
 def test_level2_cycle_across_two_ranks(
     api: Api, server: EngineProcess, cycle_report: Callable[[str, dict[str, Any]], None]
 ) -> None:
-    before = complete(server.base_url, NAME)
+    before = complete(server, NAME)
     slept = api.sleep(NAME, 2)
     assert slept.status_code == 200, slept.text
     phases = {p["name"]: p for p in slept.json()["transition"]["phases"]}
@@ -65,7 +64,7 @@ def test_level2_cycle_across_two_ranks(
     )
     assert sorted(r["rank"] for r in verify["ranks"]) == [0, 1]
     assert all(r["mismatched"] == [] for r in verify["ranks"])
-    assert complete(server.base_url, NAME) == before
+    assert complete(server, NAME) == before
     cycle_report("tp2", slept.json()["transition"])
     cycle_report("tp2", woke.json()["transition"])
 
@@ -100,10 +99,11 @@ def test_a_rank_late_for_the_barrier_fails_the_sleep_naming_it(
 ) -> None:
     """Last in the module: a barrier timeout poisons the ranks' group for good."""
     assert api.state(NAME)["state"] == "RUNNING"
-    held = httpx.post(
-        f"{server.base_url}/collective_rpc",
+    held = post(
+        server,
+        "/collective_rpc",
         json={"method": "hotswap_test_delay_next_quiesce", "args": [1, QUIESCE_S + 3.0]},
-        timeout=30,
+        timeout_s=30,
     )
     assert held.status_code == 200, held.text
     slept = api.sleep(NAME, 1)
@@ -117,9 +117,7 @@ def test_a_rank_late_for_the_barrier_fails_the_sleep_naming_it(
     assert "[1]" in str(state["last_error"])
     assert api.get("/health").status_code == 503
     # The ranks answered (late rank included): nothing was suspended, no queue is out of step.
-    info = httpx.post(
-        f"{server.base_url}/collective_rpc", json={"method": "hotswap_info"}, timeout=30
-    )
+    info = post(server, "/collective_rpc", json={"method": "hotswap_info"}, timeout_s=30)
     assert info.status_code == 200, info.text
     ranks = info.json()["results"]
     assert [r["suspended"] for r in ranks] == [{}, {}]

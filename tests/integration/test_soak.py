@@ -1,0 +1,433 @@
+"""The soak: many swap cycles of two managed models through the gateway, black-box.
+
+`hotswap serve` runs as its own process on a models file (two tiny managed models, one
+awake at a time), as a pod runs it. Each cycle sends a burst of concurrent clients
+(streaming and not) for one model and one for the other, so the gateway swaps under
+contention; every `kill_every` cycles one engine is SIGKILLed between bursts. The oracle,
+for every single HTTP answer: 200 with exactly that model's greedy output (as it answered
+at the start, from an engine verified at boot), or 429/503 with `Retry-After` (a client then
+retries after it). Nothing lost (a transport error, another status, a broken stream), nothing
+hung past its timeout, no verification failure, the gateway's own count of 200s equal to the
+clients'. The sidecar's RSS and each awake engine's RSS are sampled every cycle and must stay
+flat (within 10%).
+
+CI runs a bounded form (HOTSWAP_SOAK_CYCLES, default 20, an engine killed at cycle 10);
+`scripts/dev.sh soak` runs the full one (100 cycles, an engine killed every 20) and prints
+the figures docs/reliability.md quotes (also written as JSON to HOTSWAP_SOAK_REPORT if set).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from controller.launcher import EngineSpec, managed_argv
+
+pytestmark = pytest.mark.vllm
+
+A, B = "tiny-a", "tiny-b"
+MODELS = (A, B)
+CYCLES = int(os.environ.get("HOTSWAP_SOAK_CYCLES", "20"))
+KILL_EVERY = int(os.environ.get("HOTSWAP_SOAK_KILL_EVERY", str(max(1, min(20, CYCLES // 2)))))
+CLIENTS = 4  # per cycle for the cycle's model, half of them streaming; plus one for the other
+PROMPTS = ("hello world, this is", "the quick brown fox", "once upon a time")
+MAX_TOKENS = 8
+REQUEST_TIMEOUT_S = 200.0  # one HTTP attempt: hold_timeout_s (120) plus generation, generous
+REQUEST_DEADLINE_S = 400.0  # one logical request, retries included (an engine restart inside)
+RSS_TOLERANCE = 0.10
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    return raw[raw.rfind(b")") + 2 :].decode().split()
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (st := _stat(int(entry))) is not None and int(st[1]) == pid:
+            out.append(int(entry))
+    return out
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def alive(pid: int) -> bool:
+    st = _stat(pid)
+    return st is not None and st[0] != "Z"
+
+
+class Sidecar:
+    """`python -m controller serve --config FILE` with its control API and gateway on ports
+    they bind themselves (read back from its log)."""
+
+    def __init__(self, config: Path, log_path: Path) -> None:
+        self.log_path = log_path
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HOTSWAP_")}
+        with log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "controller", "serve", "--config", str(config)],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        self.control = ""
+        self.gateway = ""
+
+    def log_tail(self, lines: int = 60) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_up(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"hotswap serve exited {self.proc.returncode}:\n{self.log_tail()}")
+            ports = re.findall(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", self.log_tail(400))
+            if len(ports) == 2:
+                for port in ports:
+                    url = f"http://127.0.0.1:{port}"
+                    try:
+                        livez = httpx.get(f"{url}/livez", timeout=5).status_code == 200
+                    except httpx.HTTPError:
+                        break
+                    if livez:
+                        self.control = url
+                    else:
+                        self.gateway = url
+                if self.control and self.gateway:
+                    return
+            time.sleep(0.2)
+        pytest.fail(f"hotswap serve did not come up in {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def models(self) -> dict[str, dict[str, Any]]:
+        body = httpx.get(f"{self.control}/models", timeout=10).json()
+        return {m["name"]: m for m in body["models"]}
+
+    def wait_booted(self, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"hotswap serve exited {self.proc.returncode}:\n{self.log_tail()}")
+            states = {m["state"] for m in self.models().values()}
+            if states <= {"RUNNING", "SUSPENDED"} and "SUSPENDED" in states:
+                return
+            time.sleep(0.5)
+        pytest.fail(f"the engines did not boot in {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def engine_pid(self, name: str) -> int | None:
+        """The engine (API server) under the keeper the sidecar started for `name`."""
+        for keeper in children(self.proc.pid):
+            argv = cmdline(keeper)
+            if "controller.reaper" in argv and name in argv:
+                kids = children(keeper)
+                return kids[0] if kids else None
+        return None
+
+    def metric(self, name: str, **labels: str) -> float:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"{self.control}/metrics", timeout=10).text
+        total = 0.0
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    total += s.value
+        return total
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+# ----------------------------------------------------------------------------- clients
+
+
+@dataclass
+class Tally:
+    """Every HTTP answer the clients got, by outcome; a lock: clients run on threads."""
+
+    outcomes: Counter[str] = field(default_factory=Counter)
+    problems: list[str] = field(default_factory=list)
+    served: int = 0  # logical requests answered 200 with the right output in the end
+    latencies: list[float] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, outcome: str, problem: str | None = None) -> None:
+        with self.lock:
+            self.outcomes[outcome] += 1
+            if problem is not None:
+                self.problems.append(problem)
+
+
+def _body(model: str, prompt: str, stream: bool) -> dict[str, Any]:
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+def attempt(client: httpx.Client, model: str, prompt: str, stream: bool) -> tuple[int, str, str]:
+    """One HTTP attempt: (status, the generated text or the error body, Retry-After)."""
+    body = _body(model, prompt, stream)
+    if not stream:
+        r = client.post("/v1/completions", json=body)
+        text = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
+        return r.status_code, text, r.headers.get("retry-after", "")
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            r.read()
+            return r.status_code, r.text, r.headers.get("retry-after", "")
+        parts, done = [], False
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                done = True
+                break
+            parts.append(json.loads(data)["choices"][0]["text"])
+        if not done:
+            raise httpx.RemoteProtocolError("the stream ended without [DONE]")
+        return 200, "".join(parts), ""
+
+
+def request(
+    gateway: str, model: str, prompt: str, stream: bool, want: str | None, tally: Tally
+) -> str | None:
+    """One logical request, retried after each 429/503 as its Retry-After says, until it is
+    answered or its deadline passes. Returns the text it got (for the references)."""
+    what = f"{model} stream={stream} {prompt!r}"
+    t0 = time.monotonic()
+    with httpx.Client(base_url=gateway, timeout=REQUEST_TIMEOUT_S) as client:
+        while time.monotonic() - t0 < REQUEST_DEADLINE_S:
+            started = time.monotonic()
+            try:
+                status, text, retry_after = attempt(client, model, prompt, stream)
+            except httpx.TimeoutException as exc:
+                tally.add("hung", f"{what}: no answer within {REQUEST_TIMEOUT_S:g} s: {exc}")
+                return None
+            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                tally.add("lost", f"{what}: {type(exc).__name__}: {exc}")
+                return None
+            if status == 200:
+                if want is not None and text != want:
+                    tally.add("wrong", f"{what}: got {text!r}, want {want!r}")
+                    return None
+                tally.add("ok")
+                with tally.lock:
+                    tally.served += 1
+                    tally.latencies.append(time.monotonic() - t0)
+                return text
+            if status in (429, 503):
+                if not retry_after.isdigit():
+                    tally.add("no_retry_after", f"{what}: {status} without Retry-After: {text}")
+                    return None
+                tally.add(f"refused_{status}")
+                time.sleep(min(float(retry_after), 2.0) + 0.05 * (started % 1))
+                continue
+            tally.add("other", f"{what}: HTTP {status}: {text[:300]}")
+            return None
+    tally.add("lost", f"{what}: not answered within {REQUEST_DEADLINE_S:g} s of retries")
+    return None
+
+
+# ----------------------------------------------------------------------------- the soak
+
+
+@pytest.fixture(scope="module")
+def sidecar(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
+    work = tmp_path_factory.mktemp("soak")
+    models = []
+    for seed, name in enumerate(MODELS):
+        spec = EngineSpec(
+            model=tiny_model("llama", seed, True), uds=Path(), served_model_name=name, uni=True
+        )
+        models.append(
+            {
+                "name": name,
+                "command": managed_argv(spec),
+                "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+                "served_model_name": name,
+            }
+        )
+    config = {
+        "server": {"host": "127.0.0.1", "port": 0},
+        "gateway": {
+            "port": 0,
+            "queue_size": 32,
+            "hold_timeout_s": 120.0,
+            "retry_after_s": 1,
+        },
+        "swap": {"max_awake": 1, "min_awake_s": 0.0},
+        "supervisor": {
+            "log_dir": str(work / "engines"),
+            "restart_backoff_s": 0.5,
+            "boot_timeout_s": 300.0,
+            "stop_grace_s": 5.0,
+        },
+        "log": {"format": "text", "level": "INFO"},
+        "models": models,
+    }
+    path = work / "models.yaml"
+    path.write_text(yaml.safe_dump(config))
+    side = Sidecar(path, work / "sidecar.log")
+    try:
+        side.wait_up()
+        side.wait_booted()
+        yield side
+    finally:
+        engines = [p for m in MODELS if (p := side.engine_pid(m)) is not None]
+        keepers = children(side.proc.pid)
+        side.stop()
+        # The engines went with the sidecar, keepers included.
+        deadline = time.monotonic() + 30
+        while any(alive(p) for p in engines + keepers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in engines + keepers if alive(p)], "engines outlived the sidecar"
+
+
+def test_soak_swaps_under_load_with_engines_killed(sidecar: Sidecar) -> None:
+    tally = Tally()
+    t_start = time.monotonic()
+    # References: each model's greedy output for each prompt, from engines verified at boot.
+    refs: dict[tuple[str, str, bool], str] = {}
+    for model in MODELS:
+        for prompt in PROMPTS:
+            for stream in (False, True):
+                got = request(sidecar.gateway, model, prompt, stream, None, tally)
+                assert got is not None, tally.problems
+                refs[(model, prompt, stream)] = got
+    for prompt in PROMPTS:
+        assert refs[(A, prompt, False)] != refs[(B, prompt, False)], "the models must differ"
+
+    swaps_before = sidecar.metric("hotswap_swaps_total", result="ok")
+    sidecar_rss: list[int] = []
+    engine_rss: dict[str, list[int]] = {m: [] for m in MODELS}
+    kills: list[tuple[int, str, float]] = []
+    restarts_before = sidecar.metric("hotswap_engine_restarts_total")
+    with ThreadPoolExecutor(max_workers=CLIENTS + 1) as pool:
+        for cycle in range(CYCLES):
+            if cycle and cycle % KILL_EVERY == 0:
+                victim = MODELS[(cycle // KILL_EVERY) % 2]
+                pid = sidecar.engine_pid(victim)
+                assert pid is not None, f"no engine for {victim}:\n{sidecar.log_tail()}"
+                os.kill(pid, signal.SIGKILL)
+                kills.append((cycle, victim, time.monotonic() - t_start))
+            target, other = MODELS[cycle % 2], MODELS[(cycle + 1) % 2]
+            jobs = [
+                (target, PROMPTS[(cycle + i) % len(PROMPTS)], i % 2 == 1) for i in range(CLIENTS)
+            ]
+            jobs.append((other, PROMPTS[cycle % len(PROMPTS)], cycle % 2 == 0))
+            futures = [
+                pool.submit(request, sidecar.gateway, m, p, s, refs[(m, p, s)], tally)
+                for m, p, s in jobs
+            ]
+            for f in futures:
+                f.result()
+            sidecar_rss.append(rss_bytes(sidecar.proc.pid))
+            for m, state in ((m, d["state"]) for m, d in sidecar.models().items()):
+                pid = sidecar.engine_pid(m)
+                if state == "RUNNING" and pid is not None:
+                    engine_rss[m].append(rss_bytes(pid))
+    elapsed = time.monotonic() - t_start
+    swaps = sidecar.metric("hotswap_swaps_total", result="ok") - swaps_before
+    restarts = sidecar.metric("hotswap_engine_restarts_total") - restarts_before
+    gateway_ok = sidecar.metric("hotswap_gateway_requests_total", code="200")
+    verify_failures = sidecar.metric("hotswap_verification_failures_total")
+
+    def drift(samples: list[int]) -> float:
+        steady = samples[len(samples) // 5 :] or samples  # after the first fifth (warm-up)
+        return (max(steady) - min(steady)) / min(steady) if steady and min(steady) else 0.0
+
+    report = {
+        "cycles": CYCLES,
+        "kill_every": KILL_EVERY,
+        "kills": kills,
+        "swaps_ok": swaps,
+        "engine_restarts": restarts,
+        "elapsed_s": round(elapsed, 1),
+        "outcomes": dict(tally.outcomes),
+        "logical_requests_served": tally.served,
+        "latency_s": {
+            "p50": round(statistics.median(tally.latencies), 3),
+            "max": round(max(tally.latencies), 3),
+        },
+        "gateway_200": gateway_ok,
+        "verification_failures": verify_failures,
+        "sidecar_rss_mib": [round(min(sidecar_rss) / 2**20, 1), round(max(sidecar_rss) / 2**20, 1)],
+        "sidecar_rss_drift": round(drift(sidecar_rss), 3),
+        "engine_rss_mib": {
+            m: [round(min(v) / 2**20, 1), round(max(v) / 2**20, 1)]
+            for m, v in engine_rss.items()
+            if v
+        },
+        "engine_rss_drift": {m: round(drift(v), 3) for m, v in engine_rss.items() if v},
+        "problems": tally.problems[:20],
+    }
+    print("\nsoak:", json.dumps(report, indent=1))
+    if out := os.environ.get("HOTSWAP_SOAK_REPORT"):
+        Path(out).write_text(json.dumps(report, indent=1) + "\n")
+
+    bad = {k: n for k, n in tally.outcomes.items() if not (k == "ok" or k.startswith("refused_"))}
+    assert not bad, report
+    assert tally.served == len(refs) + CYCLES * (CLIENTS + 1), report
+    assert gateway_ok == tally.outcomes["ok"], report  # the gateway answered nobody else
+    assert verify_failures == 0, report
+    assert swaps >= CYCLES, report  # every cycle swapped at least once
+    assert restarts == len(kills), report
+    assert report["sidecar_rss_drift"] <= RSS_TOLERANCE, report
+    for m, d in report["engine_rss_drift"].items():
+        assert d <= RSS_TOLERANCE, (m, report)
