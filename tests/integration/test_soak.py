@@ -9,7 +9,7 @@ at the start, from an engine verified at boot), or 429/503 with `Retry-After` (a
 retries after it). Nothing lost (a transport error, another status, a broken stream), nothing
 hung past its timeout, no verification failure, the gateway's own count of 200s equal to the
 clients'. The sidecar's RSS and each awake engine's RSS are sampled every cycle and must stay
-flat (within 10%).
+flat (within 10%). At the end the sidecar is SIGKILLed: no engine process may outlive it.
 
 CI runs a bounded form (HOTSWAP_SOAK_CYCLES, default 20, an engine killed at cycle 10);
 `scripts/dev.sh soak` runs the full one (100 cycles, an engine killed every 20) and prints
@@ -71,6 +71,13 @@ def children(pid: int) -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit() and (st := _stat(int(entry))) is not None and int(st[1]) == pid:
             out.append(int(entry))
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    out = []
+    for child in children(pid):
+        out += [child, *descendants(child)]
     return out
 
 
@@ -176,16 +183,6 @@ class Sidecar:
                 if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                     total += s.value
         return total
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
 
 
 # ----------------------------------------------------------------------------- clients
@@ -329,14 +326,19 @@ def sidecar(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         side.wait_booted()
         yield side
     finally:
-        engines = [p for m in MODELS if (p := side.engine_pid(m)) is not None]
+        # The end of the soak is a SIGKILL of the sidecar: no engine, keeper or engine child
+        # may outlive it (the keepers' parent-death signal ends their process groups).
         keepers = children(side.proc.pid)
-        side.stop()
-        # The engines went with the sidecar, keepers included.
+        groups = {k: [k, *descendants(k)] for k in keepers}
+        side.proc.kill()
+        side.proc.wait(10)
+        everything = [p for ps in groups.values() for p in ps]
         deadline = time.monotonic() + 30
-        while any(alive(p) for p in engines + keepers) and time.monotonic() < deadline:
+        while any(alive(p) for p in everything) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not [p for p in engines + keepers if alive(p)], "engines outlived the sidecar"
+        left = [(p, cmdline(p)[:4]) for p in everything if alive(p)]
+        assert keepers, "the sidecar had no engines to leave behind"
+        assert not left, f"outlived the SIGKILLed sidecar: {left}"
 
 
 def test_soak_swaps_under_load_with_engines_killed(sidecar: Sidecar) -> None:
