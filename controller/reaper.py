@@ -107,6 +107,8 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, on_term)
     die_with_parent(signal.SIGTERM, parent)
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    if stop:
+        return 128 + signal.SIGTERM  # the sidecar was gone before the engine started
     me = os.getpid()
     # No threads here, so preexec_fn is safe: the engine dies if the keeper is killed outright.
     engine = subprocess.Popen(command, preexec_fn=lambda: die_with_parent(signal.SIGKILL, me))
