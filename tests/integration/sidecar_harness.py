@@ -270,10 +270,17 @@ class Completion:
 PROMPT = "the quick brown fox"
 
 
-def http(target: str | EngineProcess, timeout_s: float = 120.0) -> httpx.Client:
-    """A client of a URL (the sidecar, the gateway) or of an engine on its Unix socket."""
+Target = str | EngineProcess | ModelSettings
+
+
+def http(target: Target, timeout_s: float = 120.0) -> httpx.Client:
+    """A client of a URL (the sidecar, the gateway) or of an engine (a process or a model's
+    settings), on its Unix socket when it has one."""
     if isinstance(target, EngineProcess):
         return target.client(timeout=timeout_s)
+    if isinstance(target, ModelSettings):
+        transport = httpx.HTTPTransport(uds=target.uds) if target.uds else None
+        return httpx.Client(base_url=target.url, transport=transport, timeout=timeout_s)
     return httpx.Client(base_url=target, timeout=timeout_s)
 
 
@@ -286,7 +293,7 @@ def post(
 
 
 def complete(
-    target: str | EngineProcess,
+    target: Target,
     model: str,
     prompt: str = PROMPT,
     max_tokens: int = 8,

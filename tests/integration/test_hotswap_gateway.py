@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from sidecar_harness import Api, SidecarThread, attached
+from sidecar_harness import Api, SidecarThread, attached, post
 
 from controller.launcher import EngineSpec, managed_argv
 from controller.settings import ModelSettings
@@ -110,8 +110,8 @@ def reference(sidecar: SidecarThread) -> dict[str, str]:
     for name in (A, B):
         r = httpx.post(f"{sidecar.base_url}/models/{name}/wake", headers=AUTH, timeout=180)
         assert r.status_code == 200, r.text
-        url = next(m.url for m in sidecar.models if m.name == name)
-        direct = httpx.post(f"{url}/v1/completions", json=_body(name), timeout=60)
+        engine = next(m for m in sidecar.models if m.name == name)  # on its Unix socket
+        direct = post(engine, "/v1/completions", json=_body(name), timeout_s=60)
         out[name] = _text(direct, stream=False)
     assert out[A] != out[B], "the two models must answer differently for this test to mean much"
     return out

@@ -20,6 +20,7 @@ import pytest
 from sidecar_harness import Api, Completion, HealthPoller, SidecarThread, complete
 
 from controller.launcher import demo_engines
+from controller.settings import ModelSettings
 
 pytestmark = pytest.mark.vllm
 
@@ -44,11 +45,11 @@ def api(sidecar: SidecarThread) -> Api:
 @pytest.fixture(scope="module")
 def baseline(sidecar: SidecarThread) -> dict[str, Completion]:
     """Greedy outputs of both models before anything slept."""
-    return {m.name: complete(m.url, m.name) for m in sidecar.models}
+    return {m.name: complete(m, m.name) for m in sidecar.models}
 
 
-def _url(sidecar: SidecarThread, name: str) -> str:
-    return sidecar.model(name).url
+def _url(sidecar: SidecarThread, name: str) -> ModelSettings:
+    return sidecar.model(name)  # the engine, on its Unix socket
 
 
 def _ensure_running(api: Api, name: str) -> None:
