@@ -316,7 +316,7 @@ def test_an_engine_that_does_not_answer_is_503_with_retry_after() -> None:
                 w.sample("hotswap_gateway_refused_total", model="a", reason="engine_unavailable")
                 == 1
             )
-            assert w.coordinator.traffic.in_flight("a") == 0
+            assert w.manager.fleet["a"].lane.in_flight == 0
 
     run(body)
 
