@@ -332,3 +332,18 @@ def test_engines_inherit_no_sidecar_secret() -> None:
         "HOTSWAP_VERIFY_KERNEL": "off",
     }
     assert env["PATH"] == "/usr/bin"
+
+
+def test_a_port_is_for_benchmarks_and_the_sidecar_process_only(tmp_path: Path) -> None:
+    """TCP stays for what the benchmarks launch on a device of their own (an engine, the
+    sidecar process itself); a managed model never gets it (its settings refuse a port)."""
+    spec = EngineSpec.from_command("sidecar", ["hotswap", "serve"], 8800, {})
+    assert spec.command == ("hotswap", "serve", "--host", "127.0.0.1", "--port", "8800")
+    assert spec.base_url == "http://127.0.0.1:8800"
+    argv = EngineSpec(model=Path("/m"), port=8001, served_model_name="m").argv()
+    assert argv[argv.index("--port") + 1] == "8001"
+    assert "--uds" not in argv
+    with pytest.raises(ValueError, match="exactly one"):
+        EngineSpec(model=Path("/m"), served_model_name="m")
+    with pytest.raises(ValueError, match="exactly one"):
+        EngineSpec(model=Path("/m"), served_model_name="m", uds=tmp_path / "s", port=1)
