@@ -63,8 +63,10 @@ def fuzz_settings(token: str | None) -> Settings:
 ENGINE_INPUT = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
 
 
-def engine_accepts(value: Any) -> bool:
+def engine_accepts(value: Any, path: str = "/v1/completions") -> bool:
     """The prompt (text, texts, token ids) or messages (objects) as vLLM takes them."""
+    if path == "/v1/chat/completions":
+        return isinstance(value, list) and all(isinstance(v, dict) for v in value)
     if isinstance(value, str):
         return True
     if not isinstance(value, list):
@@ -84,7 +86,7 @@ class WireRouter(Router):
         if path in ENGINE_INPUT:
             # What the fakes do not model, vLLM refuses: 400 with an OpenAI error body.
             body = json.loads(request.content)
-            if not engine_accepts(body.get(ENGINE_INPUT[path])):
+            if not engine_accepts(body.get(ENGINE_INPUT[path]), path):
                 error = {"message": "bad request", "type": "BadRequestError", "param": None}
                 refused = httpx.Response(400, json={"error": {**error, "code": 400}})
                 return httpx.Response(
