@@ -30,13 +30,20 @@ IN_FLIGHT = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 ENDED = ("RUNNING", "SUSPENDED", "FAILED")
 
 
+def engine_http(url: str, timeout_s: float = 60.0) -> httpx.Client:
+    """A client of an engine at `url`: `unix:PATH` (its Unix socket) or an http URL."""
+    if url.startswith("unix:"):
+        transport = httpx.HTTPTransport(uds=url.removeprefix("unix:"))
+        return httpx.Client(base_url="http://engine", transport=transport, timeout=timeout_s)
+    return httpx.Client(base_url=url, timeout=timeout_s)
+
+
 def rpc(base_url: str, method: str, *args: Any, timeout_s: float = 60.0) -> list[dict[str, Any]]:
     """One collective_rpc straight to the engine (only while no sidecar sends to it)."""
-    r = httpx.post(
-        f"{base_url}/collective_rpc",
-        json={"method": method, "args": list(args), "kwargs": {}},
-        timeout=timeout_s,
-    )
+    with engine_http(base_url, timeout_s) as client:
+        r = client.post(
+            "/collective_rpc", json={"method": method, "args": list(args), "kwargs": {}}
+        )
     r.raise_for_status()
     results: list[dict[str, Any]] = r.json()["results"]
     assert all(x.get("ok") for x in results), results
@@ -230,7 +237,8 @@ class Watcher:
 
     def _loop(self, poll: Any) -> None:
         deadline = time.monotonic() + self.max_s
-        with httpx.Client(timeout=5.0) as client:
+        engine = poll == self._engine_once
+        with engine_http(self.engine_url, 5.0) if engine else httpx.Client(timeout=5.0) as client:
             while not self._stop.is_set() and time.monotonic() < deadline:
                 sent = time.monotonic()
                 value = poll(client)
@@ -256,8 +264,8 @@ class Watcher:
 
     def _engine_once(self, client: httpx.Client) -> tuple[bool, int] | None:
         try:
-            paused = bool(client.get(f"{self.engine_url}/is_paused").json()["is_paused"])
-            text = client.get(f"{self.engine_url}/metrics").text
+            paused = bool(client.get("/is_paused").json()["is_paused"])  # on its socket
+            text = client.get("/metrics").text
         except (httpx.HTTPError, ValueError, KeyError):
             return None
         busy = 0.0
@@ -362,7 +370,8 @@ def completion_body(model: str, max_tokens: int = 6) -> dict[str, Any]:
 
 
 def greedy(url: str, model: str, timeout_s: float = 120.0) -> tuple[int, ...]:
-    r = httpx.post(f"{url}/v1/completions", json=completion_body(model), timeout=timeout_s)
+    with engine_http(url, timeout_s) as client:
+        r = client.post("/v1/completions", json=completion_body(model))
     r.raise_for_status()
     return tuple(r.json()["choices"][0]["token_ids"])
 

@@ -2,7 +2,7 @@
 sleep and of a wake, then started again; the engine SIGKILLed in a transition and at rest,
 then started again behind the sidecar's back; an RPC that hangs past its timeout (the
 engine SIGSTOPped). One engine serves every case it survives; a case that needs a new one
-starts it on the same port, as an operator's restart would.
+starts it on the same socket, as an operator's restart would.
 
 The oracle of every case: the model ends RUNNING and verified, SUSPENDED, or FAILED with a
 reason; the sidecar's readiness never said 200 while the engine was paused (polled every
@@ -32,6 +32,7 @@ from fault_harness import (
     SidecarProcess,
     Watcher,
     completion_body,
+    engine_http,
     greedy,
     hold_next,
     phase_of,
@@ -127,7 +128,7 @@ def _params(cases: list[Case]) -> list[Any]:
 
 
 class Engine:
-    """The one engine of the module; `restart()` starts a new process on the same port."""
+    """The one engine of the module; `restart()` starts a new process on the same socket."""
 
     def __init__(self, engines: EngineLauncher, proc: EngineProcess) -> None:
         self.engines = engines
@@ -136,7 +137,7 @@ class Engine:
 
     @property
     def url(self) -> str:
-        return self.proc.base_url
+        return f"unix:{self.proc.uds}"  # as `--engine NAME=unix:PATH` and engine_http take it
 
     def kill(self) -> None:
         self.proc.kill()
@@ -161,7 +162,8 @@ class Engine:
         return rpc(self.url, "hotswap_info")
 
     def paused(self) -> bool:
-        return bool(httpx.get(f"{self.url}/is_paused", timeout=10).json()["is_paused"])
+        with engine_http(self.url, 10) as client:
+            return bool(client.get("/is_paused").json()["is_paused"])
 
 
 @pytest.fixture(scope="module")
@@ -280,7 +282,10 @@ def _long_request(url: str) -> threading.Thread:
 
     def run() -> None:
         body = {**completion_body(NAME, max_tokens=240), "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+        with (
+            engine_http(url, 300) as client,
+            client.stream("POST", "/v1/completions", json=body) as r,
+        ):
             for _ in r.iter_lines():
                 running.set()
         running.set()
@@ -332,7 +337,7 @@ def test_engine_sigkill_in_a_transition(
         assert body["state"] == "FAILED", body
         assert body["last_error"], body
         t0 = time.monotonic()
-        eng.restart()  # an operator's restart, on the same port, behind the sidecar's back
+        eng.restart()  # an operator's restart, on the same socket, behind the sidecar's back
     assert watch.violations() == []
     # Never ready from the kill until the new process answered (a boot takes tens of s).
     assert not [h for h in watch.health if h.value == 200 and h.received < t0 + 5.0]

@@ -75,11 +75,12 @@ def test_one_rank_failing_fails_the_sleep_naming_it_and_reconciliation_resumes_t
     """Rank 1 refuses its prepare (before touching memory): the sleep answers 502 naming
     rank 1; reconciliation after the failed step finds every rank awake and verified with the
     engine paused, resumes it, and the model serves again, verified."""
-    before = complete(server.base_url, NAME)
-    armed = httpx.post(
-        f"{server.base_url}/collective_rpc",
+    before = complete(server, NAME)
+    armed = post(
+        server,
+        "/collective_rpc",
         json={"method": "hotswap_test_fail_next_on", "args": [1, "prepare"]},
-        timeout=30,
+        timeout_s=30,
     )
     assert armed.status_code == 200, armed.text
     slept = api.sleep(NAME, 1)
@@ -91,7 +92,7 @@ def test_one_rank_failing_fails_the_sleep_naming_it_and_reconciliation_resumes_t
     state = api.wait_state(NAME, "RUNNING", timeout_s=60)
     assert state["verified"] is True
     assert api.get("/health").status_code == 200
-    assert complete(server.base_url, NAME) == before
+    assert complete(server, NAME) == before
 
 
 def test_a_rank_late_for_the_barrier_fails_the_sleep_naming_it(
