@@ -142,7 +142,8 @@ def test_wait_ready_takes_only_its_own_process_for_the_engine(folder: Path, tmp_
 
     def impostor() -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(
-            [sys.executable, "-c", FAKE_ENGINE, str(spec.uds), str(folder / "impostor.pids")]
+            [sys.executable, "-c", FAKE_ENGINE, str(spec.uds), str(folder / "impostor.pids")],
+            start_new_session=True,  # its forked child goes with it (killpg below)
         )
         deadline = time.monotonic() + 10
         while not spec.uds.exists() and time.monotonic() < deadline:
@@ -169,7 +170,7 @@ def test_wait_ready_takes_only_its_own_process_for_the_engine(folder: Path, tmp_
     finally:
         quiet.stop(grace_s=2.0)
         for p in (first, second):
-            p.kill()
+            os.killpg(p.pid, signal.SIGKILL)
             p.wait()
     engine = EngineProcess(spec, tmp_path / "m.log")
     engine.start()
@@ -285,7 +286,8 @@ def test_a_server_already_on_the_socket_cannot_keep_the_engine_from_binding(
     start after start."""
     spec = fake_spec(folder)
     squatter = subprocess.Popen(
-        [sys.executable, "-c", FAKE_ENGINE, str(spec.uds), str(folder / "squatter.pids")]
+        [sys.executable, "-c", FAKE_ENGINE, str(spec.uds), str(folder / "squatter.pids")],
+        start_new_session=True,  # its forked child goes with it (killpg below)
     )
     try:
         deadline = time.monotonic() + 10
@@ -303,7 +305,7 @@ def test_a_server_already_on_the_socket_cannot_keep_the_engine_from_binding(
                 engine.stop(grace_s=2.0)
         assert squatter.poll() is None  # still alive, just unreachable
     finally:
-        squatter.kill()
+        os.killpg(squatter.pid, signal.SIGKILL)
         squatter.wait()
 
 
