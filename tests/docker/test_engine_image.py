@@ -103,7 +103,11 @@ def _wait_booted(demo: Demo) -> None:
 def _engine_processes(box: imagetools.Container) -> int:
     """vLLM API servers alive in the container (no ps in a slim image: /proc)."""
     script = "for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' <\"$f\"; echo; done"
-    found = box.exec("sh", "-c", f"{script} | grep -c '[v]llm.entrypoints.openai'")
+    found = box.exec(
+        "sh",
+        "-c",
+        f"{script} | grep -v '[c]ontroller.reaper' | grep -c '[v]llm.entrypoints.openai'",
+    )
     return int(found.stdout.strip() or 0)
 
 
