@@ -87,14 +87,14 @@ def llama8b_weight_sizes(target: float) -> list[int]:
 
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
-        from worker_ext.cumem import HostBuffer, _CudaRT
+        from worker_ext.cudart import CudaRT, HostBuffer
 
         torch.cuda.init()
         torch.zeros(1, device="cuda")
         self.drv = Driver(0, rdma=args.rdma, exportable=False)
         self.w = Pool(self.drv, llama8b_weight_sizes(args.weights_gb * GB))
         self.kv = Pool(self.drv, [int(args.kv_gb * GB / 34)] * 34)
-        self.cudart = _CudaRT()
+        self.cudart = CudaRT()
         self.host = HostBuffer(self.w.nbytes, self.cudart, 0)
         self.pin_s = self.host.pin(4)
         self.streams = [torch.cuda.Stream() for _ in range(4)]

@@ -76,6 +76,13 @@ class Direct:
     def call(self, fn: Any) -> Any:
         return self.llm.collective_rpc(lambda w: fn(self._b(w)))[0]
 
+    def use_env(self) -> None:
+        """The backend reads its settings once: hand it the environment just changed."""
+        from worker_ext.settings import WorkerSettings
+
+        s = WorkerSettings.from_env()
+        self.call(lambda b: setattr(b, "settings", s))
+
     def warm(self) -> dict[str, Any]:
         return self.call(lambda b: b.warm_host(wait=True))  # type: ignore[no-any-return]
 
@@ -125,6 +132,13 @@ class ViaExtension:
 
     def pools(self) -> dict[str, int]:
         return self.rpc("hotswap_info")["pools"]  # type: ignore[no-any-return]
+
+    def use_env(self) -> None:
+        """The extension reads its settings once: hand it the environment just changed."""
+        from worker_ext.settings import WorkerSettings
+
+        s = WorkerSettings.from_env()
+        self.llm.collective_rpc(lambda w: w.worker._hotswap_state().use_settings(s))
 
     def sleep(self, prepare_level: int = 1) -> tuple[dict[str, Any], float]:
         """controller.protocol's level-1 sleep steps; each report and its seconds.
@@ -385,10 +399,11 @@ def main() -> int:
         for a in asleeps
     ]
     for mode, impl, vk, asleep, protect, plevel in variants:
-        os.environ["HOTSWAP_RESUME_KV"] = mode  # in-process worker: read at every resume
-        os.environ.update(map_env(impl))  # read at every resume
-        os.environ["HOTSWAP_VERIFY_KERNEL"] = vk  # read when prepare builds the plan
-        os.environ["HOTSWAP_PROTECT"] = protect  # read at every prepare
+        os.environ["HOTSWAP_RESUME_KV"] = mode  # in-process worker
+        os.environ.update(map_env(impl))
+        os.environ["HOTSWAP_VERIFY_KERNEL"] = vk
+        os.environ["HOTSWAP_PROTECT"] = protect
+        drv.use_env()  # the worker reads its settings once: hand it these
         for _ in range(args.cycles):
             s, ts = drv.sleep(plevel) if plevel != 1 else drv.sleep()
             r_asleep = rss()

@@ -39,190 +39,20 @@ so that the first sleep's prepare does not pay the compile.
 from __future__ import annotations
 
 import bisect
-import ctypes
 import logging
-import os
 import threading
 import time
 from typing import Any
 
 from worker_ext import fpkernel
+from worker_ext.cudart import CHUNK_BYTES, CudaRT, HostBuffer
 from worker_ext.cudriver import Driver
-from worker_ext.fingerprint import kernel_mode
 from worker_ext.pools import ALL_TAGS, DISCARDED, KV_CACHE, OFFLOADED, UNPOOLED, WEIGHTS, policy
+from worker_ext.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 64 << 20  # one cudaMemcpyAsync; large enough to run at link speed
-REGISTER_BYTES = 4 * CHUNK_BYTES  # one cudaHostRegister: short enough not to stall serving
 N_STREAMS = 2
-_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the unified address space
-_HOST_REGISTER_PORTABLE = 1  # pinned for every context, whichever thread registered it
-_PROT_RW = 0x1 | 0x2
-_MAP_PRIVATE_ANON = 0x02 | 0x20
-_MADV_HUGEPAGE = 14
-
-
-def _env(name: str, default: str) -> str:
-    return os.environ.get(name, default).strip().lower()
-
-
-def keep_host_backup() -> bool:
-    """HOTSWAP_KEEP_HOST_BACKUP (default 1): keep the pinned buffer after a wake."""
-    return _env("HOTSWAP_KEEP_HOST_BACKUP", "1") not in ("0", "false", "no")
-
-
-def pin_mode() -> str:
-    """HOTSWAP_PIN_HOST_BACKUP: `early` (background, when the backend is made) or `lazy`
-    (at the first level-1 suspend). Default: early, or lazy when the buffer is not kept."""
-    default = "early" if keep_host_backup() else "lazy"
-    mode = _env("HOTSWAP_PIN_HOST_BACKUP", default)
-    return mode if mode in ("early", "lazy") else default
-
-
-def kv_map_mode() -> str:
-    """HOTSWAP_RESUME_KV: `wait` (default: a resume waits for the weights copies still in
-    flight before mapping the KV pool) or `overlap` (a resume that copies nothing, the KV
-    pool's, maps while the weights' DMA queued before it runs)."""
-    mode = _env("HOTSWAP_RESUME_KV", "wait")
-    return mode if mode in ("wait", "overlap") else "wait"
-
-
-def map_impl() -> str:
-    """HOTSWAP_MAP_IMPL: how a resume maps a record: `driver` (default: cuMemCreate,
-    cuMemMap, cuMemSetAccess through ctypes, each timed: worker_ext/cudriver.py) or `vllm`
-    (vLLM's create_and_map, which also asks for fabric-exportable memory)."""
-    mode = _env("HOTSWAP_MAP_IMPL", "driver")
-    return mode if mode in ("vllm", "driver") else "driver"
-
-
-def map_handles() -> str:
-    """HOTSWAP_MAP_HANDLES, for the `driver` map: `vllm` (default: the exportable handle
-    types vLLM's allocator asks for, fabric else a POSIX fd) or `none` (not exportable)."""
-    mode = _env("HOTSWAP_MAP_HANDLES", "vllm")
-    return mode if mode in ("vllm", "none") else "vllm"
-
-
-def pin_threads() -> int:
-    """HOTSWAP_PIN_THREADS (default 4): threads that populate and register the buffer."""
-    try:
-        return max(1, int(os.environ.get("HOTSWAP_PIN_THREADS", "4")))
-    except ValueError:
-        return 4
-
-
-class _CudaRT:
-    """The few CUDA runtime calls torch does not expose without holding the GIL."""
-
-    def __init__(self) -> None:
-        from vllm.utils.system_utils import find_loaded_library
-
-        path = find_loaded_library("libcudart")
-        if path is None:
-            raise RuntimeError("libcudart is not loaded in this process")
-        lib = ctypes.CDLL(path)  # CDLL calls release the GIL
-        lib.cudaMemcpyAsync.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_void_p,
-        ]
-        lib.cudaMemcpyAsync.restype = ctypes.c_int
-        lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-        lib.cudaHostRegister.restype = ctypes.c_int
-        lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
-        lib.cudaHostUnregister.restype = ctypes.c_int
-        lib.cudaSetDevice.argtypes = [ctypes.c_int]
-        lib.cudaSetDevice.restype = ctypes.c_int
-        lib.cudaGetErrorString.argtypes = [ctypes.c_int]
-        lib.cudaGetErrorString.restype = ctypes.c_char_p
-        self._lib = lib
-
-    def check(self, err: int, what: str) -> None:
-        if err != 0:
-            msg = self._lib.cudaGetErrorString(err)
-            raise RuntimeError(f"{what} failed: CUDA error {err} ({msg.decode() if msg else '?'})")
-
-    def memcpy_async(self, dst: int, src: int, n: int, stream: int) -> None:
-        self.check(self._lib.cudaMemcpyAsync(dst, src, n, _MEMCPY_DEFAULT, stream), "memcpy")
-
-    def host_register(self, ptr: int, n: int) -> None:
-        self.check(self._lib.cudaHostRegister(ptr, n, _HOST_REGISTER_PORTABLE), "register")
-
-    def host_unregister(self, ptr: int) -> None:
-        self.check(self._lib.cudaHostUnregister(ptr), "cudaHostUnregister")
-
-    def set_device(self, index: int) -> None:
-        self.check(self._lib.cudaSetDevice(index), "cudaSetDevice")
-
-
-class HostBuffer:
-    """Exactly `nbytes` of page-aligned anonymous memory, page-locked piece by piece."""
-
-    def __init__(self, nbytes: int, cudart: _CudaRT, device_index: int = 0) -> None:
-        self.nbytes = nbytes
-        self._cudart = cudart
-        self._device_index = device_index
-        self._libc = ctypes.CDLL(None, use_errno=True)
-        self._libc.mmap.restype = ctypes.c_void_p
-        self._libc.mmap.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-        ]
-        self._libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        self._libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        ptr = self._libc.mmap(None, max(nbytes, 1), _PROT_RW, _MAP_PRIVATE_ANON, -1, 0)
-        if ptr is None or ptr == ctypes.c_void_p(-1).value:
-            raise MemoryError(f"mmap of {nbytes} bytes failed (errno {ctypes.get_errno()})")
-        self.ptr: int = ptr
-        self._registered: list[int] = []
-
-    def pin(self, threads: int) -> float:
-        """Touch then register every piece (touching first makes registering ~5x faster),
-        pieces spread over `threads` threads; huge pages asked for to cut page faults."""
-        t0 = time.perf_counter()
-        self._libc.madvise(ctypes.c_void_p(self.ptr), ctypes.c_size_t(self.nbytes), _MADV_HUGEPAGE)
-        pieces = list(range(0, self.nbytes, REGISTER_BYTES))
-        errors: list[BaseException] = []
-        lock = threading.Lock()
-
-        def work(mine: list[int]) -> None:
-            try:
-                self._cudart.set_device(self._device_index)
-                for off in mine:
-                    n = min(REGISTER_BYTES, self.nbytes - off)
-                    ctypes.memset(self.ptr + off, 0, n)  # populate the pages; releases the GIL
-                    self._cudart.host_register(self.ptr + off, n)
-                    with lock:
-                        self._registered.append(self.ptr + off)
-            except BaseException as exc:
-                errors.append(exc)
-
-        n_threads = max(1, min(threads, len(pieces)))
-        workers = [
-            threading.Thread(target=work, args=(pieces[i::n_threads],), daemon=True)
-            for i in range(n_threads)
-        ]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        if errors:
-            raise errors[0]
-        return time.perf_counter() - t0
-
-    def free(self) -> None:
-        for p in self._registered:
-            self._cudart.host_unregister(p)
-        self._registered.clear()
-        if self.ptr:
-            self._libc.munmap(self.ptr, max(self.nbytes, 1))
-            self.ptr = 0
 
 
 class CuMemBackend:
@@ -231,19 +61,21 @@ class CuMemBackend:
     name = "cumem"
     in_place = True
 
-    def __init__(self, worker: Any) -> None:
+    def __init__(self, worker: Any, settings: WorkerSettings | None = None) -> None:
         import torch
         from vllm.device_allocator.cumem import CuMemAllocator, create_and_map, unmap_and_release
 
         self._torch = torch
         self._worker = worker
+        # read once (the environment when not given): docs in worker_ext/settings.py
+        self.settings = settings if settings is not None else WorkerSettings.from_env()
         self._alloc = CuMemAllocator.get_instance()
         self._create_and_map = create_and_map
         self._unmap_and_release = unmap_and_release
         device = getattr(worker, "device", None)
         self._device = device if device is not None else torch.device("cuda", 0)
         self.device = self._device
-        self._cudart = _CudaRT()
+        self._cudart = CudaRT()
         self._streams: list[Any] = []
         self._suspended: dict[str, str] = {}
         self._level: int | None = None
@@ -262,10 +94,10 @@ class CuMemBackend:
         self._host_pin_s: float | None = None
         self._kernel_warm: dict[str, Any] | None = None
         self._drivers: dict[bool, Driver] = {}  # by HOTSWAP_MAP_HANDLES == vllm
-        if pin_mode() == "early":
+        if self.settings.pin_mode == "early":
             self.warm_host(wait=False)
         # verify's Triton check compiled now, not inside the first sleep's prepare
-        if kernel_mode() != "off":
+        if self.settings.verify_kernel != "off":
             self._kernel_warm = fpkernel.warm(self._device)
 
     # -- reading the records -------------------------------------------------------------
@@ -341,12 +173,18 @@ class CuMemBackend:
     def suspended(self) -> dict[str, str]:
         return dict(self._suspended)
 
-    def level(self) -> int | None:
-        return self._level if self._suspended else None
-
     def memory(self) -> dict[str, int]:
         free, total = self._torch.cuda.mem_get_info(self._device)
         return {"free": int(free), "total": int(total)}
+
+    def refresh(self) -> None:
+        """Nothing to re-read: the allocator's records are read at every call."""
+
+    def after_reload(self) -> list[str]:
+        return []
+
+    def unready(self) -> list[str]:
+        return []
 
     def describe(self) -> dict[str, Any]:
         """Host-buffer state for hotswap_info (plain values)."""
@@ -363,7 +201,7 @@ class CuMemBackend:
             "records": len(self._records()),
             "verify_kernel_warm": self._kernel_warm,
             "map": {
-                "impl": map_impl(),
+                "impl": self.settings.map_impl,
                 "drivers": {
                     d.handle_type: {"fabric_refused": d.fabric_refused, "rdma": d.rdma}
                     for d in self._drivers.values()
@@ -378,7 +216,7 @@ class CuMemBackend:
             self._cudart.set_device(self._device.index or 0)
             buf = HostBuffer(nbytes, self._cudart, self._device.index or 0)
             try:
-                pin_s = buf.pin(pin_threads())
+                pin_s = buf.pin(self.settings.pin_threads)
             except Exception:
                 buf.free()
                 raise
@@ -430,9 +268,9 @@ class CuMemBackend:
 
     def _mapper(self) -> tuple[Any, Driver | None]:
         """The create-and-map function HOTSWAP_MAP_IMPL names, and its Driver if timed."""
-        if map_impl() != "driver":
+        if self.settings.map_impl != "driver":
             return self._create_and_map, None
-        exportable = map_handles() == "vllm"
+        exportable = self.settings.map_handles == "vllm"
         driver = self._drivers.get(exportable)
         if driver is None:
             index = self._device.index
@@ -569,7 +407,7 @@ class CuMemBackend:
         if unknown:
             raise ValueError(f"unknown tags {unknown}; expected a subset of {list(ALL_TAGS)}")
         t0 = time.perf_counter()
-        overlap = kv_map_mode() == "overlap"
+        overlap = self.settings.kv_map_mode == "overlap"
         only_discarded = all(self._suspended.get(t) != OFFLOADED for t in want)
         # `wait`: copies still in flight finish before more is mapped (measured on an H200,
         # 8B shape: mapping the KV pool record by record during the copy slowed it down).
@@ -627,7 +465,7 @@ class CuMemBackend:
                 current.wait_stream(s)  # later work on this stream sees the bytes
             self._pending = list(self._get_streams())
             self._dma_events = (start, ends)
-            if not keep_host_backup():
+            if not self.settings.keep_host_backup:
                 self._release_host_after_pending = True
                 self.synchronize()  # the buffer goes back now, so wait for its copies
         t = time.perf_counter()
@@ -635,7 +473,7 @@ class CuMemBackend:
         timings["after_resume_s"] = time.perf_counter() - t
         if not self._suspended:
             self._level = None
-        if _env("HOTSWAP_RESUME_SYNC", "0") in ("1", "true", "yes"):
+        if self.settings.resume_sync:
             self.synchronize()
         return {
             "restored_bytes": restored,

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -24,9 +22,10 @@ import torch
 
 from worker_ext import ownership, protect, snapshot
 from worker_ext.barrier import Quiescer
-from worker_ext.hostpools import HostBackend, repack_moe_experts, unpacked_layers
+from worker_ext.hostpools import HostBackend
 from worker_ext.phase import RankPhase
 from worker_ext.pools import ALL_TAGS, KV_CACHE, WEIGHTS, PoolBackend
+from worker_ext.settings import WorkerSettings
 
 log = logging.getLogger("worker_ext")
 AUDIT_RANGES = 64  # unnamed ranges listed in an audit with detail (all are counted)
@@ -87,11 +86,16 @@ def rpc(fn: F) -> F:
 
 @dataclass
 class _HotswapState:
+    settings: WorkerSettings
     backend: PoolBackend
     quiescer: Quiescer = field(default_factory=Quiescer)
     snap: snapshot.Snapshot | None = None
     level: int | None = None
     phase: RankPhase = field(default_factory=RankPhase)
+
+    def use_settings(self, settings: WorkerSettings) -> None:
+        """Tests and benches that change a variable in a live worker: the new settings."""
+        self.settings = self.backend.settings = settings
 
 
 def _vllm_version() -> str:
@@ -128,20 +132,22 @@ class HotSwapExtension:
     def _hotswap_state(self) -> _HotswapState:
         st = self._hotswap_st
         if st is None:
-            st = _HotswapState(backend=self._hotswap_make_backend())
+            settings = WorkerSettings.from_env()  # read once for this worker's life
+            st = _HotswapState(settings, self._hotswap_make_backend(settings))
             self._hotswap_st = st
         return st
 
-    def _hotswap_make_backend(self) -> PoolBackend:
+    def _hotswap_make_backend(self, settings: WorkerSettings) -> PoolBackend:
         if torch.cuda.is_available():
             if not _cumem_active():
                 raise RuntimeError(
                     "CUDA worker without an active CuMemAllocator: start vLLM with "
                     "--enable-sleep-mode"
                 )
-            mod = importlib.import_module("worker_ext.cumem")
-            return cast(PoolBackend, mod.CuMemBackend(self))
-        return HostBackend(self)
+            from worker_ext.cumem import CuMemBackend  # CUDA only: vLLM's allocator
+
+            return CuMemBackend(self, settings)
+        return HostBackend(self, settings)
 
     def _hotswap_model(self) -> Any:
         runner = cast(Any, self).model_runner
@@ -183,7 +189,6 @@ class HotSwapExtension:
             world_size = int(get_world_group().world_size)
         except Exception:
             world_size = int(getattr(cast(Any, self).parallel_config, "world_size", 1))
-        describe = getattr(st.backend, "describe", None)
         return {
             "world_size": world_size,
             "platform": "cuda" if torch.cuda.is_available() else "cpu",
@@ -198,7 +203,7 @@ class HotSwapExtension:
             **st.phase.report(),
             "snapshot_held": st.snap is not None,
             # the cumem backend's host buffer, verify kernel and mapping (plain values)
-            "backend_detail": describe() if callable(describe) else {},
+            "backend_detail": st.backend.describe(),
         }
 
     @rpc
@@ -245,9 +250,8 @@ class HotSwapExtension:
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, got {level}")
         st = self._hotswap_state()
-        refresh = getattr(st.backend, "refresh", None)
-        if callable(refresh) and not st.backend.suspended():
-            refresh()
+        if not st.backend.suspended():
+            st.backend.refresh()
         recs = self._hotswap_records() if records is None else records
         return ownership.judge(recs, level, st.backend.tag_of)
 
@@ -270,7 +274,13 @@ class HotSwapExtension:
         # by range, the ranges hold every at-risk tensor's bytes: no copy per object
         backups = set() if cover is not None else at_risk
         snap = snapshot.prepare(
-            level, records, backups, torch.cuda.is_available(), cover, st.backend.device
+            level,
+            records,
+            backups,
+            torch.cuda.is_available(),
+            cover,
+            st.backend.device,
+            st.settings.verify_kernel,
         )
         timings = {
             "records_s": t1 - t0,
@@ -297,8 +307,7 @@ class HotSwapExtension:
         """`ranges` where the backend maps pools back in place and HOTSWAP_PROTECT is not
         `objects`; else `objects` (the host backend: docs/contracts.md §1.2)."""
         st = self._hotswap_state()
-        asked = os.environ.get("HOTSWAP_PROTECT", "ranges").strip().lower()
-        return "ranges" if st.backend.in_place and asked != "objects" else "objects"
+        return "ranges" if st.backend.in_place and st.settings.protect == "ranges" else "objects"
 
     def _hotswap_protection(
         self,
@@ -386,11 +395,9 @@ class HotSwapExtension:
             raise RuntimeError("resume the weights pool before reloading")
         self._hotswap_fault("reload")
         t0 = time.monotonic()
-        repacked: list[str] = []
         with self._hotswap_step("reload") as ph:
             cast(Any, self).reload_weights()
-            if st.backend.name == "host":
-                repacked = repack_moe_experts(self._hotswap_model())
+            repacked = st.backend.after_reload()
         ph.reloaded()
         return {"reload_s": time.monotonic() - t0, "repacked": repacked}
 
@@ -404,10 +411,9 @@ class HotSwapExtension:
         if asleep:
             raise RuntimeError(f"pools still suspended: {sorted(asleep)}")
         self._hotswap_fault("restore_and_verify")
-        if st.backend.name == "host":
-            missing = unpacked_layers(self._hotswap_model())
-            if missing:
-                raise RuntimeError(f"linear kernels not re-packed (reload missing?): {missing}")
+        unready = st.backend.unready()
+        if unready:
+            raise RuntimeError("; ".join(unready))
         with self._hotswap_step("restore_and_verify") as ph:
             t0 = time.perf_counter()
             rebound = snapshot.rebind(snap)

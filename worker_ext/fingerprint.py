@@ -29,24 +29,21 @@ time, to name the tensors; that happens only on a mismatch.
 Cost on a GPU: one reduction kernel per span (or storage) of ROW_WORDS words or more, a
 handful of kernels for the whole batch, and one device-to-host copy; no per-tensor sync.
 
-Kernel (HOTSWAP_VERIFY_KERNEL: `auto`, the default, on CUDA; `on` also on CPU under
-Triton's interpreter; `off` never): `Plan.baseline` builds a `fpkernel.SpanCheck` over the
-spans of the CUDA device that holds most of the bytes (spans elsewhere, e.g. a runner's
-CPU tensors, and spans that do not start on 8 bytes, keep the eager check), and
-`Plan.changed` runs it: one Triton launch over all
-those spans in 2 MiB pieces, one comparison on the device, one bool to the host, about one
-memory pass. The check is
-cross-checked against torch on a sample of pieces when built; if Triton is missing or
-anything about the kernel fails, the eager span check runs instead (`kernel_error` says
+Kernel (a plan's `kernel`, the worker's HOTSWAP_VERIFY_KERNEL: `auto`, the default, on
+CUDA; `on` also on CPU under Triton's interpreter; `off` never): `Plan.baseline` builds a
+`fpkernel.SpanCheck` over the spans of the CUDA device that holds most of the bytes (spans
+elsewhere, e.g. a runner's CPU tensors, and spans that do not start on 8 bytes, keep the
+eager check), and `Plan.changed` runs it: one Triton launch over all those spans in 2 MiB
+pieces, one comparison on the device, one bool to the host, about one memory pass. The
+check is cross-checked against torch on a sample of pieces when built; if Triton is missing
+or anything about the kernel fails, the eager span check runs instead (`kernel_error` says
 why). The plan's storages keep their addresses across sleep/wake (in-place restore), so
 the kernel's address table stays valid for the plan's life.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +51,7 @@ from typing import Any
 import torch
 
 from worker_ext.fpkernel import SpanCheck
+from worker_ext.rawmem import raw_bytes
 
 ROW_WORDS = 512  # 4 KiB rows of int64 words
 log = logging.getLogger(__name__)
@@ -70,32 +68,6 @@ def storage_bytes(t: Any) -> Any:
     st = t.untyped_storage()
     out = torch.empty(0, dtype=torch.uint8, device=t.device)
     out.set_(st, 0, (st.nbytes(),), (1,))
-    return out
-
-
-class _CudaRange:
-    """`__cuda_array_interface__` of `n` bytes at device address `ptr` (for torch.as_tensor)."""
-
-    def __init__(self, ptr: int, n: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (n,),
-            "typestr": "|u1",
-            "strides": None,
-            "data": (ptr, False),
-            "version": 2,
-        }
-
-
-def raw_bytes(ptr: int, n: int, device: Any) -> Any:
-    """A uint8 tensor over [ptr, ptr + n) on `device`; the caller keeps that memory alive."""
-    if device.type == "cuda":
-        out = torch.as_tensor(_CudaRange(ptr, n), device=device)
-    elif device.type == "cpu":
-        out = torch.frombuffer((ctypes.c_uint8 * n).from_address(ptr), dtype=torch.uint8)
-    else:
-        raise ValueError(f"no raw view on {device}")
-    if int(out.data_ptr()) != ptr or int(out.numel()) != n or out.device != device:
-        raise RuntimeError(f"raw view of {n} bytes at {ptr:#x} on {device} came out wrong")
     return out
 
 
@@ -186,15 +158,7 @@ def _run_items(items: list[_Item]) -> list[Fp]:
     return [(it.nbytes, s1, s2) for it, (s1, s2) in zip(items, sums, strict=True)]
 
 
-def kernel_mode() -> str:
-    """HOTSWAP_VERIFY_KERNEL: `auto` (default: the Triton check on CUDA), `on` (also on CPU
-    under Triton's interpreter) or `off` (always the eager check)."""
-    raw = os.environ.get("HOTSWAP_VERIFY_KERNEL", "auto").strip().lower()
-    if raw in ("0", "false", "no", "off"):
-        return "off"
-    if raw in ("1", "true", "yes", "on"):
-        return "on"
-    return "auto"
+DEFAULT_KERNEL = "auto"  # a plan's kernel mode when none is given (the worker passes its own)
 
 
 def _warn_once(key: str, msg: str) -> None:
@@ -224,7 +188,7 @@ class Plan:
     def __init__(
         self, tensors: list[Any], coalesce: bool = True, kernel: str | None = None
     ) -> None:
-        self._kernel = kernel_mode() if kernel is None else kernel
+        self._kernel = DEFAULT_KERNEL if kernel is None else kernel
         self.kernel_error: str | None = None  # why the last baseline checks eagerly
         self._index: list[int] = []  # tensor i -> its storage's item
         seen: dict[tuple[str, int, int], int] = {}
@@ -322,7 +286,7 @@ class Plan:
 
     def baseline(self) -> Baseline:
         """Span and per-storage fingerprints now, for `changed` to compare against; the
-        kernel check (HOTSWAP_VERIFY_KERNEL) takes its own baseline values here, and the
+        kernel check (the plan's `kernel`) takes its own baseline values here, and the
         spans it does not cover (other devices, empty ones) are fingerprinted eagerly."""
         self.kernel_error = None
         found = self._kernel_check()

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from worker_ext.rawmem import raw_bytes
+
 PIECE_WORDS = 1 << 18  # 2 MiB per program: enough pieces to fill the GPU, few to compare
 BLOCK = 2048  # words per loop step in one program
 NUM_WARPS = 8
@@ -92,8 +94,6 @@ def _kernel() -> Any:
 
 def _reference(ptr: int, nwords: int, device: Any) -> tuple[int, int]:
     """(s1, s2) of one piece with torch, for the cross-check."""
-    from worker_ext.fingerprint import raw_bytes
-
     v = raw_bytes(ptr, nwords * 8, device).view(torch.int64)
     pos = torch.arange(1, nwords + 1, dtype=torch.int64, device=device)
     s1, s2 = torch.stack((v.sum(), (v * pos).sum())).cpu().tolist()
@@ -112,8 +112,6 @@ class SpanCheck:
             raise Unavailable("CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
         if device.type not in ("cuda", "cpu"):
             raise Unavailable(f"no kernel for {device}")
-        from worker_ext.fingerprint import raw_bytes
-
         self.device = device
         self._kernel = _kernel()
         ptrs: list[int] = []

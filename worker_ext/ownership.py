@@ -123,8 +123,9 @@ class _Collector:
         if slot is not None:
             rec.slots.append(slot)
 
-    def container(self, name: str, obj: Any, kind: str, depth: int) -> None:
-        """Tensors inside lists/tuples/dicts, to `depth` levels."""
+    def container(self, name: str, obj: Any, kind: str, depth: int, objects: bool = False) -> None:
+        """Tensors inside lists/tuples/dicts, to `depth` levels; with `objects` (the runner's
+        containers) also the plain objects inside them."""
         if depth < 0 or id(obj) in self.seen_objects:
             return
         self.seen_objects.add(id(obj))
@@ -138,7 +139,9 @@ class _Collector:
             if isinstance(v, torch.Tensor):
                 self.add(f"{name}.{k}", v, kind, slot)
             elif isinstance(v, (list, tuple, dict)):
-                self.container(f"{name}.{k}", v, kind, depth - 1)
+                self.container(f"{name}.{k}", v, kind, depth - 1, objects)
+            elif objects and _walkable(v):
+                self.plain(f"{name}.{k}", v, depth - 1)
 
     def module(self, prefix: str, model: Any) -> None:
         """Parameters first, then buffers, then attributes: an alias keeps the better name."""
@@ -183,25 +186,9 @@ class _Collector:
             if isinstance(v, torch.Tensor):
                 self.add(child, v, RUNNER, Slot(obj, SLOT_ATTR, k))
             elif isinstance(v, (list, tuple, dict)):
-                self._runner_container(child, v, depth - 1)
+                self.container(child, v, RUNNER, depth - 1, objects=True)
             elif _walkable(v):
                 self.plain(child, v, depth - 1)
-
-    def _runner_container(self, name: str, obj: Any, depth: int) -> None:
-        if depth < 0 or id(obj) in self.seen_objects:
-            return
-        self.seen_objects.add(id(obj))
-        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
-        for n, (k, v) in enumerate(items):
-            if n >= CONTAINER_MAX_ITEMS:
-                break
-            slot = None if isinstance(obj, tuple) else Slot(obj, SLOT_ITEM, k)
-            if isinstance(v, torch.Tensor):
-                self.add(f"{name}.{k}", v, RUNNER, slot)
-            elif isinstance(v, (list, tuple, dict)):
-                self._runner_container(f"{name}.{k}", v, depth - 1)
-            elif _walkable(v):
-                self.plain(f"{name}.{k}", v, depth - 1)
 
 
 def _join(base: str, key: str | int) -> str:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from worker_ext.settings import WorkerSettings
+
 WEIGHTS = "weights"
 KV_CACHE = "kv_cache"
 UNPOOLED = "unpooled"
@@ -38,6 +40,7 @@ class PoolBackend(Protocol):
     # protect bytes by address range (worker_ext.protect); False: by object only.
     in_place: bool
     device: Any  # the torch device the pools live on
+    settings: WorkerSettings  # read once (worker_ext/settings.py)
 
     def records(self) -> list[tuple[int, int, str]]:
         """Every allocation the pools hold, as (start, end, tag), sorted by start."""
@@ -73,4 +76,20 @@ class PoolBackend(Protocol):
 
     def memory(self) -> dict[str, int]:
         """Device memory (CUDA: cudaMemGetInfo "free"/"total") or host ("rss") of this worker."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """The backend's own state for hotswap_info's `backend_detail` (plain values)."""
+        ...
+
+    def refresh(self) -> None:
+        """Re-read what the pools hold (called while nothing is suspended)."""
+        ...
+
+    def after_reload(self) -> list[str]:
+        """Whatever a reload of the weights leaves undone, done now; the layers touched."""
+        ...
+
+    def unready(self) -> list[str]:
+        """Why the awake pools cannot serve yet (empty: they can); verify refuses until then."""
         ...

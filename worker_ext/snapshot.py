@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-from worker_ext.fingerprint import Baseline, Plan, fingerprint, raw_bytes, storage_bytes
+from worker_ext.fingerprint import Baseline, Plan, fingerprint, storage_bytes
 from worker_ext.ownership import TensorRecord, storage_key
 from worker_ext.protect import Protection
+from worker_ext.rawmem import raw_bytes
 
 __all__ = ["Snapshot", "fingerprint", "prepare", "rebind", "restore", "storage_bytes", "verify"]
 
@@ -74,10 +75,11 @@ def prepare(
     pin: bool,
     protection: Protection | None = None,
     device: Any = None,
+    kernel: str | None = None,
 ) -> Snapshot:
     """Fingerprint every record but the KV cache; copy the at-risk ones to host memory, or
     with a `protection`, every protected range (on `device`) and fingerprint its unnamed
-    ones."""
+    ones. `kernel`: the fingerprint check's mode (fingerprint.Plan; None: its default)."""
     snap = Snapshot(level, protection=protection)
     kept = [rec for rec in records if not rec.is_kv]
     aliases = [rec.tensor.detach() for rec in kept]
@@ -85,7 +87,7 @@ def prepare(
         snap.unnamed = [
             _Range(s, e, pool, raw_bytes(s, e - s, device)) for s, e, pool in protection.unnamed
         ]
-    plan = Plan(aliases + [r.view for r in snap.unnamed])
+    plan = Plan(aliases + [r.view for r in snap.unnamed], kernel=kernel)
     base = plan.baseline()
     fps = plan.per_tensor(base)[: len(kept)]
     for rec, alias, fp in zip(kept, aliases, fps, strict=True):

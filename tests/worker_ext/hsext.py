@@ -17,6 +17,7 @@ from worker_ext import ownership
 from worker_ext.extension import HotSwapExtension, rpc
 from worker_ext.ownership import storage_key
 from worker_ext.pools import DISCARDED, policy
+from worker_ext.settings import WorkerSettings
 from worker_ext.snapshot import storage_bytes
 
 PLANT_ATTR = "hotswap_test_scale"  # a module attribute, not a Worker attribute
@@ -104,11 +105,13 @@ class HotSwapTestExtension(HotSwapExtension):
 
     @rpc
     def hotswap_test_setenv(self, name: str, value: str) -> dict[str, Any]:
-        """Set a HOTSWAP_ variable in this worker (the backend reads most at every call)."""
+        """Set a HOTSWAP_ variable in this worker and hand the extension settings read anew
+        (it reads them once, when its state is made)."""
         if not str(name).startswith("HOTSWAP_"):
             raise ValueError(f"only HOTSWAP_ variables: {name!r}")
         previous = os.environ.get(name)
         os.environ[str(name)] = str(value)
+        self._hotswap_state().use_settings(WorkerSettings.from_env())
         return {"name": name, "value": value, "previous": previous}
 
     @rpc

@@ -19,8 +19,17 @@ from worker_ext.fingerprint import (
     fingerprints,
     storage_bytes,
 )
+from worker_ext.settings import WorkerSettings
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int8]
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+]
 # byte sizes below, at and above one row, with 1-7 byte tails
 SHAPES = [(1,), (3,), (7, 5), (2, 3, 4), (131,), (ROW_WORDS * 2 + 3,), (3, ROW_WORDS + 1)]
 
@@ -45,9 +54,9 @@ def test_one_flipped_bit_anywhere_is_seen(dtype: torch.dtype, shape: tuple[int, 
     assert fp == fingerprint(t.clone())  # equal bytes, equal fingerprint
     n = storage_bytes(t).numel()
     assert fp[0] == n
-    # first, last, a row boundary, the tail and a spread of bytes in between
+    # every byte up to 2 KiB; beyond, first, last, a row boundary, the tail and a spread
     probes = sorted({0, n - 1, min(n - 1, ROW_WORDS * 8), min(n - 1, ROW_WORDS * 8 - 1)})
-    probes += list(range(0, n, max(1, n // 97)))
+    probes += list(range(0, n, 1 if n <= 2048 else n // 97))
     for byte in probes:
         for bit in (0, 3, 7):
             _flip(t, byte, bit)
@@ -111,12 +120,11 @@ def test_values_follow_the_documented_row_reduction(numel: int) -> None:
     assert fingerprint(t) == _reference(t)
 
 
-def test_the_kernel_switch_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_kernel_switch_is_a_worker_setting() -> None:
     for raw, mode in [("0", "off"), ("off", "off"), ("1", "on"), ("on", "on"), ("auto", "auto")]:
-        monkeypatch.setenv("HOTSWAP_VERIFY_KERNEL", raw)
-        assert fpmod.kernel_mode() == mode
-    monkeypatch.delenv("HOTSWAP_VERIFY_KERNEL")
-    assert fpmod.kernel_mode() == "auto"
+        assert WorkerSettings.from_env({"HOTSWAP_VERIFY_KERNEL": raw}).verify_kernel == mode
+    assert WorkerSettings.from_env({}).verify_kernel == "auto"
+    assert fpmod.DEFAULT_KERNEL == "auto"
     _, ts = _packed(SPECS)
     ref = Plan(ts).baseline()  # auto on CPU: the eager check, no kernel tried
     assert ref.check is None
@@ -203,11 +211,11 @@ needs_interp = pytest.mark.skipif(not INTERP, reason="run in a child with TRITON
 def check(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     mode = str(request.param)
     if mode == "kernel":
-        monkeypatch.setenv("HOTSWAP_VERIFY_KERNEL", "on")
+        monkeypatch.setattr(fpmod, "DEFAULT_KERNEL", "on")
         monkeypatch.setattr(fpkernel, "PIECE_WORDS", 64)  # 512 B pieces
         monkeypatch.setattr(fpkernel, "BLOCK", 16)
     else:
-        monkeypatch.setenv("HOTSWAP_VERIFY_KERNEL", "off")
+        monkeypatch.setattr(fpmod, "DEFAULT_KERNEL", "off")
     return mode
 
 
@@ -443,7 +451,7 @@ def test_kernel_refuses_what_it_cannot_check(interp: None, monkeypatch: pytest.M
 def test_a_kernel_that_disagrees_with_torch_is_not_trusted(
     interp: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("HOTSWAP_VERIFY_KERNEL", "on")
+    monkeypatch.setattr(fpmod, "DEFAULT_KERNEL", "on")
     monkeypatch.setattr(fpkernel, "_reference", lambda ptr, n, dev: (1, 2))
     _, ts = _packed(SPECS)
     plan = Plan(ts)

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from worker_ext import protect, ranges, snapshot
-from worker_ext.fingerprint import raw_bytes
 from worker_ext.ownership import BUFFER, PARAMETER, RUNNER, TensorRecord
+from worker_ext.rawmem import raw_bytes
 
 KIB = 1024
 CPU = torch.device("cpu")

@@ -1,0 +1,61 @@
+"""Worker settings (worker_ext.settings): parsed once from the environment, frozen."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from worker_ext.settings import WorkerSettings
+
+
+def test_defaults() -> None:
+    s = WorkerSettings.from_env({})
+    assert s == WorkerSettings()
+    assert (s.keep_host_backup, s.pin_mode, s.kv_map_mode) == (True, "early", "wait")
+    assert (s.map_impl, s.map_handles, s.pin_threads) == ("driver", "vllm", 4)
+    assert (s.resume_sync, s.verify_kernel, s.protect) == (False, "auto", "ranges")
+
+
+def test_every_variable_is_read() -> None:
+    s = WorkerSettings.from_env(
+        {
+            "HOTSWAP_KEEP_HOST_BACKUP": "0",
+            "HOTSWAP_PIN_HOST_BACKUP": "early",
+            "HOTSWAP_RESUME_KV": " Overlap ",
+            "HOTSWAP_MAP_IMPL": "vllm",
+            "HOTSWAP_MAP_HANDLES": "none",
+            "HOTSWAP_PIN_THREADS": "9",
+            "HOTSWAP_RESUME_SYNC": "yes",
+            "HOTSWAP_VERIFY_KERNEL": "0",
+            "HOTSWAP_PROTECT": "objects",
+        }
+    )
+    assert s == WorkerSettings(False, "early", "overlap", "vllm", "none", 9, True, "off", "objects")
+
+
+def test_bad_words_fall_back_to_the_defaults() -> None:
+    s = WorkerSettings.from_env(
+        {
+            "HOTSWAP_PIN_HOST_BACKUP": "sometimes",
+            "HOTSWAP_RESUME_KV": "x",
+            "HOTSWAP_MAP_IMPL": "y",
+            "HOTSWAP_MAP_HANDLES": "z",
+            "HOTSWAP_PIN_THREADS": "many",
+            "HOTSWAP_VERIFY_KERNEL": "maybe",
+            "HOTSWAP_PROTECT": "everything",
+        }
+    )
+    assert s == WorkerSettings()
+    assert WorkerSettings.from_env({"HOTSWAP_PIN_THREADS": "-3"}).pin_threads == 1
+    # not keeping the buffer makes lazy pinning the default, as before
+    assert WorkerSettings.from_env({"HOTSWAP_KEEP_HOST_BACKUP": "no"}).pin_mode == "lazy"
+
+
+def test_frozen_and_read_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOTSWAP_PROTECT", "objects")
+    s = WorkerSettings.from_env()
+    monkeypatch.setenv("HOTSWAP_PROTECT", "ranges")
+    assert s.protect == "objects"  # a later change of the environment does not reach it
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.protect = "ranges"  # type: ignore[misc]

@@ -1,0 +1,62 @@
+"""The worker extension's settings, read once from the environment into a frozen object.
+
+The variables (README, "worker settings") are read when the extension's state is made in a
+worker process (its first RPC) and never again: a running worker's environment does not
+change. Tests and benches that change a variable in a live worker hand the extension a new
+object (`_HotswapState.use_settings`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+_OFF = ("0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on")
+
+
+def _word(env: Mapping[str, str], name: str, default: str) -> str:
+    return env.get(name, default).strip().lower()
+
+
+def _choice(env: Mapping[str, str], name: str, allowed: tuple[str, ...], default: str) -> str:
+    value = _word(env, name, default)
+    return value if value in allowed else default
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    keep_host_backup: bool = True  # HOTSWAP_KEEP_HOST_BACKUP: keep the pinned buffer after a wake
+    pin_mode: str = "early"  # HOTSWAP_PIN_HOST_BACKUP: early (background) | lazy (first sleep)
+    kv_map_mode: str = "wait"  # HOTSWAP_RESUME_KV: wait | overlap
+    map_impl: str = "driver"  # HOTSWAP_MAP_IMPL: driver (cudriver.py) | vllm (create_and_map)
+    map_handles: str = "vllm"  # HOTSWAP_MAP_HANDLES: vllm (exportable, as vLLM asks) | none
+    pin_threads: int = 4  # HOTSWAP_PIN_THREADS: threads that populate and register the buffer
+    resume_sync: bool = False  # HOTSWAP_RESUME_SYNC: a resume waits for its own copies
+    verify_kernel: str = "auto"  # HOTSWAP_VERIFY_KERNEL: auto (CUDA) | on (also CPU) | off
+    protect: str = "ranges"  # HOTSWAP_PROTECT: ranges (CUDA) | objects
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerSettings:
+        """The settings in `env` (default: this process's environment); a value that is not
+        one of a setting's words falls back to its default, as each variable documents."""
+        env = os.environ if env is None else env
+        keep = _word(env, "HOTSWAP_KEEP_HOST_BACKUP", "1") not in ("0", "false", "no")
+        pin_default = "early" if keep else "lazy"
+        try:
+            threads = max(1, int(env.get("HOTSWAP_PIN_THREADS", "4")))
+        except ValueError:
+            threads = 4
+        kernel = _word(env, "HOTSWAP_VERIFY_KERNEL", "auto")
+        return cls(
+            keep_host_backup=keep,
+            pin_mode=_choice(env, "HOTSWAP_PIN_HOST_BACKUP", ("early", "lazy"), pin_default),
+            kv_map_mode=_choice(env, "HOTSWAP_RESUME_KV", ("wait", "overlap"), "wait"),
+            map_impl=_choice(env, "HOTSWAP_MAP_IMPL", ("vllm", "driver"), "driver"),
+            map_handles=_choice(env, "HOTSWAP_MAP_HANDLES", ("vllm", "none"), "vllm"),
+            pin_threads=threads,
+            resume_sync=_word(env, "HOTSWAP_RESUME_SYNC", "0") in ("1", "true", "yes"),
+            verify_kernel="off" if kernel in _OFF else "on" if kernel in _ON else "auto",
+            protect="objects" if _word(env, "HOTSWAP_PROTECT", "ranges") == "objects" else "ranges",
+        )
