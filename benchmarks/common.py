@@ -14,7 +14,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from controller.launcher import EngineSpec, free_port
+from controller.enginespec import EngineSpec
+from controller.sockets import free_port
 
 __all__ = ["GB", "SHAPES", "UTIL", "GiB", "free_port", "gen", "rss", "timed", "write_config"]
 

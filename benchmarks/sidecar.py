@@ -33,7 +33,8 @@ from typing import Any
 import httpx
 
 from benchmarks.common import UTIL, free_port, gpu_engine, logger, sidecar, write_config
-from controller.launcher import EngineProcess, EngineSpec
+from controller.enginespec import EngineSpec
+from controller.launcher import EngineProcess
 
 T0 = time.monotonic()
 log = logger("sidecar")

@@ -10,13 +10,13 @@ runner, controller.runner), and errors are mapped to HTTP status codes in one pl
      ├── Unauthorized                 401
      ├── DrainTimeout                 504  drain=wait gave up; still RUNNING, nothing touched
      ├── Refusal                      4xx/5xx  the gateway answers a /v1 request itself
+     ├── EngineStartError             502  an engine process would not start (controller.launcher)
      └── EngineError                  502  the engine answered wrongly: FAILED
           ├── EngineUnavailable       502  not reachable
           ├── EngineTimeout           504  no answer in time; for an RPC the ranks are unknown
           ├── RankError               502  a rank said ok: false (controller.engine; reports kept)
           ├── VerificationFailed      502  tensors differ after a wake (named)
-          ├── BarrierTimeout          504  quiesce: ranks missed the barrier (named)
-          └── EngineStartError        502  a managed engine would not start (controller.launcher)
+          └── BarrierTimeout          504  quiesce: ranks missed the barrier (named)
 
     CliError                          the command line or configuration (exit code EXIT_USAGE)
 """
@@ -98,6 +98,12 @@ class EngineTimeout(EngineError):
     """The engine did not answer in time; for an RPC the ranks are unknown."""
 
     status = 504
+
+
+class EngineStartError(HotswapError):
+    """An engine process exited or stayed unready past its deadline; the log tail says why."""
+
+    status = 502
 
 
 class DrainTimeout(HotswapError):

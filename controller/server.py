@@ -134,9 +134,9 @@ async def serve(settings: Settings, demo: bool, demo_dir: Path | None) -> int:
     if not demo:
         return await run_server(settings)
     try:
-        from controller.launcher import demo_models  # only for --demo
+        from controller.demo import demo_models  # only for --demo
     except ImportError as exc:
-        raise CliError(f"--demo needs controller.launcher, which is not available: {exc}") from exc
+        raise CliError(f"--demo needs controller.demo, which is not available: {exc}") from exc
     own = demo_dir is None
     workdir = Path(tempfile.mkdtemp(prefix="hotswap-demo-")) if demo_dir is None else demo_dir
     try:

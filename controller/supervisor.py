@@ -22,13 +22,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from controller.enginespec import EngineSpec
 from controller.errors import HotswapError
-from controller.launcher import EngineProcess, EngineSpec, private_dir, with_engine_sockets
+from controller.launcher import EngineProcess
 from controller.manager import Manager
 from controller.policy import budget_from_info, footprint_from_info, restart_delay
 from controller.record import EngineProcess as Engine
 from controller.record import ModelRecord
 from controller.settings import ModelSettings, Settings
+from controller.sockets import private_dir, with_engine_sockets
 from controller.state import ModelSnapshot, State
 from controller.swap import SwapCoordinator
 from controller.swapmetrics import SwapMetrics

@@ -17,7 +17,9 @@ from typing import Any
 
 import pytest
 
-from controller.launcher import MANDATORY_ENV, EngineProcess, EngineSpec, private_dir, socket_path
+from controller.enginespec import MANDATORY_ENV, EngineSpec
+from controller.launcher import EngineProcess
+from controller.sockets import private_dir, socket_path
 
 for _key, _value in MANDATORY_ENV.items():
     os.environ[_key] = _value

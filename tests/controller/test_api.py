@@ -17,9 +17,9 @@ from fakevllm import FakeVllm
 from prometheus_client import CollectorRegistry
 
 from controller.engine import EngineClient
-from controller.launcher import free_port
 from controller.settings import ModelSettings, Settings, TimeoutSettings
 from controller.sidecar import Sidecar
+from controller.sockets import free_port
 from controller.state import Gate
 
 TOKEN = "s3cret-token"

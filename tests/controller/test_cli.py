@@ -25,9 +25,10 @@ from prometheus_client import CollectorRegistry
 
 from controller import cli, server
 from controller.engine import EngineClient
-from controller.launcher import free_port
+from controller.errors import EngineStartError
 from controller.settings import LogFormat, ModelSettings, Settings, TimeoutSettings
 from controller.sidecar import Sidecar
+from controller.sockets import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -355,20 +356,20 @@ def test_serve_process_answers_and_stops_on_sigterm(tmp_path: Path) -> None:
     assert failed, "the manager's lines carry the model"
 
 
-def test_demo_without_launcher_is_a_clear_error(
+def test_demo_without_its_module_is_a_clear_error(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setitem(sys.modules, "controller.launcher", None)  # import now fails
+    monkeypatch.setitem(sys.modules, "controller.demo", None)  # import now fails
     assert cli.main(["serve", "--demo", "--port", "0"]) == cli.EXIT_USAGE
     err = capsys.readouterr().err
-    assert "--demo needs controller.launcher" in err
+    assert "--demo needs controller.demo" in err
     assert "Traceback" not in err
 
 
 def test_demo_models_replace_configured_ones(monkeypatch: pytest.MonkeyPatch) -> None:
-    """--demo serves the launcher's tiny models under managed mode behind the gateway, with
-    a budget of one awake model and swappable gates."""
-    from controller import launcher
+    """--demo serves the embedded default's tiny models under managed mode behind the
+    gateway, with a budget of one awake model and swappable gates."""
+    from controller import demo as demo_module
 
     seen: dict[str, Any] = {}
     demo = [
@@ -388,7 +389,7 @@ def test_demo_models_replace_configured_ones(monkeypatch: pytest.MonkeyPatch) ->
         seen["log_dir"] = settings.supervisor.log_dir
         return 0
 
-    monkeypatch.setattr(launcher, "demo_models", fake_demo)
+    monkeypatch.setattr(demo_module, "demo_models", fake_demo)
     monkeypatch.setattr(server, "run_server", fake_run)
     settings = serve_settings("--engine", "mine=http://127.0.0.1:8001")
     assert asyncio.run(server.serve(settings, True, Path("demo-dir"))) == 0
@@ -406,12 +407,12 @@ def test_demo_engine_start_failure_is_reported(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
 
-    from controller import launcher
+    from controller import demo
 
     async def broken_demo(workdir: Path) -> list[ModelSettings]:
-        raise launcher.EngineStartError("tiny-a exited with 1: no extension")
+        raise EngineStartError("tiny-a exited with 1: no extension")
 
-    monkeypatch.setattr(launcher, "demo_models", broken_demo)
+    monkeypatch.setattr(demo, "demo_models", broken_demo)
     assert cli.main(["serve", "--demo"]) == cli.EXIT_STARTUP
     err = capsys.readouterr().err
     assert "EngineStartError: tiny-a exited with 1" in err

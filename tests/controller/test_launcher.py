@@ -19,15 +19,10 @@ import httpx
 import pytest
 
 from controller import reaper
-from controller.launcher import (
-    EngineProcess,
-    EngineSpec,
-    EngineStartError,
-    private_dir,
-    process_group,
-    socket_path,
-    socket_peer_pid,
-)
+from controller.enginespec import EngineSpec
+from controller.errors import EngineStartError
+from controller.launcher import EngineProcess
+from controller.sockets import private_dir, process_group, socket_path, socket_peer_pid
 
 # A stand-in engine: answers GET /health on its Unix socket (stdlib only, starts in ~50 ms),
 # and forks a child that sleeps, like vLLM's EngineCore beside its API server. It writes its
@@ -197,7 +192,8 @@ SIDECAR = textwrap.dedent(
     """
     import sys, threading, time
     from pathlib import Path
-    from controller.launcher import EngineProcess, EngineSpec
+    from controller.enginespec import EngineSpec
+    from controller.launcher import EngineProcess
     uds, pids, log = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     spec = EngineSpec(model=Path(), uds=uds, served_model_name="m",
                       command=(sys.executable, "-c", sys.argv[4], str(uds), pids))

@@ -17,8 +17,7 @@ import pytest
 from fakevllm import POOL_BYTES, FakeVllm, wire
 from prometheus_client import CollectorRegistry
 
-from controller.errors import WakeRefused
-from controller.launcher import EngineStartError
+from controller.errors import EngineStartError, WakeRefused
 from controller.manager import Manager
 from controller.settings import ModelSettings, Settings, TimeoutSettings
 from controller.state import Gate, State

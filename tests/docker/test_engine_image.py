@@ -13,7 +13,7 @@ import httpx
 import imagetools
 import pytest
 
-from controller.launcher import free_port
+from controller.sockets import free_port
 
 if TYPE_CHECKING:
     from conftest import Images

@@ -45,7 +45,7 @@ def bound_port(server: uvicorn.Server) -> int:
 
 
 class SidecarThread:
-    """Runs `models_source` (e.g. launcher.demo_engines) and the sidecar app over the models
+    """Runs `models_source` (e.g. controller.demo.demo_engines) and the sidecar app over the models
     it yields, in one event loop on a background thread, like `hotswap serve` does: the
     control API, and the gateway next to it when the settings turn it on."""
 

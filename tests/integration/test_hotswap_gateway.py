@@ -21,7 +21,7 @@ import httpx
 import pytest
 from sidecar_harness import Api, SidecarThread, attached, post
 
-from controller.launcher import EngineSpec, managed_argv
+from controller.enginespec import EngineSpec, managed_argv
 from controller.settings import ModelSettings
 
 pytestmark = pytest.mark.vllm

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from sidecar_harness import Api, Completion, HealthPoller, SidecarThread, complete
 
-from controller.launcher import demo_engines
+from controller.demo import demo_engines
 from controller.settings import ModelSettings
 
 pytestmark = pytest.mark.vllm

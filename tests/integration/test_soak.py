@@ -38,7 +38,7 @@ import httpx
 import pytest
 import yaml
 
-from controller.launcher import EngineSpec, managed_argv
+from controller.enginespec import EngineSpec, managed_argv
 
 pytestmark = pytest.mark.vllm
 
