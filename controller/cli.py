@@ -39,8 +39,9 @@ from controller.errors import (
     HotswapError,
 )
 from controller.logs import configure_logging
+from controller.modelsettings import ModelSettings
 from controller.server import serve
-from controller.settings import LogFormat, ModelSettings, Settings, load_settings
+from controller.settings import LogFormat, Settings, load_settings
 
 __all__ = ["EXIT_OK", "CliError", "build_parser", "main", "parse_engine", "settings_from_args"]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from controller.enginespec import EngineSpec, managed_argv
 from controller.errors import EngineStartError
 from controller.launcher import EngineProcess
-from controller.settings import ModelSettings
+from controller.modelsettings import ModelSettings
 from controller.sockets import private_dir, socket_path
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 from controller.errors import EngineStartError
-from controller.settings import flag_value
+from controller.modelsettings import flag_value
 from controller.sockets import LOOPBACK
 
 EXTENSION_CLS = "worker_ext.HotSwapExtension"

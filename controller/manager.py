@@ -22,10 +22,11 @@ from controller import protocol, steps
 from controller.engine import EngineClient
 from controller.errors import DrainTimeout, EngineError, ModelNotFound, TransitionConflict
 from controller.metrics import Metrics
+from controller.modelsettings import ModelSettings
 from controller.reconciler import Reconciler
 from controller.record import Fleet, ModelRecord
 from controller.runner import AnyStep, PhaseFailed, Run, Runner
-from controller.settings import ModelSettings, Settings, TimeoutSettings
+from controller.settings import Settings, TimeoutSettings
 from controller.state import (
     Action,
     Event,

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from controller.state import ModelSnapshot, Request, State
 
 if TYPE_CHECKING:
-    from controller.settings import ModelSettings
+    from controller.modelsettings import ModelSettings
 
 
 class Changes:

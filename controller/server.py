@@ -22,7 +22,8 @@ from types import FrameType
 import uvicorn
 
 from controller.errors import EXIT_OK, EXIT_STARTUP, CliError
-from controller.settings import ModelSettings, Settings
+from controller.modelsettings import ModelSettings
+from controller.settings import Settings
 from controller.sidecar import Sidecar
 
 log = logging.getLogger("hotswap.server")

@@ -26,10 +26,11 @@ from controller.enginespec import EngineSpec
 from controller.errors import HotswapError
 from controller.launcher import EngineProcess
 from controller.manager import Manager
+from controller.modelsettings import ModelSettings
 from controller.policy import budget_from_info, footprint_from_info, restart_delay
 from controller.record import EngineProcess as Engine
 from controller.record import ModelRecord
-from controller.settings import ModelSettings, Settings
+from controller.settings import Settings
 from controller.sockets import private_dir, with_engine_sockets
 from controller.state import ModelSnapshot, State
 from controller.swap import SwapCoordinator

@@ -22,7 +22,8 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from controller.engine import EngineClient
-from controller.settings import ModelSettings, Settings, TimeoutSettings
+from controller.modelsettings import ModelSettings
+from controller.settings import Settings, TimeoutSettings
 from controller.sidecar import Sidecar
 from controller.supervisor import EngineFactory as ProcessFactory
 

@@ -17,7 +17,8 @@ from fakevllm import FakeVllm
 from prometheus_client import CollectorRegistry
 
 from controller.engine import EngineClient
-from controller.settings import ModelSettings, Settings, TimeoutSettings
+from controller.modelsettings import ModelSettings
+from controller.settings import Settings, TimeoutSettings
 from controller.sidecar import Sidecar
 from controller.sockets import free_port
 from controller.state import Gate

@@ -26,7 +26,8 @@ from prometheus_client import CollectorRegistry
 from controller import cli, server
 from controller.engine import EngineClient
 from controller.errors import EngineStartError
-from controller.settings import LogFormat, ModelSettings, Settings, TimeoutSettings
+from controller.modelsettings import ModelSettings
+from controller.settings import LogFormat, Settings, TimeoutSettings
 from controller.sidecar import Sidecar
 from controller.sockets import free_port
 

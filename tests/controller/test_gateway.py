@@ -22,7 +22,8 @@ from prometheus_client import CollectorRegistry
 
 from controller.errors import DrainTimeout, WakeRefused
 from controller.manager import Manager
-from controller.settings import ModelSettings, Settings, TimeoutSettings
+from controller.modelsettings import ModelSettings
+from controller.settings import Settings, TimeoutSettings
 from controller.state import State
 from controller.swap import SwapCoordinator
 

@@ -32,7 +32,8 @@ from controller.errors import (
 )
 from controller.manager import Manager, ModelManager
 from controller.metrics import Metrics
-from controller.settings import ModelSettings, Settings, TimeoutSettings
+from controller.modelsettings import ModelSettings
+from controller.settings import Settings, TimeoutSettings
 from controller.state import Action, State
 
 

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
+from controller.modelsettings import ModelSettings
 from controller.record import Changes, Fleet
-from controller.settings import ModelSettings
 from controller.state import State
 
 

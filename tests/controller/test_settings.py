@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from controller.settings import ModelSettings, Settings, flag_value, load_settings
+from controller.modelsettings import ModelSettings, flag_value
+from controller.settings import Settings, load_settings
 from controller.state import Gate
 
 

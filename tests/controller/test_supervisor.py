@@ -19,7 +19,8 @@ from prometheus_client import CollectorRegistry
 
 from controller.errors import EngineStartError, WakeRefused
 from controller.manager import Manager
-from controller.settings import ModelSettings, Settings, TimeoutSettings
+from controller.modelsettings import ModelSettings
+from controller.settings import Settings, TimeoutSettings
 from controller.state import Gate, State
 from controller.supervisor import Supervisor
 from controller.swap import SwapCoordinator

@@ -22,7 +22,8 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller.launcher import EngineProcess
-from controller.settings import ModelSettings, Settings
+from controller.modelsettings import ModelSettings
+from controller.settings import Settings
 from controller.sidecar import Sidecar
 
 ModelsSource = Callable[[], AbstractAsyncContextManager[list[ModelSettings]]]

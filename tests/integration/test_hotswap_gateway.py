@@ -22,7 +22,7 @@ import pytest
 from sidecar_harness import Api, SidecarThread, attached, post
 
 from controller.enginespec import EngineSpec, managed_argv
-from controller.settings import ModelSettings
+from controller.modelsettings import ModelSettings
 
 pytestmark = pytest.mark.vllm
 

@@ -20,7 +20,7 @@ import pytest
 from sidecar_harness import Api, Completion, HealthPoller, SidecarThread, complete
 
 from controller.demo import demo_engines
-from controller.settings import ModelSettings
+from controller.modelsettings import ModelSettings
 
 pytestmark = pytest.mark.vllm
 
