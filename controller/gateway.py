@@ -4,11 +4,10 @@ Only three paths exist: POST /v1/completions, POST /v1/chat/completions (streami
 through byte for byte) and GET /v1/models. Nothing else is forwarded, so no request to the
 gateway ever reaches an engine's dev endpoints (/collective_rpc, /sleep, /pause, ...).
 
-A request for a model that is not RUNNING (or whose admission is closed because it is being
-put to sleep) is held in a bounded per-model queue while the swap coordinator wakes it:
-429 when the queue is full, 503 with Retry-After when the wake fails or does not finish in
-time. Admitted requests are counted in flight per model, so a drain=wait sleep waits for
-them. Served on its own port by the same process as the control API.
+A request is checked (token, body, `model`), admitted by `controller.admission` (at once
+when its model is RUNNING, else held while the swap coordinator wakes it), forwarded to
+its engine, and counted in flight until its answer ends, so a drain=wait sleep waits for
+it. Served on its own port by the same process as the control API.
 """
 
 from __future__ import annotations
@@ -26,17 +25,15 @@ import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive
 
+from controller.admission import Admission
 from controller.engine import engine_transport
-from controller.errors import HotswapError, ModelNotFound, Refusal, WakeRefused
+from controller.errors import ModelNotFound, Refusal
 from controller.guard import Guard, Refused, bearer_ok
 from controller.manager import Manager
 from controller.openapi import document, gateway_table
-from controller.record import ModelRecord
 from controller.settings import Settings
-from controller.state import State
-from controller.swap import SwapCoordinator, SwapResult
+from controller.swap import SwapCoordinator
 from controller.swapmetrics import SwapMetrics
 
 log = logging.getLogger("hotswap.gateway")
@@ -80,7 +77,8 @@ _ERROR_TYPES = {
 
 
 class Gateway:
-    """Admission, holding and forwarding; one per process, owned by the gateway app."""
+    """Auth, parsing and forwarding of /v1 requests (admission is `controller.admission`'s);
+    one per process, owned by the gateway app."""
 
     def __init__(
         self,
@@ -94,11 +92,9 @@ class Gateway:
     ) -> None:
         self.settings = settings
         self.cfg = settings.gateway
-        self.manager = manager
-        self.coordinator = coordinator
         self.fleet = manager.fleet
         self.metrics = metrics
-        self._mono = monotonic
+        self.admission = Admission(settings.gateway, manager, coordinator, metrics, monotonic)
         # The bearer token every request is checked against (None: the gateway is open).
         token = settings.auth.token if settings.auth.guard_gateway else None
         self._token = token.get_secret_value().encode() if token is not None else None
@@ -115,7 +111,7 @@ class Gateway:
         }
 
     async def aclose(self) -> None:
-        await self.manager.tasks.cancel(*(r.gateway_wake for r in self.fleet.values()))
+        await self.admission.aclose()
         await asyncio.gather(*(c.aclose() for c in self.clients.values()))
 
     # ---- auth and parsing ------------------------------------------------------------------
@@ -125,144 +121,6 @@ class Gateway:
             request.headers.get("authorization"), self._token
         ):
             raise Refusal(401, "unauthorized", "a valid bearer token is required")
-
-    # ---- admission -------------------------------------------------------------------------
-
-    @staticmethod
-    def _admissible(rec: ModelRecord) -> bool:
-        return rec.snapshot.ready and not rec.lane.closed  # RUNNING and verified only
-
-    def _set_held(self, rec: ModelRecord, delta: int) -> None:
-        rec.lane.held += delta
-        self.metrics.queue_depth(rec.name, rec.lane.held)
-
-    async def admit(self, name: str, receive: Receive | None = None) -> float:
-        """Count the request in flight once its model is RUNNING; returns seconds held.
-
-        `receive` (the request's): a client that disconnects while held gives its queue slot
-        back at once and starts no wake (Refusal 499, counted as `client_gone`)."""
-        self.coordinator.touch(name)
-        rec = self.fleet[name]
-        if self._admissible(rec):
-            rec.lane.enter()
-            return 0.0
-        gone = asyncio.ensure_future(_disconnected(receive)) if receive is not None else None
-        try:
-            return await self._queue(rec, gone)
-        finally:
-            if gone is not None:
-                gone.cancel()
-
-    async def _queue(self, rec: ModelRecord, gone: asyncio.Future[None] | None) -> float:
-        name, lane = rec.name, rec.lane
-        if lane.held >= self.cfg.queue_size:
-            raise Refusal(
-                429,
-                "queue_full",
-                f"{self.cfg.queue_size} requests already wait for {name} to wake",
-                retry_after_s=self.cfg.retry_after_s,
-            )
-        self._set_held(rec, +1)
-        t0 = self._mono()
-        ticket = lane.ticket()
-        try:
-            await self._hold(rec, ticket, t0 + self.cfg.hold_timeout_s, gone)
-        except BaseException:
-            if lane.forget(ticket):
-                lane.leave()  # admitted just as it gave up: uncount it
-            raise
-        finally:
-            self._set_held(rec, -1)
-        if not lane.forget(ticket):
-            lane.enter()  # admitted by its own look at the state, not handed over
-        held = self._mono() - t0
-        self.metrics.hold(name, held)
-        return held
-
-    async def _hold(
-        self,
-        rec: ModelRecord,
-        ticket: asyncio.Future[None],
-        deadline: float,
-        gone: asyncio.Future[None] | None = None,
-    ) -> None:
-        """Return when admitted; Refusal (503) when the model's wake fails or is late, 499
-        as soon as the client has disconnected (before any wake is started for it). Waits
-        on the ticket, the wake, the record's changes and the client: nothing polls."""
-        name = rec.name
-        seen: set[asyncio.Task[SwapResult]] = set()  # wakes that ran while this one waited
-        if gone is not None:
-            await asyncio.sleep(0)  # a client already gone says so at its first receive
-        while not ticket.done() and not self._admissible(rec):
-            if gone is not None and gone.done():
-                raise Refusal(499, "client_gone", f"the client left while {name} was woken")
-            now = self._mono()
-            if now >= deadline:
-                raise Refusal(
-                    503,
-                    "wake_timeout",
-                    f"{name} did not become RUNNING within {self.cfg.hold_timeout_s:g} s "
-                    f"(state {rec.state.value})",
-                    retry_after_s=self.cfg.retry_after_s,
-                )
-            snap = rec.snapshot
-            if snap.state in (State.FAILED, State.STOPPED):
-                raise Refusal(
-                    503,
-                    "wake_failed",
-                    f"{name} is {snap.state.value}: {snap.last_error or 'engine not running'}",
-                    retry_after_s=self.cfg.retry_after_s,
-                )
-            task = rec.gateway_wake
-            if task is not None and task.done():
-                rec.gateway_wake = None
-                if task in seen:  # an older request's wake that ended before: not ours to judge
-                    self._judge(rec, task)
-                task = None
-            wakeable = snap.state is State.SUSPENDED and not rec.lane.closed
-            until = deadline
-            if task is None and wakeable:
-                if now >= rec.retry_at:
-                    task = self.manager.tasks.spawn(
-                        self.coordinator.wake(name), name=f"gateway-wake-{name}"
-                    )
-                    rec.gateway_wake = task
-                else:
-                    until = min(deadline, rec.retry_at)  # a refusal said when to ask again
-            if task is not None:
-                seen.add(task)
-            # Our wake in flight hands the ticket over itself (before any eviction can plan):
-            # wait for it; otherwise for any change of the model's record.
-            changed = rec.changes.next()
-            waits: set[asyncio.Future[Any]] = {ticket, changed if task is None else task}
-            if gone is not None:
-                waits.add(gone)
-            try:
-                await asyncio.wait(
-                    waits, timeout=max(0.0, until - now), return_when=asyncio.FIRST_COMPLETED
-                )
-            finally:
-                changed.cancel()
-
-    def _judge(self, rec: ModelRecord, task: asyncio.Task[SwapResult]) -> None:
-        """A finished wake: fine, retry later (a refusal that passes), or give up (503)."""
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if exc is None:
-            return
-        if isinstance(exc, WakeRefused) and exc.retry_after_s is not None:
-            rec.retry_at = self._mono() + exc.retry_after_s
-            return
-        message = exc.message if isinstance(exc, HotswapError) else str(exc)
-        detail = {"plan": exc.plan} if isinstance(exc, WakeRefused) else {}
-        raise Refusal(
-            503,
-            "wake_failed",
-            f"waking {rec.name} failed: {message}",
-            retry_after_s=self.cfg.retry_after_s,
-            detail=detail,
-        )
 
     # ---- forwarding ------------------------------------------------------------------------
 
@@ -286,7 +144,7 @@ class Gateway:
                 raise Refusal(400, None, "`stream` must be true or false")
             if name not in self.fleet:
                 raise Refusal(404, "unknown_model", f"The model `{name}` does not exist.")
-            held = await self.admit(name, request.receive)
+            held = await self.admission.admit(name, request.receive)
         except Refusal as refusal:
             if refusal.reason is not None:
                 self.metrics.refused(label, refusal.reason)
@@ -321,7 +179,7 @@ class Gateway:
             resp = await client.send(req, stream=stream)
         except httpx.HTTPError as exc:
             left()
-            # Its engine died or restarts (the supervisor sees it within a poll): retry later.
+            # Its engine died or restarts (the supervisor restarts it): retry later.
             self.metrics.request(name, 503)
             self.metrics.refused(name, "engine_unavailable")
             log.warning("%s: forwarding %s failed: %s", name, path, exc, extra={"model": name})
@@ -378,12 +236,6 @@ class _Once:
         fn, self._fn = self._fn, None
         if fn is not None:
             fn()
-
-
-async def _disconnected(receive: Receive) -> None:
-    """Return once the client has disconnected (the body has been read already)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 def create_gateway(gw: Gateway) -> FastAPI:
