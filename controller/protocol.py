@@ -23,6 +23,7 @@ drain (`/pause?clear_cache=true` does that) and runs the RPC steps as they are.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, Self, TypeVar
@@ -158,6 +159,74 @@ class InfoReport(RankReport):
             ),
             "level": level if isinstance(level, int) and not isinstance(level, bool) else None,
         }
+
+
+class Phase(enum.StrEnum):
+    """A rank's own phase, as `hotswap_info` reports it (docs/contracts.md §1.1)."""
+
+    AWAKE_VERIFIED = "awake_verified"
+    SUSPENDED = "suspended"
+    RESUMED_UNVERIFIED = "resumed_unverified"
+    FAILED = "failed"
+    UNREPORTED = "unreported"  # no or an unknown `phase` key: not an extension we can trust
+
+
+@dataclass(frozen=True)
+class RankView:
+    """One rank's `hotswap_info` answer, reduced to what reconciliation reads (the rank's
+    phase and the signs of its process; `InfoReport` is the same answer's pools)."""
+
+    rank: int
+    ok: bool = True
+    phase: Phase = Phase.AWAKE_VERIFIED
+    level: int | None = None
+    tags: tuple[str, ...] = ()
+    reason: str | None = None
+    transitions: int = 0
+    verified_transition: int = 0
+    snapshot_held: bool = False
+    boot_id: str | None = None
+    poisoned: bool = False
+    world_size: int | None = None
+    error: str | None = None
+
+    @classmethod
+    def from_info(cls, report: Mapping[str, Any], index: int = 0) -> RankView:
+        """Read one rank's plain dict; anything missing or of the wrong type reads as unknown."""
+
+        def opt_int(key: str) -> int | None:
+            v = report.get(key)
+            return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+        raw_phase = report.get("phase")
+        try:
+            phase = Phase(raw_phase) if isinstance(raw_phase, str) else Phase.UNREPORTED
+        except ValueError:
+            phase = Phase.UNREPORTED
+        tags = report.get("phase_tags")
+        rank = opt_int("rank")
+        boot = report.get("boot_id")
+        reason = report.get("phase_reason")
+        error = report.get("error")
+        return cls(
+            rank=index if rank is None or rank < 0 else rank,
+            ok=report.get("ok") is True,
+            phase=phase,
+            level=opt_int("phase_level"),
+            tags=tuple(sorted(str(t) for t in tags)) if isinstance(tags, list | tuple) else (),
+            reason=str(reason) if reason is not None else None,
+            transitions=opt_int("transitions") or 0,
+            verified_transition=opt_int("verified_transition") or 0,
+            snapshot_held=report.get("snapshot_held") is True,
+            boot_id=str(boot) if isinstance(boot, str) and boot else None,
+            poisoned=report.get("poisoned") is True,
+            world_size=opt_int("world_size"),
+            error=str(error) if error is not None else None,
+        )
+
+
+def ranks_from_info(reports: Sequence[Mapping[str, Any]]) -> tuple[RankView, ...]:
+    return tuple(RankView.from_info(r, i) for i, r in enumerate(reports))
 
 
 R = TypeVar("R", bound=RankReport)

@@ -3,8 +3,9 @@
 Pure: no I/O, no asyncio, no clocks. The controller's state is a cache of what the ranks
 hold; this module is the only place that turns what was read back from an engine (is it
 reachable, `/health`, `/is_paused`, a non-RPC sign of which process answers, and every
-rank's `hotswap_info`) into a state. It is run at start-up, after any failed step, and
-periodically for attached engines in every state; the caller does the I/O and the action.
+rank's `hotswap_info`, read as `controller.protocol.RankView`s) into a state. It is run at
+start-up, after any failed step, and periodically for attached engines in every state; the
+caller does the I/O and the action.
 
 The rules are tried in order and the first that matches decides (`RULES`, mirrored in
 docs/contracts.md §2.1 and checked against it by the tests). Invariants the table tests
@@ -20,21 +21,12 @@ hold over every combination of inputs:
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from controller.protocol import Phase, RankView
 from controller.state import State
-
-
-class Phase(enum.StrEnum):
-    """A rank's own phase, as `hotswap_info` reports it (docs/contracts.md §1.1)."""
-
-    AWAKE_VERIFIED = "awake_verified"
-    SUSPENDED = "suspended"
-    RESUMED_UNVERIFIED = "resumed_unverified"
-    FAILED = "failed"
-    UNREPORTED = "unreported"  # no or an unknown `phase` key: not an extension we can trust
 
 
 class Do(enum.StrEnum):
@@ -44,63 +36,6 @@ class Do(enum.StrEnum):
     PROBE = "probe"  # ask every rank: `hotswap_info`, then reconcile again with its answer
     RESUME_ENGINE = "resume_engine"  # `/resume`, check `/is_paused`, warm up: then RUNNING
     FINISH_WAKE = "finish_wake"  # [level 2: reload], restore_and_verify, /resume, warm-up
-
-
-@dataclass(frozen=True)
-class RankView:
-    """One rank's `hotswap_info` answer, reduced to what reconciliation reads."""
-
-    rank: int
-    ok: bool = True
-    phase: Phase = Phase.AWAKE_VERIFIED
-    level: int | None = None
-    tags: tuple[str, ...] = ()
-    reason: str | None = None
-    transitions: int = 0
-    verified_transition: int = 0
-    snapshot_held: bool = False
-    boot_id: str | None = None
-    poisoned: bool = False
-    world_size: int | None = None
-    error: str | None = None
-
-    @classmethod
-    def from_info(cls, report: Mapping[str, Any], index: int = 0) -> RankView:
-        """Read one rank's plain dict; anything missing or of the wrong type reads as unknown."""
-
-        def opt_int(key: str) -> int | None:
-            v = report.get(key)
-            return v if isinstance(v, int) and not isinstance(v, bool) else None
-
-        raw_phase = report.get("phase")
-        try:
-            phase = Phase(raw_phase) if isinstance(raw_phase, str) else Phase.UNREPORTED
-        except ValueError:
-            phase = Phase.UNREPORTED
-        tags = report.get("phase_tags")
-        rank = opt_int("rank")
-        boot = report.get("boot_id")
-        reason = report.get("phase_reason")
-        error = report.get("error")
-        return cls(
-            rank=index if rank is None or rank < 0 else rank,
-            ok=report.get("ok") is True,
-            phase=phase,
-            level=opt_int("phase_level"),
-            tags=tuple(sorted(str(t) for t in tags)) if isinstance(tags, list | tuple) else (),
-            reason=str(reason) if reason is not None else None,
-            transitions=opt_int("transitions") or 0,
-            verified_transition=opt_int("verified_transition") or 0,
-            snapshot_held=report.get("snapshot_held") is True,
-            boot_id=str(boot) if isinstance(boot, str) and boot else None,
-            poisoned=report.get("poisoned") is True,
-            world_size=opt_int("world_size"),
-            error=str(error) if error is not None else None,
-        )
-
-
-def ranks_from_info(reports: Sequence[Mapping[str, Any]]) -> tuple[RankView, ...]:
-    return tuple(RankView.from_info(r, i) for i, r in enumerate(reports))
 
 
 @dataclass(frozen=True)

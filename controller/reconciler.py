@@ -18,7 +18,8 @@ import logging
 from controller import protocol, steps
 from controller.engine import EngineClient, RankError
 from controller.errors import EngineError
-from controller.reconcile import Do, Memory, Observation, Verdict, ranks_from_info, reconcile
+from controller.protocol import ranks_from_info
+from controller.reconcile import Do, Memory, Observation, Verdict, reconcile
 from controller.record import ModelRecord
 from controller.runner import AnyStep, PhaseFailed, Run, Runner
 from controller.settings import TimeoutSettings

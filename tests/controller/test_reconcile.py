@@ -11,15 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from controller.protocol import Phase, RankView, ranks_from_info
 from controller.reconcile import (
     RULES,
     Do,
     Memory,
     Observation,
-    Phase,
-    RankView,
     Verdict,
-    ranks_from_info,
     reconcile,
     rules_table,
 )
