@@ -128,10 +128,13 @@ def gpu_engine(
     tensor_parallel_size: int = 1,
     dummy: bool = False,
     max_model_len: int = 2048,
+    eager: bool = True,
+    env: Mapping[str, str] | None = None,
 ) -> EngineSpec:
-    """A CUDA vLLM OpenAI server with sleep mode and the extension, bf16, eager, token ids
-    only; `dummy`: random weights (no checkpoint read)."""
-    return EngineSpec(
+    """A CUDA vLLM OpenAI server with sleep mode and the extension, bf16, token ids only;
+    `dummy`: random weights (no checkpoint read); `eager` False: vLLM's default compile and
+    CUDA-graph capture (the launcher's argv without `--enforce-eager`)."""
+    spec = EngineSpec(
         model=Path(model),
         port=port,
         served_model_name=name,
@@ -146,7 +149,12 @@ def gpu_engine(
         dtype="bfloat16",
         load_format="dummy" if dummy else None,
         max_num_seqs=8,
+        extra_env=dict(env or {}),
     )
+    if eager:
+        return spec
+    argv = [a for a in spec.argv() if a != "--enforce-eager"]
+    return EngineSpec.from_command(name, argv, port, dict(env or {}))
 
 
 def sidecar(

@@ -1,21 +1,28 @@
-"""Whole level-1 wake through the sidecar on one GPU, next to vLLM's own wake + warm-up.
+"""Whole level-1 sleep and wake through the sidecar on one GPU, next to raw vLLM's.
 
-    python3 -m benchmarks.sidecar [--shape llama3-8b] [--cycles 2] [--budget-s 420]
+    python3 -m benchmarks.sidecar [--shape llama3-8b] [--cycles 3] [--graphs 1]
+                                  [--ttft-tokens 1000] [--budget-s 420]
 
-Runs on the lent device after the vLLM bundle, with the sidecar's
-extra wheels on PYTHONPATH. Two vLLM 0.26 HTTP servers, one after the other, same flags
-(Llama-3-8B shape config, dummy bf16 weights, eager, max_model_len 2048, util 0.45,
---skip-tokenizer-init, sleep mode, the worker extension, VLLM_SERVER_DEV_MODE=1, 127.0.0.1,
-own process group):
+Runs on the lent device after the vLLM bundle, with the sidecar's extra wheels on
+PYTHONPATH. First the pinned-copy bandwidth (torch, this process: the bound is weights
+bytes / bandwidth), then two vLLM 0.26 HTTP servers, one after the other, same flags
+(the shape's config, dummy bf16 weights, max_model_len 2048, the shape's utilization,
+--skip-tokenizer-init, sleep mode, the worker extension, VLLM_SERVER_DEV_MODE=1,
+127.0.0.1, own process group; `--graphs 1`: vLLM's default compile and CUDA-graph capture,
+`0`: --enforce-eager):
 
-1. ours: `python -m controller serve --engine llama=URL`; per cycle POST
-   /models/llama/sleep {"level": 1}, then POST /models/llama/wake while /health is polled
-   every 5 ms: wall time POST -> first /health 200 and the wake's phase breakdown (resume,
-   restore+verify, /resume, 1-token warm-up) from the response.
-2. raw (a fresh server, so vLLM's sleep never meets our backend on one engine): per cycle
-   POST /sleep?level=1, POST /wake_up, then the controller's warm-up completion, timed.
+1. ours: `python -m controller serve --engine llama=URL`; three first-token requests
+   (`--ttft-tokens` distinct prompt tokens, 1 token out) on the never-slept engine; per
+   cycle POST /models/llama/sleep {"level": 1} (its phases and the ranks' own step timings
+   kept), 1 s asleep, then POST /models/llama/wake while /health is polled every 2 ms:
+   the seconds from the POST's send to its answer and to the first /health 200 (both
+   clients connected before the clock starts), the wake's phases, then the first request
+   after the wake (same prompt length, a prompt never seen: no prefix-cache hit).
+2. raw (a fresh server, so vLLM's sleep never meets our backend on one engine): the same
+   first-token requests, then per cycle POST /sleep?level=1, 1 s asleep, POST /wake_up,
+   the controller's warm-up completion, then the first request.
 
-Prints two tables and writes one JSON line to $OUT/sidecar.jsonl.
+Prints tables and writes one JSON line to $OUT/sidecar.jsonl.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import tempfile
 import threading
@@ -32,7 +40,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.common import UTIL, free_port, gpu_engine, logger, sidecar, write_config
+from benchmarks.common import GB, UTIL, free_port, gpu_engine, logger, sidecar, write_config
 from controller.enginespec import EngineSpec
 from controller.launcher import EngineProcess
 
@@ -40,10 +48,13 @@ T0 = time.monotonic()
 log = logger("sidecar")
 
 WARMUP = {"model": "llama", "prompt": [1, 2, 3, 4], "max_tokens": 1, "temperature": 0}
+ASLEEP_S = 1.0
+_rng = random.Random(0)
 
 
 def launch(spec: EngineSpec, name: str) -> EngineProcess:
-    proc = EngineProcess(spec, Path(tempfile.gettempdir()) / f"bench-sidecar-{name}.log")
+    out = Path(os.environ.get("OUT", tempfile.gettempdir()))
+    proc = EngineProcess(spec, out / f"bench-sidecar-{name}.log")
     proc.start()
     log(f"started {name} pid {proc.pid}: {' '.join(spec.argv())}")
     return proc
@@ -54,14 +65,75 @@ def wait_up(proc: EngineProcess, deadline: float) -> float:
     return proc.wait_ready(timeout_s=max(1.0, deadline - time.monotonic()))
 
 
-def start_vllm(model: str, port: int, shape: str) -> EngineProcess:
-    spec = gpu_engine(model, port, "llama", util=UTIL[shape], dummy=True)
+def start_vllm(model: str, port: int, shape: str, graphs: bool) -> EngineProcess:
+    spec = gpu_engine(model, port, "llama", util=UTIL[shape], dummy=True, eager=not graphs)
     return launch(spec, f"vllm-{port}")
 
 
-def ours(model: str, shape: str, cycles: int, deadline: float) -> dict[str, Any]:
+def first_token(c: httpx.Client, n_tokens: int, model: str = "llama") -> float:
+    """Seconds of one completion of a fresh `n_tokens`-token prompt, one token out."""
+    prompt = [_rng.randrange(10, 30000) for _ in range(n_tokens)]
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    t = time.monotonic()
+    r = c.post("/v1/completions", json=body)
+    s = time.monotonic() - t
+    r.raise_for_status()
+    return s
+
+
+def phases_of(tr: dict[str, Any]) -> dict[str, float]:
+    return {p["name"]: p["duration_s"] for p in tr.get("phases", [])}
+
+
+def rank_detail(tr: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0's own timings per phase (elapsed, and the extension's `timings`)."""
+    out: dict[str, Any] = {}
+    for p in tr.get("phases", []):
+        ranks = p.get("ranks") or []
+        if ranks:
+            r = ranks[0]
+            out[p["name"]] = {"elapsed_s": r.get("elapsed_s"), "timings": r.get("timings")}
+    return out
+
+
+def timed_wake(base: str, post: Any) -> dict[str, Any]:
+    """POST the wake on a connected client in a thread while /health is polled; seconds
+    from the POST's send to its answer and to the first /health 200."""
+    box: dict[str, Any] = {}
+    sent = threading.Event()
+    with httpx.Client(base_url=base, timeout=300.0) as w, httpx.Client(
+        base_url=base, timeout=5.0
+    ) as h:
+        w.get("/livez")  # both connected before the clock starts
+        h.get("/health")
+
+        def wake() -> None:
+            box["t_sent"] = time.monotonic()
+            sent.set()
+            resp = post(w)
+            box["t_answer"] = time.monotonic()
+            box["status"] = resp.status_code
+            box["body"] = resp.json()
+
+        th = threading.Thread(target=wake)
+        th.start()
+        sent.wait(10)
+        t_health = None
+        while time.monotonic() - box["t_sent"] < 120:
+            if h.get("/health").status_code == 200:
+                t_health = time.monotonic()
+                break
+            time.sleep(0.002)
+        th.join(300)
+    t0 = box["t_sent"]
+    box["answer_s"] = box["t_answer"] - t0
+    box["health_s"] = None if t_health is None else t_health - t0
+    return box
+
+
+def ours(model: str, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     port, cport = free_port(), free_port()
-    server = start_vllm(model, port, shape)
+    server = start_vllm(model, port, args.shape, args.graphs)
     side: EngineProcess | None = None
     res: dict[str, Any] = {"cycles": []}
     try:
@@ -71,63 +143,53 @@ def ours(model: str, shape: str, cycles: int, deadline: float) -> dict[str, Any]
         base = side.base_url
         res["sidecar_start_s"] = wait_up(side, deadline)
         log(f"sidecar ready after {res['sidecar_start_s']:.1f} s")
-        with httpx.Client(base_url=base, timeout=300.0) as c:
-            time.sleep(3.0)  # the extension pins its host buffer in the background
-            info = c.get("/models/llama").json()
-            log("model", info.get("state"), info.get("ready"))
-            for i in range(cycles):
+        with httpx.Client(base_url=base, timeout=300.0) as c, httpx.Client(
+            base_url=server.base_url, timeout=300.0
+        ) as e:
+            e.post("/v1/completions", json=WARMUP).raise_for_status()
+            res["ttft_never_slept_s"] = [first_token(e, args.ttft_tokens) for _ in range(3)]
+            log("ttft never slept", res["ttft_never_slept_s"])
+            time.sleep(max(0.0, 3.0 - (time.monotonic() - T0)))  # the host buffer pins early
+            for i in range(args.cycles):
+                if time.monotonic() > deadline - 20:
+                    log("out of time after", i, "cycles")
+                    break
                 t = time.monotonic()
                 r = c.post("/models/llama/sleep", json={"level": 1})
                 sleep_s = time.monotonic() - t
                 if r.status_code != 200:
                     raise RuntimeError(f"sleep {r.status_code}: {r.text[:2000]}")
+                sleep_tr = r.json().get("transition") or {}
                 health_503 = c.get("/health").status_code
-                box: dict[str, Any] = {}
-
-                def wake(box: dict[str, Any] = box) -> None:
-                    with httpx.Client(base_url=base, timeout=300.0) as w:
-                        t1 = time.monotonic()
-                        resp = w.post("/models/llama/wake")
-                        box["answer_s"] = time.monotonic() - t1
-                        box["status"] = resp.status_code
-                        box["body"] = resp.json()
-
-                th = threading.Thread(target=wake)
-                health_s = None
-                # the poll client exists and has connected before the clock starts (measured:
-                # up to 1 s for a new client's first request on a busy 2-core machine)
-                with httpx.Client(base_url=base, timeout=5.0) as h:
-                    h.get("/health")  # its first request sets the connection up: not timed
-                    t = time.monotonic()
-                    th.start()
-                    while time.monotonic() - t < 120:
-                        if h.get("/health").status_code == 200:
-                            health_s = time.monotonic() - t
-                            break
-                        time.sleep(0.005)
-                th.join(300)
+                time.sleep(ASLEEP_S)
+                box = timed_wake(base, lambda w: w.post("/models/llama/wake"))
                 body = box.get("body") or {}
                 if box.get("status") != 200:
                     raise RuntimeError(f"wake {box.get('status')}: {json.dumps(body)[:2000]}")
+                ttft = first_token(e, args.ttft_tokens)
+                ttft2 = first_token(e, args.ttft_tokens)
                 tr = body.get("transition") or {}
-                phases = {p["name"]: p["duration_s"] for p in tr.get("phases", [])}
-                sleep_tr = r.json().get("transition") or {}
                 cyc = {
                     "sleep_post_s": sleep_s,
-                    "sleep_phases": {
-                        p["name"]: p["duration_s"] for p in sleep_tr.get("phases", [])
-                    },
+                    "sleep_transition_s": sleep_tr.get("duration_s"),
+                    "sleep_phases": phases_of(sleep_tr),
+                    "sleep_ranks": rank_detail(sleep_tr),
+                    "freed_bytes": next(
+                        (
+                            p["detail"].get("freed_bytes")
+                            for p in sleep_tr.get("phases", [])
+                            if "freed_bytes" in (p.get("detail") or {})
+                        ),
+                        None,
+                    ),
                     "health_after_sleep": health_503,
                     "wake_post_s": box["answer_s"],
-                    "post_to_health_200_s": health_s,
+                    "post_to_health_200_s": box["health_s"],
                     "wake_transition_s": tr.get("duration_s"),
-                    "wake_phases": phases,
-                    "verify_ranks": [
-                        {k: p2.get(k) for k in ("verified", "mismatched", "elapsed_s")}
-                        for p in tr.get("phases", [])
-                        if p["name"] == "restore_and_verify"
-                        for p2 in (p.get("ranks") or [])
-                    ],
+                    "wake_phases": phases_of(tr),
+                    "wake_ranks": rank_detail(tr),
+                    "ttft_after_wake_s": ttft,
+                    "ttft_second_s": ttft2,
                 }
                 res["cycles"].append(cyc)
                 log(f"ours cycle {i + 1}", json.dumps(cyc))
@@ -142,9 +204,9 @@ def ours(model: str, shape: str, cycles: int, deadline: float) -> dict[str, Any]
     return res
 
 
-def raw(model: str, shape: str, cycles: int, deadline: float) -> dict[str, Any]:
+def raw(model: str, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     port = free_port()
-    server = start_vllm(model, port, shape)
+    server = start_vllm(model, port, args.shape, args.graphs)
     res: dict[str, Any] = {"cycles": []}
     try:
         base = server.base_url
@@ -152,22 +214,29 @@ def raw(model: str, shape: str, cycles: int, deadline: float) -> dict[str, Any]:
         log(f"vLLM (raw) healthy after {res['server_start_s']:.1f} s")
         with httpx.Client(base_url=base, timeout=300.0) as c:
             c.post("/v1/completions", json=WARMUP).raise_for_status()
-            for i in range(cycles):
+            res["ttft_never_slept_s"] = [first_token(c, args.ttft_tokens) for _ in range(3)]
+            for i in range(args.cycles):
+                if time.monotonic() > deadline - 20:
+                    log("out of time after", i, "raw cycles")
+                    break
                 t = time.monotonic()
                 c.post("/sleep", params={"level": 1}).raise_for_status()
                 sleep_s = time.monotonic() - t
+                time.sleep(ASLEEP_S)
                 t = time.monotonic()
                 c.post("/wake_up").raise_for_status()
                 wake_s = time.monotonic() - t
                 t1 = time.monotonic()
-                r = c.post("/v1/completions", json=WARMUP)
-                r.raise_for_status()
+                c.post("/v1/completions", json=WARMUP).raise_for_status()
                 warm_s = time.monotonic() - t1
+                total = time.monotonic() - t
+                ttft = first_token(c, args.ttft_tokens)
                 cyc = {
                     "sleep_s": sleep_s,
                     "wake_up_s": wake_s,
                     "warmup_s": warm_s,
-                    "wake_plus_warmup_s": time.monotonic() - t,
+                    "wake_plus_warmup_s": total,
+                    "ttft_after_wake_s": ttft,
                 }
                 res["cycles"].append(cyc)
                 log(f"raw cycle {i + 1}", json.dumps(cyc))
@@ -179,57 +248,114 @@ def raw(model: str, shape: str, cycles: int, deadline: float) -> dict[str, Any]:
 
 
 PHASES = ("resume_weights", "resume_kv_cache", "restore_and_verify", "resume_engine", "warmup")
+SLEEP_PHASES = ("drain", "quiesce", "prepare", "suspend")
+
+
+def f3(v: Any) -> str:
+    return f"{v:.3f}" if isinstance(v, int | float) else "-"
+
+
+def f4(v: Any) -> str:
+    return f"{v:.4f}" if isinstance(v, int | float) else "-"
+
+
+def report(out: dict[str, Any]) -> None:
+    shape = out["shape"]
+    bw = out.get("bandwidth") or {}
+    cyc = (out.get("ours") or {}).get("cycles", [])
+    weights = next((c["freed_bytes"].get("weights") for c in cyc if c.get("freed_bytes")), None)
+    h2d = weights / bw["h2d_Bps"] if weights and bw else None
+    d2h = weights / bw["d2h_Bps"] if weights and bw else None
+    out["weights_bytes"], out["h2d_bound_s"], out["d2h_bound_s"] = weights, h2d, d2h
+    if weights and bw:
+        print(
+            f"\n{shape}: weights {weights / GB:.2f} GB; pinned H2D {bw['h2d_Bps'] / GB:.1f} GB/s,"
+            f" D2H {bw['d2h_Bps'] / GB:.1f} GB/s; H2D bound {h2d:.3f} s, D2H bound {d2h:.3f} s;"
+            f" graphs {out['graphs']}"
+        )
+
+    def x(v: Any, b: Any) -> str:
+        return f"{v / b:.2f}x" if isinstance(v, int | float) and b else "-"
+
+    print(
+        f"\n| {shape}: wake through the sidecar | POST -> answer | POST -> /health 200 | x H2D"
+        f" | {' | '.join(PHASES)} | first token after | 2nd |"
+    )
+    print("|---" * (6 + len(PHASES)) + "|")
+    for i, c in enumerate(cyc):
+        ph = " | ".join(f4(c["wake_phases"].get(p)) for p in PHASES)
+        h = c["post_to_health_200_s"]
+        print(
+            f"| cycle {i + 1} | {f3(c['wake_post_s'])} | {f3(h)} | {x(h, h2d)} | {ph}"
+            f" | {f4(c['ttft_after_wake_s'])} | {f4(c['ttft_second_s'])} |"
+        )
+    print(
+        f"\n| {shape}: sleep through the sidecar | POST | transition | x D2H"
+        f" | {' | '.join(SLEEP_PHASES)} |"
+    )
+    print("|---" * (4 + len(SLEEP_PHASES)) + "|")
+    for i, c in enumerate(cyc):
+        ph = " | ".join(f4(c["sleep_phases"].get(p)) for p in SLEEP_PHASES)
+        t = c["sleep_transition_s"]
+        print(f"| cycle {i + 1} | {f3(c['sleep_post_s'])} | {f3(t)} | {x(t, d2h)} | {ph} |")
+    never = (out.get("ours") or {}).get("ttft_never_slept_s")
+    print(f"\nours: first token, never slept: {never}")
+    rc = (out.get("raw") or {}).get("cycles", [])
+    print(
+        f"\n| {shape}: raw vLLM over HTTP | POST /sleep?level=1 | x D2H | POST /wake_up"
+        " | warm-up | wake + warm-up | x H2D | first token after |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for i, c in enumerate(rc):
+        print(
+            f"| cycle {i + 1} | {f3(c['sleep_s'])} | {x(c['sleep_s'], d2h)} | {f3(c['wake_up_s'])}"
+            f" | {f4(c['warmup_s'])} | {f3(c['wake_plus_warmup_s'])}"
+            f" | {x(c['wake_plus_warmup_s'], h2d)} | {f4(c['ttft_after_wake_s'])} |"
+        )
+    print(f"raw: first token, never slept: {(out.get('raw') or {}).get('ttft_never_slept_s')}")
+    print(flush=True)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama3-8b")
-    ap.add_argument("--cycles", type=int, default=2)
+    ap.add_argument("--cycles", type=int, default=3)
+    ap.add_argument("--graphs", type=int, default=1, help="1: compile + CUDA graphs; 0: eager")
+    ap.add_argument("--ttft-tokens", type=int, default=1000)
+    ap.add_argument("--raw", type=int, default=1, help="0: skip raw vLLM")
     ap.add_argument("--budget-s", type=float, default=420.0)
     args = ap.parse_args()
+    args.graphs = bool(args.graphs)
     deadline = T0 + args.budget_s
+    from benchmarks.wake import bandwidth
+
+    out: dict[str, Any] = {
+        "shape": args.shape,
+        "graphs": args.graphs,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "cmd": " ".join(sys.argv),
+        "bandwidth": bandwidth(),
+    }
     model = write_config(args.shape, tempfile.mkdtemp(prefix=f"{args.shape}-"))
-    out: dict[str, Any] = {"shape": args.shape, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     rc = 0
     try:
-        out["ours"] = ours(model, args.shape, args.cycles, deadline)
+        out["ours"] = ours(model, args, deadline)
     except Exception as exc:
         out["ours_error"] = f"{type(exc).__name__}: {exc}"
         log("ours failed:", out["ours_error"][-3000:])
         rc = 1
+    if args.raw:
+        try:
+            out["raw"] = raw(model, args, deadline)
+        except Exception as exc:
+            out["raw_error"] = f"{type(exc).__name__}: {exc}"
+            log("raw failed:", out["raw_error"][-3000:])
+            rc = 1
     try:
-        out["raw"] = raw(model, args.shape, args.cycles, deadline)
-    except Exception as exc:
-        out["raw_error"] = f"{type(exc).__name__}: {exc}"
-        log("raw failed:", out["raw_error"][-3000:])
+        report(out)
+    except Exception as exc:  # the JSON line is still written
+        log("report failed:", f"{type(exc).__name__}: {exc}")
         rc = 1
-    cols = " | ".join(PHASES)
-    print(
-        f"\n| {args.shape}: through the sidecar | sleep POST | wake POST | POST -> /health 200"
-        f" | {cols} |"
-    )
-    print("|---" * (4 + len(PHASES)) + "|")
-    for i, c in enumerate((out.get("ours") or {}).get("cycles", [])):
-        ph = " | ".join(f"{c['wake_phases'].get(p, float('nan')):.4f} s" for p in PHASES)
-        h = c["post_to_health_200_s"]
-        print(
-            f"| cycle {i + 1} | {c['sleep_post_s']:.3f} s | {c['wake_post_s']:.3f} s"
-            f" | {h:.3f} s | {ph} |"
-            if h is not None
-            else f"| cycle {i + 1} | {c['sleep_post_s']:.3f} s | {c['wake_post_s']:.3f} s"
-            f" | never | {ph} |"
-        )
-    print(
-        f"\n| {args.shape}: raw vLLM over HTTP | POST /sleep?level=1 | POST /wake_up"
-        " | warm-up completion | wake + warm-up |"
-    )
-    print("|---|---|---|---|---|")
-    for i, c in enumerate((out.get("raw") or {}).get("cycles", [])):
-        print(
-            f"| cycle {i + 1} | {c['sleep_s']:.3f} s | {c['wake_up_s']:.3f} s"
-            f" | {c['warmup_s']:.4f} s | {c['wake_plus_warmup_s']:.3f} s |"
-        )
-    print(flush=True)
     with open(os.path.join(os.environ.get("OUT", "."), "sidecar.jsonl"), "a") as f:
         f.write(json.dumps(out, default=str) + "\n")
     return rc
