@@ -101,9 +101,10 @@ def timed_wake(base: str, post: Any) -> dict[str, Any]:
     from the POST's send to its answer and to the first /health 200."""
     box: dict[str, Any] = {}
     sent = threading.Event()
-    with httpx.Client(base_url=base, timeout=300.0) as w, httpx.Client(
-        base_url=base, timeout=5.0
-    ) as h:
+    with (
+        httpx.Client(base_url=base, timeout=300.0) as w,
+        httpx.Client(base_url=base, timeout=5.0) as h,
+    ):
         w.get("/livez")  # both connected before the clock starts
         h.get("/health")
 
@@ -143,9 +144,10 @@ def ours(model: str, args: argparse.Namespace, deadline: float) -> dict[str, Any
         base = side.base_url
         res["sidecar_start_s"] = wait_up(side, deadline)
         log(f"sidecar ready after {res['sidecar_start_s']:.1f} s")
-        with httpx.Client(base_url=base, timeout=300.0) as c, httpx.Client(
-            base_url=server.base_url, timeout=300.0
-        ) as e:
+        with (
+            httpx.Client(base_url=base, timeout=300.0) as c,
+            httpx.Client(base_url=server.base_url, timeout=300.0) as e,
+        ):
             e.post("/v1/completions", json=WARMUP).raise_for_status()
             res["ttft_never_slept_s"] = [first_token(e, args.ttft_tokens) for _ in range(3)]
             log("ttft never slept", res["ttft_never_slept_s"])

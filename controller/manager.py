@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,16 +144,26 @@ class ModelManager:
         level: int | None = None,
         drain: DrainMode = "wait",
         drain_timeout_s: float | None = None,
+        *,
+        kv_released: Callable[[], None] | None = None,
     ) -> Outcome:
-        action, task = self._sleep_task(level, drain, drain_timeout_s)
+        """`kv_released`: suspend the KV cache alone first and call it then, before the
+        weights are suspended (an overlapped swap, controller.swap)."""
+        action, task = self._sleep_task(level, drain, drain_timeout_s, kv_released)
         return await self._await(action, task)
 
-    async def wake(self) -> Outcome:
-        action, task = self._begin(Request.WAKE, self._wake)
+    async def wake(self, *, room: Callable[[], Awaitable[None]] | None = None) -> Outcome:
+        """`room`: awaited after the weights are back and before the KV cache is mapped
+        (an overlapped swap: the evicted model's weights are still leaving the device)."""
+        action, task = self._begin(Request.WAKE, lambda: self._wake(room))
         return await self._await(action, task)
 
     def _sleep_task(
-        self, level: int | None, drain: DrainMode, drain_timeout_s: float | None
+        self,
+        level: int | None,
+        drain: DrainMode,
+        drain_timeout_s: float | None,
+        kv_released: Callable[[], None] | None = None,
     ) -> tuple[Action, asyncio.Task[Outcome] | None]:
         lvl = self.settings.default_level if level is None else level
         if lvl not in (1, 2):
@@ -166,16 +176,23 @@ class ModelManager:
             grace = drain_timeout_s
         if grace < 0:
             raise ValueError("drain_timeout_s must be >= 0")
-        return self._begin(Request.SLEEP, lambda: self._sleep(lvl, drain, grace))
+        return self._begin(Request.SLEEP, lambda: self._sleep(lvl, drain, grace, kv_released))
 
     # ---- the sequences -------------------------------------------------------------------
 
-    async def _sleep(self, level: int, drain: DrainMode, grace: float) -> Outcome:
+    async def _sleep(
+        self,
+        level: int,
+        drain: DrainMode,
+        grace: float,
+        kv_released: Callable[[], None] | None = None,
+    ) -> Outcome:
         run = self.runner.begin("sleep", level, State.RUNNING)
         params = protocol.Params(level=level, quiesce_timeout_s=self.timeouts.quiesce_s)
-        sequence = steps.sleep_sequence(level, drain, grace)
+        sequence = steps.sleep_sequence(level, drain, grace, kv_released)
         await self._guarded(run, sequence, params)
         self.runner.count_bytes(run)
+        self.record.learn_pools(_freed_by_pool(run), "bytes freed at sleep")
         self.record.asleep = None  # every pool the level releases
         rec = self.runner.finish(
             run, Event.SLEEP_DONE, State.SUSPENDED, level=level, last_error=None
@@ -190,11 +207,12 @@ class ModelManager:
         )  # fmt: skip
         return exc
 
-    async def _wake(self) -> Outcome:
+    async def _wake(self, room: Callable[[], Awaitable[None]] | None = None) -> Outcome:
         level = self.record.snapshot.level or 1
         run = self.runner.begin("wake", level, State.SUSPENDED)
         params = protocol.Params(level=level, quiesce_timeout_s=self.timeouts.quiesce_s)
-        await self._guarded(run, steps.wake_sequence(level, self.record.asleep), params)
+        sequence = steps.wake_sequence(level, self.record.asleep, room)
+        await self._guarded(run, sequence, params)
         self.record.asleep = None
         self.runner.count_bytes(run)
         rec = self.runner.finish(
@@ -238,6 +256,7 @@ class ModelManager:
         async with self._lock:
             fresh = self.record.state is State.STARTING
             await self.reconciler.run("start-up", kind="start", fresh=fresh)
+            self.record.learn_pools(_pools_from_info(self.record.snapshot), "hotswap_info pools")
             return self.record.snapshot
 
     def mark_starting(self) -> None:
@@ -313,6 +332,30 @@ class ModelManager:
 _INFO_PASSTHROUGH = protocol.Step(
     "hotswap_info", "hotswap_info", lambda p: (), report=protocol.InfoReport
 )
+
+
+def _freed_by_pool(run: Run) -> dict[str, int]:
+    """The bytes a sleep's suspends freed, by pool, summed over ranks (and over the two
+    suspends of a sleep split by pool)."""
+    reports = [r for rs in run.reports.values() for r in rs]
+    return protocol.sum_by_pool(
+        r.freed_bytes for r in reports if isinstance(r, protocol.SuspendReport)
+    )
+
+
+def _pools_from_info(snap: ModelSnapshot) -> dict[str, int]:
+    """The pools' bytes the start probe's `hotswap_info` reported, summed over ranks."""
+    if snap.last_transition is None:
+        return {}
+    for phase in snap.last_transition.phases:
+        if phase.name == protocol.INFO.phase:
+            pools = [
+                {str(k): int(v) for k, v in p.items() if isinstance(v, int) and v > 0}
+                for r in phase.ranks
+                if isinstance(p := r.get("pools"), dict)
+            ]
+            return protocol.sum_by_pool(pools)
+    return {}
 
 
 def rec_error(m: ModelManager) -> str | None:

@@ -15,6 +15,14 @@ only places the order is written:
     wake:   hotswap_resume(["weights"]) -> [level 2: hotswap_reload()]
             -> hotswap_resume(["kv_cache"]) -> hotswap_restore_and_verify()
 
+A sleep split by pool (`sleep_steps(level, split=True)`, what an overlapped swap runs)
+releases the KV cache first, alone, and the weights after it:
+
+    hotswap_quiesce -> hotswap_prepare -> hotswap_suspend(level, ["kv_cache"])
+        -> hotswap_suspend(level, ["weights"])
+
+so that the model woken in its place can map its weights while these go to the host.
+
 The controller wraps them in its engine-level steps (drain before the sleep's, /resume and
 a warm-up after the wake's); an in-process caller clears the prefix cache instead of the
 drain (`/pause?clear_cache=true` does that) and runs the RPC steps as they are.
@@ -314,6 +322,12 @@ SUSPEND = Step(
     lambda p: (p.level,) if p.tags is None else (p.level, list(p.tags)),
     report=SuspendReport,
 )
+SUSPEND_KV = Step(
+    "suspend_kv_cache", "hotswap_suspend", lambda p: (p.level, ["kv_cache"]), report=SuspendReport
+)
+SUSPEND_WEIGHTS = Step(
+    "suspend_weights", "hotswap_suspend", lambda p: (p.level, ["weights"]), report=SuspendReport
+)
 RESUME_WEIGHTS = Step(
     "resume_weights", "hotswap_resume", lambda p: (["weights"],), report=ResumeReport
 )
@@ -335,9 +349,12 @@ AUDIT = Step("hotswap_audit", "hotswap_audit", lambda p: (p.level, True))
 _POOL_OF = {RESUME_WEIGHTS.phase: "weights", RELOAD.phase: "weights", RESUME_KV.phase: "kv_cache"}
 
 
-def sleep_steps(level: int) -> tuple[Step, ...]:
-    """The RPCs of a sleep at `level`, in order (after the engine is paused, cache cleared)."""
+def sleep_steps(level: int, *, split: bool = False) -> tuple[Step, ...]:
+    """The RPCs of a sleep at `level`, in order (after the engine is paused, cache cleared).
+    `split`: the KV cache released alone first, then the weights (an overlapped swap)."""
     _check_level(level)
+    if split:
+        return (QUIESCE, PREPARE, SUSPEND_KV, SUSPEND_WEIGHTS)
     return (QUIESCE, PREPARE, SUSPEND)
 
 

@@ -15,6 +15,7 @@ future at once (state changes happen in plain methods, which cannot take an asyn
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from controller.state import ModelSnapshot, Request, State
 
 if TYPE_CHECKING:
     from controller.modelsettings import ModelSettings
+
+log = logging.getLogger("hotswap.record")
 
 
 class Changes:
@@ -150,6 +153,9 @@ class ModelRecord:
         # Awake footprint in bytes: configured (never overwritten) or measured.
         self.footprint: int | None = settings.footprint_bytes
         self.footprint_configured = settings.footprint_bytes is not None
+        # Bytes by pool (weights, kv_cache) over every rank, as last measured (hotswap_info
+        # at start, the bytes a sleep freed): what an overlapped swap plans with.
+        self.pools: dict[str, int] = {}
         self.last_used = 0.0  # unix seconds of the last gateway request (0: never)
         self.served_model = settings.served_model_name  # read from /v1/models when None
         # The transition in flight (sleep or wake) and the phase it is in.
@@ -185,6 +191,13 @@ class ModelRecord:
     @property
     def state(self) -> State:
         return self._snapshot.state
+
+    def learn_pools(self, pools: Mapping[str, int], source: str) -> None:
+        """Record the pools' measured bytes (nothing measured: kept as they were)."""
+        known = {**self.pools, **{k: int(v) for k, v in pools.items() if v > 0}}
+        if known != self.pools:
+            log.info("%s: pools %s (%s)", self.name, known, source, extra={"model": self.name})
+            self.pools = known
 
     def in_flight_task(self) -> asyncio.Task[Any] | None:
         t = self.transition

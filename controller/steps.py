@@ -4,6 +4,11 @@ A sleep is `drain` followed by `protocol.sleep_steps(level)`; a wake is
 `protocol.wake_steps(level)` followed by `/resume` and a warm-up; the start-up probe is
 `/health` then `hotswap_info`. Each engine-level step returns its phase's detail.
 
+An overlapped swap (controller.swap) runs the evicted model's sleep split by pool, with a
+`kv_released` step between its two suspends that tells the coordinator the KV cache is
+gone, and the woken model's wake with a `wait_room` step before its KV cache is mapped:
+it waits there until the evicted model's weights are off the device.
+
 Drain, as measured on vLLM 0.32 (docs/contracts.md, "Measured: pause semantics"):
 a `/pause?mode=wait` whose HTTP call times out leaves the engine paused, a `/resume`
 unpauses it at once even with the wait pending, and a second `/pause?mode=abort` while a
@@ -13,11 +18,11 @@ wait is pending aborts what is left and ends both pauses. A "paused" answer is n
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Literal
 
 from controller import protocol
-from controller.errors import DrainTimeout, EngineError, EngineTimeout
+from controller.errors import DrainTimeout, EngineError, EngineTimeout, HotswapError
 from controller.runner import AnyStep, EngineStep, Runner
 
 DrainMode = Literal["wait", "abort"]
@@ -89,23 +94,69 @@ async def _health(r: Runner) -> Mapping[str, Any]:
     return {}
 
 
+def signal(phase: str, notify: Callable[[], None]) -> EngineStep:
+    """A step that only tells someone the steps before it have ended (no engine call)."""
+
+    async def call(r: Runner) -> Mapping[str, Any]:
+        notify()
+        return {}
+
+    return EngineStep(phase, "-", call)
+
+
+def wait_room(room: Callable[[], Awaitable[None]]) -> EngineStep:
+    """A step that waits until `room()` says the device has room for what comes next; its
+    error (a HotswapError) fails the transition before anything more is mapped."""
+
+    async def call(r: Runner) -> Mapping[str, Any]:
+        try:
+            await room()
+        except HotswapError:
+            raise
+        except Exception as exc:  # not ours to pass on raw: the step fails with a reason
+            raise EngineError(f"waiting for room failed: {type(exc).__name__}: {exc}") from exc
+        return {}
+
+    return EngineStep("wait_room", "-", call)
+
+
 RESUME_ENGINE = EngineStep("resume_engine", "/resume", _resume_engine)
 WARMUP = EngineStep("warmup", "/v1/completions", _warmup)
 HEALTH = EngineStep("health", "/health", _health)
 
 
-def sleep_sequence(level: int, mode: DrainMode, grace_s: float) -> tuple[AnyStep, ...]:
-    return (drain(mode, grace_s), *protocol.sleep_steps(level))
+def sleep_sequence(
+    level: int,
+    mode: DrainMode,
+    grace_s: float,
+    kv_released: Callable[[], None] | None = None,
+) -> tuple[AnyStep, ...]:
+    """`kv_released`: split the suspend by pool and call it between the two (the KV cache
+    is off the device, the weights not yet)."""
+    if kv_released is None:
+        return (drain(mode, grace_s), *protocol.sleep_steps(level))
+    quiesce, prepare, kv, weights = protocol.sleep_steps(level, split=True)
+    return (drain(mode, grace_s), quiesce, prepare, kv, signal("kv_released", kv_released), weights)
 
 
-def wake_sequence(level: int, suspended: Iterable[str] | None = None) -> tuple[AnyStep, ...]:
+def wake_sequence(
+    level: int,
+    suspended: Iterable[str] | None = None,
+    room: Callable[[], Awaitable[None]] | None = None,
+) -> tuple[AnyStep, ...]:
     """`suspended`: the pools asleep when only some are (a wake a dead sidecar left half
     done, read back by reconciliation); None: as the level's sleep leaves them. At level 2
     with the weights already mapped, they are reloaded anyway: the dead wake may have died
-    before its reload (a second reload refills the same checkpoint; verify checks it)."""
-    rpcs = protocol.wake_steps(level, suspended)
+    before its reload (a second reload refills the same checkpoint; verify checks it).
+    `room`: awaited before the KV cache is mapped (an overlapped swap: the evicted model's
+    weights leave the device while these come in)."""
+    rpcs: tuple[AnyStep, ...] = protocol.wake_steps(level, suspended)
     if level == 2 and suspended is not None and "weights" not in set(suspended):
         rpcs = (protocol.RELOAD, *rpcs)
+    if room is not None:
+        i = next((i for i, s in enumerate(rpcs) if s is protocol.RESUME_KV), None)
+        if i is not None:
+            rpcs = (*rpcs[:i], wait_room(room), *rpcs[i:])
     return (*rpcs, RESUME_ENGINE, WARMUP)
 
 

@@ -20,15 +20,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from controller.errors import DrainTimeout, HotswapError, WakeRefused
+from controller.errors import DrainTimeout, EngineError, HotswapError, WakeRefused
 from controller.manager import Manager, Outcome
 from controller.policy import (
     Budget,
     Decision,
     ModelView,
+    Overlap,
     WakePlan,
+    estimate,
     footprint_from_info,
     footprint_from_sleep,
+    plan_overlap,
     plan_wake,
 )
 from controller.settings import Settings
@@ -49,15 +52,19 @@ class SwapResult:
     outcome: Outcome | None
     evicted: tuple[str, ...] = ()
     evict_s: float = 0.0
-    wake_s: float = 0.0
+    wake_s: float = 0.0  # overlapped: from the evicted model's KV release to the end
+    overlapped: bool = False  # the evicted model's offload ran beside this wake's load
+    total_s: float | None = None  # first eviction's start to the wake's end
 
     def to_dict(self) -> dict[str, Any]:
+        swap = self.total_s if self.total_s is not None else self.evict_s + self.wake_s
         return {
             "policy": self.plan.to_dict(),
             "evicted": list(self.evicted),
             "evict_s": self.evict_s,
             "wake_s": self.wake_s,
-            "swap_s": self.evict_s + self.wake_s,
+            "overlapped": self.overlapped,
+            "swap_s": swap,
         }
 
 
@@ -205,15 +212,29 @@ class SwapCoordinator:
                     retry_after_s=plan.retry_after_s,
                     model=name,
                 )
+            overlap = self.overlap(name, plan)
+            if plan.decision is Decision.EVICT:
+                log.info(
+                    "%s: swap %s: %s",
+                    name,
+                    "overlapped" if overlap.ok else "one after the other",
+                    overlap.reason,
+                    extra=fields,
+                )
             t0 = self._mono()
             evicted: list[str] = []
             try:
-                for victim in plan.evict:
-                    await self.sleep(victim, drain="wait", reason="evict")
-                    evicted.append(victim)
-                    self.metrics.eviction(victim, "lru")
-                t1 = self._mono()
-                outcome = await mm.wake()
+                if overlap.ok:
+                    outcome, t1, evict_s = await self._overlapped(name, plan.evict[0])
+                    evicted.append(plan.evict[0])
+                else:
+                    for victim in plan.evict:
+                        await self.sleep(victim, drain="wait", reason="evict")
+                        evicted.append(victim)
+                        self.metrics.eviction(victim, "lru")
+                    t1 = self._mono()
+                    evict_s = t1 - t0
+                    outcome = await mm.wake()
             except HotswapError:
                 self.metrics.swap(name, "failed", self._mono() - t0)
                 raise
@@ -223,17 +244,91 @@ class SwapCoordinator:
                     name
                 ].lane.hand_over()  # before the lock goes: no eviction overtakes them
             self.metrics.swap(name, "ok", t2 - t0)
-            result = SwapResult(plan, outcome, tuple(evicted), t1 - t0, t2 - t1)
+            result = SwapResult(
+                plan,
+                outcome,
+                tuple(evicted),
+                evict_s,
+                t2 - t1,
+                overlapped=overlap.ok,
+                total_s=t2 - t0,
+            )
             log.info(
-                "%s: swapped in after %.3f s (evicted %s in %.3f s, wake %.3f s)",
+                "%s: swapped in after %.3f s (evicted %s in %.3f s, wake %.3f s%s)",
                 name,
                 t2 - t0,
                 ", ".join(evicted) or "none",
-                t1 - t0,
+                evict_s,
                 t2 - t1,
+                ", overlapped" if overlap.ok else "",
                 extra=fields,
             )
             return result
+
+    def overlap(self, name: str, plan: WakePlan) -> Overlap:
+        """Whether this evicting wake may overlap the evicted model's offload with the
+        target's load (controller.policy.plan_overlap over the records' measured pools)."""
+        if plan.decision is not Decision.EVICT or len(plan.evict) != 1:
+            return Overlap(False, "not a one-model eviction")
+        views = self.views()
+        victim = next(v for v in views if v.name == plan.evict[0])
+        peers = [v for v in views if set(v.placement) & set(victim.placement)]
+        counted = estimate(victim, peers, self.budget(victim.device))
+        pools = self.fleet[victim.name].pools
+        return plan_overlap(plan, pools, self.fleet[name].pools, counted)
+
+    async def _overlapped(self, name: str, victim: str) -> tuple[Outcome, float, float]:
+        """Put `victim` to sleep split by pool and start waking `name` the moment the
+        victim's KV cache is off the device: `name`'s weights come in while the victim's go
+        out (the link is full duplex); `name`'s KV cache is mapped only once the victim is
+        SUSPENDED (or its process gone). Returns the wake's outcome, when it started, and
+        how long the victim's sleep took."""
+        mm = self.manager.get(name)
+        released = asyncio.Event()
+        t0 = self._mono()
+        sleep = self.manager.tasks.spawn(
+            self.sleep(victim, drain="wait", reason="evict", kv_released=released.set),
+            name=f"hotswap-evict-{victim}",
+        )
+        signal = asyncio.ensure_future(released.wait())
+        try:
+            await asyncio.wait({sleep, signal}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            signal.cancel()
+        if not released.is_set():
+            await sleep  # it ended before its KV cache went: its error (drain gave up, ...)
+        t1 = self._mono()
+        sleep_end: list[float] = []
+        sleep.add_done_callback(lambda _: sleep_end.append(self._mono()))
+
+        async def room() -> None:
+            await asyncio.wait({sleep})
+            rec = self.fleet[victim]
+            # SUSPENDED with its weights among the pools asleep (a reconciliation after a
+            # failed step may find only the KV cache asleep), or its process gone.
+            gone = await rec.wait_for(
+                lambda r: (
+                    self.engine_gone(victim)
+                    or (r.state is State.SUSPENDED and (r.asleep is None or "weights" in r.asleep))
+                ),
+                self.settings.timeouts.rpc_s,
+            )
+            if not gone:
+                raise EngineError(
+                    f"{victim}, evicted for {name}, did not release its weights "
+                    f"(state {rec.state.value}): the KV cache of {name} is not mapped",
+                    model=name,
+                    phase="wait_room",
+                )
+
+        try:
+            outcome = await mm.wake(room=room)
+        finally:
+            if not sleep.done():
+                await asyncio.wait({sleep})
+        await sleep  # the eviction's own error, if it failed after its KV cache went
+        self.metrics.eviction(victim, "lru")
+        return outcome, t1, (sleep_end[0] if sleep_end else self._mono()) - t0
 
     def device_lock(self, name: str) -> asyncio.Lock:
         """The lock every wake plan of `name`'s device runs under (boots take it too)."""
@@ -278,9 +373,11 @@ class SwapCoordinator:
         drain_timeout_s: float | None = None,
         *,
         reason: str = "request",
+        kv_released: Callable[[], None] | None = None,
     ) -> Outcome:
         """Close the model's gateway admission, drain the gateway's requests per `drain`,
-        then run the manager's sleep (which drains the engine itself)."""
+        then run the manager's sleep (which drains the engine itself); `kv_released`: the
+        sleep split by pool, called once its KV cache is off the device."""
         mm = self.manager.get(name)
         if mm.snapshot().state is not State.RUNNING:
             return await mm.sleep(level, drain, drain_timeout_s)  # noop, join or 409 as usual
@@ -315,7 +412,7 @@ class SwapCoordinator:
                     ) from None
                     # drain=abort: the engine's /pause?mode=abort ends them; they see "abort".
             left = max(0.0, grace - (self._mono() - t0))
-            outcome = await mm.sleep(level, drain, left)
+            outcome = await mm.sleep(level, drain, left, kv_released=kv_released)
         finally:
             lane.close(False)
             if mm.snapshot().state is State.RUNNING:

@@ -258,19 +258,25 @@ class FakeVllm:
             )
         elif method == "hotswap_suspend":
             level = int(args[0] if args else kwargs.get("level", 1))
-            tags = list(self.pool_bytes)
-            offloaded = {"weights": self.pool_bytes["weights"]} if level == 1 else {}
+            chosen = args[1] if len(args) > 1 else kwargs.get("tags")
+            tags = list(chosen) if chosen else list(self.pool_bytes)
+            weights = {"weights": self.pool_bytes["weights"]} if "weights" in tags else {}
+            offloaded = weights if level == 1 else {}
             if rank == 0:
                 self.level = level
-                self.suspended = {t: "offloaded" if t in offloaded else "discarded" for t in tags}
-            self._step(me, phase="suspended", phase_level=level, phase_tags=sorted(tags))
+                self.suspended.update(
+                    {t: "offloaded" if t in offloaded else "discarded" for t in tags}
+                )
+            asleep = sorted({*me.get("phase_tags", []), *tags})
+            self._step(me, phase="suspended", phase_level=level, phase_tags=asleep)
+            freed = {t: self.pool_bytes[t] for t in tags}
             out.update(
                 level=level,
                 tags=tags,
-                freed_bytes=dict(self.pool_bytes),
+                freed_bytes=freed,
                 offloaded_bytes=offloaded,
                 memory_before=1 << 20,
-                memory_after=(1 << 20) - sum(self.pool_bytes.values()),
+                memory_after=(1 << 20) - sum(freed.values()),
             )
         elif method == "hotswap_resume":
             tags = args[0] if args else kwargs.get("tags")

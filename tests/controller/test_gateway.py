@@ -117,18 +117,22 @@ async def world(
     *,
     token: str | None = None,
     guard: bool = True,
+    router: Callable[[dict[str, Engine]], Router] = Router,
+    rpc_s: float | None = None,
     **overrides: Any,
 ) -> AsyncIterator[World]:
     engines = {n: Engine(FakeVllm(name=n, world_size=1)) for n in names}
+    timeouts = TimeoutSettings(drain_s=2.0, shutdown_s=1.0)
+    if rpc_s is not None:
+        timeouts = timeouts.model_copy(update={"rpc_s": rpc_s})
     settings = Settings(
         models=[ModelSettings(name=n, url=f"http://{n}.engine.test") for n in names],
         auth={"token": token, "guard_gateway": guard},
-        timeouts=TimeoutSettings(drain_s=2.0, shutdown_s=1.0),
+        timeouts=timeouts,
         gateway={"enabled": True, **overrides.pop("gateway", {})},
         swap={"max_awake": 1, "min_awake_s": 0.0, **overrides.pop("swap", {})},
     )
-    router = Router(engines)
-    side = wire(settings, router)
+    side = wire(settings, router(engines))
     manager, coordinator, registry = side.manager, side.coordinator, side.registry
     assert coordinator is not None
     assert side.gateway_app is not None

@@ -1,0 +1,211 @@
+"""The overlapped swap: the evicted model's KV cache goes first, the woken model's weights
+come in while the evicted model's weights go out, and its KV cache only once they are gone.
+
+Two fake engines behind one transport that logs when each RPC starts and ends (with the
+pools it names); the evicted model's weights offload is made slow, so an overlap shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+import pytest
+from test_gateway import Engine, Router, World, ask, run, world
+
+from controller.policy import Decision, Overlap, WakePlan, plan_overlap
+from controller.state import State
+
+SLOW_OFFLOAD_S = 0.3
+
+
+class Logged(Router):
+    """Every engine call logged as (seconds, engine, call, "start" | "end"); a chosen call
+    made slow or answered by a failing rank."""
+
+    def __init__(self, engines: dict[str, Engine]) -> None:
+        super().__init__(engines)
+        self.log: list[tuple[float, str, str, str]] = []
+        self.slow: dict[tuple[str, str], float] = {}
+        self.fail: set[tuple[str, str]] = set()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        host = request.url.host.split(".")[0]
+        call = request.url.path
+        if call == "/collective_rpc":
+            body = json.loads(request.content)
+            args = body.get("args") or []
+            tags = next((a for a in args if isinstance(a, list)), None)
+            call = body["method"] + (f"[{','.join(tags)}]" if tags else "")
+        self.log.append((time.monotonic(), host, call, "start"))
+        try:
+            if (host, call) in self.slow:
+                await asyncio.sleep(self.slow[(host, call)])
+            if (host, call) in self.fail:
+                result = {"ok": False, "rank": 0, "elapsed_s": 0.0, "error": "fake: no"}
+                return httpx.Response(200, json={"results": [result]})
+            return await super().handle_async_request(request)
+        finally:
+            self.log.append((time.monotonic(), host, call, "end"))
+
+    def at(self, host: str, call: str, edge: str) -> float:
+        times = [t for t, h, c, e in self.log if (h, c, e) == (host, call, edge)]
+        assert times, f"{host} {call} {edge} never happened: {self.calls(host)}"
+        return times[-1]
+
+    def calls(self, host: str) -> list[str]:
+        return [c for _, h, c, e in self.log if h == host and e == "start"]
+
+
+def logged_world(**overrides: Any) -> Any:
+    holder: dict[str, Logged] = {}
+
+    def transport(engines: dict[str, Engine]) -> Logged:
+        holder["router"] = Logged(engines)
+        return holder["router"]
+
+    return world(router=transport, **overrides), holder
+
+
+def phases(w: World, name: str) -> list[str]:
+    tr = w.manager.get(name).snapshot().last_transition
+    assert tr is not None
+    return [p.name for p in tr.phases]
+
+
+def test_the_woken_models_weights_come_in_while_the_evicted_models_go_out() -> None:
+    async def body() -> None:
+        ctx, holder = logged_world(swap={"budget_bytes": 10_000})
+        async with ctx as w:
+            log = holder["router"]
+            log.slow[("a", "hotswap_suspend[weights]")] = SLOW_OFFLOAD_S
+            log.log.clear()
+            r = await ask(w, "b")
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == "b"
+            assert w.state("a") is State.SUSPENDED
+            assert w.state("b") is State.RUNNING
+            kv_gone = log.at("a", "hotswap_suspend[kv_cache]", "end")
+            a_weights_gone = log.at("a", "hotswap_suspend[weights]", "end")
+            b_weights = log.at("b", "hotswap_resume[weights]", "start")
+            b_kv = log.at("b", "hotswap_resume[kv_cache]", "start")
+            assert kv_gone < b_weights < a_weights_gone  # the overlap
+            assert a_weights_gone < b_kv  # never both KV caches and weights at once
+            assert phases(w, "a") == [
+                "drain",
+                "quiesce",
+                "prepare",
+                "suspend_kv_cache",
+                "kv_released",
+                "suspend_weights",
+            ]
+            assert phases(w, "b")[:3] == ["resume_weights", "wait_room", "resume_kv_cache"]
+            assert w.engines["a"].wrong == []
+            assert w.engines["b"].wrong == []
+            assert w.sample("hotswap_evictions_total", model="a", reason="lru") == 1
+            # the next swap back overlaps too (both models' pools are known by now)
+            log.slow = {("b", "hotswap_suspend[weights]"): SLOW_OFFLOAD_S}
+            r = await ask(w, "a")
+            assert r.status_code == 200
+            assert r.json()["model"] == "a"
+            assert log.at("a", "hotswap_resume[weights]", "start") < log.at(
+                "b", "hotswap_suspend[weights]", "end"
+            )
+
+    run(body)
+
+
+def test_without_room_for_both_weights_the_swap_runs_one_after_the_other() -> None:
+    async def body() -> None:
+        # one model awake holds 6144 bytes; both models' weights at once would be 8192
+        ctx, holder = logged_world(swap={"budget_bytes": 7_000})
+        async with ctx as w:
+            log = holder["router"]
+            log.log.clear()
+            r = await ask(w, "b")
+            assert r.status_code == 200, r.text
+            assert log.at("a", "hotswap_suspend", "end") < log.at(
+                "b", "hotswap_resume[weights]", "start"
+            )
+            assert "suspend" in phases(w, "a")
+            assert "wait_room" not in phases(w, "b")
+
+    run(body)
+
+
+def test_without_a_byte_budget_the_swap_runs_one_after_the_other() -> None:
+    async def body() -> None:
+        ctx, holder = logged_world()  # max_awake only: nothing to check the peak against
+        async with ctx as w:
+            log = holder["router"]
+            log.log.clear()
+            r = await ask(w, "b")
+            assert r.status_code == 200, r.text
+            assert "hotswap_suspend[kv_cache]" not in log.calls("a")
+
+    run(body)
+
+
+def test_an_eviction_that_fails_after_its_kv_cache_never_maps_the_woken_models_kv() -> None:
+    async def body() -> None:
+        ctx, holder = logged_world(swap={"budget_bytes": 10_000}, rpc_s=0.5)
+        async with ctx as w:
+            log = holder["router"]
+            log.fail.add(("a", "hotswap_suspend[weights]"))
+            log.log.clear()
+            r = await ask(w, "b")
+            assert r.status_code == 503, r.text
+            # a's ranks say only its KV cache is asleep: read back, a is SUSPENDED with its
+            # weights still on the device, so b's KV cache must not come in
+            assert w.state("a") is State.SUSPENDED
+            assert w.manager.fleet["a"].asleep == ("kv_cache",)
+            # b's wake failed in wait_room; read back, b holds its weights, not its KV cache
+            assert w.state("b") is not State.RUNNING
+            assert w.manager.fleet["b"].asleep == ("kv_cache",)
+            assert "hotswap_resume[weights]" in log.calls("b")
+            assert "hotswap_resume[kv_cache]" not in log.calls("b")
+            err = w.manager.get("b").snapshot().last_error or ""
+            assert "did not release its weights" in err
+
+    run(body)
+
+
+@pytest.mark.parametrize(
+    ("used", "budget", "victim", "target", "counted", "ok"),
+    [
+        (6144, 10_000, {"weights": 4096, "kv_cache": 2048}, {"weights": 4096}, 6144, True),
+        (6144, 8_192, {"weights": 4096, "kv_cache": 2048}, {"weights": 4096}, 6144, True),
+        (6144, 8_191, {"weights": 4096, "kv_cache": 2048}, {"weights": 4096}, 6144, False),
+        # a third model holds 2000 bytes beside them: counted at the peak
+        (8144, 10_000, {"weights": 4096, "kv_cache": 2048}, {"weights": 4096}, 6144, False),
+        (8144, 10_192, {"weights": 4096, "kv_cache": 2048}, {"weights": 4096}, 6144, True),
+        (6144, None, {"weights": 4096}, {"weights": 4096}, 6144, False),  # no byte budget
+        (6144, 10_000, {}, {"weights": 4096}, 6144, False),  # victim's pools unknown
+        (6144, 10_000, {"weights": 4096}, {}, 6144, False),  # target's pools unknown
+    ],
+)
+def test_plan_overlap(
+    used: int,
+    budget: int | None,
+    victim: dict[str, int],
+    target: dict[str, int],
+    counted: int,
+    ok: bool,
+) -> None:
+    plan = WakePlan("b", Decision.EVICT, "", ("a",), 6144, used, budget, devices=("0",))
+    got = plan_overlap(plan, victim, target, counted)
+    assert isinstance(got, Overlap)
+    assert got.ok is ok, got.reason
+
+
+def test_plan_overlap_only_for_one_eviction_on_one_device() -> None:
+    pools = {"weights": 10}
+    two = WakePlan("c", Decision.EVICT, "", ("a", "b"), 10, 20, 1000, devices=("0",))
+    assert not plan_overlap(two, pools, pools, 10).ok
+    tp = WakePlan("c", Decision.EVICT, "", ("a",), 10, 20, 1000, devices=("0", "1"))
+    assert not plan_overlap(tp, pools, pools, 10).ok
+    fits = WakePlan("c", Decision.WAKE, "", (), 10, 0, 1000, devices=("0",))
+    assert not plan_overlap(fits, pools, pools, 10).ok
