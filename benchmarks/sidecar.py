@@ -5,7 +5,8 @@
 
 Runs on the lent device after the vLLM bundle, with the sidecar's extra wheels on
 PYTHONPATH. First the pinned-copy bandwidth (torch, this process: the bound is weights
-bytes / bandwidth), then two vLLM 0.26 HTTP servers, one after the other, same flags
+bytes / bandwidth), then two vLLM 0.26 HTTP servers, booted at once and measured one after
+the other (each while the other idles), same flags
 (the shape's config, dummy bf16 weights, max_model_len 2048, the shape's utilization,
 --skip-tokenizer-init, sleep mode, the worker extension, VLLM_SERVER_DEV_MODE=1,
 127.0.0.1, own process group; `--graphs 1`: vLLM's default compile and CUDA-graph capture,
@@ -18,7 +19,7 @@ bytes / bandwidth), then two vLLM 0.26 HTTP servers, one after the other, same f
    the seconds from the POST's send to its answer and to the first /health 200 (both
    clients connected before the clock starts), the wake's phases, then the first request
    after the wake (same prompt length, a prompt never seen: no prefix-cache hit).
-2. raw (a fresh server, so vLLM's sleep never meets our backend on one engine): the same
+2. raw (its own server, so vLLM's sleep never meets our backend on one engine): the same
    first-token requests, then per cycle POST /sleep?level=1, 1 s asleep, POST /wake_up,
    the controller's warm-up completion, then the first request.
 
@@ -65,8 +66,8 @@ def wait_up(proc: EngineProcess, deadline: float) -> float:
     return proc.wait_ready(timeout_s=max(1.0, deadline - time.monotonic()))
 
 
-def start_vllm(model: str, port: int, shape: str, graphs: bool) -> EngineProcess:
-    spec = gpu_engine(model, port, "llama", util=UTIL[shape], dummy=True, eager=not graphs)
+def start_vllm(model: str, port: int, util: float, graphs: bool) -> EngineProcess:
+    spec = gpu_engine(model, port, "llama", util=util, dummy=True, eager=not graphs)
     return launch(spec, f"vllm-{port}")
 
 
@@ -132,9 +133,8 @@ def timed_wake(base: str, post: Any) -> dict[str, Any]:
     return box
 
 
-def ours(model: str, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
-    port, cport = free_port(), free_port()
-    server = start_vllm(model, port, args.shape, args.graphs)
+def ours(server: EngineProcess, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
+    cport = free_port()
     side: EngineProcess | None = None
     res: dict[str, Any] = {"cycles": []}
     try:
@@ -206,9 +206,7 @@ def ours(model: str, args: argparse.Namespace, deadline: float) -> dict[str, Any
     return res
 
 
-def raw(model: str, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
-    port = free_port()
-    server = start_vllm(model, port, args.shape, args.graphs)
+def raw(server: EngineProcess, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     res: dict[str, Any] = {"cycles": []}
     try:
         base = server.base_url
@@ -325,6 +323,7 @@ def main() -> int:
     ap.add_argument("--graphs", type=int, default=1, help="1: compile + CUDA graphs; 0: eager")
     ap.add_argument("--ttft-tokens", type=int, default=1000)
     ap.add_argument("--raw", type=int, default=1, help="0: skip raw vLLM")
+    ap.add_argument("--util", type=float, default=None, help="GPU share of each server")
     ap.add_argument("--budget-s", type=float, default=420.0)
     args = ap.parse_args()
     args.graphs = bool(args.graphs)
@@ -340,19 +339,30 @@ def main() -> int:
     }
     model = write_config(args.shape, tempfile.mkdtemp(prefix=f"{args.shape}-"))
     rc = 0
+    # Both servers boot at once (each takes the shape's share of the GPU); each is measured
+    # while the other idles, and raw vLLM's sleep never meets our backend on one engine.
+    util = args.util if args.util is not None else UTIL[args.shape]
+    out["util"] = util
+    ours_server = start_vllm(model, free_port(), util, args.graphs)
+    raw_server = start_vllm(model, free_port(), util, args.graphs) if args.raw else None
     try:
-        out["ours"] = ours(model, args, deadline)
-    except Exception as exc:
-        out["ours_error"] = f"{type(exc).__name__}: {exc}"
-        log("ours failed:", out["ours_error"][-3000:])
-        rc = 1
-    if args.raw:
         try:
-            out["raw"] = raw(model, args, deadline)
+            out["ours"] = ours(ours_server, args, deadline)
         except Exception as exc:
-            out["raw_error"] = f"{type(exc).__name__}: {exc}"
-            log("raw failed:", out["raw_error"][-3000:])
+            out["ours_error"] = f"{type(exc).__name__}: {exc}"
+            log("ours failed:", out["ours_error"][-3000:])
             rc = 1
+        if raw_server is not None:
+            try:
+                out["raw"] = raw(raw_server, args, deadline)
+            except Exception as exc:
+                out["raw_error"] = f"{type(exc).__name__}: {exc}"
+                log("raw failed:", out["raw_error"][-3000:])
+                rc = 1
+    finally:
+        ours_server.stop(20.0)
+        if raw_server is not None:
+            raw_server.stop(20.0)
     try:
         report(out)
     except Exception as exc:  # the JSON line is still written

@@ -52,7 +52,9 @@ def _settings(models: dict[str, Path], logs: Path) -> dict[str, Any]:
         "models_source": attached(managed),
         "auth": {"token": TOKEN},
         "gateway": {"queue_size": 3, "hold_timeout_s": 120.0},
-        "swap": {"max_awake": 1, "min_awake_s": 0.0},
+        # One awake by count; the byte budget is far above both tiny models, so a swap
+        # overlaps the evicted model's offload with the woken one's load (controller.swap).
+        "swap": {"max_awake": 1, "min_awake_s": 0.0, "budget_bytes": 64 << 30},
         "supervisor": {"log_dir": logs, "restart_backoff_s": 0.5, "boot_timeout_s": 300.0},
     }
 
@@ -186,6 +188,32 @@ def test_a_burst_over_the_queue_gets_429_and_the_rest_is_right(
             assert _text(r, False) == reference[A]
     assert _metric(sidecar, "hotswap_gateway_refused_total", model=A, reason="queue_full") >= 1
     assert _text(_ask(sidecar, B), False) == reference[B]  # nothing else broke
+
+
+def test_a_swap_overlaps_the_evicted_models_offload_with_the_woken_models_load(
+    sidecar: SidecarThread, reference: dict[str, str]
+) -> None:
+    """The evicted model's KV cache goes first; the woken model's wake starts then, before
+    the evicted model's weights are suspended, and maps its own KV cache only after that."""
+    assert sidecar.ctx is not None
+    _text(_ask(sidecar, A), False)  # A awake, B asleep
+    assert _text(_ask(sidecar, B), False) == reference[B]
+    slept = sidecar.ctx.manager.get(A).snapshot().last_transition
+    woke = sidecar.ctx.manager.get(B).snapshot().last_transition
+    assert slept is not None
+    assert woke is not None
+    assert [p.name for p in slept.phases] == [
+        "drain",
+        "quiesce",
+        "prepare",
+        "suspend_kv_cache",
+        "kv_released",
+        "suspend_weights",
+    ]
+    assert [p.name for p in woke.phases][:3] == ["resume_weights", "wait_room", "resume_kv_cache"]
+    assert woke.started_at < slept.ended_at  # the two ran at once
+    assert sidecar.state(A) == "SUSPENDED"
+    assert sidecar.state(B) == "RUNNING"
 
 
 @pytest.mark.slow
