@@ -10,6 +10,7 @@ benchmarks and a managed-mode supervisor use.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -99,6 +100,31 @@ class EngineProcess:
 
     def is_alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    async def exited(self) -> int | None:
+        """Return once the keeper (it ends the engine's group first) has exited: its return code.
+
+        The kernel says so: a pidfd of the keeper becomes readable when it ends, and the
+        event loop watches that descriptor, so nothing polls. Where there is no pidfd
+        (not Linux), a thread waits for the process instead.
+        """
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return self.returncode
+        try:
+            fd = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):
+            return await asyncio.to_thread(proc.wait)
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[None] = loop.create_future()
+        loop.add_reader(fd, _resolve, ended)
+        try:
+            await ended
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
+        # A zombie now: reaped at once (in a thread: a stop may hold Popen's wait lock).
+        return await asyncio.to_thread(proc.wait)
 
     def owns(self, pid: int) -> bool:
         """Whether `pid` is a process of this engine's group (the keeper leads it)."""
@@ -211,3 +237,8 @@ class EngineProcess:
             if self.spec.uds is not None and not self._group_alive():
                 self.spec.uds.unlink()
         return self._proc.poll()
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)

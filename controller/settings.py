@@ -254,9 +254,6 @@ class SupervisorSettings(BaseModel):
     stable_s: float = Field(
         60.0, ge=0, le=DAY_S, description="Up this long after a start: the failure count resets."
     )
-    poll_s: float = Field(
-        0.5, gt=0, le=60.0, description="How often processes are checked for exits."
-    )
     stop_grace_s: float = Field(
         15.0, ge=0, le=HOUR_S, description="SIGTERM grace before SIGKILL at stop."
     )

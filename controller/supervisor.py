@@ -3,10 +3,11 @@
 Boot is staggered per device: start one engine, wait until it answers /health, probe it
 (STARTING -> RUNNING), put it to sleep, then start the next, because vLLM sizes its KV
 cache from the memory it sees free at start. Pinned models stay awake. A background task
-watches every process: a model left FAILED by a transition is seen at once (the fleet's
-records are awaited), an engine process that exits within `poll_s` (another OS process,
-read back on a timer); either is restarted after a bounded exponential backoff, logged with
-the model's name. Each model's process, start time and restart count live in its record. Engines in
+watches every model and is told of both causes of a restart, nothing polls: a model left
+FAILED by a transition changes its record, and each engine process has a task awaiting its
+exit (`EngineProcess.exited`, a pidfd the event loop watches) that changes the record when
+it ends. Either is restarted after a bounded exponential backoff, logged with the model's
+name. Each model's process, start time and restart count live in its record. Engines in
 the models file without a `command` are attached: someone else runs them, and this module
 leaves them alone.
 """
@@ -107,6 +108,7 @@ class Supervisor:
         self._factory = engine_factory
         self._task: asyncio.Task[None] | None = None
         self._restarts: list[asyncio.Task[None]] = []
+        self._exits: dict[str, asyncio.Task[None]] = {}  # each engine's exit, awaited
         self.booted = asyncio.Event()
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -121,7 +123,7 @@ class Supervisor:
 
     async def stop(self) -> None:
         """Stop watching and restarting, then stop every engine (SIGTERM, then SIGKILL)."""
-        await self.tasks.cancel(self._task, *self._restarts)
+        await self.tasks.cancel(self._task, *self._restarts, *self._exits.values())
         engines = [r.engine for r in self.fleet.values() if r.engine is not None]
         await asyncio.gather(
             *(asyncio.to_thread(e.stop, self.cfg.stop_grace_s) for e in engines),
@@ -163,6 +165,7 @@ class Supervisor:
             # On the loop's thread: the keeper's parent-death signal follows the thread that
             # started it, and this one lives as long as the sidecar.
             engine.start()
+            self._watch_exit(rec, engine)
             await asyncio.to_thread(engine.wait_ready, self.cfg.boot_timeout_s)
         except (HotswapError, OSError) as exc:
             reason = f"engine did not start: {exc}"
@@ -187,6 +190,15 @@ class Supervisor:
             log.error("%s: could not put it to sleep after start: %s", m.name, exc, extra=fields)
             return False
         return True
+
+    def _watch_exit(self, rec: ModelRecord, engine: Engine) -> None:
+        """Await the engine's exit and tell the model's record (the watch loop wakes)."""
+
+        async def exited() -> None:
+            await engine.exited()
+            rec.changed()
+
+        self._exits[rec.name] = self.tasks.spawn(exited(), name=f"hotswap-exit-{rec.name}")
 
     async def _measure_budgets(self) -> None:
         """No configured byte budget: measure one per device with everything asleep (CUDA
@@ -219,8 +231,8 @@ class Supervisor:
     # ---- watch and restart ---------------------------------------------------------------
 
     async def watch(self) -> None:
-        """Restart engines whose model a transition left FAILED (awaited) or whose process
-        exited (read every `poll_s`)."""
+        """Restart engines whose model a transition left FAILED or whose process exited;
+        both change the model's record, which this awaits."""
         records = [self.fleet[m.name] for m in self.models]
         restarting: dict[str, asyncio.Task[None]] = {}
         while True:
@@ -237,8 +249,7 @@ class Supervisor:
                     self._why_restart(r) is not None
                     and (restarting.get(r.name) is None or restarting[r.name].done())
                     for r in records
-                ),
-                self.cfg.poll_s,
+                )
             )
 
     @staticmethod
@@ -252,6 +263,12 @@ class Supervisor:
         return None
 
     async def _restart(self, m: ModelSettings, why: str) -> None:
+        try:
+            await self._restart_once(m, why)
+        finally:
+            self.fleet[m.name].changed()  # the watch loop looks again (a restart that failed)
+
+    async def _restart_once(self, m: ModelSettings, why: str) -> None:
         mm = self.manager.get(m.name)
         rec = self.fleet[m.name]
         fields = {"model": m.name, "phase": "restart"}

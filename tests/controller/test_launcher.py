@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -186,6 +187,31 @@ def test_stop_ends_the_whole_group(folder: Path, tmp_path: Path) -> None:
     engine.stop(grace_s=2.0)
     assert wait_gone([server, child, engine.pid or 0]) == []
     assert not spec.uds.exists()
+
+
+def test_an_exit_is_told_by_the_kernel_not_found_by_a_poll(folder: Path, tmp_path: Path) -> None:
+    """`exited()` returns once the engine's group is killed from outside (a crash, the OOM
+    killer), with the keeper's code, and not before: the supervisor awaits it instead of
+    looking at the process on a timer."""
+    engine = EngineProcess(fake_spec(folder), tmp_path / "m.log")
+    engine.start()
+
+    async def body() -> int | None:
+        waiter = asyncio.ensure_future(engine.exited())
+        done, _ = await asyncio.wait({waiter}, timeout=0.5)
+        assert not done, "exited() returned while the engine runs"
+        engine.wait_ready(timeout_s=20.0, interval_s=0.05)
+        assert engine.pid is not None
+        os.killpg(engine.pid, signal.SIGKILL)
+        return await asyncio.wait_for(waiter, 10)
+
+    try:
+        code = asyncio.run(body())
+    finally:
+        engine.kill()
+    assert code == -signal.SIGKILL
+    assert not engine.is_alive()
+    assert asyncio.run(engine.exited()) == code  # already gone: at once
 
 
 SIDECAR = textwrap.dedent(

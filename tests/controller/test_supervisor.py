@@ -41,11 +41,16 @@ class Fleet:
 
 
 class FakeProcess:
+    """Its exit is told, as a real process's pidfd tells it: `exited()` returns once it ends
+    (killed by a test, stopped by the supervisor in a thread, or failed at boot)."""
+
     def __init__(self, model: ModelSettings, fleet: Fleet) -> None:
         self.name = model.name
         self.fleet = fleet
         self.alive = False
         self.rc: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._gone: asyncio.Event | None = None
 
     @property
     def returncode(self) -> int | None:
@@ -56,26 +61,37 @@ class FakeProcess:
         orphan = self.fleet.orphans.pop(self.name, None)
         self.fleet.vllm[self.name] = orphan or FakeVllm(name=self.name, world_size=1)
         self.alive = True
+        self._loop, self._gone = asyncio.get_running_loop(), asyncio.Event()
+
+    def _end(self, rc: int) -> None:
+        self.alive, self.rc = False, rc
+        if self._loop is not None and self._gone is not None:
+            self._loop.call_soon_threadsafe(self._gone.set)
 
     def is_alive(self) -> bool:
         return self.alive
+
+    async def exited(self) -> int | None:
+        if self._gone is not None:
+            await self._gone.wait()
+        return self.rc
 
     def wait_ready(self, timeout_s: float = 0.0, interval_s: float = 0.0) -> float:
         if (slow := self.fleet.slow_boots.pop(self.name, None)) is not None:
             slow.wait(10)
         if self.fleet.start_failures.get(self.name, 0) > 0:
             self.fleet.start_failures[self.name] -= 1
-            self.alive, self.rc = False, 1
+            self._end(1)
             raise EngineStartError(f"engine {self.name} exited with code 1", model=self.name)
         self.fleet.events.append(("ready", self.name))
         return 0.0
 
     def stop(self, grace_s: float = 0.0) -> int | None:
-        self.alive, self.rc = False, 0
+        self._end(0)
         return 0
 
     def kill(self) -> int | None:
-        self.alive, self.rc = False, -9
+        self._end(-9)
         return -9
 
 
@@ -133,7 +149,6 @@ async def world(
         supervisor={
             "restart_backoff_s": 0.05,
             "restart_backoff_max_s": 0.2,
-            "poll_s": 0.01,
             **supervisor,
         },
     )
