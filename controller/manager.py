@@ -410,15 +410,16 @@ class Manager:
     async def start(self) -> None:
         """Probe every engine at once; an unreachable one is FAILED, not fatal to the sidecar.
         Managed engines are left UNKNOWN: the supervisor starts and probes them. Attached
-        engines that are FAILED are then re-probed every `reprobe_interval_s` until they
-        come back (`check_recovered`): the engine is another process, read back on a timer."""
+        engines are then reconciled every `reprobe_interval_s` in every state but a
+        transition in flight (`check_recovered`): someone else's process, restarted or
+        replaced without a word to us, whose truth is read back (docs/ARCHITECTURE.md)."""
         attached = [m for m in self._models.values() if not m.settings.managed]
         await asyncio.gather(*(m.probe() for m in attached))
         if attached:
             self._watcher = self.tasks.spawn(self._watch(attached), name="watch-attached")
 
     async def _watch(self, models: list[ModelManager]) -> None:
-        # Every state, on a timer: the engine is another process, its truth is read back.
+        # A resync with external truth, not parts polling each other: vLLM tells nothing.
         interval = self.settings.timeouts.reprobe_interval_s
         while True:
             await asyncio.sleep(interval)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 from controller import protocol, steps
 from controller.engine import EngineClient, RankError
@@ -193,36 +194,18 @@ class Reconciler:
                 last_error=reason,
             )
             return
-        if target is State.RUNNING:
-            if snap.state is State.RUNNING:  # e.g. a start-up probe of what was known
-                self.runner.finish_same(
-                    run, error=failure, verified=True, level=None, last_error=failure
-                )
+        if target in (State.RUNNING, State.SUSPENDED):
+            running = target is State.RUNNING
+            kept: dict[str, Any] = {"error": failure, "last_error": failure}
+            kept |= {"verified": True, "level": None} if running else {"level": v.level}
+            if snap.state is target:  # e.g. a start-up probe of what was known
+                self.runner.finish_same(run, **kept)
                 return
-            event = Event.STARTED if snap.state is State.STARTING else Event.PROBED_RUNNING
-            self.runner.finish(
-                run,
-                event,
-                State.RUNNING,
-                error=failure,
-                verified=True,
-                level=None,
-                last_error=failure,
-            )
-            return
-        if target is State.SUSPENDED:
-            if snap.state is State.SUSPENDED:
-                self.runner.finish_same(run, error=failure, level=v.level, last_error=failure)
-                return
-            self.runner.finish(
-                run,
-                Event.PROBED_SUSPENDED,
-                State.SUSPENDED,
-                error=failure,
-                verified=False,
-                level=v.level,
-                last_error=failure,
-            )
+            if running:
+                event = Event.STARTED if snap.state is State.STARTING else Event.PROBED_RUNNING
+            else:
+                event, kept["verified"] = Event.PROBED_SUSPENDED, False
+            self.runner.finish(run, event, target, **kept)
             return
         # RESUMING: finish what a sleep or a wake left undone, then RUNNING.
         self.runner.apply(_EVENT[target], phase="reconcile", verified=False)
