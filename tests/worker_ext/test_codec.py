@@ -1,0 +1,192 @@
+"""The host codec (worker_ext/codec.py): the torch reference round-trips any bytes, chooses
+raw where coding does not pay, meets the ratio on trained-like weights; the Triton kernels
+(under Triton's CPU interpreter, in a child) write the reference's bytes exactly."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from benchmarks import realweights
+from worker_ext import codec
+
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interp = pytest.mark.skipif(not INTERP, reason="run in a child with TRITON_INTERPRET=1")
+SPECIAL = [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x7F81, 0x0001, 0x807F, 0x7F7F]
+
+
+def _roundtrip(data: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    pieces = codec.encode(data)
+    back = codec.decode(pieces)
+    assert back.dtype == torch.uint8
+    assert torch.equal(back, data), "decode(encode(x)) != x"
+    return pieces
+
+
+def _bf16_words(kind: str, n: int, seed: int, scale: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "normal":
+        w = (torch.randn(n, generator=g) * scale).to(torch.bfloat16).view(torch.int16)
+    elif kind == "special":
+        idx = torch.randint(0, len(SPECIAL), (n,), generator=g)
+        w = torch.tensor(SPECIAL, dtype=torch.int32)[idx].to(torch.int16)
+    elif kind == "denormal":  # exponent 0, any mantissa, either sign
+        w = (torch.randint(0, 0x80, (n,), generator=g) | (torch.randint(0, 2, (n,)) << 15)).to(
+            torch.int16
+        )
+    elif kind == "constant":
+        w = torch.full((n,), int(scale * 1000) % 65536 - 32768, dtype=torch.int16)
+    else:  # random bits
+        w = torch.randint(-32768, 32768, (n,), generator=g, dtype=torch.int32).to(torch.int16)
+    return w.view(torch.uint8).clone()
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(min_size=0, max_size=20000))
+def test_any_bytes_roundtrip(raw: bytes) -> None:
+    data = torch.tensor(list(raw), dtype=torch.uint8)
+    _roundtrip(data)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kind=st.sampled_from(["normal", "special", "denormal", "constant", "bits"]),
+    n=st.integers(min_value=1, max_value=3 * codec.BLOCK + 17),
+    seed=st.integers(min_value=0, max_value=2**31 - 1),
+    scale=st.floats(min_value=1e-30, max_value=1e30),
+    odd=st.booleans(),
+)
+def test_bf16_patterns_roundtrip(kind: str, n: int, seed: int, scale: float, odd: bool) -> None:
+    data = _bf16_words(kind, n, seed, scale)
+    if odd:
+        data = torch.cat([data, torch.tensor([0xA5], dtype=torch.uint8)])
+    _roundtrip(data)
+
+
+@pytest.mark.parametrize("n_words", [codec.CHUNK_WORDS + 1, codec.CHUNK_WORDS * 2 - 7])
+def test_chunk_boundaries_roundtrip(n_words: int) -> None:
+    data = _bf16_words("normal", n_words, 3, 0.02)
+    data.view(torch.int16)[::997] = 0x7FC0  # NaNs sprinkled across blocks and chunks
+    pieces = _roundtrip(data)
+    assert len(pieces) == 1
+
+
+def test_every_exponent_distinct_is_kept_raw() -> None:
+    """256 exponents equally often: no k pays, so the chunk is raw (k = 0), 2 bytes a word."""
+    w = (torch.arange(8192, dtype=torch.int32) % 256) << 7
+    data = w.to(torch.int16).view(torch.uint8)
+    [(chunks, piece)] = _roundtrip(data)
+    meta = piece[: codec.META_BYTES].view(torch.int32)
+    assert chunks == 1
+    assert int(meta[codec.K]) == 0
+    assert int(piece.numel()) <= codec.header_bytes(1) + data.numel() + codec.PIECE_ALIGN
+
+
+@pytest.mark.parametrize("k", codec.KS)
+def test_exactly_the_table_then_one_escape(k: int) -> None:
+    """2^k - 1 exponents fit the table with no exception; one more exponent escapes."""
+    n = 4 * codec.BLOCK + 3
+    base = torch.arange(n, dtype=torch.int32) % ((1 << k) - 1)
+    data = ((base + 100) << 7).to(torch.int16).view(torch.uint8).clone()
+    [(_, piece)] = _roundtrip(data)
+    meta = piece[: codec.META_BYTES].view(torch.int32)
+    assert int(meta[codec.NEXC]) == 0
+    w = data.view(torch.int16)
+    w[codec.BLOCK + 5] = 3 << 7  # an exponent the table lacks, in the second block
+    w[-1] = 7 << 7  # and in the last, partial block
+    [(_, piece)] = _roundtrip(data)
+    meta = piece[: codec.META_BYTES].view(torch.int32)
+    assert int(meta[codec.K]) >= k
+    assert int(meta[codec.NEXC]) in (0, 2)
+
+
+def test_noise_and_fp8_stay_raw_realistic_compresses() -> None:
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randint(0, 256, (codec.CHUNK_WORDS,), generator=g, dtype=torch.int32)
+    fp8 = (torch.randn(codec.CHUNK_WORDS, generator=g) * 0.5).to(torch.float8_e4m3fn)
+    for data in (noise.to(torch.uint8), fp8.view(torch.uint8)):
+        [(_, piece)] = _roundtrip(data)
+        assert int(piece[: codec.META_BYTES].view(torch.int32)[codec.K]) == 0
+        assert piece.numel() <= data.numel() + codec.header_bytes(1) + codec.PIECE_ALIGN
+    t = torch.empty(codec.CHUNK_WORDS, dtype=torch.bfloat16)
+    realweights.fill_(t, "mlp.down_proj", 5)
+    [(_, piece)] = _roundtrip(t.view(torch.uint8))
+    ratio = piece.numel() / (2 * t.numel())
+    assert ratio <= 0.72, ratio
+
+
+def test_select_is_deterministic_on_ties() -> None:
+    hist = torch.zeros((1, 256), dtype=torch.int64)
+    hist[0, [5, 9, 3]] = 13000  # three equal counts: the smaller exponent first
+    hist[0, 200] = 1000
+    meta, inv = codec.select(hist, torch.tensor([40000]))
+    assert int(meta[0, codec.K]) == 2
+    table = meta[0, 8:12].contiguous().view(torch.uint8)[:3].tolist()
+    assert table == [3, 5, 9]
+    assert int(inv[0, 200]) == 3  # the escape code
+    assert int(meta[0, codec.NEXC]) == 1000
+
+
+# -- the Triton kernels, under the CPU interpreter (a child pytest) ----------------------
+
+
+def test_codec_kernels_under_the_triton_interpreter() -> None:
+    if INTERP:
+        pytest.skip("this is the child")
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    cmd += ["-k", "kernel and not interpreter"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    tail = done.stdout[-3000:] + done.stderr[-2000:]
+    assert done.returncode == 0, tail
+    assert " passed" in done.stdout, tail
+
+
+@needs_interp
+@pytest.mark.parametrize(
+    ("kind", "n_words"),
+    [("normal", 2 * codec.BLOCK + 5), ("special", 777), ("bits", codec.BLOCK), ("mixed", 0)],
+)
+def test_kernel_matches_reference(kind: str, n_words: int) -> None:
+    if kind == "mixed":  # a coded chunk, then a raw one: two chunks of one range
+        data = torch.cat(
+            [_bf16_words("normal", codec.CHUNK_WORDS, 1, 0.02), _bf16_words("bits", 301, 2, 1.0)]
+        )
+    else:
+        data = _bf16_words(kind, n_words, 7, 0.03)
+    gc = codec.GpuCodec("cpu", piece_chunks=4)
+    plan = gc.plan([(int(data.data_ptr()), int(data.numel()))])
+    ref = codec.encode(data, piece_chunks=4)
+    assert len(plan.pieces) == len(ref) == 1
+    piece = plan.pieces[0]
+    slot = gc.slots()[0]
+    slot.fill_(0xEE)
+    gc.encode_into(plan, piece, slot)
+    assert piece.size == ref[0][1].numel()
+    got = slot[: piece.size].clone()
+    # the reference leaves alignment padding zero; the kernel does not write it
+    meta = ref[0][1][: piece.n_chunks * codec.META_BYTES].view(torch.int32)
+    written = torch.zeros(piece.size, dtype=torch.bool)
+    written[: piece.n_chunks * codec.META_BYTES] = True
+    for c in range(piece.n_chunks):
+        row = meta.view(piece.n_chunks, codec.META_INTS)[c]
+        k, off, n, nexc = (int(row[i]) for i in (codec.K, codec.OFF, codec.NWORDS, codec.NEXC))
+        if k == 0:
+            written[off : off + 2 * n] = True
+            continue
+        pk, bo, ex = (int(row[i]) for i in (codec.PACKED, codec.BOFF, codec.EXC))
+        written[off : off + n] = True
+        written[off + pk : off + pk + (n + 7) // 8 * k] = True
+        written[off + bo : off + bo + 4 * ((n + codec.BLOCK - 1) // codec.BLOCK)] = True
+        written[off + ex : off + ex + nexc] = True
+    assert torch.equal(got[written], ref[0][1][written])
+    dst = torch.zeros_like(data)
+    gc.decode_to(got, piece.n_chunks, int(dst.data_ptr()), int(dst.numel()))
+    assert torch.equal(dst, data)

@@ -1,0 +1,678 @@
+"""A lossless, data-parallel codec for bf16-heavy byte ranges (the level-1 host copy).
+
+A range is read as little-endian 16-bit words w. bf16 is 1 sign, 8 exponent, 7 mantissa
+bits: the byte s = sign << 7 | mantissa travels raw, and the exponent byte
+e = (w >> 7) & 0xFF, which carries about 2.6-2.9 bits in a trained model, is coded:
+
+- per chunk of CHUNK_WORDS words (2 MiB), a table of the 2^k - 1 most frequent exponents
+  (k in KS); each word's exponent becomes a k-bit code, the last code an escape;
+- codes are stored as bit planes, k bytes per group of 8 words (byte p of a group holds
+  bit p of its 8 codes), so a word's code is k byte loads and shifts, with no bitstream;
+- escaped exponents go raw into a side stream in word order, located by a per-block
+  (BLOCK words) prefix count stored with the chunk;
+- a chunk where nothing of this pays (fp8, int4, fp32 low halves, noise) is kept raw
+  (k = 0): the choice is the smallest of the candidate sizes, raw winning ties.
+
+Decoding is a gather: unpack, table lookup, one prefix sum per block, merge with the raw
+byte. Any byte pattern round-trips (NaN, Inf, denormals, non-bf16 data): the codec never
+interprets a value, it moves bit fields.
+
+A piece is a run of at most `piece_chunks` chunks of one range, self-describing:
+  [META_BYTES per chunk: k, payload offset, words, exceptions, packed/boff/exc offsets,
+   payload size, 16-byte table][payloads, each ALIGN-aligned], padded to PIECE_ALIGN.
+The chunk payload (k > 0, n words, x exceptions):
+  s bytes (n) | bit planes (ceil(n/8) * k) | block offsets (u32 per block) | exceptions (x)
+each part ALIGN-aligned; k = 0: the n words as they are.
+
+`encode_piece` / `decode_piece` are the torch reference (any device, tests on CPU);
+`GpuCodec` runs the same format with Triton kernels and pipelines it with the copies
+(worker_ext/cumem.py). The GPU encoder's output is byte-identical to the reference's.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+BLOCK = 4096  # words per Triton program (and per exception prefix count)
+CHUNK_BLOCKS = 256
+CHUNK_WORDS = BLOCK * CHUNK_BLOCKS  # 2 MiB of words: one table per chunk
+KS = (2, 3, 4)  # candidate code widths
+META_INTS = 16
+META_BYTES = META_INTS * 4
+TABLE_AT = 32  # the table's byte offset inside a meta row (ints 8..11)
+ALIGN = 16
+PIECE_ALIGN = 256
+NUM_WARPS = 8
+
+# meta columns
+K, OFF, NWORDS, NEXC, PACKED, BOFF, EXC, SIZE = range(8)
+
+
+class Unavailable(RuntimeError):
+    """The GPU codec cannot run here (no Triton, no CUDA)."""
+
+
+def _align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def header_bytes(n_chunks: int) -> int:
+    return _align(n_chunks * META_BYTES, PIECE_ALIGN)
+
+
+def payload_size(k: int, n: int, n_exc: int) -> tuple[int, int, int, int]:
+    """(packed, block offsets, exceptions, total) byte offsets of one chunk's payload."""
+    if k == 0:
+        return 0, 0, 0, _align(2 * n, ALIGN)
+    packed = _align(n, ALIGN)
+    boff = _align(packed + (n + 7) // 8 * k, ALIGN)
+    exc = boff + 4 * ((n + BLOCK - 1) // BLOCK)
+    return packed, boff, exc, _align(exc + n_exc, ALIGN)
+
+
+def _align_t(x: Any, a: int) -> Any:
+    return (x + (a - 1)) // a * a
+
+
+def select(hist: Any, n: Any) -> tuple[Any, Any]:
+    """Per chunk, from its exponent histogram [C, 256] and word count [C]: the meta rows
+    [C, META_INTS] int32 (all but OFF) and the exponent -> code maps [C, 256] uint8.
+    Pure torch on the histogram's device; ties broken by exponent, so every device agrees."""
+    dev = hist.device
+    c = int(hist.shape[0])
+    hist = hist.to(torch.int64)
+    n = n.to(torch.int64)
+    ar = torch.arange(256, dtype=torch.int64, device=dev)
+    key = hist * 256 + (255 - ar)  # unique: count first, then the smaller exponent
+    order = torch.argsort(key, dim=1, descending=True)
+    top = order[:, :15]
+    cum = torch.gather(hist, 1, top).cumsum(1)
+    cands = [_align_t(2 * n, ALIGN)]  # raw first: argmin keeps the first of equal sizes
+    excs = [torch.zeros_like(n)]
+    for k in KS:
+        n_exc = n - cum[:, (1 << k) - 2]
+        packed = _align_t(n, ALIGN)
+        boff = _align_t(packed + (n + 7) // 8 * k, ALIGN)
+        exc = boff + 4 * ((n + BLOCK - 1) // BLOCK)
+        cands.append(_align_t(exc + n_exc, ALIGN))
+        excs.append(n_exc)
+    sizes = torch.stack(cands, 1)
+    pick = torch.argmin(sizes, dim=1)
+    ks = torch.tensor((0, *KS), dtype=torch.int64, device=dev)[pick]
+    meta = torch.zeros((c, META_INTS), dtype=torch.int64, device=dev)
+    meta[:, K] = ks
+    meta[:, NWORDS] = n
+    meta[:, NEXC] = torch.gather(torch.stack(excs, 1), 1, pick[:, None])[:, 0]
+    packed = _align_t(n, ALIGN)
+    boff = _align_t(packed + (n + 7) // 8 * ks, ALIGN)
+    exc = boff + 4 * ((n + BLOCK - 1) // BLOCK)
+    coded = ks > 0
+    meta[:, PACKED] = torch.where(coded, packed, 0)
+    meta[:, BOFF] = torch.where(coded, boff, 0)
+    meta[:, EXC] = torch.where(coded, exc, 0)
+    meta[:, SIZE] = torch.gather(sizes, 1, pick[:, None])[:, 0]
+    esc = (1 << ks) - 1  # 0 for raw chunks: unused
+    j = torch.arange(15, dtype=torch.int64, device=dev)
+    in_table = j[None, :] < esc[:, None]
+    table = torch.where(in_table, top, 0).to(torch.uint8)
+    tbytes = torch.zeros((c, 16), dtype=torch.uint8, device=dev)
+    tbytes[:, :15] = table
+    meta32 = meta.to(torch.int32)
+    meta32[:, 8:12] = tbytes.view(torch.int32)
+    inv = esc[:, None].expand(c, 256).clone()
+    inv.scatter_(1, top, torch.where(in_table, j[None, :].expand(c, 15), esc[:, None]))
+    return meta32, inv.to(torch.uint8)
+
+
+def layout(meta: Any) -> int:
+    """Set each chunk's payload offset (OFF) in a piece's meta rows (CPU tensor);
+    returns the piece's size."""
+    pos = header_bytes(int(meta.shape[0]))
+    for i in range(int(meta.shape[0])):
+        meta[i, OFF] = pos
+        pos += int(meta[i, SIZE])
+    return _align(pos, PIECE_ALIGN)
+
+
+def _words(data: Any) -> Any:
+    """int32 values 0..65535 of a uint8 tensor of even length."""
+    return data.view(torch.int16).to(torch.int32) & 0xFFFF
+
+
+def histograms(words: Any) -> tuple[Any, Any]:
+    """Exponent histogram [C, 256] and word count [C] of each chunk (torch)."""
+    n = int(words.numel())
+    c = max(1, (n + CHUNK_WORDS - 1) // CHUNK_WORDS)
+    e = (words >> 7) & 0xFF
+    idx = torch.arange(n, device=words.device) // CHUNK_WORDS
+    hist = torch.bincount(idx * 256 + e, minlength=c * 256).view(c, 256)
+    counts = torch.full((c,), CHUNK_WORDS, dtype=torch.int64, device=words.device)
+    counts[-1] = n - (c - 1) * CHUNK_WORDS
+    return hist, counts
+
+
+def _encode_chunk(w: Any, row: Any, inv: Any, out: Any) -> None:
+    """One chunk's payload into `out` (uint8, its size) with torch."""
+    k, n = int(row[K]), int(w.numel())
+    if k == 0:
+        out[: 2 * n].copy_(w.to(torch.int16).view(torch.uint8))
+        return
+    s = ((w >> 8) & 0x80) | (w & 0x7F)
+    out[:n].copy_(s.to(torch.uint8))
+    e = (w >> 7) & 0xFF
+    code = inv.to(torch.int32)[e]
+    groups = (n + 7) // 8
+    padded = torch.zeros(groups * 8, dtype=torch.int32, device=w.device)
+    padded[:n] = code
+    g = padded.view(groups, 8)
+    lanes = torch.arange(8, dtype=torch.int32, device=w.device)
+    planes = torch.stack([(((g >> p) & 1) << lanes).sum(1) for p in range(k)], 1)
+    pk = int(row[PACKED])
+    out[pk : pk + groups * k].copy_(planes.reshape(-1).to(torch.uint8))
+    esc = code == (1 << k) - 1
+    nb = (n + BLOCK - 1) // BLOCK
+    per_block = torch.zeros(nb * BLOCK, dtype=torch.int64, device=w.device)
+    per_block[:n] = esc.to(torch.int64)
+    counts = per_block.view(nb, BLOCK).sum(1)
+    boff = (counts.cumsum(0) - counts).to(torch.int32)
+    bo = int(row[BOFF])
+    out[bo : bo + 4 * nb].copy_(boff.view(torch.uint8))
+    ex = int(row[EXC])
+    x = e[esc].to(torch.uint8)
+    out[ex : ex + int(x.numel())].copy_(x)
+
+
+def encode_piece(data: Any) -> Any:
+    """The reference encoder: one piece (uint8 tensor, even length, any number of chunks)."""
+    if int(data.numel()) % 2:
+        raise ValueError("a piece holds whole 16-bit words")
+    w = _words(data)
+    hist, n = histograms(w)
+    meta, inv = select(hist, n)
+    meta = meta.cpu()
+    size = layout(meta)
+    out = torch.zeros(size, dtype=torch.uint8, device=data.device)
+    out[: int(meta.shape[0]) * META_BYTES].copy_(meta.reshape(-1).view(torch.uint8))
+    for i in range(int(meta.shape[0])):
+        lo = i * CHUNK_WORDS
+        row = meta[i]
+        off = int(row[OFF])
+        _encode_chunk(w[lo : lo + int(row[NWORDS])], row, inv[i], out[off : off + int(row[SIZE])])
+    return out
+
+
+def decode_piece(piece: Any, n_chunks: int) -> Any:
+    """The reference decoder: the piece's bytes (uint8 tensor on the piece's device)."""
+    meta = piece[: n_chunks * META_BYTES].cpu().view(torch.int32).view(n_chunks, META_INTS)
+    n_total = int(meta[:, NWORDS].sum())
+    out = torch.empty(n_total, dtype=torch.int32, device=piece.device)
+    for i in range(n_chunks):
+        row = meta[i]
+        k, n, off = int(row[K]), int(row[NWORDS]), int(row[OFF])
+        body = piece[off : off + int(row[SIZE])]
+        lo = i * CHUNK_WORDS
+        if k == 0:
+            out[lo : lo + n] = _words(body[: 2 * n])
+            continue
+        s = body[:n].to(torch.int32)
+        pk, bo, ex = int(row[PACKED]), int(row[BOFF]), int(row[EXC])
+        idx = torch.arange(n, device=piece.device)
+        g, lane = idx >> 3, (idx & 7).to(torch.int32)
+        code = torch.zeros(n, dtype=torch.int32, device=piece.device)
+        for p in range(k):
+            b = body[pk + g * k + p].to(torch.int32)
+            code |= ((b >> lane) & 1) << p
+        table = piece[i * META_BYTES + TABLE_AT : i * META_BYTES + TABLE_AT + 16].to(torch.int32)
+        esc = code == (1 << k) - 1
+        e = table[code.clamp(max=15)]
+        nb = (n + BLOCK - 1) // BLOCK
+        boff = body[bo : bo + 4 * nb].clone().view(torch.int32).to(torch.int64)
+        esc64 = esc.to(torch.int64)
+        incl = torch.zeros(nb * BLOCK, dtype=torch.int64, device=piece.device)
+        incl[:n] = esc64
+        rank = (incl.view(nb, BLOCK).cumsum(1) - incl.view(nb, BLOCK) + boff[:, None]).view(-1)
+        pos = rank[:n][esc]
+        e[esc] = body[ex + pos].to(torch.int32)
+        out[lo : lo + n] = ((s & 0x80) << 8) | (e << 7) | (s & 0x7F)
+    return out.to(torch.int16).view(torch.uint8)
+
+
+# -- a whole byte string (tests, the disk tier) ------------------------------------------
+
+
+def encode(data: Any, piece_chunks: int = 32) -> list[tuple[int, Any]]:
+    """Any uint8 tensor as (chunk count, piece) pairs; an odd last byte in a raw piece."""
+    n = int(data.numel())
+    out: list[tuple[int, Any]] = []
+    even = n - n % 2
+    step = piece_chunks * CHUNK_WORDS * 2
+    for lo in range(0, even, step):
+        hi = min(even, lo + step)
+        out.append(
+            ((hi - lo + 2 * CHUNK_WORDS - 1) // (2 * CHUNK_WORDS), encode_piece(data[lo:hi]))
+        )
+    if n % 2:
+        out.append((0, data[even:].clone()))
+    return out
+
+
+def decode(pieces: list[tuple[int, Any]]) -> Any:
+    parts = [decode_piece(p, c) if c else p for c, p in pieces]
+    if not parts:
+        return torch.zeros(0, dtype=torch.uint8)
+    return torch.cat(parts)
+
+
+# -- the Triton kernels (the same format) ------------------------------------------------
+
+tl: Any = None  # triton.language, bound on first use (the kernels read it as a global)
+_KERNELS: dict[bool, dict[str, Any]] = {}
+
+
+# Only the constexprs are annotated: Triton's compiler reads annotations.
+def _k_hist(src, n, hist, CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    """hist[c, e] += count of exponent e in block (c, b) of the words at src."""
+    c = tl.program_id(0)
+    b = tl.program_id(1)
+    offs = c.to(tl.int64) * CHUNK + b * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < n
+    w = tl.load(src + offs, mask=valid, other=0).to(tl.int32) & 0xFFFF
+    e = tl.where(valid, (w >> 7) & 0xFF, 256)
+    h = tl.histogram(e, 512)
+    bins = tl.arange(0, 512)
+    tl.atomic_add(hist + c * 256 + bins, h, mask=bins < 256)
+
+
+def _k_encode(src, out, meta, inv, counts, CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Block (c, b): raw words (k = 0), or s bytes, bit planes and its escape count."""
+    c = tl.program_id(0)
+    b = tl.program_id(1)
+    row = meta + c * 16
+    k = tl.load(row + 0)
+    off = tl.load(row + 1)
+    nc = tl.load(row + 2)
+    i = b * BLOCK + tl.arange(0, BLOCK)
+    valid = i < nc
+    w = tl.load(src + c * CHUNK + i, mask=valid, other=0).to(tl.int32) & 0xFFFF
+    if k == 0:
+        dst = (out + off).to(tl.pointer_type(tl.int16))
+        tl.store(dst + i, w.to(tl.int16), mask=valid)
+    else:
+        s = ((w >> 8) & 0x80) | (w & 0x7F)
+        tl.store(out + off + i, s.to(tl.uint8), mask=valid)
+        e = (w >> 7) & 0xFF
+        code = tl.load(inv + c * 256 + e, mask=valid, other=0).to(tl.int32)
+        esc = (code == (1 << k) - 1) & valid
+        tl.store(counts + c * 256 + b, tl.sum(esc.to(tl.int32), axis=0))
+        code2 = tl.reshape(code, (BLOCK // 8, 8))
+        lanes = tl.arange(0, 8)[None, :]
+        g = b * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+        gvalid = g * 8 < nc
+        packed = out + off + tl.load(row + 4)
+        for p in range(0, k):
+            plane = tl.sum(((code2 >> p) & 1) << lanes, axis=1)
+            tl.store(packed + g * k + p, plane.to(tl.uint8), mask=gvalid)
+
+
+def _k_exceptions(src, out, meta, inv, boff, CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Block (c, b) of a coded chunk: its prefix count and its escaped exponents."""
+    c = tl.program_id(0)
+    b = tl.program_id(1)
+    row = meta + c * 16
+    k = tl.load(row + 0)
+    nc = tl.load(row + 2)
+    if k != 0 and b * BLOCK < nc:
+        off = tl.load(row + 1)
+        i = b * BLOCK + tl.arange(0, BLOCK)
+        valid = i < nc
+        w = tl.load(src + c * CHUNK + i, mask=valid, other=0).to(tl.int32) & 0xFFFF
+        e = (w >> 7) & 0xFF
+        code = tl.load(inv + c * 256 + e, mask=valid, other=0).to(tl.int32)
+        esc = ((code == (1 << k) - 1) & valid).to(tl.int32)
+        base = tl.load(boff + c * 256 + b)
+        rank = tl.cumsum(esc, axis=0) - esc + base
+        tl.store(out + off + tl.load(row + 6) + rank, e.to(tl.uint8), mask=esc != 0)
+        slot = (out + off + tl.load(row + 5)).to(tl.pointer_type(tl.int32))
+        tl.store(slot + b, base)
+
+
+def _k_decode(piece, dst, CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Block (c, b) of an encoded piece (meta read from the piece) into dst's words."""
+    c = tl.program_id(0)
+    b = tl.program_id(1)
+    row = piece.to(tl.pointer_type(tl.int32)) + c * 16
+    k = tl.load(row + 0)
+    off = tl.load(row + 1)
+    nc = tl.load(row + 2)
+    i = b * BLOCK + tl.arange(0, BLOCK)
+    valid = i < nc
+    out = dst + c * CHUNK + i
+    body = piece + off
+    if k == 0:  # (names differ between the branches: Triton types them apart)
+        raw = tl.load(body.to(tl.pointer_type(tl.int16)) + i, mask=valid, other=0)
+        tl.store(out, raw, mask=valid)
+    else:
+        s = tl.load(body + i, mask=valid, other=0).to(tl.int32)
+        g = i >> 3
+        lane = i & 7
+        packed = body + tl.load(row + 4)
+        code = tl.zeros([BLOCK], dtype=tl.int32)
+        for p in range(0, k):
+            byte = tl.load(packed + g * k + p, mask=valid, other=0).to(tl.int32)
+            code |= ((byte >> lane) & 1) << p
+        table = piece + c * 64 + 32
+        e = tl.load(table + code, mask=valid, other=0).to(tl.int32)
+        esc = ((code == (1 << k) - 1) & valid).to(tl.int32)
+        base = tl.load((body + tl.load(row + 5)).to(tl.pointer_type(tl.int32)) + b)
+        rank = tl.cumsum(esc, axis=0) - esc + base
+        x = tl.load(body + tl.load(row + 6) + rank, mask=esc != 0, other=0).to(tl.int32)
+        e = tl.where(esc != 0, x, e)
+        w = ((s & 0x80) << 8) | (e << 7) | (s & 0x7F)
+        tl.store(out, w.to(tl.int16), mask=valid)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip() == "1"
+
+
+def kernels() -> dict[str, Any]:
+    """The jitted kernels, on first use (Triton is imported only then)."""
+    global tl
+    mode = _interpreting()
+    hit = _KERNELS.get(mode)
+    if hit is not None:
+        return hit
+    try:
+        import triton
+        import triton.language
+    except Exception as e:
+        raise Unavailable(f"triton: {e!r}") from e
+    tl = triton.language
+    made = {
+        "hist": triton.jit(_k_hist),
+        "encode": triton.jit(_k_encode),
+        "exceptions": triton.jit(_k_exceptions),
+        "decode": triton.jit(_k_decode),
+    }
+    _KERNELS[mode] = made
+    return made
+
+
+def _launch(kernel: Any, grid: tuple[int, int], device: Any, *args: Any) -> None:
+    kw: dict[str, Any] = {"CHUNK": CHUNK_WORDS, "BLOCK": BLOCK}
+    if device.type == "cuda":
+        kw["num_warps"] = NUM_WARPS
+    kernel[grid](*args, **kw)
+
+
+# -- the GPU path: plan, encode, decode (the same format, Triton) -----------------------
+
+
+@dataclass
+class Piece:
+    """One encoded piece: where its bytes live on the device and in the host copy."""
+
+    rng: int  # index of its range in the plan
+    dev_off: int  # byte offset inside the range
+    raw_bytes: int
+    first: int  # its first chunk's row in the plan's meta
+    n_chunks: int
+    size: int  # encoded bytes
+    host_off: int = 0
+
+
+@dataclass
+class Plan:
+    """Every range's pieces, their meta rows on the device and the host layout."""
+
+    ranges: list[tuple[int, int]]
+    pieces: list[Piece]
+    meta: Any  # [C, META_INTS] int32 on the device, OFF set
+    inv: Any  # [C, 256] uint8 on the device
+    total: int  # encoded bytes of every piece, in host order
+    raw_total: int
+    plan_s: float = 0.0
+    by_k: dict[int, int] = field(default_factory=dict)  # chunks per code width
+
+    def ratio(self) -> float:
+        return self.total / self.raw_total if self.raw_total else 1.0
+
+
+class GpuCodec:
+    """The codec on one CUDA device (or Triton's interpreter on CPU tensors, for tests).
+
+    Scratch: `slots` staging buffers of one piece each (the pipeline's double buffer), the
+    plan's meta and maps, and small per-piece counts; `scratch_bytes()` reports it."""
+
+    def __init__(self, device: Any, piece_chunks: int = 32, slots: int = 2) -> None:
+        device = torch.device(device)
+        if device.type == "cpu" and not _interpreting():
+            raise Unavailable("CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
+        if device.type == "cuda" and device.index is None:  # raw views name their index
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.piece_chunks = piece_chunks
+        self.n_slots = max(2, slots)
+        self.slot_bytes = _align(
+            header_bytes(piece_chunks) + piece_chunks * (2 * CHUNK_WORDS + ALIGN), PIECE_ALIGN
+        )
+        self._k = kernels()
+        self._slots: list[Any] = []
+        self._counts: Any = None
+        self._boff: Any = None
+        self.peak_scratch = 0
+
+    # scratch ---------------------------------------------------------------------------
+
+    def _scratch(self) -> None:
+        if not self._slots:
+            self._slots = [
+                torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+                for _ in range(self.n_slots)
+            ]
+            self._counts = torch.zeros(
+                (self.piece_chunks, CHUNK_BLOCKS), dtype=torch.int32, device=self.device
+            )
+            self._boff = torch.zeros_like(self._counts)
+
+    def scratch_bytes(self, plan: Plan | None = None) -> int:
+        """Device bytes the pipeline holds while it runs (slots, counts, the plan's rows)."""
+        n = self.n_slots * self.slot_bytes + 2 * self.piece_chunks * CHUNK_BLOCKS * 4
+        if plan is not None:
+            n += int(plan.meta.numel()) * 4 + int(plan.inv.numel())
+        return n
+
+    def release(self) -> None:
+        """Give the scratch back to torch (the caller empties torch's cache if it wants)."""
+        self._slots = []
+        self._counts = None
+        self._boff = None
+
+    # plan ------------------------------------------------------------------------------
+
+    def _view(self, ptr: int, nbytes: int) -> Any:
+        from worker_ext.rawmem import raw_bytes
+
+        return raw_bytes(ptr, nbytes, self.device)
+
+    def plan(self, ranges: list[tuple[int, int]]) -> Plan:
+        """Histograms and tables of every chunk of `ranges` ((address, bytes), even bytes),
+        one host sync, the host layout."""
+        t0 = time.perf_counter()
+        per = []
+        for ptr, nbytes in ranges:
+            if nbytes % 2 or ptr % 2:
+                raise ValueError(f"range at {ptr:#x} of {nbytes} bytes is not whole words")
+            per.append(max(1, (nbytes // 2 + CHUNK_WORDS - 1) // CHUNK_WORDS) if nbytes else 0)
+        total_chunks = sum(per)
+        hist = torch.zeros((max(1, total_chunks), 256), dtype=torch.int32, device=self.device)
+        counts = torch.zeros(max(1, total_chunks), dtype=torch.int64)
+        row = 0
+        for (ptr, nbytes), c in zip(ranges, per, strict=True):
+            if not c:
+                continue
+            words = self._view(ptr, nbytes).view(torch.int16)
+            _launch(self._k["hist"], (c, CHUNK_BLOCKS), self.device, words, nbytes // 2, hist[row:])
+            counts[row : row + c] = CHUNK_WORDS
+            counts[row + c - 1] = nbytes // 2 - (c - 1) * CHUNK_WORDS
+            row += c
+        meta, inv = select(hist[:total_chunks], counts[:total_chunks].to(self.device))
+        meta_h = meta.cpu()  # the one host sync
+        pieces: list[Piece] = []
+        row, host = 0, 0
+        by_k: dict[int, int] = {}
+        for r, ((_ptr, nbytes), c) in enumerate(zip(ranges, per, strict=True)):
+            for j in range(0, c, self.piece_chunks):
+                n_ch = min(self.piece_chunks, c - j)
+                rows = meta_h[row + j : row + j + n_ch]
+                size = layout(rows)
+                raw = min(nbytes - j * 2 * CHUNK_WORDS, n_ch * 2 * CHUNK_WORDS)
+                pieces.append(Piece(r, j * 2 * CHUNK_WORDS, raw, row + j, n_ch, size, host))
+                host += size
+            row += c
+        for kk in meta_h[:, K].tolist():
+            by_k[int(kk)] = by_k.get(int(kk), 0) + 1
+        meta_d = meta_h.to(self.device)
+        return Plan(
+            ranges=list(ranges),
+            pieces=pieces,
+            meta=meta_d,
+            inv=inv,
+            total=host,
+            raw_total=sum(n for _, n in ranges),
+            plan_s=time.perf_counter() - t0,
+            by_k=by_k,
+        )
+
+    # one piece -------------------------------------------------------------------------
+
+    def encode_into(self, plan: Plan, piece: Piece, out: Any) -> None:
+        """Encode `piece` into `out` (uint8, >= piece.size) on the current stream."""
+        ptr, _n = plan.ranges[piece.rng]
+        src = self._view(ptr + piece.dev_off, piece.raw_bytes).view(torch.int16)
+        rows = plan.meta[piece.first : piece.first + piece.n_chunks]
+        inv = plan.inv[piece.first : piece.first + piece.n_chunks]
+        counts = self._counts[: piece.n_chunks]
+        boff = self._boff[: piece.n_chunks]
+        grid = (piece.n_chunks, CHUNK_BLOCKS)
+        _launch(self._k["encode"], grid, self.device, src, out, rows, inv, counts)
+        torch.cumsum(counts, 1, dtype=torch.int32, out=boff)
+        boff.sub_(counts)
+        _launch(self._k["exceptions"], grid, self.device, src, out, rows, inv, boff)
+        out[: piece.n_chunks * META_BYTES].view(torch.int32).view(piece.n_chunks, META_INTS).copy_(
+            rows
+        )
+
+    def decode_into(self, plan: Plan, piece: Piece, staged: Any) -> None:
+        """Decode `staged` (the piece's bytes on the device) into its range, current stream."""
+        ptr, _n = plan.ranges[piece.rng]
+        self.decode_to(staged, piece.n_chunks, ptr + piece.dev_off, piece.raw_bytes)
+
+    def decode_to(self, staged: Any, n_chunks: int, dst_ptr: int, nbytes: int) -> None:
+        dst = self._view(dst_ptr, nbytes).view(torch.int16)
+        _launch(self._k["decode"], (n_chunks, CHUNK_BLOCKS), self.device, staged, dst)
+
+    # pipelines -------------------------------------------------------------------------
+
+    def slots(self) -> list[Any]:
+        self._scratch()
+        self.peak_scratch = max(self.peak_scratch, self.scratch_bytes())
+        return self._slots
+
+
+Copy = Any  # (host offset, device address, bytes, to_host, raw cudaStream_t) -> None
+
+
+class SleepQueue:
+    """Encode pieces into the staging slots on `enc` and copy each to the host on `copy`
+    (double-buffered: piece j + slots waits for piece j's copy to leave its slot)."""
+
+    def __init__(self, gc: GpuCodec, plan: Plan, copy: Copy, enc: Any, dma: Any) -> None:
+        self.gc, self.plan, self._copy = gc, plan, copy
+        self.enc, self.dma = enc, dma
+        self._slots = gc.slots()
+        self._free: list[Any] = [None] * len(self._slots)
+        self._j = 0
+
+    def queue(self, piece: Piece) -> Any:
+        """Queue one piece; returns the event after which its range's bytes are not read."""
+        s = self._j % len(self._slots)
+        self._j += 1
+        slot = self._slots[s]
+        if self._free[s] is not None:
+            self.enc.wait_event(self._free[s])
+        with torch.cuda.stream(self.enc):
+            self.gc.encode_into(self.plan, piece, slot)
+        encoded = self.enc.record_event()
+        self.dma.wait_event(encoded)
+        self._copy(piece.host_off, slot.data_ptr(), piece.size, True, self.dma.cuda_stream)
+        self._free[s] = self.dma.record_event()
+        return encoded
+
+
+class WakeQueue:
+    """Copy pieces from the host into the staging slots on `dma` and decode each into its
+    final place on `dec`, piece j + 1 on the wire while piece j decodes."""
+
+    def __init__(self, gc: GpuCodec, plan: Plan, copy: Copy, dma: Any, dec: Any) -> None:
+        self.gc, self.plan, self._copy = gc, plan, copy
+        self.dma, self.dec = dma, dec
+        self._slots = gc.slots()
+        self._free: list[Any] = [None] * len(self._slots)
+        self._j = 0
+
+    def queue(self, piece: Piece) -> None:
+        s = self._j % len(self._slots)
+        self._j += 1
+        slot = self._slots[s]
+        if self._free[s] is not None:
+            self.dma.wait_event(self._free[s])
+        self._copy(piece.host_off, slot.data_ptr(), piece.size, False, self.dma.cuda_stream)
+        staged = self.dma.record_event()
+        self.dec.wait_event(staged)
+        with torch.cuda.stream(self.dec):
+            self.gc.decode_into(self.plan, piece, slot)
+        self._free[s] = self.dec.record_event()
+
+
+def warm(device: Any, piece_chunks: int = 32) -> tuple[GpuCodec | None, dict[str, Any]]:
+    """Compile the kernels and prove them on `device` (a coded and a raw chunk, NaNs and
+    denormals; byte-identical to the reference encoder, decoded exactly) before the backend
+    trusts them: (codec or None, {"ok", "s", "error"}); never raises."""
+    t = time.perf_counter()
+    try:
+        gc = GpuCodec(device, piece_chunks=piece_chunks)
+        g = torch.Generator(device="cpu").manual_seed(0)
+        coded = (torch.randn(CHUNK_WORDS, generator=g) * 0.02).to(torch.bfloat16).view(torch.int16)
+        coded[::97] = 0x7FC1  # a NaN
+        coded[5::101] = 0x0003  # a denormal
+        noise = torch.randint(-32768, 32768, (BLOCK + 7,), generator=g, dtype=torch.int32)
+        host = torch.cat([coded, noise.to(torch.int16)]).view(torch.uint8)
+        data = host.to(gc.device)
+        plan = gc.plan([(int(data.data_ptr()), int(data.numel()))])
+        [piece] = plan.pieces
+        slot = gc.slots()[0]
+        slot.zero_()
+        gc.encode_into(plan, piece, slot)
+        ref = encode_piece(host)
+        if piece.size != ref.numel() or plan.by_k.get(0) != 1:
+            raise Unavailable(f"plan {piece.size} B {plan.by_k}, reference {ref.numel()} B")
+        back = torch.zeros_like(data)
+        gc.decode_to(slot, piece.n_chunks, int(back.data_ptr()), int(back.numel()))
+        if not torch.equal(back.cpu(), host):
+            raise Unavailable("decode(encode(x)) != x on the device")
+        if not torch.equal(decode_piece(slot[: piece.size].cpu(), piece.n_chunks), host):
+            raise Unavailable("the reference decoder disagrees with the device's bytes")
+        gc.release()
+    except Exception as e:
+        return None, {
+            "ok": False,
+            "s": time.perf_counter() - t,
+            "error": f"{type(e).__name__}: {e}",
+        }
+    return gc, {"ok": True, "s": time.perf_counter() - t, "error": None}
