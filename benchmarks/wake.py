@@ -316,7 +316,21 @@ def main() -> int:
         help="seconds between the end of a sleep and the wake (raw vLLM and ours alike):"
         " the driver scrubs released device memory in the background for a while",
     )
+    ap.add_argument(
+        "--codecs",
+        default="exp,none",
+        help="HOTSWAP_HOST_CODEC variants (exp, none), each run for --cycles cycles, in turn",
+    )
+    ap.add_argument(
+        "--weights",
+        choices=("realistic", "dummy"),
+        default="realistic",
+        help="realistic: every parameter redrawn like a trained model's after the dummy load"
+        " (benchmarks/realweights.py); dummy: vLLM's uniform dummy values",
+    )
     args = ap.parse_args()
+    codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
+    os.environ["HOTSWAP_HOST_CODEC"] = codecs[0]  # what the backend is made with
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HOTSWAP_PIN_HOST_BACKUP", "lazy")  # warmed explicitly below, timed
     import torch
@@ -352,6 +366,17 @@ def main() -> int:
     if args.via == "extension":
         kw["worker_extension_cls"] = "worker_ext.HotSwapExtension"
     llm, res["llm_start_s"] = timed(LLM, **kw)
+    res["weights_kind"] = args.weights
+    if args.weights == "realistic":
+        from benchmarks import realweights
+
+        def fill(w: Any) -> int:
+            model = w.worker.model_runner.get_model()
+            return realweights.fill_model_(model.named_parameters(), seed=1)
+
+        filled, res["fill_s"] = timed(llm.collective_rpc, fill)
+        res["filled_bytes"] = int(filled[0])
+        log(f"realistic weights: {filled[0] / GB:.2f} GB redrawn in {res['fill_s']:.1f} s")
     base = gen(llm)
     res["deterministic"] = gen(llm) == base
     equal: list[bool] = []
@@ -390,7 +415,8 @@ def main() -> int:
     protects = [p.strip() for p in args.protect.split(",") if p.strip()]
     plevels = [int(p) for p in args.prepare_levels.split(",") if p.strip()]
     variants = [
-        (m, i, k, a, pr, pl)
+        (c, m, i, k, a, pr, pl)
+        for c in codecs
         for m in modes
         for i in impls
         for k in kernels
@@ -398,12 +424,16 @@ def main() -> int:
         for pl in plevels
         for a in asleeps
     ]
-    for mode, impl, vk, asleep, protect, plevel in variants:
+    for hc, mode, impl, vk, asleep, protect, plevel in variants:
+        switched = os.environ.get("HOTSWAP_HOST_CODEC") != hc
+        os.environ["HOTSWAP_HOST_CODEC"] = hc
         os.environ["HOTSWAP_RESUME_KV"] = mode  # in-process worker
         os.environ.update(map_env(impl))
         os.environ["HOTSWAP_VERIFY_KERNEL"] = vk
         os.environ["HOTSWAP_PROTECT"] = protect
         drv.use_env()  # the worker reads its settings once: hand it these
+        if switched:  # a raw copy needs a bigger buffer: pin it now, not inside a sleep
+            drv.warm()
         for _ in range(args.cycles):
             s, ts = drv.sleep(plevel) if plevel != 1 else drv.sleep()
             r_asleep = rss()
@@ -412,8 +442,11 @@ def main() -> int:
             w, tw, tv = drv.wake()
             equal.append(gen(llm) == base)
             check = CHECKS[-1] if len(CHECKS) > n_checks else {}
+            coded = llm.collective_rpc(lambda w: find_backend(w.worker).describe()["codec"])[0]
             ours.append(
                 {
+                    "codec": hc,
+                    "codec_suspend": coded.get("last_suspend") if hc == "exp" else None,
                     "kv_mode": mode,
                     "map_impl": impl,
                     "protect": protect,
@@ -450,6 +483,10 @@ def main() -> int:
                 "equal",
                 equal[-1],
             )
+    res["codec_describe"] = llm.collective_rpc(
+        lambda w: find_backend(w.worker).describe().get("codec")
+    )[0]
+    log("codec", res["codec_describe"])
     if args.via == "extension":
         res["fingerprint"] = fingerprint_bench(llm)
         log("fingerprint", res["fingerprint"])
@@ -498,8 +535,8 @@ def main() -> int:
         )
     for i, r in enumerate(ours):
         check = "kernel" if r["kernel_used"] else "eager"
-        tag = f"{check}, asleep {r['asleep_s']:g} s, #{i + 1}"
-        tag = tag if r["verify_s"] else f"asleep {r['asleep_s']:g} s, #{i + 1}"
+        tag = f"codec {r['codec']}, {check}, asleep {r['asleep_s']:g} s, #{i + 1}"
+        tag = tag if r["verify_s"] else f"codec {r['codec']}, asleep {r['asleep_s']:g} s, #{i + 1}"
         rows.append(
             (
                 f"ours sleep {tag}",

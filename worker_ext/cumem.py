@@ -44,8 +44,8 @@ import threading
 import time
 from typing import Any
 
-from worker_ext import fpkernel
-from worker_ext.cudart import CHUNK_BYTES, CudaRT, HostBuffer
+from worker_ext import codec, fpkernel
+from worker_ext.cudart import CHUNK_BYTES, REGISTER_BYTES, CudaRT, HostBuffer
 from worker_ext.cudriver import Driver
 from worker_ext.pools import ALL_TAGS, DISCARDED, KV_CACHE, OFFLOADED, UNPOOLED, WEIGHTS, policy
 from worker_ext.settings import WorkerSettings
@@ -94,6 +94,14 @@ class CuMemBackend:
         self._host_pin_s: float | None = None
         self._kernel_warm: dict[str, Any] | None = None
         self._drivers: dict[bool, Driver] = {}  # by HOTSWAP_MAP_HANDLES == vllm
+        # HOTSWAP_HOST_CODEC=exp: the host copy coded on the GPU (worker_ext/codec.py)
+        self._codec: codec.GpuCodec | None = None
+        self._codec_warm: dict[str, Any] | None = None  # the kernels' proof, once made
+        self._coded: dict[int, list[codec.Piece]] = {}  # ptr -> its pieces in the host copy
+        self._codec_plan: codec.Plan | None = None
+        self._codec_scratch = False  # the codec's staging buffers are held
+        self._codec_report: dict[str, Any] | None = None
+        self._get_codec()
         if self.settings.pin_mode == "early":
             self.warm_host(wait=False)
         # verify's Triton check compiled now, not inside the first sleep's prepare
@@ -200,6 +208,11 @@ class CuMemBackend:
             "host_backup_error": self._host_error,
             "records": len(self._records()),
             "verify_kernel_warm": self._kernel_warm,
+            "codec": {
+                "setting": self.settings.host_codec,
+                "warm": self._codec_warm,
+                "last_suspend": self._codec_report,
+            },
             "map": {
                 "impl": self.settings.map_impl,
                 "drivers": {
@@ -231,8 +244,9 @@ class CuMemBackend:
             log.warning("hotswap: pinning the host backup failed: %s", self._host_error)
 
     def warm_host(self, wait: bool = False) -> dict[str, Any]:
-        """Start (or join) pinning a host buffer of exactly the weights' bytes."""
-        need = self.pools().get(WEIGHTS, 0)
+        """Start (or join) pinning a host buffer of exactly the weights' bytes, or of their
+        coded size (planned now, on the device, when the codec is on and they are awake)."""
+        need = self._host_need()
         with self._host_lock:
             have = self._host.nbytes if self._host is not None else 0
             running = self._host_thread is not None and self._host_thread.is_alive()
@@ -244,6 +258,95 @@ class CuMemBackend:
         if wait:
             self._join_host()
         return self.describe()
+
+    def _host_need(self) -> int:
+        need = self.pools().get(WEIGHTS, 0)
+        gc = self._get_codec()
+        recs = self._tag_records(WEIGHTS)
+        if gc is None or not recs or any(d.is_asleep for _, d in recs):
+            return need
+        try:
+            plan = gc.plan([(p, int(d.handle[1])) for p, d in recs])
+        except Exception as exc:  # the suspend plans again and reports
+            log.warning("hotswap: planning the coded host copy failed: %s", exc)
+            return need
+        return plan.total
+
+    def _get_codec(self) -> codec.GpuCodec | None:
+        """The GPU codec when HOTSWAP_HOST_CODEC=exp and its kernels proved themselves here."""
+        if self.settings.host_codec != "exp":
+            return None
+        if self._codec is None and self._codec_warm is None:
+            chunks = self.settings.codec_piece_mib * (1 << 20) // (2 * codec.CHUNK_WORDS)
+            self._codec, self._codec_warm = codec.warm(self._device, max(1, chunks))
+            if self._codec is None:
+                log.warning("hotswap: host codec off: %s", self._codec_warm.get("error"))
+        return self._codec
+
+    def _copier(self, host: int) -> Any:
+        """The codec's copy between its staging and the host buffer at `host`, cut where
+        the buffer's registrations meet (no copy spans two)."""
+        memcpy = self._cudart.memcpy_async
+
+        def copy(host_off: int, dev: int, n: int, to_host: bool, stream: int) -> None:
+            pos = 0
+            while pos < n:
+                off = host_off + pos
+                m = min(n - pos, (off // REGISTER_BYTES + 1) * REGISTER_BYTES - off)
+                if to_host:
+                    memcpy(host + off, dev + pos, m, stream)
+                else:
+                    memcpy(dev + pos, host + off, m, stream)
+                pos += m
+
+        return copy
+
+    def _release_codec_scratch(self) -> float:
+        """Give the codec's staging buffers back to the device (after every copy is done)."""
+        if not self._codec_scratch or self._codec is None:
+            return 0.0
+        t = time.perf_counter()
+        self._codec.release()
+        self._torch.cuda.empty_cache()
+        self._codec_scratch = False
+        return time.perf_counter() - t
+
+    def _suspend_coded(
+        self,
+        gc: codec.GpuCodec,
+        plan: codec.Plan,
+        offload: list[tuple[int, Any]],
+        timings: dict[str, float],
+    ) -> list[tuple[int, Any, Any]]:
+        """Encode each piece into a staging slot and copy it to the host while the next
+        encodes; returns (ptr, record, [event after its last encode]) per record."""
+        t = time.perf_counter()
+        host = self._host_for(plan.total)
+        timings["host_wait_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        enc, dma = self._get_streams()[:2]
+        current = self._torch.cuda.current_stream(self._device)
+        enc.wait_stream(current)
+        dma.wait_stream(current)
+        self._codec_scratch = True
+        q = codec.SleepQueue(gc, plan, self._copier(host.ptr), enc, dma)
+        last: dict[int, Any] = {}
+        coded: dict[int, list[codec.Piece]] = {}
+        for piece in plan.pieces:
+            last[piece.rng] = q.queue(piece)
+            coded.setdefault(offload[piece.rng][0], []).append(piece)
+        self._coded.update(coded)
+        self._codec_plan = plan
+        timings["queue_s"] = time.perf_counter() - t
+        self._codec_report = {
+            "raw_bytes": plan.raw_total,
+            "coded_bytes": plan.total,
+            "ratio": plan.ratio(),
+            "chunks_by_k": {str(k): v for k, v in sorted(plan.by_k.items())},
+            "pieces": len(plan.pieces),
+            "scratch_bytes": gc.scratch_bytes(plan),
+        }
+        return [(p, d, [last[r]]) for r, (p, d) in enumerate(offload) if r in last]
 
     def _join_host(self) -> None:
         thread = self._host_thread
@@ -320,7 +423,9 @@ class CuMemBackend:
             start, ends = self._dma_events
             self.last_dma_s = max(start.elapsed_time(e) for e in ends) / 1000.0
             self._dma_events = None
-        if self._release_host_after_pending and not self._offloaded_layout:
+        if not self._coded:
+            self._release_codec_scratch()
+        if self._release_host_after_pending and not self._offloaded_layout and not self._coded:
             self._release_host()
         self._release_host_after_pending = False
 
@@ -351,7 +456,19 @@ class CuMemBackend:
         offload = [(p, d) for t in tags if plan[t] == OFFLOADED for p, d in recs[t]]
         events: list[tuple[int, Any, Any]] = []
         layout: dict[int, tuple[int, int]] = {}
-        if offload:
+        gc = self._get_codec() if offload else None
+        coded: codec.Plan | None = None
+        if gc is not None:
+            t = time.perf_counter()
+            try:
+                coded = gc.plan([(p, int(d.handle[1])) for p, d in offload])
+            except Exception as exc:  # nothing queued yet: this sleep copies raw bytes
+                log.warning("hotswap: host codec plan failed, raw copy: %s", exc)
+                self._codec_report = {"error": f"{type(exc).__name__}: {exc}"}
+            timings["codec_plan_s"] = time.perf_counter() - t
+        if gc is not None and coded is not None:
+            events = self._suspend_coded(gc, coded, offload, timings)
+        elif offload:
             t = time.perf_counter()
             host = self._host_for(sum(int(d.handle[1]) for _, d in offload))
             timings["host_wait_s"] = time.perf_counter() - t
@@ -384,6 +501,15 @@ class CuMemBackend:
                 self._unmap_and_release(data.handle)
                 data.is_asleep = True
             timings["copy_unmap_s"] = time.perf_counter() - t
+        if coded is not None:
+            t = time.perf_counter()
+            self._get_streams()[1].synchronize()  # the last piece is on the host
+            timings["codec_drain_s"] = time.perf_counter() - t
+            if self._codec_plan is not None:  # decoding reads the pieces' own rows
+                self._codec_plan.meta = self._codec_plan.inv = None
+            timings["codec_release_s"] = self._release_codec_scratch()
+            if self._codec_report is not None:
+                self._codec_report["timings"] = dict(timings)
         self._offloaded_layout.update(layout)
         self._suspended.update(plan)
         self._level = level
@@ -430,6 +556,7 @@ class CuMemBackend:
         create_and_map, driver = self._mapper()
         start: Any = None  # CUDA event before the first copy, once one is queued
         k = 0
+        wq: codec.WakeQueue | None = None
         for tag in ordered:
             mode = self._suspended.get(tag)
             if mode is None:
@@ -448,6 +575,18 @@ class CuMemBackend:
                 if mode == OFFLOADED:
                     if start is None:
                         start = self._start_copies()
+                    pieces = self._coded.pop(ptr, None)
+                    if pieces is not None:  # coded: H2D into a slot, decode into place
+                        if wq is None:
+                            assert self._codec is not None
+                            assert self._codec_plan is not None
+                            dma, dec = self._get_streams()[:2]
+                            copy = self._copier(host.ptr)  # type: ignore[union-attr]
+                            wq = codec.WakeQueue(self._codec, self._codec_plan, copy, dma, dec)
+                            self._codec_scratch = True
+                        for piece in pieces:
+                            wq.queue(piece)
+                        continue
                     off, size = self._offloaded_layout.pop(ptr)
                     k = self._queue(ptr, host.ptr, off, size, False, k)  # type: ignore[union-attr]
             timings[f"{tag}_s"] = time.perf_counter() - t

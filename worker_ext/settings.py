@@ -36,6 +36,12 @@ class WorkerSettings:
     resume_sync: bool = False  # HOTSWAP_RESUME_SYNC: a resume waits for its own copies
     verify_kernel: str = "auto"  # HOTSWAP_VERIFY_KERNEL: auto (CUDA) | on (also CPU) | off
     protect: str = "ranges"  # HOTSWAP_PROTECT: ranges (CUDA) | objects
+    # HOTSWAP_HOST_CODEC: exp (worker_ext/codec.py: the level-1 host copy coded on the GPU,
+    # measured fastest and lossless, docs/benchmarks.md) | none (raw bytes)
+    host_codec: str = "exp"
+    # HOTSWAP_CODEC_PIECE_MIB: bytes the codec moves per copy; its GPU scratch is two
+    # pieces (double buffer), 2 x 64 MiB by default
+    codec_piece_mib: int = 64
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerSettings:
@@ -49,6 +55,10 @@ class WorkerSettings:
         except ValueError:
             threads = 4
         kernel = _word(env, "HOTSWAP_VERIFY_KERNEL", "auto")
+        try:
+            piece_mib = min(1024, max(2, int(env.get("HOTSWAP_CODEC_PIECE_MIB", "64"))))
+        except ValueError:
+            piece_mib = 64
         return cls(
             keep_host_backup=keep,
             pin_mode=_choice(env, "HOTSWAP_PIN_HOST_BACKUP", ("early", "lazy"), pin_default),
@@ -59,4 +69,6 @@ class WorkerSettings:
             resume_sync=_word(env, "HOTSWAP_RESUME_SYNC", "0") in ("1", "true", "yes"),
             verify_kernel="off" if kernel in _OFF else "on" if kernel in _ON else "auto",
             protect="objects" if _word(env, "HOTSWAP_PROTECT", "ranges") == "objects" else "ranges",
+            host_codec=_choice(env, "HOTSWAP_HOST_CODEC", ("exp", "none"), "exp"),
+            codec_piece_mib=piece_mib,
         )
