@@ -292,7 +292,6 @@ def main() -> None:
             r["distinct_words_sample"] = int(torch.unique(w[: 1 << 20]).numel())
             del w
             raw = sum(n for _, n in ranges)
-            del host
             r["h2d_bound_s"] = raw / (report["bounds"]["h2d_gbps"] * GB)
             r["d2h_bound_s"] = raw / (report["bounds"]["d2h_gbps"] * GB)
             sweep = a.sweep.split(",") if kind == "realistic" else a.sweep.split(",")[:1]

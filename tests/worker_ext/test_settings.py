@@ -15,6 +15,7 @@ def test_defaults() -> None:
     assert (s.keep_host_backup, s.pin_mode, s.kv_map_mode) == (True, "early", "wait")
     assert (s.map_impl, s.map_handles, s.pin_threads) == ("driver", "vllm", 4)
     assert (s.resume_sync, s.verify_kernel, s.protect) == (False, "auto", "ranges")
+    assert (s.host_codec, s.codec_piece_mib) == ("exp", 64)
 
 
 def test_every_variable_is_read() -> None:
@@ -29,9 +30,13 @@ def test_every_variable_is_read() -> None:
             "HOTSWAP_RESUME_SYNC": "yes",
             "HOTSWAP_VERIFY_KERNEL": "0",
             "HOTSWAP_PROTECT": "objects",
+            "HOTSWAP_HOST_CODEC": "None",
+            "HOTSWAP_CODEC_PIECE_MIB": "16",
         }
     )
-    assert s == WorkerSettings(False, "early", "overlap", "vllm", "none", 9, True, "off", "objects")
+    assert s == WorkerSettings(
+        False, "early", "overlap", "vllm", "none", 9, True, "off", "objects", "none", 16
+    )
 
 
 def test_bad_words_fall_back_to_the_defaults() -> None:
@@ -44,9 +49,12 @@ def test_bad_words_fall_back_to_the_defaults() -> None:
             "HOTSWAP_PIN_THREADS": "many",
             "HOTSWAP_VERIFY_KERNEL": "maybe",
             "HOTSWAP_PROTECT": "everything",
+            "HOTSWAP_HOST_CODEC": "zstd",
+            "HOTSWAP_CODEC_PIECE_MIB": "big",
         }
     )
     assert s == WorkerSettings()
+    assert WorkerSettings.from_env({"HOTSWAP_CODEC_PIECE_MIB": "0"}).codec_piece_mib == 2
     assert WorkerSettings.from_env({"HOTSWAP_PIN_THREADS": "-3"}).pin_threads == 1
     # not keeping the buffer makes lazy pinning the default, as before
     assert WorkerSettings.from_env({"HOTSWAP_KEEP_HOST_BACKUP": "no"}).pin_mode == "lazy"
