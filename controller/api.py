@@ -30,7 +30,8 @@ from controller.errors import (
     http_status,
 )
 from controller.guard import Guard, Refused, bearer_ok
-from controller.manager import Manager, ModelManager, Outcome
+from controller.manager import Manager
+from controller.modelmanager import ModelManager, Outcome
 from controller.openapi import control_table, document
 from controller.policy import Decision
 from controller.settings import HOUR_S, Settings

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from controller.errors import DrainTimeout, EngineError, HotswapError, WakeRefused
-from controller.manager import Manager, Outcome
+from controller.manager import Manager
+from controller.modelmanager import Outcome
 from controller.policy import (
     Budget,
     Decision,

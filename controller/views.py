@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from controller.manager import Outcome
+from controller.modelmanager import Outcome
 from controller.state import ModelSnapshot, PhaseRecord, TransitionRecord
 
 

@@ -30,8 +30,9 @@ from controller.errors import (
     TransitionConflict,
     VerificationFailed,
 )
-from controller.manager import Manager, ModelManager
+from controller.manager import Manager
 from controller.metrics import Metrics
+from controller.modelmanager import ModelManager
 from controller.modelsettings import ModelSettings
 from controller.settings import Settings, TimeoutSettings
 from controller.state import Action, State
