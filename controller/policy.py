@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from controller.state import State, TransitionRecord
+from controller.state import State
 
 # States whose engine holds its awake footprint (SUSPENDING until its suspend has finished).
 HOLDING = frozenset({State.RUNNING, State.RESUMING, State.SUSPENDING, State.STARTING})
@@ -105,7 +105,7 @@ class WakePlan:
         }
 
 
-def _mib(n: int) -> str:
+def mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
@@ -214,7 +214,7 @@ def plan_wake(
         b = budgets[d]
         if b.bytes is not None and need[d] > b.bytes:
             where = "" if len(mine) == 1 else f" on device {d}"
-            why = f"needs {_mib(need[d])}{where}, more than the whole budget of {_mib(b.bytes)}"
+            why = f"needs {mib(need[d])}{where}, more than the whole budget of {mib(b.bytes)}"
             return plan(Decision.REFUSE, why)
         if b.max_awake is not None and b.max_awake < 1:
             return plan(Decision.REFUSE, "the budget allows no awake model")
@@ -287,7 +287,7 @@ def _awake_for(view: ModelView, now: float) -> float:
 def _fit_reason(used: int, need: int, awake: int, budget: Budget) -> str:
     parts = []
     if budget.bytes is not None:
-        parts.append(f"{_mib(used)} + {_mib(need)} <= {_mib(budget.bytes)}")
+        parts.append(f"{mib(used)} + {mib(need)} <= {mib(budget.bytes)}")
     if budget.max_awake is not None:
         parts.append(f"{awake + 1} awake <= {budget.max_awake}")
     return ", ".join(parts)
@@ -311,7 +311,7 @@ def _fit_reasons(
 def _over(used: int, awake: int, need: int, budget: Budget) -> str:
     parts = []
     if budget.bytes is not None and used + need > budget.bytes:
-        parts.append(f"{_mib(used)} held + {_mib(need)} > {_mib(budget.bytes)}")
+        parts.append(f"{mib(used)} held + {mib(need)} > {mib(budget.bytes)}")
     if budget.max_awake is not None and awake + 1 > budget.max_awake:
         parts.append(f"{awake} awake, max_awake={budget.max_awake}")
     return "; ".join(parts)
@@ -360,220 +360,6 @@ def plan_idle(view: ModelView, idle_sleep_s: float | None, now: float) -> IdlePl
     return IdlePlan(name, False, f"idle {max(0.0, idle):.1f} s < {idle_sleep_s:g} s", left)
 
 
-# ----------------------------------------------------------------------------- host memory
-
-
-@dataclass(frozen=True)
-class HostBudget:
-    """Host RAM the models may hold (level-1 sleepers' weights, awake models' backups)."""
-
-    bytes: int | None = None
-
-
-@dataclass(frozen=True)
-class HostPlan:
-    """How a sleep of `model` (or, with model None, the fleet as it is) stays within the host
-    budget: the level it sleeps at, awake models whose backup goes first, LRU level-1
-    sleepers demoted to level 2. `reason` says why, with the figures."""
-
-    model: str | None
-    level: int | None
-    reason: str
-    drop_backup: tuple[str, ...] = ()
-    demote: tuple[str, ...] = ()
-    need_bytes: int = 0  # host bytes the sleep adds
-    used_bytes: int = 0  # host bytes held now (every model)
-    budget_bytes: int | None = None
-
-    @property
-    def changed(self) -> bool:
-        return bool(self.drop_backup or self.demote)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "level": self.level,
-            "reason": self.reason,
-            "drop_backup": list(self.drop_backup),
-            "demote": list(self.demote),
-            "need_bytes": self.need_bytes,
-            "used_bytes": self.used_bytes,
-            "budget_bytes": self.budget_bytes,
-        }
-
-
-def host_need(view: ModelView) -> int:
-    """Host bytes a level-1 sleep of `view` holds: its weights (else its awake footprint)."""
-    if view.host_weights_bytes is not None:
-        return view.host_weights_bytes
-    return view.footprint_bytes or 0
-
-
-def plan_host(
-    target: str | None,
-    level: int | None,
-    models: Sequence[ModelView],
-    budget: HostBudget,
-) -> HostPlan:
-    """Keep host memory within `budget` for a sleep of `target` at `level` (None: just
-    enforce it for the fleet as it is). Room is made in this order: awake models drop their
-    kept backup (least recently used first), then level-1 sleepers are demoted to level 2
-    (LRU first); if that is not enough the target sleeps at level 2 itself. Pinned models
-    keep their host memory."""
-    by_name = {m.name: m for m in models}
-    if target is not None and target not in by_name:
-        raise KeyError(target)
-    used = sum(m.host_bytes for m in models)
-    t = by_name.get(target) if target is not None else None
-    need = 0
-    if t is not None and level == 1:
-        need = max(0, host_need(t) - t.host_bytes)  # a kept backup becomes its host copy
-
-    def plan(lvl: int | None, why: str, drop: list[str], demote: list[str]) -> HostPlan:
-        return HostPlan(target, lvl, why, tuple(drop), tuple(demote), need, used, budget.bytes)
-
-    if budget.bytes is None:
-        return plan(level, "no host budget", [], [])
-    cap = budget.bytes
-    if used + need <= cap:
-        return plan(level, f"host fits: {_mib(used)} + {_mib(need)} <= {_mib(cap)}", [], [])
-    others = [m for m in models if m.name != target and not m.pinned and m.host_bytes > 0]
-    lru = sorted(others, key=lambda m: (m.last_used, m.name))
-    backups = [m for m in lru if m.state is State.RUNNING]
-    sleepers = [m for m in lru if m.state is State.SUSPENDED and m.level == 1 and m.demotable]
-    over = f"host over budget ({_mib(used)} held + {_mib(need)} > {_mib(cap)})"
-
-    def free_until(total: int, pool: list[ModelView], into: list[str]) -> int:
-        for m in pool:
-            if total <= cap:
-                break
-            into.append(m.name)
-            total -= m.host_bytes
-        return total
-
-    drop: list[str] = []
-    demote: list[str] = []
-    total = free_until(used + need, backups, drop)
-    total = free_until(total, sleepers, demote)
-    if total <= cap:
-        parts = []
-        if drop:
-            parts.append(f"dropping the backup of {', '.join(drop)}")
-        if demote:
-            parts.append(f"demoting LRU {', '.join(demote)} to level 2")
-        return plan(level, f"{over}: {'; '.join(parts)}", drop, demote)
-    if t is not None and level == 1:
-        # Not enough even so: the target sleeps at level 2, and frees only what that needs.
-        drop, demote = [], []
-        total = free_until(used - t.host_bytes, backups, drop)
-        total = free_until(total, sleepers, demote)
-        why = f"{over} and not enough to release: sleeping at level 2"
-        if drop or demote:
-            why += f" (and releasing {', '.join(drop + demote)})"
-        if total > cap:
-            why += f"; still {_mib(total)} held > {_mib(cap)} (pinned or not demotable)"
-        return HostPlan(target, 2, why, tuple(drop), tuple(demote), 0, used, cap)
-    why = f"{over}: releasing {', '.join(drop + demote) or 'nothing'}"
-    if total > cap:
-        why += f"; still {_mib(total)} held > {_mib(cap)} (pinned or not demotable)"
-    return plan(level, why, drop, demote)
-
-
-def host_budget_bytes(value: int | float | None, total_ram: int) -> int | None:
-    """The host budget in bytes: an int is bytes, a float in (0, 1] a fraction of RAM."""
-    if value is None:
-        return None
-    if isinstance(value, float):
-        return int(value * total_ram)
-    return int(value)
-
-
-# ----------------------------------------------------------------------------- placement
-
-
-@dataclass(frozen=True)
-class Want:
-    """What one model asks of placement: named devices, or a count of them (its TP size)."""
-
-    name: str
-    devices: tuple[str, ...] = ()
-    count: int = 1
-
-
-def place(wants: Sequence[Want], available: Sequence[str]) -> dict[str, tuple[str, ...]]:
-    """Assign devices: a model that names its devices gets them; the others, in order, get
-    `count` distinct devices among those with the fewest models placed so far (ties by the
-    order of `available`). Raises ValueError with one clear line when a model cannot be
-    placed (an unknown device, more devices than there are)."""
-    avail = list(dict.fromkeys(available))
-    load = {d: 0 for d in avail}
-    out: dict[str, tuple[str, ...]] = {}
-    for w in wants:
-        if w.devices:
-            unknown = [d for d in w.devices if d not in load]
-            if unknown:
-                raise ValueError(
-                    f"model {w.name}: device(s) {', '.join(unknown)} not among "
-                    f"swap.devices ({', '.join(avail)})"
-                )
-            if len(set(w.devices)) != len(w.devices):
-                raise ValueError(f"model {w.name}: a device is named twice: {list(w.devices)}")
-            for d in w.devices:
-                load[d] += 1
-            out[w.name] = tuple(w.devices)
-    for w in wants:
-        if w.devices:
-            continue
-        if w.count > len(avail):
-            raise ValueError(
-                f"model {w.name}: needs {w.count} devices, swap.devices has {len(avail)}"
-            )
-        order = sorted(avail, key=lambda d: (load[d], avail.index(d)))
-        chosen = tuple(sorted(order[: w.count], key=avail.index))
-        for d in chosen:
-            load[d] += 1
-        out[w.name] = chosen
-    return {w.name: out[w.name] for w in wants}
-
-
-# ----------------------------------------------------------------------------- measurements
-
-
-def _int_values(d: object) -> int:
-    if not isinstance(d, Mapping):
-        return 0
-    return sum(int(v) for v in d.values() if isinstance(v, int | float) and v > 0)
-
-
-def footprint_from_info(ranks: Sequence[Mapping[str, Any]]) -> int | None:
-    """Awake footprint from `hotswap_info`: the bytes of every pool, summed over ranks."""
-    total = sum(_int_values(r.get("pools")) for r in ranks)
-    return total if total > 0 else None
-
-
-def footprint_from_sleep(transition: TransitionRecord | None) -> int | None:
-    """Awake footprint from a finished sleep: the bytes its suspend freed, summed over ranks."""
-    if transition is None or transition.kind != "sleep" or transition.result != "ok":
-        return None
-    total = 0
-    for phase in transition.phases:
-        total += sum(_int_values(r.get("freed_bytes")) for r in phase.ranks)
-    return total if total > 0 else None
-
-
-def budget_from_info(ranks: Sequence[Mapping[str, Any]]) -> int | None:
-    """A measured byte budget: the device memory free on the tightest rank (CUDA reports it;
-    CPU reports only RSS, so None there)."""
-    free = [
-        int(mem["free"])
-        for r in ranks
-        if r.get("platform") == "cuda"
-        and isinstance(mem := r.get("device_memory"), Mapping)
-        and isinstance(mem.get("free"), int)
-    ]
-    return min(free) if free else None
-
-
 def restart_delay(failures: int, base_s: float, max_s: float) -> float:
     """Bounded exponential backoff: base, 2*base, 4*base, ... capped at max_s."""
     if failures <= 0:
@@ -617,10 +403,7 @@ def plan_overlap(
     others = max(0, plan.used_bytes - victim_counted)
     peak = others + vw + tw
     if peak > plan.budget_bytes:
-        why = (
-            f"{_mib(others)} held + both weights {_mib(vw)} + {_mib(tw)}"
-            f" > {_mib(plan.budget_bytes)}"
-        )
+        why = f"{mib(others)} held + both weights {mib(vw)} + {mib(tw)} > {mib(plan.budget_bytes)}"
         return Overlap(False, why, peak)
-    why = f"{_mib(others)} held + both weights {_mib(vw)} + {_mib(tw)} <= {_mib(plan.budget_bytes)}"
+    why = f"{mib(others)} held + both weights {mib(vw)} + {mib(tw)} <= {mib(plan.budget_bytes)}"
     return Overlap(True, why, peak)

@@ -25,10 +25,11 @@ from pathlib import Path
 
 from controller.enginespec import EngineSpec
 from controller.errors import HotswapError
+from controller.footprints import budget_from_info, footprint_from_info
 from controller.launcher import EngineProcess
 from controller.manager import Manager
 from controller.modelsettings import ModelSettings
-from controller.policy import budget_from_info, footprint_from_info, restart_delay
+from controller.policy import restart_delay
 from controller.record import EngineProcess as Engine
 from controller.record import ModelRecord
 from controller.settings import Settings

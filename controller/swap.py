@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from controller.errors import DrainTimeout, EngineError, HotswapError, WakeRefused
+from controller.footprints import footprint_from_info, footprint_from_sleep
 from controller.manager import Manager
 from controller.modelmanager import Outcome
 from controller.policy import (
@@ -30,8 +31,6 @@ from controller.policy import (
     Overlap,
     WakePlan,
     estimate,
-    footprint_from_info,
-    footprint_from_sleep,
     plan_overlap,
     plan_wake,
 )

@@ -6,16 +6,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from controller.policy import (
-    Budget,
-    Decision,
-    ModelView,
-    budget_from_info,
-    footprint_from_info,
-    footprint_from_sleep,
-    plan_wake,
-    restart_delay,
-)
+from controller.footprints import budget_from_info, footprint_from_info, footprint_from_sleep
+from controller.policy import Budget, Decision, ModelView, plan_wake, restart_delay
 from controller.state import PhaseRecord, State, TransitionRecord
 
 S = State

@@ -9,18 +9,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from controller.policy import (
-    Budget,
-    Decision,
-    HostBudget,
-    ModelView,
-    Want,
-    host_budget_bytes,
-    place,
-    plan_host,
-    plan_idle,
-    plan_wake,
-)
+from controller.hostpolicy import HostBudget, host_budget_bytes, plan_host
+from controller.placement import Want, place
+from controller.policy import Budget, Decision, ModelView, plan_idle, plan_wake
 from controller.state import State
 
 S = State
