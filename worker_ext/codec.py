@@ -237,7 +237,10 @@ def decode_piece(piece: Any, n_chunks: int) -> Any:
         incl[:n] = esc64
         rank = (incl.view(nb, BLOCK).cumsum(1) - incl.view(nb, BLOCK) + boff[:, None]).view(-1)
         pos = rank[:n][esc]
-        e[esc] = body[ex + pos].to(torch.int32)
+        nexc = int(row[NEXC])
+        inside = (pos >= 0) & (pos < nexc)  # as the kernel: a corrupt count reads nothing
+        at = (ex + pos.clamp(0, max(0, nexc - 1))).clamp(max=int(body.numel()) - 1)
+        e[esc] = torch.where(inside, body[at].to(torch.int32), 0)
         out[lo : lo + n] = ((s & 0x80) << 8) | (e << 7) | (s & 0x7F)
     return out.to(torch.int16).view(torch.uint8)
 
@@ -370,7 +373,9 @@ def _k_decode(piece, dst, CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # type: ig
         esc = ((code == (1 << k) - 1) & valid).to(tl.int32)
         base = tl.load((body + tl.load(row + 5)).to(tl.pointer_type(tl.int32)) + b)
         rank = tl.cumsum(esc, axis=0) - esc + base
-        x = tl.load(body + tl.load(row + 6) + rank, mask=esc != 0, other=0).to(tl.int32)
+        nexc = tl.load(row + 3)
+        inside = (esc != 0) & (rank >= 0) & (rank < nexc)  # a corrupt count reads nothing
+        x = tl.load(body + tl.load(row + 6) + rank, mask=inside, other=0).to(tl.int32)
         e = tl.where(esc != 0, x, e)
         w = ((s & 0x80) << 8) | (e << 7) | (s & 0x7F)
         tl.store(out, w.to(tl.int16), mask=valid)

@@ -1,0 +1,225 @@
+"""The level-2 disk tier's files (worker_ext/disktier.py) on CPU, with the codec's torch
+reference: a file round-trips; a truncated file, a flipped byte anywhere, another format
+version or another key end in TierRefused (the caller reloads), never in wrong bytes; the
+directory keeps to its budget."""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from benchmarks import realweights
+from worker_ext import codec, disktier
+
+SIZES = (3 * codec.BLOCK * 2 + 10, codec.CHUNK_WORDS * 2 + 4 * codec.BLOCK)  # bytes, even
+
+
+def _records() -> list[torch.Tensor]:
+    out = []
+    for i, n in enumerate(SIZES):
+        t = torch.empty(n // 2, dtype=torch.bfloat16)
+        realweights.fill_(t, f"layers.{i}.mlp.down_proj", 7 + i)
+        out.append(t.view(torch.uint8).clone())
+    out[1][5::1000] = 0xFF  # some bytes that are no bf16 pattern (NaNs and -NaNs)
+    return out
+
+
+def _digest(records: list[torch.Tensor]) -> list[list[int]]:
+    rows = []
+    for r in records:
+        w = r.view(torch.int16).to(torch.int64)
+        pos = torch.arange(1, w.numel() + 1, dtype=torch.int64)
+        rows.append([int(w.sum()), int((w * pos).sum())])
+    return rows
+
+
+KEY = disktier.Key("llama-test", "0.26.0", 0, SIZES)
+
+
+def _write(directory: Path, records: list[torch.Tensor], budget: int = 1 << 30) -> dict:
+    entries, blobs = [], []
+    for r, data in enumerate(records):
+        for chunks, piece in codec.encode(data, piece_chunks=1):
+            off = sum(e[2] for e in entries if e[0] == r)
+            entries.append(
+                (
+                    r,
+                    off,
+                    min(chunks * 2 * codec.CHUNK_WORDS, data.numel() - off),
+                    chunks,
+                    piece.numel(),
+                )
+            )
+            blobs.append(piece)
+    return disktier.write(directory, KEY, entries, blobs.__getitem__, _digest(records), budget)
+
+
+def _restore(directory: Path, key: disktier.Key = KEY) -> list[torch.Tensor]:
+    out = [torch.zeros(n, dtype=torch.uint8) for n in key.sizes]
+
+    def decode(header: disktier.Header, buf: torch.Tensor) -> None:
+        for p in header.pieces:
+            lo = p.file_off - header.payload_off
+            raw = codec.decode_piece(buf[lo : lo + p.size], p.n_chunks)
+            out[p.record][p.dev_off : p.dev_off + p.raw_bytes] = raw[: p.raw_bytes]
+
+    disktier.restore(
+        directory,
+        key,
+        lambda n: torch.empty(n, dtype=torch.uint8),
+        decode,
+        lambda: _digest(out),
+        threads=3,
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def records() -> list[torch.Tensor]:
+    return _records()
+
+
+def test_roundtrip(tmp_path: Path, records: list[torch.Tensor]) -> None:
+    done = _write(tmp_path, records)
+    assert done["written"], done
+    assert (tmp_path / KEY.filename()).stat().st_size == done["bytes"]
+    assert done["bytes"] < 0.75 * sum(SIZES)  # coded, not raw
+    back = _restore(tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(back, records, strict=True))
+    assert not list(tmp_path.glob(".*.tmp"))  # the temporary name is gone
+
+
+@pytest.mark.parametrize("cut", [1, 4096, 100_000, -1])
+def test_truncated_file_is_refused(tmp_path: Path, records: list[torch.Tensor], cut: int) -> None:
+    _write(tmp_path, records)
+    path = tmp_path / KEY.filename()
+    size = path.stat().st_size
+    os.truncate(path, size // 2 if cut == -1 else size - cut)
+    with pytest.raises(disktier.TierRefused, match=r"truncated|shorter|damaged"):
+        _restore(tmp_path)
+
+
+def test_appended_file_is_refused(tmp_path: Path, records: list[torch.Tensor]) -> None:
+    _write(tmp_path, records)
+    with open(tmp_path / KEY.filename(), "ab") as f:
+        f.write(b"\0" * 16)
+    with pytest.raises(disktier.TierRefused, match="truncated"):
+        _restore(tmp_path)
+
+
+def test_wrong_format_version_is_refused(tmp_path: Path, records: list[torch.Tensor]) -> None:
+    _write(tmp_path, records)
+    path = tmp_path / KEY.filename()
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write(struct.pack("<I", disktier.FORMAT_VERSION + 1))
+    with pytest.raises(disktier.TierRefused, match="format version"):
+        _restore(tmp_path)
+
+
+def test_another_key_is_refused(tmp_path: Path, records: list[torch.Tensor]) -> None:
+    _write(tmp_path, records)
+    other = disktier.Key("llama-test", "0.27.0", 0, SIZES)
+    with pytest.raises(disktier.TierRefused, match="no such file"):
+        _restore(tmp_path, other)  # another vLLM: another name, never opened
+    os.replace(tmp_path / KEY.filename(), tmp_path / other.filename())
+    with pytest.raises(disktier.TierRefused, match="vllm_version"):
+        _restore(tmp_path, other)  # the same name by force: the header's key decides
+
+
+def _file_regions(path: Path) -> dict[str, list[int]]:
+    """Byte offsets of interest in one written file: header, meta rows, payload parts."""
+    header = disktier.read_header(path, KEY)
+    raw = path.read_bytes()
+    regions: dict[str, list[int]] = {
+        "fixed": [0, 9, 13, 17],
+        "header": [30, header.payload_off - 4096 + 40],
+    }
+    regions["meta"], regions["sbytes"], regions["planes"], regions["boff"], regions["exc"] = (
+        [],
+        [],
+        [],
+        [],
+        [],
+    )
+    for p in header.pieces:
+        meta = torch.frombuffer(
+            bytearray(raw[p.file_off : p.file_off + p.n_chunks * 64]), dtype=torch.int32
+        ).view(-1, 16)
+        for c, row in enumerate(meta.tolist()):
+            base = p.file_off + row[codec.OFF]
+            regions["meta"] += [p.file_off + c * 64 + 4 * j for j in (0, 1, 2, 3, 4, 5, 6, 7)]
+            regions["sbytes"].append(base + 17)
+            if row[codec.K]:
+                regions["planes"].append(base + row[codec.PACKED] + 3)
+                regions["boff"] += [base + row[codec.BOFF] + 4 + j for j in range(4)]
+                if row[codec.NEXC]:
+                    regions["exc"].append(base + row[codec.EXC])
+    return regions
+
+
+@pytest.mark.parametrize("region", ["fixed", "header", "meta", "sbytes", "planes", "boff", "exc"])
+def test_flipped_byte_is_refused(tmp_path: Path, records: list[torch.Tensor], region: str) -> None:
+    _write(tmp_path, records)
+    path = tmp_path / KEY.filename()
+    offsets = _file_regions(path)[region]
+    assert offsets, region
+    good = path.read_bytes()
+    for off in offsets[:6]:
+        bad = bytearray(good)
+        bad[off] ^= 0x5A
+        path.write_bytes(bytes(bad))
+        with pytest.raises(disktier.TierRefused):
+            _restore(tmp_path)
+    path.write_bytes(good)
+    assert all(torch.equal(a, b) for a, b in zip(_restore(tmp_path), records, strict=True))
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(st.data())
+def test_any_flipped_bit_ends_in_refusal_or_the_right_bytes(
+    tmp_path: Path, records: list[torch.Tensor], data: st.DataObject
+) -> None:
+    if not (tmp_path / KEY.filename()).exists():
+        _write(tmp_path, records)
+    path = tmp_path / KEY.filename()
+    good = path.read_bytes()
+    off = data.draw(st.integers(min_value=0, max_value=len(good) - 1))
+    bit = data.draw(st.integers(min_value=0, max_value=7))
+    bad = bytearray(good)
+    bad[off] ^= 1 << bit
+    path.write_bytes(bytes(bad))
+    try:
+        back = _restore(tmp_path)
+    except disktier.TierRefused:
+        pass
+    else:  # only a flip in padding may pass, and then the bytes are the right ones
+        assert all(torch.equal(a, b) for a, b in zip(back, records, strict=True)), off
+    finally:
+        path.write_bytes(good)
+
+
+def test_budget_removes_the_oldest_and_refuses_what_cannot_fit(
+    tmp_path: Path, records: list[torch.Tensor]
+) -> None:
+    size = _write(tmp_path, records)["bytes"]
+    old = tmp_path / "r0-0000000000000000000000000000older.hswt"
+    old.write_bytes(b"\0" * 1000)
+    os.utime(old, (1, 1))  # the oldest
+    done = _write(tmp_path, records, budget=size + 500)
+    assert done["written"], done
+    assert old.name in done["removed"], done
+    assert disktier.usage(tmp_path) <= size + 500
+    small = _write(tmp_path, records, budget=size - 1)
+    assert not small["written"]
+    assert "budget" in small["reason"]

@@ -1,0 +1,359 @@
+"""The level-2 disk tier's files: the weights pool's runtime bytes, coded by worker_ext/codec.py,
+written once to a local directory and read back instead of vLLM's reload_weights.
+
+A file holds one rank's weights records as the codec's pieces, keyed by the model, the vLLM
+version, the parallel rank and the records' sizes (`Key`); its name carries a digest of the
+key, so a changed model or vLLM never opens an old file. Layout:
+
+  magic (8) | format version u32 | header length u32 | header crc32 u32 | 0 u32 |
+  header (JSON, utf-8) | zero padding to ALIGN | the pieces, each at its `file_off`
+
+The header names the key, every record's size and pieces (file offset, size, chunks, raw
+bytes, offset in the record), the file's total size and a digest of the raw bytes (the
+caller's: fpkernel's per-piece sums on CUDA). What makes a read refuse, with its reason,
+so that the caller reloads instead (never a wrong weight):
+
+- a missing file, another magic or format version, a header whose crc32 differs, a key
+  that is not the caller's (model, vLLM version, rank, record sizes), a file shorter or
+  longer than its header says (truncated, appended);
+- a piece whose meta rows do not describe a valid piece of its record (checked on the host
+  before the device reads it, so no corrupt offset sends the decoder outside its piece);
+- after decoding, a digest of the bytes that differs from the header's (the caller's check).
+
+Writes go to a temporary name, are fsynced and renamed into place, so a reader sees a whole
+file or none. The directory's budget (bytes) is kept by removing the oldest tier files
+first; a file that alone exceeds the budget is not written, and the writer says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from worker_ext import codec
+
+MAGIC = b"HSWTIER\x00"
+FORMAT_VERSION = 1
+ALIGN = 4096
+SUFFIX = ".hswt"
+_FIXED = struct.Struct("<8sIIII")
+READ_BYTES = 64 << 20  # one pread
+
+
+class TierRefused(Exception):
+    """This file cannot be used; the message says why (the caller reloads)."""
+
+
+@dataclass(frozen=True)
+class Key:
+    model: str
+    vllm_version: str
+    rank: int
+    sizes: tuple[int, ...]  # the weights records' sizes, in address order
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "vllm_version": self.vllm_version,
+            "rank": self.rank,
+            "sizes": list(self.sizes),
+        }
+
+    def filename(self) -> str:
+        blob = json.dumps(self.as_json(), sort_keys=True).encode()
+        return f"r{self.rank}-{hashlib.sha256(blob).hexdigest()[:32]}{SUFFIX}"
+
+
+@dataclass
+class TierPiece:
+    record: int  # index into the key's sizes
+    dev_off: int  # byte offset inside the record
+    raw_bytes: int
+    n_chunks: int
+    size: int  # encoded bytes
+    file_off: int
+
+
+@dataclass
+class Header:
+    key: Key
+    pieces: list[TierPiece]
+    digest: Any  # the caller's digest of the raw bytes (JSON-able)
+    total: int  # file size
+    payload_off: int
+
+    def payload_bytes(self) -> int:
+        return self.total - self.payload_off
+
+
+def _header_blob(key: Key, pieces: list[TierPiece], digest: Any, total: int, payload: int) -> bytes:
+    doc = {
+        "key": key.as_json(),
+        "codec": "exp",
+        "pieces": [
+            [p.record, p.dev_off, p.raw_bytes, p.n_chunks, p.size, p.file_off] for p in pieces
+        ],
+        "digest": digest,
+        "total": total,
+        "payload_off": payload,
+        "written_at": time.time(),
+    }
+    return json.dumps(doc, sort_keys=True).encode()
+
+
+def layout(
+    key: Key, entries: list[tuple[int, int, int, int, int]], digest: Any
+) -> tuple[bytes, Header]:
+    """The header bytes and header of a file holding `entries` (record, dev_off, raw_bytes,
+    n_chunks, size) in that order. The payload offset depends on the header's length, which
+    depends on the offsets: fixed by trying a payload offset until it holds."""
+    payload = ALIGN
+    while True:
+        pieces: list[TierPiece] = []
+        pos = payload
+        for rec, dev_off, raw, n_ch, size in entries:
+            pieces.append(TierPiece(rec, dev_off, raw, n_ch, size, pos))
+            pos += size
+        blob = _header_blob(key, pieces, digest, pos, payload)
+        if _FIXED.size + len(blob) <= payload:
+            return blob, Header(key, pieces, digest, pos, payload)
+        payload = (_FIXED.size + len(blob) + ALIGN - 1) // ALIGN * ALIGN
+
+
+def tier_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.glob(f"*{SUFFIX}") if p.is_file())
+
+
+def usage(directory: Path) -> int:
+    return sum(p.stat().st_size for p in tier_files(directory))
+
+
+def make_room(directory: Path, need: int, budget: int, keep: Path | None = None) -> list[str]:
+    """Remove the oldest tier files until `need` more bytes fit the budget; their names."""
+    removed: list[str] = []
+    files = sorted(tier_files(directory), key=lambda p: p.stat().st_mtime)
+    total = sum(p.stat().st_size for p in files)
+    for p in files:
+        if total + need <= budget:
+            break
+        if keep is not None and p == keep:
+            continue
+        total -= p.stat().st_size
+        p.unlink(missing_ok=True)
+        removed.append(p.name)
+    return removed
+
+
+def write(
+    directory: Path,
+    key: Key,
+    entries: list[tuple[int, int, int, int, int]],
+    read_piece: Callable[[int], Any],
+    digest: Any,
+    budget: int,
+) -> dict[str, Any]:
+    """Write one tier file: piece i's bytes come from `read_piece(i)` (a uint8 CPU tensor
+    or bytes-like of entries[i]'s size). Atomic (temporary name, fsync, rename); keeps the
+    directory within `budget` bytes. Returns what it did (never raises for a full budget)."""
+    t0 = time.perf_counter()
+    blob, header = layout(key, entries, digest)
+    if header.total > budget:
+        return {"written": False, "reason": f"{header.total} B exceed the budget of {budget} B"}
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / key.filename()
+    removed = make_room(directory, header.total, budget, keep=None)
+    tmp = directory / f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, len(blob), zlib.crc32(blob), 0)
+        head = fixed + blob
+        os.pwrite(fd, head + b"\0" * (header.payload_off - len(head)), 0)
+        for i, p in enumerate(header.pieces):
+            data = read_piece(i)
+            view = memoryview(data.numpy() if isinstance(data, torch.Tensor) else data).cast("B")
+            if len(view) != p.size:
+                raise ValueError(f"piece {i}: {len(view)} bytes, expected {p.size}")
+            done = 0
+            while done < p.size:
+                done += os.pwrite(fd, view[done:], p.file_off + done)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.replace(tmp, final)
+    return {
+        "written": True,
+        "path": final.name,
+        "bytes": header.total,
+        "removed": removed,
+        "write_s": time.perf_counter() - t0,
+    }
+
+
+def read_header(path: Path, key: Key) -> Header:
+    """The file's header, if the file is whole and is `key`'s; else TierRefused."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            fixed = f.read(_FIXED.size)
+            if len(fixed) < _FIXED.size:
+                raise TierRefused(f"{path.name}: {size} bytes, shorter than a header")
+            magic, version, hlen, crc, _ = _FIXED.unpack(fixed)
+            if magic != MAGIC:
+                raise TierRefused(f"{path.name}: not a tier file (magic {magic!r})")
+            if version != FORMAT_VERSION:
+                raise TierRefused(
+                    f"{path.name}: format version {version}, expected {FORMAT_VERSION}"
+                )
+            blob = f.read(hlen)
+    except FileNotFoundError:
+        raise TierRefused(f"{path.name}: no such file") from None
+    except OSError as exc:
+        raise TierRefused(f"{path.name}: {exc}") from exc
+    if len(blob) != hlen or zlib.crc32(blob) != crc:
+        raise TierRefused(f"{path.name}: header damaged (crc32 differs)")
+    try:
+        doc = json.loads(blob)
+        got = doc["key"]
+        pieces = [TierPiece(*map(int, row)) for row in doc["pieces"]]
+        total, payload = int(doc["total"]), int(doc["payload_off"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise TierRefused(f"{path.name}: header unreadable: {exc}") from exc
+    if got != key.as_json():
+        diff = sorted(k for k in key.as_json() if got.get(k) != key.as_json()[k])
+        raise TierRefused(f"{path.name}: written for another {', '.join(diff) or 'key'}")
+    if size != total:
+        raise TierRefused(f"{path.name}: {size} bytes, the header says {total} (truncated?)")
+    pos = payload
+    for i, p in enumerate(pieces):
+        if p.file_off != pos or p.size <= 0 or not 0 <= p.record < len(key.sizes):
+            raise TierRefused(f"{path.name}: piece {i} out of place")
+        if p.dev_off + p.raw_bytes > key.sizes[p.record]:
+            raise TierRefused(f"{path.name}: piece {i} reaches past its record")
+        pos += p.size
+    if pos != total:
+        raise TierRefused(f"{path.name}: pieces end at {pos}, the file at {total}")
+    return Header(key, pieces, doc.get("digest"), total, payload)
+
+
+def read_payload(path: Path, header: Header, dst: Any, threads: int = 8) -> float:
+    """Read every piece into `dst` (a writable buffer of header.payload_bytes(), e.g. a
+    pinned host buffer's memoryview) with `threads` parallel preads; seconds taken."""
+    t0 = time.perf_counter()
+    n = header.payload_bytes()
+    view = memoryview(dst).cast("B")
+    if len(view) < n:
+        raise ValueError(f"buffer of {len(view)} bytes for {n}")
+    spans = [(o, min(READ_BYTES, n - o)) for o in range(0, n, READ_BYTES)]
+    errors: list[BaseException] = []
+    fd = os.open(path, os.O_RDONLY)
+    try:
+
+        def work(mine: list[tuple[int, int]]) -> None:
+            try:
+                for off, m in mine:
+                    got = os.preadv(fd, [view[off : off + m]], header.payload_off + off)
+                    if got != m:
+                        raise TierRefused(f"{path.name}: short read at {off} ({got} of {m})")
+            except BaseException as exc:
+                errors.append(exc)
+
+        k = max(1, min(threads, len(spans)))
+        workers = [threading.Thread(target=work, args=(spans[i::k],)) for i in range(k)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        os.close(fd)
+    if errors:
+        err = errors[0]
+        raise err if isinstance(err, TierRefused) else TierRefused(f"{path.name}: {err}")
+    return time.perf_counter() - t0
+
+
+def check_piece(piece: Any, entry: TierPiece) -> None:
+    """TierRefused unless `piece` (uint8 CPU tensor, entry.size bytes) is a valid encoded
+    piece of entry.raw_bytes: every meta row's width, words, offsets and sizes agree with
+    the codec's layout and stay inside the piece."""
+    c = entry.n_chunks
+    if c <= 0 or c * codec.META_BYTES > entry.size:
+        raise TierRefused(f"piece at {entry.file_off}: {c} chunks in {entry.size} bytes")
+    meta = piece[: c * codec.META_BYTES].view(torch.int32).view(c, codec.META_INTS).to(torch.int64)
+    words = entry.raw_bytes // 2
+    want_n = torch.full((c,), codec.CHUNK_WORDS, dtype=torch.int64)
+    want_n[-1] = words - (c - 1) * codec.CHUNK_WORDS
+    k, off, n, nexc = (
+        meta[:, codec.K],
+        meta[:, codec.OFF],
+        meta[:, codec.NWORDS],
+        meta[:, codec.NEXC],
+    )
+    ok = bool(torch.equal(n, want_n)) and entry.raw_bytes % 2 == 0
+    ok = ok and bool(((k == 0) | (k == 2) | (k == 3) | (k == 4)).all())
+    ok = ok and bool(((nexc >= 0) & (nexc <= n)).all())
+    if ok:
+        rows = meta.clone()
+        size = codec.layout(rows)  # recompute every offset from the sizes
+        ok = size == entry.size and bool(torch.equal(rows[:, codec.OFF], off))
+    if ok:
+        for row in meta.tolist():
+            want = codec.payload_size(row[codec.K], row[codec.NWORDS], row[codec.NEXC])
+            got = (row[codec.PACKED], row[codec.BOFF], row[codec.EXC], row[codec.SIZE])
+            if got != want:
+                ok = False
+                break
+    if not ok:
+        raise TierRefused(f"piece at file offset {entry.file_off}: its chunk rows are not valid")
+
+
+def restore(
+    directory: Path,
+    key: Key,
+    alloc: Callable[[int], Any],
+    decode: Callable[[Header, Any], None],
+    digest: Callable[[], Any],
+    threads: int = 8,
+) -> dict[str, Any]:
+    """Read `key`'s file into `alloc(n)` (a uint8 CPU tensor of n bytes, e.g. over a pinned
+    buffer), check every piece's rows, `decode(header, buffer)` (the caller puts each piece
+    into its record), then compare `digest()` of the decoded bytes with the file's.
+    TierRefused, with the reason, at the first thing that is not right."""
+    t0 = time.perf_counter()
+    path = directory / key.filename()
+    header = read_header(path, key)
+    buf = alloc(header.payload_bytes())
+    read_s = read_payload(path, header, buf.numpy(), threads)
+    t = time.perf_counter()
+    for p in header.pieces:
+        lo = p.file_off - header.payload_off
+        check_piece(buf[lo : lo + p.size], p)
+    check_s = time.perf_counter() - t
+    t = time.perf_counter()
+    decode(header, buf)
+    decode_s = time.perf_counter() - t
+    got = digest()
+    if json.loads(json.dumps(got)) != header.digest:
+        raise TierRefused(f"{path.name}: the decoded bytes differ from the file's digest")
+    return {
+        "path": path.name,
+        "bytes": header.total,
+        "raw_bytes": sum(key.sizes),
+        "read_s": read_s,
+        "check_s": check_s,
+        "decode_s": decode_s,
+        "restore_s": time.perf_counter() - t0,
+    }
