@@ -39,15 +39,19 @@ so that the first sleep's prepare does not pay the compile.
 from __future__ import annotations
 
 import bisect
+import hashlib
+import json
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
-from worker_ext import codec, fpkernel
+from worker_ext import codec, disktier, fpkernel
 from worker_ext.cudart import CHUNK_BYTES, REGISTER_BYTES, CudaRT, HostBuffer
 from worker_ext.cudriver import Driver
 from worker_ext.pools import ALL_TAGS, DISCARDED, KV_CACHE, OFFLOADED, UNPOOLED, WEIGHTS, policy
+from worker_ext.rawmem import raw_bytes
 from worker_ext.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -101,6 +105,11 @@ class CuMemBackend:
         self._codec_plan: codec.Plan | None = None
         self._codec_scratch = False  # the codec's staging buffers are held
         self._codec_report: dict[str, Any] | None = None
+        # HOTSWAP_DISK_DIR: the level-2 disk tier (worker_ext/disktier.py)
+        self._tier_key: disktier.Key | None = None  # the weights a level-2 sleep put away
+        self._tier_writer: threading.Thread | None = None
+        self._tier_report: dict[str, Any] = {}  # the last write and the last restore
+        self._tier_restored: dict[str, Any] | None = None
         self._get_codec()
         if self.settings.pin_mode == "early":
             self.warm_host(wait=False)
@@ -194,6 +203,10 @@ class CuMemBackend:
     def unready(self) -> list[str]:
         return []
 
+    def tier_restored(self) -> dict[str, Any] | None:
+        out, self._tier_restored = self._tier_restored, None
+        return out
+
     def describe(self) -> dict[str, Any]:
         """Host-buffer state for hotswap_info (plain values)."""
         state = "none"
@@ -208,6 +221,7 @@ class CuMemBackend:
             "host_backup_error": self._host_error,
             "records": len(self._records()),
             "verify_kernel_warm": self._kernel_warm,
+            "tier": self._tier_describe(),
             "codec": {
                 "setting": self.settings.host_codec,
                 "warm": self._codec_warm,
@@ -233,6 +247,7 @@ class CuMemBackend:
             except Exception:
                 buf.free()
                 raise
+            self._join_tier_writer()
             with self._host_lock:
                 old, self._host = self._host, buf
                 self._host_pin_s = pin_s
@@ -348,6 +363,185 @@ class CuMemBackend:
         }
         return [(p, d, [last[r]]) for r, (p, d) in enumerate(offload) if r in last]
 
+    # -- the level-2 disk tier -------------------------------------------------------------
+
+    def _tier_dir(self) -> Path | None:
+        if not self.settings.disk_dir or self._get_codec() is None:
+            return None
+        return Path(self.settings.disk_dir)
+
+    def _tier_describe(self) -> dict[str, Any]:
+        directory = self._tier_dir()
+        usage = None
+        if directory is not None and directory.is_dir():
+            usage = disktier.usage(directory)
+        writing = self._tier_writer is not None and self._tier_writer.is_alive()
+        return {
+            "dir": self.settings.disk_dir or None,
+            "budget_bytes": self.settings.disk_budget_bytes,
+            "usage_bytes": usage,
+            "writing": writing,
+            "last": dict(self._tier_report),
+        }
+
+    def _join_tier_writer(self) -> None:
+        writer = self._tier_writer
+        if writer is not None and writer is not threading.current_thread():
+            writer.join()
+
+    def _weights_digest(self, ranges: list[tuple[int, int]]) -> str:
+        """A digest of the bytes of `ranges` on the device (verify's kernel sums)."""
+        sums = fpkernel.SpanCheck(ranges, self._device).sums()
+        return hashlib.sha256(json.dumps(sums).encode()).hexdigest()
+
+    def _tier_key_for(self, ranges: list[tuple[int, int]], fingerprint: str) -> disktier.Key:
+        config = getattr(self._worker, "model_config", None)
+        model = str(getattr(config, "model", None) or type(self._worker).__name__)
+        try:
+            import vllm
+
+            version = str(getattr(vllm, "__version__", "unknown"))
+        except Exception:
+            version = "unknown"
+        rank = int(getattr(self._worker, "rank", 0) or 0)
+        return disktier.Key(model, version, rank, tuple(n for _, n in ranges), fingerprint)
+
+    def _tier_put_away(self, recs: list[tuple[int, Any]], timings: dict[str, float]) -> None:
+        """Before a level-2 sleep discards the weights: the key of their bytes, and unless
+        the tier holds that file already, their coded pieces on the host and a background
+        thread that writes them (the sleep does not wait for the disk)."""
+        self._tier_key = None
+        directory = self._tier_dir()
+        if directory is None or self._codec is None or not recs:
+            return
+        gc = self._codec
+        t = time.perf_counter()
+        try:
+            ranges = [(p, int(d.handle[1])) for p, d in recs]
+            key = self._tier_key_for(ranges, self._weights_digest(ranges))
+            self._tier_key = key
+            try:
+                disktier.read_header(directory / key.filename(), key)
+                self._tier_report["write"] = {"written": False, "reason": "already on disk"}
+                return
+            except disktier.TierRefused:
+                pass
+            self._join_tier_writer()
+            plan = gc.plan(ranges)
+            host = self._host_for(plan.total)
+            enc, dma = self._get_streams()[:2]
+            current = self._torch.cuda.current_stream(self._device)
+            enc.wait_stream(current)
+            dma.wait_stream(current)
+            self._codec_scratch = True
+            q = codec.SleepQueue(gc, plan, self._copier(host.ptr), enc, dma)
+            for piece in plan.pieces:
+                q.queue(piece)
+            dma.synchronize()
+            self._release_codec_scratch()
+            entries = [(p.rng, p.dev_off, p.raw_bytes, p.n_chunks, p.size) for p in plan.pieces]
+            offs = [p.host_off for p in plan.pieces]
+            view = raw_bytes(host.ptr, plan.total, self._torch.device("cpu"))
+            budget = self.settings.disk_budget_bytes
+
+            def write() -> None:
+                try:
+                    done = disktier.write(
+                        directory,
+                        key,
+                        entries,
+                        lambda i: view[offs[i] : offs[i] + entries[i][4]],
+                        key.fingerprint,
+                        budget,
+                    )
+                except Exception as exc:  # reported in describe(); the next wake reloads
+                    done = {"written": False, "reason": f"{type(exc).__name__}: {exc}"}
+                self._tier_report["write"] = done
+                if not done.get("written"):
+                    log.warning("hotswap: disk tier not written: %s", done.get("reason"))
+
+            self._tier_writer = threading.Thread(target=write, name="hotswap-tier", daemon=True)
+            self._tier_writer.start()
+        except Exception as exc:  # the tier is an optimisation: the wake reloads
+            self._tier_report["write"] = {
+                "written": False,
+                "reason": f"{type(exc).__name__}: {exc}",
+            }
+            log.warning("hotswap: disk tier skipped: %s", self._tier_report["write"]["reason"])
+        finally:
+            timings["tier_put_away_s"] = time.perf_counter() - t
+
+    def _tier_restore(self, timings: dict[str, float]) -> dict[str, Any]:
+        """After a level-2 resume mapped the weights: their bytes from the tier file, checked
+        and decoded into place, or why not (then the reload brings them back)."""
+        key, self._tier_key = self._tier_key, None
+        directory, gc = self._tier_dir(), self._codec
+        t = time.perf_counter()
+        report: dict[str, Any]
+        try:
+            if key is None or directory is None or gc is None:
+                raise disktier.TierRefused("no tier file for these weights")
+            if self._tier_writer is not None and self._tier_writer.is_alive():
+                raise disktier.TierRefused("the tier file is still being written")
+            ranges = [(p, int(d.handle[1])) for p, d in self._tag_records(WEIGHTS)]
+            if tuple(n for _, n in ranges) != key.sizes:
+                raise disktier.TierRefused("the weights records changed since the sleep")
+            held: dict[str, HostBuffer] = {}
+
+            def alloc(n: int) -> Any:
+                held["host"] = self._host_for(n)
+                return raw_bytes(held["host"].ptr, n, self._torch.device("cpu"))
+
+            def decode(header: disktier.Header, _buf: Any) -> None:
+                pieces = [
+                    codec.Piece(
+                        p.record,
+                        p.dev_off,
+                        p.raw_bytes,
+                        0,
+                        p.n_chunks,
+                        p.size,
+                        p.file_off - header.payload_off,
+                    )
+                    for p in header.pieces
+                ]
+                plan = codec.Plan(
+                    ranges, pieces, None, None, header.payload_bytes(), sum(key.sizes)
+                )
+                dma, dec = self._get_streams()[:2]
+                current = self._torch.cuda.current_stream(self._device)
+                dma.wait_stream(current)
+                dec.wait_stream(current)
+                self._codec_scratch = True
+                wq = codec.WakeQueue(gc, plan, self._copier(held["host"].ptr), dma, dec)
+                for piece in pieces:
+                    wq.queue(piece)
+                dma.synchronize()
+                dec.synchronize()
+                self._release_codec_scratch()
+
+            report = disktier.restore(
+                directory,
+                key,
+                alloc,
+                decode,
+                lambda: self._weights_digest(ranges),
+                self.settings.disk_threads,
+            )
+            report["used"] = True
+        except Exception as exc:  # refused or failed: the reload brings the weights back
+            reason = str(exc) if isinstance(exc, disktier.TierRefused) else repr(exc)
+            report = {"used": False, "reason": reason}
+            if key is not None and directory is not None and "being written" not in reason:
+                path = directory / key.filename()  # refused: the next sleep writes it anew
+                report["removed"] = path.exists()
+                path.unlink(missing_ok=True)
+            log.warning("hotswap: disk tier not used, reloading: %s", reason)
+        self._release_codec_scratch()
+        timings["tier_restore_s"] = time.perf_counter() - t
+        self._tier_report["restore"] = report
+        return report
+
     def _join_host(self) -> None:
         thread = self._host_thread
         if thread is not None:
@@ -355,6 +549,7 @@ class CuMemBackend:
 
     def _host_for(self, nbytes: int) -> HostBuffer:
         self._join_host()
+        self._join_tier_writer()  # the tier's writer reads the buffer until it is done
         if self._host is None or self._host.nbytes < nbytes:
             self._make_host(nbytes)  # foreground: the first sleep pays the pinning
         if self._host is None or self._host.nbytes < nbytes:
@@ -362,6 +557,7 @@ class CuMemBackend:
         return self._host
 
     def _release_host(self) -> None:
+        self._join_tier_writer()
         with self._host_lock:
             buf, self._host = self._host, None
         if buf is not None:
@@ -485,6 +681,8 @@ class CuMemBackend:
                 events.append((ptr, data, done))
                 off += size
             timings["queue_s"] = time.perf_counter() - t
+        if level == 2 and WEIGHTS in tags and plan[WEIGHTS] == DISCARDED:
+            self._tier_put_away(recs[WEIGHTS], timings)
         # Discarded pools need no copy: release them while the offload copies run.
         t = time.perf_counter()
         for tag in tags:
@@ -589,6 +787,8 @@ class CuMemBackend:
                         continue
                     off, size = self._offloaded_layout.pop(ptr)
                     k = self._queue(ptr, host.ptr, off, size, False, k)  # type: ignore[union-attr]
+            if tag == WEIGHTS and mode == DISCARDED and self._tier_key is not None:
+                self._tier_restored = self._tier_restore(timings)
             timings[f"{tag}_s"] = time.perf_counter() - t
             # this thread's CPU time: far below the wall time means it waited (driver, GIL)
             timings[f"{tag}_cpu_s"] = time.thread_time() - cpu

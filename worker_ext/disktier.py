@@ -61,6 +61,7 @@ class Key:
     vllm_version: str
     rank: int
     sizes: tuple[int, ...]  # the weights records' sizes, in address order
+    fingerprint: str = ""  # a digest of the bytes themselves (a changed checkpoint: a new file)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -68,6 +69,7 @@ class Key:
             "vllm_version": self.vllm_version,
             "rank": self.rank,
             "sizes": list(self.sizes),
+            "fingerprint": self.fingerprint,
         }
 
     def filename(self) -> str:

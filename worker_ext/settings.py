@@ -42,6 +42,12 @@ class WorkerSettings:
     # HOTSWAP_CODEC_PIECE_MIB: bytes the codec moves per copy; its GPU scratch is two
     # pieces (double buffer), 2 x 64 MiB by default
     codec_piece_mib: int = 64
+    # HOTSWAP_DISK_DIR: the level-2 disk tier's directory (worker_ext/disktier.py); empty:
+    # no tier, a level-2 wake reloads from the checkpoint as before
+    disk_dir: str = ""
+    # HOTSWAP_DISK_BUDGET_GB: bytes the tier's files may take in that directory (oldest go)
+    disk_budget_bytes: int = 64 * 10**9
+    disk_threads: int = 8  # HOTSWAP_DISK_THREADS: parallel reads of a tier file
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerSettings:
@@ -59,6 +65,14 @@ class WorkerSettings:
             piece_mib = min(1024, max(2, int(env.get("HOTSWAP_CODEC_PIECE_MIB", "64"))))
         except ValueError:
             piece_mib = 64
+        try:
+            budget = max(0, int(float(env.get("HOTSWAP_DISK_BUDGET_GB", "64")) * 10**9))
+        except ValueError:
+            budget = 64 * 10**9
+        try:
+            disk_threads = max(1, int(env.get("HOTSWAP_DISK_THREADS", "8")))
+        except ValueError:
+            disk_threads = 8
         return cls(
             keep_host_backup=keep,
             pin_mode=_choice(env, "HOTSWAP_PIN_HOST_BACKUP", ("early", "lazy"), pin_default),
@@ -71,4 +85,7 @@ class WorkerSettings:
             protect="objects" if _word(env, "HOTSWAP_PROTECT", "ranges") == "objects" else "ranges",
             host_codec=_choice(env, "HOTSWAP_HOST_CODEC", ("exp", "none"), "exp"),
             codec_piece_mib=piece_mib,
+            disk_dir=env.get("HOTSWAP_DISK_DIR", "").strip(),
+            disk_budget_bytes=budget,
+            disk_threads=disk_threads,
         )

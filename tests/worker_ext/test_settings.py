@@ -32,10 +32,26 @@ def test_every_variable_is_read() -> None:
             "HOTSWAP_PROTECT": "objects",
             "HOTSWAP_HOST_CODEC": "None",
             "HOTSWAP_CODEC_PIECE_MIB": "16",
+            "HOTSWAP_DISK_DIR": " /var/tier ",
+            "HOTSWAP_DISK_BUDGET_GB": "1.5",
+            "HOTSWAP_DISK_THREADS": "3",
         }
     )
     assert s == WorkerSettings(
-        False, "early", "overlap", "vllm", "none", 9, True, "off", "objects", "none", 16
+        False,
+        "early",
+        "overlap",
+        "vllm",
+        "none",
+        9,
+        True,
+        "off",
+        "objects",
+        "none",
+        16,
+        "/var/tier",
+        1_500_000_000,
+        3,
     )
 
 
@@ -51,6 +67,8 @@ def test_bad_words_fall_back_to_the_defaults() -> None:
             "HOTSWAP_PROTECT": "everything",
             "HOTSWAP_HOST_CODEC": "zstd",
             "HOTSWAP_CODEC_PIECE_MIB": "big",
+            "HOTSWAP_DISK_BUDGET_GB": "lots",
+            "HOTSWAP_DISK_THREADS": "x",
         }
     )
     assert s == WorkerSettings()
