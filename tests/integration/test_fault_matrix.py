@@ -275,6 +275,28 @@ def _begin(side: SidecarProcess, eng: Engine, case: Case) -> None:
     side.wait_phase(NAME, case.phase, timeout_s=60)
 
 
+def _started(side: SidecarProcess, case: Case | None = None) -> None:
+    """The sidecar up and the model settled; with a case, then in that case's start state."""
+    side.start()
+    side.wait_settled(NAME)
+    if case is not None:
+        _to_start(side, case)
+
+
+def _back_after_restart(
+    side: SidecarProcess,
+    eng: Engine,
+    watch: Watcher,
+    baseline: tuple[int, ...],
+    case: Case,
+    t0: float,
+) -> None:
+    """Never ready from the fault until the new process answered at `t0` (a boot takes tens
+    of seconds), then RUNNING and answering as before."""
+    assert not [h for h in watch.health if h.value == 200 and h.received < t0 + 5.0]
+    _settle_and_check(side, eng, baseline, _replace_end(case, "RUNNING"), t0)
+
+
 def _long_request(url: str) -> threading.Thread:
     """A completion long enough for a drain to wait on (straight to the engine, streamed:
     its first token says it runs)."""
@@ -305,9 +327,7 @@ def test_sidecar_sigkill(
     case: Case, healthy: Engine, sidecar: SidecarProcess, baseline: tuple[int, ...]
 ) -> None:
     eng = healthy
-    sidecar.start()
-    sidecar.wait_settled(NAME)
-    _to_start(sidecar, case)
+    _started(sidecar, case)
     long = _long_request(eng.url) if case.phase == "drain" else None
     _begin(sidecar, eng, case)
     if case.phase == "prepare":
@@ -327,9 +347,7 @@ def test_engine_sigkill_in_a_transition(
     case: Case, healthy: Engine, sidecar: SidecarProcess, baseline: tuple[int, ...]
 ) -> None:
     eng = healthy
-    sidecar.start()
-    sidecar.wait_settled(NAME)
-    _to_start(sidecar, case)
+    _started(sidecar, case)
     _begin(sidecar, eng, case)
     with Watcher(sidecar, NAME, eng.url) as watch:
         eng.kill()
@@ -339,9 +357,7 @@ def test_engine_sigkill_in_a_transition(
         t0 = time.monotonic()
         eng.restart()  # an operator's restart, on the same socket, behind the sidecar's back
     assert watch.violations() == []
-    # Never ready from the kill until the new process answered (a boot takes tens of s).
-    assert not [h for h in watch.health if h.value == 200 and h.received < t0 + 5.0]
-    _settle_and_check(sidecar, eng, baseline, _replace_end(case, "RUNNING"), t0)
+    _back_after_restart(sidecar, eng, watch, baseline, case, t0)
 
 
 @pytest.mark.parametrize("case", _params(ENGINE_RESTARTS))
@@ -349,8 +365,7 @@ def test_engine_restarted_behind_the_sidecars_back(
     case: Case, healthy: Engine, sidecar: SidecarProcess, baseline: tuple[int, ...]
 ) -> None:
     eng = healthy
-    sidecar.start()
-    sidecar.wait_settled(NAME)
+    _started(sidecar)
     if case.phase == "SUSPENDED":
         r = sidecar.post(f"/models/{NAME}/sleep", json={"level": 1})
         assert r.json()["state"] == "SUSPENDED", r.text
@@ -370,8 +385,7 @@ def test_an_rpc_that_hangs_past_its_timeout(
     env = {**SIDECAR_ENV, "HOTSWAP_TIMEOUTS__RPC_S": "4", "HOTSWAP_TIMEOUTS__CONTROL_S": "2"}
     side = SidecarProcess({NAME: eng.url}, tmp_path / "sidecar.log", env)
     try:
-        side.start()
-        side.wait_settled(NAME)
+        _started(side)
         _begin(side, eng, case)
         assert eng.proc.pid is not None
         with Watcher(side, NAME, eng.url) as watch:
@@ -389,8 +403,7 @@ def test_an_rpc_that_hangs_past_its_timeout(
             assert eng.rpc_lines() == sent, "an RPC was sent to an engine out of step"
             t0 = time.monotonic()
             eng.restart()
-        assert not [h for h in watch.health if h.value == 200 and h.received < t0 + 5.0]
-        _settle_and_check(side, eng, baseline, _replace_end(case, "RUNNING"), t0)
+        _back_after_restart(side, eng, watch, baseline, case, t0)
     finally:
         side.stop()
 
