@@ -322,6 +322,11 @@ def main() -> int:
         help="HOTSWAP_HOST_CODEC variants (exp, none), each run for --cycles cycles, in turn",
     )
     ap.add_argument(
+        "--codec-maps",
+        default="interleaved",
+        help="HOTSWAP_CODEC_MAP variants for the exp codec (interleaved, first), in turn",
+    )
+    ap.add_argument(
         "--weights",
         choices=("realistic", "dummy"),
         default="realistic",
@@ -414,9 +419,11 @@ def main() -> int:
     impls = [m.strip() for m in args.map_impls.split(",") if m.strip()]
     protects = [p.strip() for p in args.protect.split(",") if p.strip()]
     plevels = [int(p) for p in args.prepare_levels.split(",") if p.strip()]
+    cmaps = [c.strip() for c in args.codec_maps.split(",") if c.strip()]
+    coded_variants = [f"exp/{m}" for m in cmaps]
     variants = [
         (c, m, i, k, a, pr, pl)
-        for c in codecs
+        for c in [v for hc in codecs for v in (coded_variants if hc == "exp" else [hc])]
         for m in modes
         for i in impls
         for k in kernels
@@ -424,9 +431,11 @@ def main() -> int:
         for pl in plevels
         for a in asleeps
     ]
-    for hc, mode, impl, vk, asleep, protect, plevel in variants:
+    for variant, mode, impl, vk, asleep, protect, plevel in variants:
+        hc, _, cmap = variant.partition("/")
         switched = os.environ.get("HOTSWAP_HOST_CODEC") != hc
         os.environ["HOTSWAP_HOST_CODEC"] = hc
+        os.environ["HOTSWAP_CODEC_MAP"] = cmap or "interleaved"
         os.environ["HOTSWAP_RESUME_KV"] = mode  # in-process worker
         os.environ.update(map_env(impl))
         os.environ["HOTSWAP_VERIFY_KERNEL"] = vk
@@ -445,7 +454,7 @@ def main() -> int:
             coded = llm.collective_rpc(lambda w: find_backend(w.worker).describe()["codec"])[0]
             ours.append(
                 {
-                    "codec": hc,
+                    "codec": variant,
                     "codec_suspend": coded.get("last_suspend") if hc == "exp" else None,
                     "kv_mode": mode,
                     "map_impl": impl,

@@ -42,6 +42,10 @@ class WorkerSettings:
     # HOTSWAP_CODEC_PIECE_MIB: bytes the codec moves per copy; its GPU scratch is two
     # pieces (double buffer), 2 x 64 MiB by default
     codec_piece_mib: int = 64
+    # HOTSWAP_CODEC_MAP: interleaved (measured: each record's pieces queued once it is
+    # mapped) | first (every record mapped before the first decode: no driver mapping call
+    # while the decoder runs; a candidate, not yet measured)
+    codec_map: str = "interleaved"
     # HOTSWAP_DISK_DIR: the level-2 disk tier's directory (worker_ext/disktier.py); empty:
     # no tier, a level-2 wake reloads from the checkpoint as before
     disk_dir: str = ""
@@ -85,6 +89,7 @@ class WorkerSettings:
             protect="objects" if _word(env, "HOTSWAP_PROTECT", "ranges") == "objects" else "ranges",
             host_codec=_choice(env, "HOTSWAP_HOST_CODEC", ("exp", "none"), "exp"),
             codec_piece_mib=piece_mib,
+            codec_map=_choice(env, "HOTSWAP_CODEC_MAP", ("interleaved", "first"), "interleaved"),
             disk_dir=env.get("HOTSWAP_DISK_DIR", "").strip(),
             disk_budget_bytes=budget,
             disk_threads=disk_threads,

@@ -32,6 +32,7 @@ def test_every_variable_is_read() -> None:
             "HOTSWAP_PROTECT": "objects",
             "HOTSWAP_HOST_CODEC": "None",
             "HOTSWAP_CODEC_PIECE_MIB": "16",
+            "HOTSWAP_CODEC_MAP": "First",
             "HOTSWAP_DISK_DIR": " /var/tier ",
             "HOTSWAP_DISK_BUDGET_GB": "1.5",
             "HOTSWAP_DISK_THREADS": "3",
@@ -49,6 +50,7 @@ def test_every_variable_is_read() -> None:
         "objects",
         "none",
         16,
+        "first",
         "/var/tier",
         1_500_000_000,
         3,
@@ -67,6 +69,7 @@ def test_bad_words_fall_back_to_the_defaults() -> None:
             "HOTSWAP_PROTECT": "everything",
             "HOTSWAP_HOST_CODEC": "zstd",
             "HOTSWAP_CODEC_PIECE_MIB": "big",
+            "HOTSWAP_CODEC_MAP": "later",
             "HOTSWAP_DISK_BUDGET_GB": "lots",
             "HOTSWAP_DISK_THREADS": "x",
         }
