@@ -54,8 +54,9 @@ _rng = random.Random(0)
 
 
 def launch(spec: EngineSpec, name: str) -> EngineProcess:
-    out = Path(os.environ.get("OUT", tempfile.gettempdir()))
-    proc = EngineProcess(spec, out / f"bench-sidecar-{name}.log")
+    # Engine logs stay out of $OUT (a device run brings back only a few files); a failed
+    # step prints their tails.
+    proc = EngineProcess(spec, Path(tempfile.gettempdir()) / f"bench-sidecar-{name}.log")
     proc.start()
     log(f"started {name} pid {proc.pid}: {' '.join(spec.argv())}")
     return proc

@@ -80,6 +80,7 @@ def config(model: str, args: argparse.Namespace, cport: int, gport: int, out: Pa
         },
         "swap": {"max_awake": 1, "min_awake_s": 0.0},
         "supervisor": {"boot_timeout_s": 400.0, "log_dir": str(out / "engine-logs")},
+        # (out: a temporary folder; a device run brings back only a few files from $OUT)
         "models": [
             {
                 "name": n,
@@ -164,9 +165,10 @@ def main() -> int:
     args.graphs = bool(args.graphs)
     deadline = T0 + args.budget_s
     out_dir = Path(os.environ.get("OUT", tempfile.gettempdir()))
+    work = Path(tempfile.mkdtemp(prefix="bench-swap-"))  # config and logs: not in $OUT
     model = write_config(args.shape, tempfile.mkdtemp(prefix=f"{args.shape}-"))
     cport, gport = free_port(), free_port()
-    cfg = config(model, args, cport, gport, out_dir)
+    cfg = config(model, args, cport, gport, work)
     res: dict[str, Any] = {
         "shape": args.shape,
         "util": args.util,
@@ -178,7 +180,7 @@ def main() -> int:
     }
     argv = [sys.executable, "-m", "controller", "serve", "--config", str(cfg)]
     spec = EngineSpec.from_command("sidecar", argv, cport, {"HOTSWAP_LOG__LEVEL": "INFO"})
-    side = EngineProcess(spec, out_dir / "swap-sidecar.log")
+    side = EngineProcess(spec, work / "swap-sidecar.log")
     side.start()
     rc = 0
     try:
@@ -244,6 +246,10 @@ def main() -> int:
         res["error"] = f"{type(exc).__name__}: {exc}"
         log("failed:", res["error"][-3000:])
         log("sidecar log tail:\n" + side.log_tail())
+        for n in NAMES:
+            engine_log = work / "engine-logs" / f"{n}.log"
+            if engine_log.exists():
+                log(f"engine {n} log tail:\n" + engine_log.read_text()[-3000:])
         rc = 1
     finally:
         side.stop(30.0)
