@@ -5,11 +5,12 @@
 Runs on the lent device (benchmarks/run-on-device.sh).
 One in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0: the worker is this process, so its
 RSS is ours to read and the caller-side times are the worker's times), dummy bf16 weights,
-enforce_eager. Order: pinned-copy bandwidth (torch, this process) -> engine -> raw vLLM
-llm.sleep(1)/llm.wake_up() cycles -> torch's cached pinned blocks emptied -> our cycles.
-Both are timed the same way, caller-side around the calls. Our wake is timed from the
-first resume call to the end of restore+verify (extension) or to the end of the copies
-(backend: no verification there). Tokens and logprobs are compared after every cycle.
+enforce_eager (`--graphs 1`: vLLM's default compile and CUDA graphs). Order: pinned-copy
+bandwidth (torch, this process) -> engine -> raw vLLM llm.sleep(1)/llm.wake_up() cycles ->
+torch's cached pinned blocks emptied -> our cycles. Both are timed the same way,
+caller-side around the calls. Our wake is timed from the first resume call to the end of
+restore+verify (extension) or to the end of the copies (backend: no verification there).
+Tokens and logprobs are compared after every cycle.
 
 `--via extension` drives worker_ext.HotSwapExtension over collective_rpc (prepare, suspend,
 resume weights, resume kv_cache, restore_and_verify); `--via backend` drives
@@ -282,6 +283,9 @@ def main() -> int:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     ap.add_argument("--via", choices=("extension", "backend"), default="extension")
     ap.add_argument("--cycles", type=int, default=2)
+    ap.add_argument(
+        "--graphs", type=int, default=0, help="1: vLLM's default compile and CUDA graphs"
+    )
     ap.add_argument("--raw-cycles", type=int, default=1, help="per --asleep-s value")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument(
@@ -345,6 +349,7 @@ def main() -> int:
     res: dict[str, Any] = {
         "shape": args.shape,
         "via": args.via,
+        "graphs": bool(args.graphs),
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(0),
@@ -360,7 +365,7 @@ def main() -> int:
         "load_format": "dummy",
         "skip_tokenizer_init": True,
         "enable_sleep_mode": True,
-        "enforce_eager": True,
+        "enforce_eager": not args.graphs,
         "max_model_len": args.max_model_len,
         "gpu_memory_utilization": UTIL[args.shape],
         "dtype": "bfloat16",
