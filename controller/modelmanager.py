@@ -189,6 +189,7 @@ class ModelManager:
         await self._guarded(run, sequence, params)
         self.runner.count_bytes(run)
         self.record.learn_pools(_freed_by_pool(run), "bytes freed at sleep")
+        self.record.copied_bytes = _copied_weights(run)
         self.record.asleep = None  # every pool the level releases
         rec = self.runner.finish(
             run, Event.SLEEP_DONE, State.SUSPENDED, level=level, last_error=None
@@ -339,6 +340,20 @@ def _freed_by_pool(run: Run) -> dict[str, int]:
     return protocol.sum_by_pool(
         r.freed_bytes for r in reports if isinstance(r, protocol.SuspendReport)
     )
+
+
+def _copied_weights(run: Run) -> int:
+    """The weights bytes a sleep copied off the device: freed and offloaded on each rank
+    (the host backend offloads in place and frees nothing; level 2 discards)."""
+    total = 0
+    for reports in run.reports.values():
+        for r in reports:
+            if isinstance(r, protocol.SuspendReport):
+                off = r.raw.get("offloaded_bytes")
+                moved = off.get("weights", 0) if isinstance(off, dict) else 0
+                freed = r.freed_bytes.get("weights", 0)
+                total += min(int(moved), int(freed)) if isinstance(moved, int | float) else 0
+    return total
 
 
 def _pools_from_info(snap: ModelSnapshot) -> dict[str, int]:

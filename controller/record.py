@@ -160,6 +160,10 @@ class ModelRecord:
         # Bytes by pool (weights, kv_cache) over every rank, as last measured (hotswap_info
         # at start, the bytes a sleep freed): what an overlapped swap plans with.
         self.pools: dict[str, int] = {}
+        # Weights bytes the last sleep copied off the device (freed and offloaded, over
+        # ranks): 0 where a sleep copies nothing (the host backend, level 2); None: no
+        # sleep seen yet. An overlapped swap only pays off when this is not 0.
+        self.copied_bytes: int | None = None
         self.last_used = 0.0  # unix seconds of the last gateway request (0: never)
         self.served_model = settings.served_model_name  # read from /v1/models when None
         # The transition in flight (sleep or wake) and the phase it is in.

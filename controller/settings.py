@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import ipaddress
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
@@ -236,6 +236,14 @@ class SwapSettings(BaseModel):
         ge=0,
         le=HOUR_S,
         description="drain=wait timeout when a model is put to sleep to make room.",
+    )
+    overlap: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="Overlap an evicted model's offload with the woken model's load when the "
+        "byte budget has room for both models' weights (controller.swap): auto = only when "
+        "the evicted model's last sleep copied its weights off the device (CUDA, level 1; "
+        "on CPU or at level 2 nothing is copied and the split sleep only adds a round trip), "
+        "always = whenever the budget has room, never = one after the other.",
     )
 
 

@@ -270,6 +270,16 @@ class SwapCoordinator:
         target's load (controller.policy.plan_overlap over the records' measured pools)."""
         if plan.decision is not Decision.EVICT or len(plan.evict) != 1:
             return Overlap(False, "not a one-model eviction")
+        mode = self.settings.swap.overlap
+        if mode == "never":
+            return Overlap(False, "swap.overlap is never")
+        copied = self.fleet[plan.evict[0]].copied_bytes
+        if mode == "auto" and not copied:
+            why = "not seen to copy" if copied is None else "copies"
+            return Overlap(
+                False,
+                f"{plan.evict[0]}'s sleep {why} no weights off the device: nothing to overlap",
+            )
         views = self.views()
         victim = next(v for v in views if v.name == plan.evict[0])
         peers = [v for v in views if set(v.placement) & set(victim.placement)]

@@ -78,7 +78,7 @@ def phases(w: World, name: str) -> list[str]:
 
 def test_the_woken_models_weights_come_in_while_the_evicted_models_go_out() -> None:
     async def body() -> None:
-        ctx, holder = logged_world(swap={"budget_bytes": 10_000})
+        ctx, holder = logged_world(swap={"budget_bytes": 10_000, "overlap": "always"})
         async with ctx as w:
             log = holder["router"]
             log.slow[("a", "hotswap_suspend[weights]")] = SLOW_OFFLOAD_S
@@ -121,7 +121,7 @@ def test_the_woken_models_weights_come_in_while_the_evicted_models_go_out() -> N
 def test_without_room_for_both_weights_the_swap_runs_one_after_the_other() -> None:
     async def body() -> None:
         # one model awake holds 6144 bytes; both models' weights at once would be 8192
-        ctx, holder = logged_world(swap={"budget_bytes": 7_000})
+        ctx, holder = logged_world(swap={"budget_bytes": 7_000, "overlap": "always"})
         async with ctx as w:
             log = holder["router"]
             log.log.clear()
@@ -138,7 +138,8 @@ def test_without_room_for_both_weights_the_swap_runs_one_after_the_other() -> No
 
 def test_without_a_byte_budget_the_swap_runs_one_after_the_other() -> None:
     async def body() -> None:
-        ctx, holder = logged_world()  # max_awake only: nothing to check the peak against
+        # max_awake only: nothing to check the peak against
+        ctx, holder = logged_world(swap={"overlap": "always"})
         async with ctx as w:
             log = holder["router"]
             log.log.clear()
@@ -149,9 +150,48 @@ def test_without_a_byte_budget_the_swap_runs_one_after_the_other() -> None:
     run(body)
 
 
+def test_auto_overlaps_only_when_the_evicted_models_sleep_copied_its_weights() -> None:
+    """The default: a split sleep only pays off when the victim's weights are copied off
+    the device (CUDA, level 1); a victim never seen asleep, or whose sleep copied nothing
+    (the host backend, level 2), is put to sleep as before."""
+
+    async def body() -> None:
+        ctx, holder = logged_world(swap={"budget_bytes": 10_000})
+        async with ctx as w:
+            log = holder["router"]
+            assert w.manager.fleet["a"].copied_bytes is None  # never slept
+            assert w.manager.fleet["b"].copied_bytes == 4096  # slept once, weights offloaded
+            log.log.clear()
+            assert (await ask(w, "b")).status_code == 200
+            assert "hotswap_suspend[kv_cache]" not in log.calls("a")  # a: not seen to copy
+            assert (await ask(w, "a")).status_code == 200
+            assert "hotswap_suspend[kv_cache]" in log.calls("b")  # b's sleep copied 4096
+            w.manager.fleet["a"].copied_bytes = 0  # as the host backend's sleep reports
+            log.log.clear()
+            assert (await ask(w, "b")).status_code == 200
+            assert "hotswap_suspend[kv_cache]" not in log.calls("a")
+            assert w.state("b") is State.RUNNING
+
+    run(body)
+
+
+def test_never_puts_the_evicted_model_to_sleep_first() -> None:
+    async def body() -> None:
+        ctx, holder = logged_world(swap={"budget_bytes": 10_000, "overlap": "never"})
+        async with ctx as w:
+            log = holder["router"]
+            for name in ("b", "a", "b"):
+                assert (await ask(w, name)).status_code == 200
+            assert not [
+                c for c in log.calls("a") + log.calls("b") if "[kv_cache]" in c and "suspend" in c
+            ]
+
+    run(body)
+
+
 def test_an_eviction_that_fails_after_its_kv_cache_never_maps_the_woken_models_kv() -> None:
     async def body() -> None:
-        ctx, holder = logged_world(swap={"budget_bytes": 10_000}, rpc_s=0.5)
+        ctx, holder = logged_world(swap={"budget_bytes": 10_000, "overlap": "always"}, rpc_s=0.5)
         async with ctx as w:
             log = holder["router"]
             log.fail.add(("a", "hotswap_suspend[weights]"))

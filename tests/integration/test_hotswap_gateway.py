@@ -52,9 +52,10 @@ def _settings(models: dict[str, Path], logs: Path) -> dict[str, Any]:
         "models_source": attached(managed),
         "auth": {"token": TOKEN},
         "gateway": {"queue_size": 3, "hold_timeout_s": 120.0},
-        # One awake by count; the byte budget is far above both tiny models, so a swap
-        # overlaps the evicted model's offload with the woken one's load (controller.swap).
-        "swap": {"max_awake": 1, "min_awake_s": 0.0, "budget_bytes": 64 << 30},
+        # One awake by count; the byte budget is far above both tiny models and the overlap
+        # forced (on CPU a sleep copies nothing, so `auto` would not overlap), so a swap
+        # runs the overlapped sequence on real engines (controller.swap).
+        "swap": {"max_awake": 1, "min_awake_s": 0.0, "budget_bytes": 64 << 30, "overlap": "always"},
         "supervisor": {"log_dir": logs, "restart_backoff_s": 0.5, "boot_timeout_s": 300.0},
     }
 
