@@ -185,7 +185,7 @@ def prefix_counters(llm: Any) -> dict[str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
-    ap.add_argument("--util", type=float, default=0.45)
+    ap.add_argument("--util", type=float, default=0.35)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--prompt-len", type=int, default=3000)
     ap.add_argument("--keep-kv", action="store_true", help="the prefix cache across a sleep")
