@@ -30,7 +30,7 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks.common import GiB, SHAPES, gen, logger, timed, write_config
+from benchmarks.common import SHAPES, GiB, gen, logger, timed, write_config
 from controller import protocol
 
 log = logger("bench")
