@@ -18,7 +18,7 @@ from fastapi import Body, Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -116,6 +116,21 @@ class SleepBody(BaseModel):
         allow_inf_nan=False,
         description="Seconds, at most an hour; default drain_s (wait) or 0 (abort).",
     )
+    keep_prefix_cache: bool | None = Field(
+        None,
+        strict=True,
+        description="Keep the KV cache, so vLLM's prefix cache hits after the wake (level 1 "
+        "only); null: the model's setting.",
+    )
+
+    @model_validator(mode="after")
+    def _kept_at_level_1(self) -> SleepBody:
+        if self.keep_prefix_cache and self.level == 2:
+            raise ValueError(
+                "keep_prefix_cache applies to level 1 only: level 2 discards the weights "
+                "and the KV cache"
+            )
+        return self
 
 
 # ----------------------------------------------------------------------------- routes
@@ -129,22 +144,44 @@ async def sleep_model(
     wait: bool = True,
 ) -> Response:
     req = body if body is not None else SleepBody.model_validate({})
+    if req.keep_prefix_cache and (req.level or model.settings.default_level) != 1:
+        message = (
+            "keep_prefix_cache applies to level 1 only, and this model sleeps at level "
+            f"{model.settings.default_level} by default: send level 1 with it"
+        )
+        body_ = {"error": "ValidationError", "message": message, "model": name}
+        return JSONResponse(body_, status_code=422)
     swap = ctx.coordinator
     # None: the manager applies the model's default level and the drain timeout's default.
     if not wait:
         if swap is None:
-            started = model.begin_sleep(req.level, req.drain, req.drain_timeout_s)
+            started = model.begin_sleep(
+                req.level, req.drain, req.drain_timeout_s, keep_prefix_cache=req.keep_prefix_cache
+            )
             return _accepted(name, started)
         now = _decide_now(model, Transition.SLEEP)
-        _background(
-            ctx, swap.sleep(name, req.level, req.drain, req.drain_timeout_s), f"sleep-{name}"
+        sleep = swap.sleep(
+            name,
+            req.level,
+            req.drain,
+            req.drain_timeout_s,
+            keep_prefix_cache=req.keep_prefix_cache,
         )
+        _background(ctx, sleep, f"sleep-{name}")
         return _accepted(name, now)
     if swap is None:
-        outcome = await model.sleep(req.level, req.drain, req.drain_timeout_s)
+        outcome = await model.sleep(
+            req.level, req.drain, req.drain_timeout_s, keep_prefix_cache=req.keep_prefix_cache
+        )
     else:
         # Hot-swap mode: the gateway's requests in flight are drained too.
-        outcome = await swap.sleep(name, req.level, req.drain, req.drain_timeout_s)
+        outcome = await swap.sleep(
+            name,
+            req.level,
+            req.drain,
+            req.drain_timeout_s,
+            keep_prefix_cache=req.keep_prefix_cache,
+        )
     return JSONResponse(outcome_dict(name, outcome))
 
 

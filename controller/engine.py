@@ -207,6 +207,23 @@ class EngineClient:
     async def resume(self) -> None:
         await self._send("POST", "/resume", timeout_s=self.timeouts.control_s)
 
+    async def reset_prefix_cache(self) -> bool:
+        """POST /reset_prefix_cache (running requests preempted, as a clearing pause does):
+        True when vLLM says the cache was reset; it refuses while blocks are held."""
+        resp = await self._send(
+            "POST",
+            "/reset_prefix_cache",
+            params={"reset_running_requests": "true"},
+            timeout_s=self.timeouts.control_s,
+        )
+        body = self._json(resp, "/reset_prefix_cache")
+        if not isinstance(body, dict) or not isinstance(body.get("success"), bool):
+            raise EngineError(
+                f"{self.base_url}: POST /reset_prefix_cache answered {body!r}, "
+                "expected {'success': bool}"
+            )
+        return bool(body["success"])
+
     async def rpc(
         self, method: str, *args: Any, timeout_s: float, **kwargs: Any
     ) -> list[dict[str, Any]]:

@@ -126,9 +126,13 @@ class ModelManager:
         level: int | None = None,
         drain: DrainMode = "wait",
         drain_timeout_s: float | None = None,
+        *,
+        keep_prefix_cache: bool | None = None,
     ) -> Outcome:
         """Start a sleep in the background and return at once (the API's ?wait=false)."""
-        action, _ = self._sleep_task(level, drain, drain_timeout_s)
+        action, _ = self._sleep_task(
+            level, drain, drain_timeout_s, keep_prefix_cache=keep_prefix_cache
+        )
         return Outcome(action, self.record.snapshot, None)
 
     def begin_wake(self) -> Outcome:
@@ -142,10 +146,14 @@ class ModelManager:
         drain_timeout_s: float | None = None,
         *,
         kv_released: Callable[[], None] | None = None,
+        keep_prefix_cache: bool | None = None,
     ) -> Outcome:
         """`kv_released`: suspend the KV cache alone first and call it then, before the
-        weights are suspended (an overlapped swap, controller.swap)."""
-        action, task = self._sleep_task(level, drain, drain_timeout_s, kv_released)
+        weights are suspended (an overlapped swap, controller.swap). `keep_prefix_cache`
+        None: the model's setting (docs/contracts.md §1.3)."""
+        action, task = self._sleep_task(
+            level, drain, drain_timeout_s, kv_released, keep_prefix_cache
+        )
         return await self._await(action, task)
 
     async def wake(self, *, room: Callable[[], Awaitable[None]] | None = None) -> Outcome:
@@ -160,10 +168,14 @@ class ModelManager:
         drain: DrainMode,
         drain_timeout_s: float | None,
         kv_released: Callable[[], None] | None = None,
+        keep_prefix_cache: bool | None = None,
     ) -> tuple[Action, asyncio.Task[Outcome] | None]:
         lvl = self.settings.default_level if level is None else level
         if lvl not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, not {lvl}")
+        if keep_prefix_cache and lvl != 1:
+            raise ValueError(f"keep_prefix_cache applies to level 1 only ({steps.LEVEL2_KV})")
+        keep = self.settings.keep_prefix_cache if keep_prefix_cache is None else keep_prefix_cache
         if drain not in ("wait", "abort"):
             raise ValueError(f"drain must be 'wait' or 'abort', not {drain!r}")
         if drain_timeout_s is None:
@@ -172,7 +184,7 @@ class ModelManager:
             grace = drain_timeout_s
         if grace < 0:
             raise ValueError("drain_timeout_s must be >= 0")
-        return self._begin(Request.SLEEP, lambda: self._sleep(lvl, drain, grace, kv_released))
+        return self._begin(Request.SLEEP, lambda: self._sleep(lvl, drain, grace, kv_released, keep))
 
     # ---- the sequences -------------------------------------------------------------------
 
@@ -182,17 +194,27 @@ class ModelManager:
         drain: DrainMode,
         grace: float,
         kv_released: Callable[[], None] | None = None,
+        keep_kv: bool = False,
     ) -> Outcome:
         run = self.runner.begin("sleep", level, State.RUNNING)
-        params = protocol.Params(level=level, quiesce_timeout_s=self.timeouts.quiesce_s)
-        sequence = steps.sleep_sequence(level, drain, grace, kv_released)
-        await self._guarded(run, sequence, params)
+        params = protocol.Params(
+            level=level, quiesce_timeout_s=self.timeouts.quiesce_s, keep_kv=keep_kv and level == 1
+        )
+        sequence = steps.sleep_sequence(level, drain, grace, kv_released, keep_kv=keep_kv)
+        reports = await self._guarded(run, sequence, params)
         self.runner.count_bytes(run)
         self.record.learn_pools(_freed_by_pool(run), "bytes freed at sleep")
         self.record.copied_bytes = _copied_weights(run)
         self.record.asleep = None  # every pool the level releases
+        # what the last suspend's ranks say they left on their devices
+        last = protocol.SUSPEND_WEIGHTS if kv_released is not None else protocol.SUSPEND
         rec = self.runner.finish(
-            run, Event.SLEEP_DONE, State.SUSPENDED, level=level, last_error=None
+            run,
+            Event.SLEEP_DONE,
+            State.SUSPENDED,
+            level=level,
+            last_error=None,
+            resident_bytes=protocol.resident_bytes(reports.get(last.phase, ())),
         )
         return Outcome(Action.BEGIN, self.record.snapshot, rec)
 
@@ -213,7 +235,13 @@ class ModelManager:
         self.record.asleep = None
         self.runner.count_bytes(run)
         rec = self.runner.finish(
-            run, Event.WAKE_DONE, State.RUNNING, verified=True, level=None, last_error=None
+            run,
+            Event.WAKE_DONE,
+            State.RUNNING,
+            verified=True,
+            level=None,
+            last_error=None,
+            resident_bytes=None,
         )
         return Outcome(Action.BEGIN, self.record.snapshot, rec)
 

@@ -60,6 +60,13 @@ class ModelSettings(BaseModel):
         description="Awake footprint if known; None = measured from the engine.",
     )
     device: str = Field("0", description="Models on one device share its memory budget.")
+    keep_prefix_cache: bool = Field(
+        False,
+        description="Level-1 sleeps keep the KV cache (offloaded to pinned host memory, as big "
+        "as the KV pool), so vLLM's prefix cache still hits after the wake; a sleep request's "
+        "`keep_prefix_cache` overrides it. Default off: it costs the KV pool's host RAM and "
+        "its copy time at sleep and wake.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -96,6 +103,15 @@ class ModelSettings(BaseModel):
                     f"a managed engine's command must not set {flag}: the sidecar serves it on "
                     "a Unix socket in its private folder (dev endpoints stay unreachable)"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _kv_kept_at_level_1(self) -> ModelSettings:
+        if self.keep_prefix_cache and self.default_level != 1:
+            raise ValueError(
+                "keep_prefix_cache needs default_level 1: a level-2 sleep discards the "
+                "weights and the KV cache"
+            )
         return self
 
     @property

@@ -63,6 +63,9 @@ class Params:
     level: int = 1
     quiesce_timeout_s: float = 30.0  # the barrier's timeout inside the ranks
     tags: tuple[str, ...] | None = None  # suspend/resume only these pools (None: the level's)
+    # Keep the KV cache (and so vLLM's prefix cache) across a level-1 sleep: the prepare
+    # asks the ranks, the suspend keeps it (docs/contracts.md §1.3).
+    keep_kv: bool = False
 
 
 # ----------------------------------------------------------------------------- rank reports
@@ -124,12 +127,33 @@ class QuiesceReport(RankReport):
 
 
 @dataclass(frozen=True)
-class SuspendReport(RankReport):
-    freed_bytes: Mapping[str, int] = field(default_factory=dict)
+class PrepareReport(RankReport):
+    kv: str = "discard"  # what the rank can do with the KV cache: "keep" or "discard"
+    kv_reason: str | None = None  # why not, when "keep" was asked
 
     @classmethod
     def _fields(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
-        return {"freed_bytes": _int_map(raw.get("freed_bytes"))}
+        reason = raw.get("kv_reason")
+        return {
+            "kv": "keep" if raw.get("kv") == "keep" else "discard",
+            "kv_reason": str(reason) if reason is not None else None,
+        }
+
+
+@dataclass(frozen=True)
+class SuspendReport(RankReport):
+    freed_bytes: Mapping[str, int] = field(default_factory=dict)
+    resident_bytes: int | None = None  # what the rank still holds on its device, asleep
+
+    @classmethod
+    def _fields(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
+        resident = raw.get("resident_bytes")
+        if isinstance(resident, bool) or not isinstance(resident, int | float):
+            resident = None
+        return {
+            "freed_bytes": _int_map(raw.get("freed_bytes")),
+            "resident_bytes": int(resident) if resident is not None else None,
+        }
 
 
 @dataclass(frozen=True)
@@ -253,6 +277,28 @@ def sum_by_pool(per_rank: Iterable[Mapping[str, int]]) -> dict[str, int]:
     return out
 
 
+def resident_bytes(reports: Iterable[RankReport]) -> int | None:
+    """What a suspended engine still holds on its devices, over its ranks (the suspend's
+    reports); None when a rank did not say (an older extension)."""
+    sus = [r for r in reports if isinstance(r, SuspendReport)]
+    if not sus or any(r.resident_bytes is None for r in sus):
+        return None
+    return sum(r.resident_bytes or 0 for r in sus)
+
+
+def kv_decision(reports: Iterable[RankReport]) -> tuple[bool, str | None]:
+    """Whether every rank's prepare can keep the KV cache, and if not, why (every rank's
+    reason, in rank order)."""
+    preps = [r for r in reports if isinstance(r, PrepareReport)]
+    if not preps:
+        return False, "no rank answered the prepare"
+    refused = [r for r in preps if r.kv != "keep"]
+    if not refused:
+        return True, None
+    why = "; ".join(f"rank {r.rank}: {r.kv_reason or 'not asked to keep'}" for r in refused)
+    return False, why
+
+
 def late_ranks(reports: Iterable[RankReport]) -> list[int]:
     return sorted({n for r in reports if isinstance(r, QuiesceReport) for n in r.late_ranks})
 
@@ -315,16 +361,26 @@ QUIESCE = Step(
     report=QuiesceReport,
     fault="barrier",
 )
-PREPARE = Step("prepare", "hotswap_prepare", lambda p: (p.level,))
-SUSPEND = Step(
-    "suspend",
-    "hotswap_suspend",
-    lambda p: (p.level,) if p.tags is None else (p.level, list(p.tags)),
-    report=SuspendReport,
-)
-SUSPEND_KV = Step(
-    "suspend_kv_cache", "hotswap_suspend", lambda p: (p.level, ["kv_cache"]), report=SuspendReport
-)
+
+
+def _prepare_args(p: Params) -> tuple[Any, ...]:
+    return (p.level, "keep") if p.keep_kv else (p.level,)
+
+
+def _suspend_args(p: Params) -> tuple[Any, ...]:
+    tags = None if p.tags is None else list(p.tags)
+    if p.keep_kv:
+        return (p.level, tags, "keep")
+    return (p.level,) if tags is None else (p.level, tags)
+
+
+def _suspend_kv_args(p: Params) -> tuple[Any, ...]:
+    return (p.level, ["kv_cache"], "keep") if p.keep_kv else (p.level, ["kv_cache"])
+
+
+PREPARE = Step("prepare", "hotswap_prepare", _prepare_args, report=PrepareReport)
+SUSPEND = Step("suspend", "hotswap_suspend", _suspend_args, report=SuspendReport)
+SUSPEND_KV = Step("suspend_kv_cache", "hotswap_suspend", _suspend_kv_args, report=SuspendReport)
 SUSPEND_WEIGHTS = Step(
     "suspend_weights", "hotswap_suspend", lambda p: (p.level, ["weights"]), report=SuspendReport
 )

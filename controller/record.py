@@ -151,7 +151,11 @@ class ModelRecord:
         self.settings = settings
         self.changes = Changes()
         self._snapshot = ModelSnapshot(
-            name=settings.name, state=State.UNKNOWN, since=clock(), gate=settings.gate
+            name=settings.name,
+            state=State.UNKNOWN,
+            since=clock(),
+            gate=settings.gate,
+            keep_prefix_cache=settings.keep_prefix_cache,
         )
         self.lane = Lane(self)
         # Awake footprint in bytes: configured (never overwritten) or measured.

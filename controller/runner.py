@@ -71,6 +71,9 @@ class Run:
     mono_start: float
     phases: list[PhaseRecord] = field(default_factory=list)
     reports: dict[str, tuple[protocol.RankReport, ...]] = field(default_factory=dict)
+    # The params the next steps are built from: `run` sets them; an engine step that
+    # decides from an earlier step's reports may replace them (the kv decision).
+    params: protocol.Params | None = None
 
 
 def _reason(exc: HotswapError) -> str:
@@ -91,7 +94,10 @@ def _summary(reports: Sequence[protocol.RankReport]) -> dict[str, Any]:
     freed = [r.freed_bytes for r in reports if isinstance(r, protocol.SuspendReport)]
     restored = [r.restored_bytes for r in reports if isinstance(r, protocol.ResumeReport)]
     if freed:
-        return {"freed_bytes": protocol.sum_by_pool(freed)}
+        return {
+            "freed_bytes": protocol.sum_by_pool(freed),
+            "resident_bytes": protocol.resident_bytes(reports),
+        }
     if restored:
         return {"restored_bytes": protocol.sum_by_pool(restored)}
     return {}
@@ -117,6 +123,7 @@ class Runner:
         self.metrics = metrics
         self.clock = clock
         self.mono = monotonic
+        self.current: Run | None = None  # the run whose steps `run` is running
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -150,9 +157,15 @@ class Runner:
     async def run(
         self, run: Run, steps: Sequence[AnyStep], params: protocol.Params
     ) -> dict[str, tuple[protocol.RankReport, ...]]:
-        """Run `steps` in order; their reports by phase (also kept in `run.reports`)."""
-        for step in steps:
-            run.reports[step.phase] = await self.step(run, step, params)
+        """Run `steps` in order; their reports by phase (also kept in `run.reports`). An
+        engine step may change `run.params` for the steps after it."""
+        run.params = params
+        self.current = run
+        try:
+            for step in steps:
+                run.reports[step.phase] = await self.step(run, step, run.params)
+        finally:
+            self.current = None
         return run.reports
 
     async def step(

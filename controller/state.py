@@ -190,6 +190,10 @@ class ModelSnapshot:
     last_transition: TransitionRecord | None = None
     last_error: str | None = None
     phase: str | None = None  # the phase of the transition in flight, if any
+    keep_prefix_cache: bool = False  # the model's setting: sleeps keep the KV cache (level 1)
+    # SUSPENDED: what the engine left on its devices at its last suspend (over its ranks, as
+    # they report it; the policy's ModelView.asleep_bytes). None: awake, or not reported.
+    resident_bytes: int | None = None
 
     @property
     def ready(self) -> bool:

@@ -18,6 +18,7 @@ wait is pending aborts what is left and ends both pauses. A "paused" answer is n
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Literal
 
@@ -34,14 +35,15 @@ async def _ensure_paused(r: Runner) -> None:
         raise EngineError("the engine answered /pause but is not paused (resumed by someone else?)")
 
 
-def drain(mode: DrainMode, grace_s: float) -> EngineStep:
+def drain(mode: DrainMode, grace_s: float, clear_cache: bool = True) -> EngineStep:
     """wait: pause once in-flight requests finished; if they outlast `grace_s`, give up with
     the engine resumed (DrainTimeout, still RUNNING). abort: give them `grace_s`, then
-    abort the rest."""
+    abort the rest. `clear_cache` false: vLLM's prefix cache is kept (a sleep that keeps
+    the KV cache; the kv step clears it if the ranks cannot keep it)."""
 
     async def wait(r: Runner) -> Mapping[str, Any]:
         try:
-            await r.engine.pause("wait", clear_cache=True, timeout_s=grace_s)
+            await r.engine.pause("wait", clear_cache=clear_cache, timeout_s=grace_s)
         except EngineTimeout:
             # Measured: the engine stays paused after the HTTP timeout; undo that and check.
             await r.engine.resume()
@@ -63,12 +65,12 @@ def drain(mode: DrainMode, grace_s: float) -> EngineStep:
         if grace_s > 0:
             try:
                 # New requests queue from now on; those in flight may finish within the grace.
-                await r.engine.pause("wait", clear_cache=True, timeout_s=grace_s)
+                await r.engine.pause("wait", clear_cache=clear_cache, timeout_s=grace_s)
                 waited = True
             except EngineTimeout:
                 pass  # measured: a second /pause?mode=abort ends the pending wait
         if not waited:
-            await r.engine.pause("abort", clear_cache=True)
+            await r.engine.pause("abort", clear_cache=clear_cache)
         await _ensure_paused(r)
         return {"mode": "abort", "aborted": not waited}
 
@@ -120,6 +122,34 @@ def wait_room(room: Callable[[], Awaitable[None]]) -> EngineStep:
     return EngineStep("wait_room", "-", call)
 
 
+async def _kv_decide(r: Runner) -> Mapping[str, Any]:
+    """After the prepare of a sleep that asked to keep the KV cache: keep it only if every
+    rank can; else clear vLLM's prefix cache now, before any block is released, and
+    suspend as usual (docs/contracts.md §1.3). The reason goes into the phase's detail."""
+    run = r.current
+    if run is None or run.params is None:
+        raise EngineError("the kv step runs inside a sleep's run")
+    keep, why = protocol.kv_decision(run.reports.get(protocol.PREPARE.phase, ()))
+    if keep:
+        return {"kv": "keep"}
+    run.params = dataclasses.replace(run.params, keep_kv=False)
+    if not await r.engine.reset_prefix_cache():
+        raise EngineError(
+            "the ranks cannot keep the KV cache and vLLM refused to reset its prefix cache "
+            f"(blocks still held); nothing was released ({why})"
+        )
+    return {"kv": "discard", "reason": why}
+
+
+def _kv_not_kept(reason: str) -> EngineStep:
+    async def say(r: Runner) -> Mapping[str, Any]:
+        return {"kv": "discard", "reason": reason}
+
+    return EngineStep("kv", "none", say)
+
+
+KV_DECIDE = EngineStep("kv", "/reset_prefix_cache", _kv_decide)
+LEVEL2_KV = "level 2 discards the weights; the KV cache is kept at level 1 only"
 RESUME_ENGINE = EngineStep("resume_engine", "/resume", _resume_engine)
 WARMUP = EngineStep("warmup", "/v1/completions", _warmup)
 HEALTH = EngineStep("health", "/health", _health)
@@ -130,13 +160,25 @@ def sleep_sequence(
     mode: DrainMode,
     grace_s: float,
     kv_released: Callable[[], None] | None = None,
+    keep_kv: bool = False,
 ) -> tuple[AnyStep, ...]:
     """`kv_released`: split the suspend by pool and call it between the two (the KV cache
-    is off the device, the weights not yet)."""
+    is off the device, the weights not yet). `keep_kv`: the prefix cache is kept across
+    the sleep where every rank can keep the KV cache (level 1): the drain does not clear
+    it, the kv step decides after the prepare (and clears it if not). At level 2 the kv
+    step only says why it was not kept."""
+    head: tuple[AnyStep, ...] = ()
+    if keep_kv and level != 1:
+        head, keep_kv = (_kv_not_kept(LEVEL2_KV),), False
+    first: tuple[AnyStep, ...] = (drain(mode, grace_s, clear_cache=not keep_kv),)
     if kv_released is None:
-        return (drain(mode, grace_s), *protocol.sleep_steps(level))
-    quiesce, prepare, kv, weights = protocol.sleep_steps(level, split=True)
-    return (drain(mode, grace_s), quiesce, prepare, kv, signal("kv_released", kv_released), weights)
+        quiesce, prepare, suspend = protocol.sleep_steps(level)
+        rest: tuple[AnyStep, ...] = (suspend,)
+    else:
+        quiesce, prepare, kv, weights = protocol.sleep_steps(level, split=True)
+        rest = (kv, signal("kv_released", kv_released), weights)
+    decide: tuple[AnyStep, ...] = (KV_DECIDE,) if keep_kv else ()
+    return (*head, *first, quiesce, prepare, *decide, *rest)
 
 
 def wake_sequence(

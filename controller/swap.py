@@ -384,13 +384,17 @@ class SwapCoordinator:
         *,
         reason: str = "request",
         kv_released: Callable[[], None] | None = None,
+        keep_prefix_cache: bool | None = None,
     ) -> Outcome:
         """Close the model's gateway admission, drain the gateway's requests per `drain`,
         then run the manager's sleep (which drains the engine itself); `kv_released`: the
         sleep split by pool, called once its KV cache is off the device."""
         mm = self.manager.get(name)
         if mm.snapshot().state is not State.RUNNING:
-            return await mm.sleep(level, drain, drain_timeout_s)  # noop, join or 409 as usual
+            # noop, join or 409 as usual
+            return await mm.sleep(
+                level, drain, drain_timeout_s, keep_prefix_cache=keep_prefix_cache
+            )
         if drain_timeout_s is None:
             if reason == "evict":
                 grace = self.settings.swap.evict_drain_timeout_s
@@ -422,7 +426,13 @@ class SwapCoordinator:
                     ) from None
                     # drain=abort: the engine's /pause?mode=abort ends them; they see "abort".
             left = max(0.0, grace - (self._mono() - t0))
-            outcome = await mm.sleep(level, drain, left, kv_released=kv_released)
+            outcome = await mm.sleep(
+                level,
+                drain,
+                left,
+                kv_released=kv_released,
+                keep_prefix_cache=keep_prefix_cache,
+            )
         finally:
             lane.close(False)
             if mm.snapshot().state is State.RUNNING:

@@ -64,6 +64,8 @@ def snapshot_dict(s: ModelSnapshot) -> dict[str, Any]:
         "last_transition": transition_dict(s.last_transition),
         "last_error": s.last_error,
         "phase": s.phase,
+        "keep_prefix_cache": s.keep_prefix_cache,
+        "resident_bytes": s.resident_bytes,
         "extra": {"phase": s.phase} if s.phase is not None else {},  # the old place of `phase`
     }
 

@@ -31,7 +31,14 @@ with a synchronous cudaMemcpy into a power-of-two rounded pinned tensor per reco
   and, with the driver map, the time in each driver call; the host wait for earlier
   copies, their GPU time from CUDA events, vLLM's side effects).
 
-After a wake the host buffer is kept for the next sleep unless HOTSWAP_KEEP_HOST_BACKUP=0.
+A level-1 sleep that keeps the KV cache (the prefix cache across a sleep, docs/contracts.md
+§1.3) offloads the `kv_cache` pool the same way into a second pinned buffer of exactly the
+KV pool's bytes, made in the background at the first prepare that asks for it.
+
+Every suspend ends by giving torch's cached free blocks back (gc + empty_cache, as vLLM's
+own sleep does): what stays on the device is reported by `resident()` (hotswap_info).
+
+After a wake the host buffers are kept for the next sleep unless HOTSWAP_KEEP_HOST_BACKUP=0.
 The backend also compiles and proves verify's Triton check when it is made (fpkernel.warm),
 so that the first sleep's prepare does not pay the compile.
 """
@@ -39,9 +46,12 @@ so that the first sleep's prepare does not pay the compile.
 from __future__ import annotations
 
 import bisect
+import gc as pygc  # `gc` names the codec in this module
 import hashlib
+import importlib
 import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -57,6 +67,47 @@ from worker_ext.settings import WorkerSettings
 log = logging.getLogger(__name__)
 
 N_STREAMS = 2
+_NVML: list[Any] = []  # the NVML module once initialised; [None] when there is none
+
+
+def _meminfo(key: str) -> int | None:
+    """A /proc/meminfo value in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _nvml_process_bytes(pid: int) -> int | None:
+    """Device memory NVML counts for `pid`, over every device; None where NVML is missing
+    or does not list the pid (another pid namespace)."""
+    if not _NVML:
+        try:
+            try:
+                pynvml: Any = importlib.import_module("pynvml")
+            except ImportError:
+                pynvml = importlib.import_module("vllm.third_party.pynvml")
+            pynvml.nvmlInit()
+            _NVML.append(pynvml)
+        except Exception:
+            _NVML.append(None)
+    nvml = _NVML[0]
+    if nvml is None:
+        return None
+    try:
+        seen, total = False, 0
+        for i in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if int(p.pid) == pid and p.usedGpuMemory is not None:
+                    seen, total = True, total + int(p.usedGpuMemory)
+        return total if seen else None
+    except Exception:
+        return None
 
 
 class CuMemBackend:
@@ -83,7 +134,8 @@ class CuMemBackend:
         self._streams: list[Any] = []
         self._suspended: dict[str, str] = {}
         self._level: int | None = None
-        self._offloaded_layout: dict[int, tuple[int, int]] = {}  # ptr -> (host offset, size)
+        # ptr -> (host buffer address, offset, size) of every record offloaded now
+        self._offloaded_layout: dict[int, tuple[int, int, int]] = {}
         self._index_key: tuple[int, int] = (-1, -1)
         self._starts: list[int] = []
         self._sizes: list[int] = []
@@ -96,6 +148,12 @@ class CuMemBackend:
         self._host_thread: threading.Thread | None = None
         self._host_error: str | None = None
         self._host_pin_s: float | None = None
+        # The KV pool's own pinned buffer, made at the first prepare that keeps the KV cache.
+        self._kv_host: HostBuffer | None = None
+        self._kv_thread: threading.Thread | None = None
+        self._kv_error: str | None = None
+        self._kv_pin_s: float | None = None
+        self._other_at_start = self._non_torch_bytes()  # the estimate's context share
         self._kernel_warm: dict[str, Any] | None = None
         self._drivers: dict[bool, Driver] = {}  # by HOTSWAP_MAP_HANDLES == vllm
         # HOTSWAP_HOST_CODEC=exp: the host copy coded on the GPU (worker_ext/codec.py)
@@ -215,6 +273,9 @@ class CuMemBackend:
         elif self._host is not None:
             state = "ready"
         return {
+            "kv_host_backup_bytes": self._kv_host.nbytes if self._kv_host is not None else 0,
+            "kv_host_backup_pin_s": self._kv_pin_s,
+            "kv_host_backup_error": self._kv_error,
             "host_backup_bytes": self._host.nbytes if self._host is not None else 0,
             "host_backup_state": state,
             "host_backup_pin_s": self._host_pin_s,
@@ -560,8 +621,130 @@ class CuMemBackend:
         self._join_tier_writer()
         with self._host_lock:
             buf, self._host = self._host, None
-        if buf is not None:
-            buf.free()
+            kv, self._kv_host = self._kv_host, None
+        for b in (buf, kv):
+            if b is not None:
+                b.free()
+
+    # -- the KV pool's host buffer (a sleep that keeps the prefix cache) ----------------
+
+    def _make_kv_host(self, nbytes: int) -> None:
+        try:
+            self._cudart.set_device(self._device.index or 0)
+            buf = HostBuffer(nbytes, self._cudart, self._device.index or 0)
+            try:
+                pin_s = buf.pin(self.settings.pin_threads)
+            except Exception:
+                buf.free()
+                raise
+            with self._host_lock:
+                old, self._kv_host = self._kv_host, buf
+                self._kv_pin_s, self._kv_error = pin_s, None
+            if old is not None:
+                old.free()
+        except Exception as exc:  # reported through describe(); suspend retries in the foreground
+            self._kv_error = f"{type(exc).__name__}: {exc}"
+            log.warning("hotswap: pinning the KV host buffer failed: %s", self._kv_error)
+
+    def prepare_kv_keep(self) -> None:
+        self.warm_kv_host()
+
+    def warm_kv_host(self) -> None:
+        """Start pinning a host buffer of exactly the KV pool's bytes (in the background:
+        the prepare's fingerprints run meanwhile; the suspend waits for it)."""
+        need = self.pools().get(KV_CACHE, 0)
+        with self._host_lock:
+            have = self._kv_host.nbytes if self._kv_host is not None else 0
+            running = self._kv_thread is not None and self._kv_thread.is_alive()
+            if need > 0 and have < need and not running:
+                self._kv_thread = threading.Thread(
+                    target=self._make_kv_host, args=(need,), name="hotswap-pin-kv", daemon=True
+                )
+                self._kv_thread.start()
+
+    def _kv_host_for(self, nbytes: int) -> HostBuffer:
+        thread = self._kv_thread
+        if thread is not None:
+            thread.join()
+        if self._kv_host is None or self._kv_host.nbytes < nbytes:
+            self._make_kv_host(nbytes)
+        if self._kv_host is None or self._kv_host.nbytes < nbytes:
+            raise RuntimeError(f"no host buffer for the KV cache: {self._kv_error}")
+        return self._kv_host
+
+    def kv_keep_refusal(self) -> str | None:
+        """Host memory for the KV pool's pinned copy, unless a big enough buffer is there or
+        on its way: MemAvailable less a margin (2 GiB or 5% of the machine)."""
+        need = self.pools().get(KV_CACHE, 0)
+        have = self._kv_host.nbytes if self._kv_host is not None else 0
+        making = self._kv_thread is not None and self._kv_thread.is_alive()
+        if have >= need or making:
+            return None
+        avail, total = _meminfo("MemAvailable"), _meminfo("MemTotal")
+        if avail is None or total is None:
+            return None  # no /proc/meminfo: the pinning itself will say if it cannot
+        margin = max(2 << 30, total // 20)
+        if need - have > avail - margin:
+            return (
+                f"host memory: need {need - have} bytes for the KV cache's copy, "
+                f"MemAvailable {avail} (less a margin of {margin})"
+            )
+        return None
+
+    # -- what a sleeper leaves on the device ---------------------------------------------
+
+    def _segments(self) -> dict[str, int]:
+        """torch's segments outside vLLM's pools, by kind, and the pools' mapped bytes."""
+        recs = self._records()
+        out = {"pools_mapped": 0, "torch_allocated": 0, "torch_cached": 0, "graph_pools": 0}
+        for data in recs.values():
+            if not data.is_asleep:
+                out["pools_mapped"] += int(data.handle[1])
+        try:
+            segments = self._torch.cuda.memory_snapshot()
+        except Exception:
+            return out
+        for seg in segments:
+            if int(seg.get("address", 0)) in recs:
+                continue
+            total, used = int(seg.get("total_size", 0)), int(seg.get("allocated_size", 0))
+            if tuple(seg.get("segment_pool_id") or (0, 0)) != (0, 0):
+                out["graph_pools"] += total  # a graph replays into its free blocks too
+            else:
+                out["torch_allocated"] += used
+                out["torch_cached"] += total - used
+        return out
+
+    def _non_torch_bytes(self) -> int:
+        """The device's used bytes no allocator of this process accounts for now (the CUDA
+        context, module images, communicators; other processes' too, on a shared device)."""
+        try:
+            mem = self.memory()
+            seg = self._segments()
+        except Exception:
+            return 0
+        return max(0, mem["total"] - mem["free"] - sum(seg.values()))
+
+    def resident(self) -> dict[str, Any]:
+        """What this process holds on its device now: NVML's per-process figure where NVML
+        sees this pid, else the allocators' segments plus what no allocator accounted for
+        when the backend was made (the context), with the parts beside it."""
+        seg = self._segments()
+        nvml = _nvml_process_bytes(os.getpid())
+        mine = sum(seg.values())
+        if nvml is not None:
+            return {**seg, "bytes": nvml, "source": "nvml", "other": max(0, nvml - mine)}
+        other = self._other_at_start
+        return {**seg, "bytes": mine + other, "source": "estimate", "other": other}
+
+    def trim(self) -> float:
+        """Give torch's cached free blocks back to the driver (as vLLM's own sleep does):
+        what verify's and the codec's scratch left cached. vLLM's pools are not released
+        (their MemPools stay referenced). Returns the seconds it took."""
+        t = time.perf_counter()
+        pygc.collect()
+        self._torch.cuda.empty_cache()
+        return time.perf_counter() - t
 
     # -- copies --------------------------------------------------------------------------
 
@@ -627,7 +810,7 @@ class CuMemBackend:
 
     # -- suspend / resume ----------------------------------------------------------------
 
-    def suspend(self, level: int, tags: list[str]) -> dict[str, Any]:
+    def suspend(self, level: int, tags: list[str], keep_kv: bool = False) -> dict[str, Any]:
         torch = self._torch
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, not {level!r}")
@@ -638,7 +821,7 @@ class CuMemBackend:
         asleep = [t for t in tags if t in self._suspended]
         if asleep:
             raise RuntimeError(f"already suspended: {asleep}")
-        plan = {t: policy(level, t) for t in tags}
+        plan = {t: policy(level, t, keep_kv) for t in tags}
         recs = {t: self._tag_records(t) for t in tags}
         stray = [p for t in tags for p, d in recs[t] if d.is_asleep]
         if stray:
@@ -649,38 +832,50 @@ class CuMemBackend:
         torch.cuda.synchronize(self._device)
         before = self.memory()["free"]
         timings: dict[str, float] = {}
-        offload = [(p, d) for t in tags if plan[t] == OFFLOADED for p, d in recs[t]]
+        # Each offloaded pool has its own host buffer: the weights', the KV cache's.
+        offload = {t: recs[t] for t in tags if plan[t] == OFFLOADED}
         events: list[tuple[int, Any, Any]] = []
-        layout: dict[int, tuple[int, int]] = {}
-        gc = self._get_codec() if offload else None
+        layout: dict[int, tuple[int, int, int]] = {}
+        # The codec codes the weights' copy; a kept KV cache goes raw into its own buffer.
+        weights_off = offload.get(WEIGHTS, [])
+        gc = self._get_codec() if weights_off else None
         coded: codec.Plan | None = None
         if gc is not None:
             t = time.perf_counter()
             try:
-                coded = gc.plan([(p, int(d.handle[1])) for p, d in offload])
+                coded = gc.plan([(p, int(d.handle[1])) for p, d in weights_off])
             except Exception as exc:  # nothing queued yet: this sleep copies raw bytes
                 log.warning("hotswap: host codec plan failed, raw copy: %s", exc)
                 self._codec_report = {"error": f"{type(exc).__name__}: {exc}"}
             timings["codec_plan_s"] = time.perf_counter() - t
+        raw = dict(offload)
         if gc is not None and coded is not None:
-            events = self._suspend_coded(gc, coded, offload, timings)
-        elif offload:
+            events = self._suspend_coded(gc, coded, weights_off, timings)
+            del raw[WEIGHTS]
+        if raw:
             t = time.perf_counter()
-            host = self._host_for(sum(int(d.handle[1]) for _, d in offload))
-            timings["host_wait_s"] = time.perf_counter() - t
+            hosts = {
+                tag: (self._kv_host_for if tag == KV_CACHE else self._host_for)(
+                    sum(int(d.handle[1]) for _, d in rs)
+                )
+                for tag, rs in raw.items()
+            }
+            timings["host_wait_s"] = timings.get("host_wait_s", 0.0) + time.perf_counter() - t
             t = time.perf_counter()
             current = torch.cuda.current_stream(self._device)
             for s in self._get_streams():
                 s.wait_stream(current)
-            off, k = 0, 0
-            for ptr, data in offload:
-                size = int(data.handle[1])
-                k = self._queue(ptr, host.ptr, off, size, True, k)
-                layout[ptr] = (off, size)
-                done = [s.record_event() for s in self._get_streams()]
-                events.append((ptr, data, done))
-                off += size
-            timings["queue_s"] = time.perf_counter() - t
+            k = 0
+            for tag, rs in raw.items():
+                host, off = hosts[tag], 0
+                for ptr, data in rs:
+                    size = int(data.handle[1])
+                    k = self._queue(ptr, host.ptr, off, size, True, k)
+                    layout[ptr] = (host.ptr, off, size)
+                    done = [s.record_event() for s in self._get_streams()]
+                    events.append((ptr, data, done))
+                    off += size
+            timings["queue_s"] = timings.get("queue_s", 0.0) + time.perf_counter() - t
         if level == 2 and WEIGHTS in tags and plan[WEIGHTS] == DISCARDED:
             self._tier_put_away(recs[WEIGHTS], timings)
         # Discarded pools need no copy: release them while the offload copies run.
@@ -711,6 +906,7 @@ class CuMemBackend:
         self._offloaded_layout.update(layout)
         self._suspended.update(plan)
         self._level = level
+        timings["trim_s"] = self.trim()
         after = self.memory()["free"]
         freed = {t: sum(int(d.handle[1]) for _, d in recs[t]) for t in tags}
         offloaded = {t: freed[t] if plan[t] == OFFLOADED else 0 for t in tags}
@@ -722,6 +918,7 @@ class CuMemBackend:
             "backend_s": time.perf_counter() - t0,
             "timings": timings,
             "host_backup_bytes": self._host.nbytes if self._host is not None else 0,
+            "kv_host_backup_bytes": self._kv_host.nbytes if self._kv_host is not None else 0,
         }
 
     def resume(self, tags: list[str]) -> dict[str, Any]:
@@ -749,7 +946,6 @@ class CuMemBackend:
         restored = dict.fromkeys(want, 0)
         # Weights first: their copies start at once and the KV mapping overlaps them.
         ordered = sorted(want, key=lambda t: (t != WEIGHTS, t))
-        host = self._host
         was_level = self._level
         create_and_map, driver = self._mapper()
         start: Any = None  # CUDA event before the first copy, once one is queued
@@ -759,8 +955,6 @@ class CuMemBackend:
             mode = self._suspended.get(tag)
             if mode is None:
                 continue
-            if mode == OFFLOADED and host is None:
-                raise RuntimeError("offloaded bytes but no host buffer")
             t, cpu = time.perf_counter(), time.thread_time()
             later: list[codec.Piece] = []
             # Each record's copies are queued as soon as it is mapped. (Mapping every
@@ -779,8 +973,9 @@ class CuMemBackend:
                         if wq is None:
                             assert self._codec is not None
                             assert self._codec_plan is not None
+                            assert self._host is not None
                             dma, dec = self._get_streams()[:2]
-                            copy = self._copier(host.ptr)  # type: ignore[union-attr]
+                            copy = self._copier(self._host.ptr)
                             wq = codec.WakeQueue(self._codec, self._codec_plan, copy, dma, dec)
                             self._codec_scratch = True
                         if self.settings.codec_map == "first":
@@ -789,8 +984,8 @@ class CuMemBackend:
                             for piece in pieces:
                                 wq.queue(piece)
                         continue
-                    off, size = self._offloaded_layout.pop(ptr)
-                    k = self._queue(ptr, host.ptr, off, size, False, k)  # type: ignore[union-attr]
+                    base, off, size = self._offloaded_layout.pop(ptr)
+                    k = self._queue(ptr, base, off, size, False, k)
             if later and wq is not None:
                 timings[f"{tag}_mapped_s"] = time.perf_counter() - t
                 for piece in later:

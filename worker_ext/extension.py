@@ -121,6 +121,14 @@ def _mem_value(mem: dict[str, int]) -> int:
     return int(mem.get("free", mem.get("rss", 0)))
 
 
+def _kv_word(kv: Any) -> str:
+    """What a sleep does with the KV cache: "keep" (docs/contracts.md §1.3) or "discard"."""
+    word = str(kv)
+    if word not in ("keep", "discard"):
+        raise ValueError(f"kv must be 'keep' or 'discard', not {word!r}")
+    return word
+
+
 class HotSwapExtension:
     """Mixed into vLLM's Worker; `self` is the Worker (model_runner, rank, reload_weights)."""
 
@@ -198,6 +206,7 @@ class HotSwapExtension:
             "pools": st.backend.pools(),
             "device_memory": st.backend.memory(),
             "suspended": st.backend.suspended(),
+            "resident": st.backend.resident(),
             "level": st.level,
             "poisoned": st.quiescer.poisoned,
             **st.phase.report(),
@@ -256,13 +265,18 @@ class HotSwapExtension:
         return ownership.judge(recs, level, st.backend.tag_of)
 
     @rpc
-    def hotswap_prepare(self, level: int) -> dict[str, Any]:
+    def hotswap_prepare(self, level: int, kv: str = "discard") -> dict[str, Any]:
         self._hotswap_fault("prepare")
         level = int(level)
+        kv = _kv_word(kv)
         st = self._hotswap_state()
         if st.backend.suspended():
             raise RuntimeError(f"pools already suspended: {st.backend.suspended()}")
         st.snap = None  # a failed prepare must not leave an older snapshot to verify against
+        refusal = self._hotswap_kv_refusal(level) if kv == "keep" else None
+        keep = kv == "keep" and refusal is None
+        if keep:
+            st.backend.prepare_kv_keep()  # CUDA: the KV cache's host buffer, pinned meanwhile
         t0 = time.perf_counter()
         records = self._hotswap_records()
         t1 = time.perf_counter()
@@ -281,6 +295,7 @@ class HotSwapExtension:
             cover,
             st.backend.device,
             st.settings.verify_kernel,
+            keep_kv=keep,
         )
         timings = {
             "records_s": t1 - t0,
@@ -291,6 +306,10 @@ class HotSwapExtension:
         st.snap = snap
         return {
             "level": level,
+            "kv": "keep" if keep else "discard",
+            "kv_reason": refusal,
+            "kv_bytes": st.backend.pools().get(KV_CACHE, 0),
+            "kv_fingerprinted": len(snap.kv_names),
             "protection": "ranges" if cover is not None else "objects",
             "protected": len(snap.protected) + len(snap.ranges),
             "protected_bytes": snap.protected_bytes,
@@ -302,6 +321,22 @@ class HotSwapExtension:
             "at_risk": sorted(at_risk),
             "timings": timings,
         }
+
+    def _hotswap_kv_refusal(self, level: int) -> str | None:
+        """Why this rank cannot keep the KV cache across a sleep at `level` (None: it can);
+        docs/contracts.md §1.3."""
+        if level != 1:
+            return "level 2 discards the weights; the KV cache is kept at level 1 only"
+        worker = cast(Any, self)
+        cache = getattr(worker, "cache_config", None)
+        if cache is not None and not getattr(cache, "enable_prefix_caching", False):
+            return "prefix caching is off in this engine: nothing would hit after the wake"
+        if getattr(worker, "kv_transfer_config", None) is not None:
+            return (
+                "a KV connector (kv_transfer_config) is configured: its blocks live outside "
+                "this engine's pools and its own cache would be out of step"
+            )
+        return self._hotswap_state().backend.kv_keep_refusal()
 
     def _hotswap_protect_mode(self) -> str:
         """`ranges` where the backend maps pools back in place and HOTSWAP_PROTECT is not
@@ -325,12 +360,16 @@ class HotSwapExtension:
         return protect.plan(level, b.records(), records, b.tag_of, b.free_ranges())
 
     @rpc
-    def hotswap_suspend(self, level: int, tags: list[str] | None = None) -> dict[str, Any]:
+    def hotswap_suspend(
+        self, level: int, tags: list[str] | None = None, kv: str = "discard"
+    ) -> dict[str, Any]:
         level = int(level)
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, got {level}")
+        kv = _kv_word(kv)
         st = self._hotswap_state()
-        if st.snap is None or st.snap.level < level:
+        snap = st.snap
+        if snap is None or snap.level < level:
             raise RuntimeError(f"call hotswap_prepare({level}) before suspending")
         chosen = list(ALL_TAGS) if tags is None else [str(t) for t in tags]
         unknown = [t for t in chosen if t not in ALL_TAGS]
@@ -339,18 +378,31 @@ class HotSwapExtension:
         asleep = [t for t in chosen if t in st.backend.suspended()]
         if asleep:
             raise RuntimeError(f"pools already suspended: {asleep}")
+        keep = kv == "keep"
+        if keep and (level != 1 or snap.kv_plan is None or KV_CACHE not in chosen):
+            raise RuntimeError(
+                "kv 'keep' needs level 1, the kv_cache pool, and a hotswap_prepare(1, 'keep') "
+                "that answered kv 'keep'"
+            )
+        if not keep and KV_CACHE in chosen:
+            snap.forget_kv()  # discarded after all (the controller fell back): not verified
         # Weights first: on CUDA the offload copy of weights must not race the KV discard.
         chosen.sort(key=lambda t: (t != WEIGHTS, t))
         before = st.backend.memory()
         self._hotswap_fault("suspend")
         with self._hotswap_step("suspend") as ph:
-            res = st.backend.suspend(level, chosen)
+            res = st.backend.suspend(level, chosen, keep_kv=keep)
         st.level = level
         ph.suspended(level, st.backend.suspended())
         after = st.backend.memory()
+        resident = st.backend.resident()
         return {
             "level": level,
             "tags": chosen,
+            "kv": kv,
+            "resident_bytes": resident["bytes"],
+            "resident": resident,
+            "timings": res.get("timings", {}),
             "freed_bytes": res.get("freed_bytes", {}),
             "offloaded_bytes": res.get("offloaded_bytes", {}),
             "memory_before": _mem_value(before),
@@ -438,6 +490,8 @@ class HotSwapExtension:
             "restored": restored,
             "rebound": rebound,
             "verified": verified,
+            "kv_verified": len(snap.kv_names),  # KV storages kept and checked (§1.3)
+            "kv_verified_bytes": snap.kv_bytes,
             "mismatched": mismatched,
             "mismatched_ranges": bad_ranges,
             "ok": not mismatched,

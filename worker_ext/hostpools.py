@@ -9,7 +9,8 @@ Pools by ownership:
 Suspend frees a storage with `untyped_storage().resize_(0)`: tensor objects and views stay
 valid, only their bytes go. Resume re-allocates (a new address: CPU memory cannot be mapped
 back in place) and zeroes, so the pages are resident again. Level 1 keeps the weights where
-they are (host memory already; an offload copy would free nothing).
+they are (host memory already; an offload copy would free nothing), and so the KV cache
+when a sleep keeps it (the prefix cache across a sleep: docs/contracts.md §1.3).
 """
 
 from __future__ import annotations
@@ -176,7 +177,17 @@ class HostBackend:
     def memory(self) -> dict[str, int]:
         return {"rss": rss_bytes()}
 
-    def suspend(self, level: int, tags: list[str]) -> dict[str, Any]:
+    def prepare_kv_keep(self) -> None:
+        """Nothing to make: the KV cache stays where it is."""
+
+    def kv_keep_refusal(self) -> str | None:
+        return None  # kept in place: host memory already, nothing more is needed
+
+    def resident(self) -> dict[str, Any]:
+        """No device: a CPU engine leaves nothing on one (its RSS is in hotswap_info)."""
+        return {"bytes": 0, "source": "none"}
+
+    def suspend(self, level: int, tags: list[str], keep_kv: bool = False) -> dict[str, Any]:
         for tag in tags:
             if tag not in (WEIGHTS, KV_CACHE):
                 raise ValueError(f"unknown pool {tag!r}")
@@ -188,7 +199,7 @@ class HostBackend:
         freed: dict[str, int] = {}
         offloaded: dict[str, int] = {}
         for tag in tags:
-            how = policy(level, tag)
+            how = policy(level, tag, keep_kv)
             members = self._members.get(tag, [])
             if how == OFFLOADED:
                 # Host memory already: keeping the bytes in place is the offload.

@@ -27,9 +27,10 @@ OFFLOADED = "offloaded"  # bytes kept on the host, copied back on resume
 DISCARDED = "discarded"  # bytes dropped; content undefined after resume
 
 
-def policy(level: int, tag: str) -> str:
-    """What suspending `tag` at `level` does to its bytes."""
-    if tag == WEIGHTS and level == 1:
+def policy(level: int, tag: str, keep_kv: bool = False) -> str:
+    """What suspending `tag` at `level` does to its bytes; `keep_kv` (level 1 only): the KV
+    cache is kept like the weights (docs/contracts.md §1.3)."""
+    if level == 1 and (tag == WEIGHTS or (keep_kv and tag == KV_CACHE)):
         return OFFLOADED
     return DISCARDED
 
@@ -60,9 +61,24 @@ class PoolBackend(Protocol):
         """The tag of the pool holding [data_ptr, data_ptr+nbytes), or UNPOOLED."""
         ...
 
-    def suspend(self, level: int, tags: list[str]) -> dict[str, Any]:
-        """Release the given pools per `policy`. Returns {"freed_bytes": {tag: n},
-        "offloaded_bytes": {tag: n}}. Suspending a pool that is already asleep is an error."""
+    def suspend(self, level: int, tags: list[str], keep_kv: bool = False) -> dict[str, Any]:
+        """Release the given pools per `policy` (`keep_kv`: the KV pool kept, level 1).
+        Returns {"freed_bytes": {tag: n}, "offloaded_bytes": {tag: n}}. Suspending a pool
+        that is already asleep is an error."""
+        ...
+
+    def prepare_kv_keep(self) -> None:
+        """Start what keeping the KV pool needs, before its suspend (CUDA: pin its host
+        buffer in the background)."""
+        ...
+
+    def kv_keep_refusal(self) -> str | None:
+        """Why this backend cannot keep the KV pool across a level-1 sleep now (host memory
+        for its copy); None: it can."""
+        ...
+
+    def resident(self) -> dict[str, Any]:
+        """What this process holds on its device now (hotswap_info's `resident`)."""
         ...
 
     def resume(self, tags: list[str]) -> dict[str, Any]:

@@ -57,6 +57,16 @@ class Snapshot:
     ranges: list[_Range] = field(default_factory=list)  # protected, written back
     unnamed: list[_Range] = field(default_factory=list)  # fingerprinted as ranges
     host: Any = None  # the one host buffer the protected ranges' backups slice
+    # The KV cache kept across the sleep (docs/contracts.md §1.3): its storages' own plan,
+    # so a sleep that falls back to discarding drops it without touching the rest.
+    kv_names: list[str] = field(default_factory=list)
+    kv_plan: Plan | None = None
+    kv_baseline: Baseline | None = None
+    kv_bytes: int = 0
+
+    def forget_kv(self) -> None:
+        """The KV cache is discarded after all: nothing of it is verified."""
+        self.kv_names, self.kv_plan, self.kv_baseline, self.kv_bytes = [], None, None, 0
 
     @property
     def protected(self) -> list[_Entry]:
@@ -76,11 +86,20 @@ def prepare(
     protection: Protection | None = None,
     device: Any = None,
     kernel: str | None = None,
+    keep_kv: bool = False,
 ) -> Snapshot:
     """Fingerprint every record but the KV cache; copy the at-risk ones to host memory, or
     with a `protection`, every protected range (on `device`) and fingerprint its unnamed
-    ones. `kernel`: the fingerprint check's mode (fingerprint.Plan; None: its default)."""
+    ones. `kernel`: the fingerprint check's mode (fingerprint.Plan; None: its default).
+    `keep_kv`: the KV cache's storages are fingerprinted too, in a plan of their own."""
     snap = Snapshot(level, protection=protection)
+    if keep_kv:
+        kv = [rec for rec in records if rec.is_kv and rec.nbytes]
+        snap.kv_names = [rec.name for rec in kv]
+        snap.kv_plan = Plan([rec.tensor.detach() for rec in kv], kernel=kernel)
+        snap.kv_baseline = snap.kv_plan.baseline()
+        stores = {(st.data_ptr(), st.nbytes()) for st in (r.tensor.untyped_storage() for r in kv)}
+        snap.kv_bytes = sum(int(n) for _, n in stores)
     kept = [rec for rec in records if not rec.is_kv]
     aliases = [rec.tensor.detach() for rec in kept]
     if protection is not None:
@@ -179,6 +198,9 @@ def verify(snap: Snapshot) -> tuple[int, list[str], list[dict[str, Any]]]:
         bad = snap.plan.changed(snap.baseline)
     n = len(snap.entries)
     names = [snap.entries[i].record.name for i in bad if i < n]
+    if snap.kv_plan is not None and snap.kv_baseline is not None:
+        kv_bad = snap.kv_plan.changed(snap.kv_baseline)
+        names += [f"{snap.kv_names[i]} (KV cache kept)" for i in kv_bad]
     ranges: list[dict[str, Any]] = []
     for i in bad:
         if i < n:
@@ -192,4 +214,4 @@ def verify(snap: Snapshot) -> tuple[int, list[str], list[dict[str, Any]]]:
         ranges.append(d)
         near = f", near {d['nearest']}" if d.get("nearest") else ""
         names.append(f"<unnamed {d['pool']} {d['range']} ({d['bytes']} bytes{near})>")
-    return n + len(snap.unnamed), names, ranges
+    return n + len(snap.unnamed) + len(snap.kv_names), names, ranges

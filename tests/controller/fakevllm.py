@@ -59,6 +59,13 @@ class FakeVllm:
     # Each rank's own truth (docs/contracts.md §1.1), and the API server's start time.
     ranks: list[dict[str, Any]] = field(default_factory=list)
     started_at: float = 1_796_000_000.0
+    # Keeping the KV cache (docs/contracts.md §1.3): a rank's refusal by rank, what a
+    # suspended rank says it leaves on its device, what /reset_prefix_cache answers, and how
+    # often it was called.
+    kv_refusal: dict[int, str] = field(default_factory=dict)
+    resident_bytes: int | None = 100
+    reset_ok: bool = True
+    prefix_resets: int = 0
 
     def __post_init__(self) -> None:
         if not self.ranks:
@@ -180,6 +187,9 @@ class FakeVllm:
         if path == "/resume":
             self.paused = False
             return httpx.Response(200, json={"status": "resumed"})
+        if path == "/reset_prefix_cache":
+            self.prefix_resets += 1
+            return httpx.Response(200, json={"success": self.reset_ok})
         if path == "/v1/models":
             return httpx.Response(200, json={"object": "list", "data": [{"id": self.name}]})
         if path == "/metrics":
@@ -253,15 +263,25 @@ class FakeVllm:
             )
         elif method == "hotswap_prepare":
             me["snapshot_held"] = True
+            asked = args[1] if len(args) > 1 else kwargs.get("kv", "discard")
+            refusal = self.kv_refusal.get(rank) if asked == "keep" else None
             out.update(
-                protected=1, protected_bytes=4, fingerprinted=2, at_risk=["model.embed_scale"]
+                protected=1,
+                protected_bytes=4,
+                fingerprinted=2,
+                at_risk=["model.embed_scale"],
+                kv="keep" if asked == "keep" and refusal is None else "discard",
+                kv_reason=refusal,
             )
         elif method == "hotswap_suspend":
             level = int(args[0] if args else kwargs.get("level", 1))
             chosen = args[1] if len(args) > 1 else kwargs.get("tags")
             tags = list(chosen) if chosen else list(self.pool_bytes)
+            kv = args[2] if len(args) > 2 else kwargs.get("kv", "discard")
             weights = {"weights": self.pool_bytes["weights"]} if "weights" in tags else {}
             offloaded = weights if level == 1 else {}
+            if kv == "keep" and "kv_cache" in tags:
+                offloaded["kv_cache"] = self.pool_bytes["kv_cache"]
             if rank == 0:
                 self.level = level
                 self.suspended.update(
@@ -273,11 +293,14 @@ class FakeVllm:
             out.update(
                 level=level,
                 tags=tags,
+                kv=kv,
                 freed_bytes=freed,
                 offloaded_bytes=offloaded,
                 memory_before=1 << 20,
                 memory_after=(1 << 20) - sum(freed.values()),
             )
+            if self.resident_bytes is not None:
+                out["resident_bytes"] = self.resident_bytes
         elif method == "hotswap_resume":
             tags = args[0] if args else kwargs.get("tags")
             tags = list(tags) if tags else list(self.suspended)
