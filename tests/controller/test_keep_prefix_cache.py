@@ -184,3 +184,17 @@ async def test_api_refuses_keep_on_a_model_that_sleeps_at_level_2(
     assert r.status_code == 422, r.text
     assert "level 1" in r.json()["message"]
     assert f["a"].suspended == {}
+
+
+async def test_a_split_sleep_keeps_the_kv_cache_in_its_own_suspend() -> None:
+    """The overlapped swap's sleep (KV cache first, then the weights) keeps it too."""
+    rig = await keep_rig()
+    released: list[bool] = []
+    out = await rig.m.sleep(1, kv_released=lambda: released.append(True))
+    assert released == [True]
+    assert sent(rig, "hotswap_suspend") == [[1, ["kv_cache"], "keep"], [1, ["weights"]]]
+    assert rig.world.suspended == {"weights": "offloaded", "kv_cache": "offloaded"}
+    assert out.transition is not None
+    names = [p.name for p in out.transition.phases]
+    assert names.index("kv") < names.index("suspend_kv_cache")
+    assert rig.m.snapshot().resident_bytes == 200  # from the last suspend
