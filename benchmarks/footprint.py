@@ -30,7 +30,7 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks.common import SHAPES, GiB, gen, logger, timed, write_config
+from benchmarks.common import SHAPES, GiB, gen, logger, rss, timed, write_config
 from controller import protocol
 
 log = logger("bench")
@@ -190,6 +190,7 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=3000)
     ap.add_argument("--keep-kv", action="store_true", help="the prefix cache across a sleep")
     ap.add_argument("--cuts", action="store_true", help="try each cut in place while asleep")
+    ap.add_argument("--raw", action="store_true", help="raw vLLM's level 1 and 2 too")
     ap.add_argument("--compile", default="O0-full", choices=("O0-full", "default"))
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -237,14 +238,14 @@ def main() -> int:
     equal: list[bool] = []
     prompt = [5 + (i * 7919) % 1000 for i in range(args.prompt_len)]
 
-    # raw vLLM level 1
-    _, ts = timed(llm.sleep, 1)
-    rows.append(("raw vLLM level 1", parts()))
-    _, tw = timed(llm.wake_up)
-    res["raw_l1"] = {"sleep_s": ts, "wake_s": tw}
-    equal.append(gen(llm) == base)
-    llm.reset_prefix_cache()
-    res["raw_l1"]["first_token"] = first_token(llm, prompt)
+    if args.raw:
+        _, ts = timed(llm.sleep, 1)
+        rows.append(("raw vLLM level 1", parts()))
+        _, tw = timed(llm.wake_up)
+        res["raw_l1"] = {"sleep_s": ts, "wake_s": tw}
+        equal.append(gen(llm) == base)
+        llm.reset_prefix_cache()
+        res["raw_l1"]["first_token"] = first_token(llm, prompt)
 
     # ours level 1, as the extension leaves it; then each cut in place
     s = ours.sleep(1)
@@ -275,9 +276,10 @@ def main() -> int:
         torch.cuda.empty_cache()
         rows.append(("ours level 2 + gc + empty_cache", parts()))
     ours.wake(2, verify=False)
-    _, ts = timed(llm.sleep, 2)
-    rows.append(("raw vLLM level 2", parts()))
-    res["raw_l2"] = {"sleep_s": ts}
+    if args.raw:
+        _, ts = timed(llm.sleep, 2)
+        rows.append(("raw vLLM level 2", parts()))
+        res["raw_l2"] = {"sleep_s": ts}
     res["rows"] = rows
     res["tokens_equal"] = equal
     res["total_s"] = time.perf_counter() - t0
@@ -299,8 +301,31 @@ def main() -> int:
             f" | {gib(p['graph_allocated'])} / {gib(p['graph_cached'])} ({p['graph_pools']})"
             f" | {gib(p['rest'])} | {gib(nv)} |"
         )
-    print("\nlargest default-pool blocks asleep (ours L1):", rows[2][1]["default_largest"])
-    print("times:", {k: res[k] for k in ("raw_l1", "llm_start_s", "total_s")})
+    print("times:", {k: res.get(k) for k in ("raw_l1", "llm_start_s", "total_s")})
+    for key in ("info_asleep_l1", "info_asleep_l2"):
+        print(key, "resident:", res[key].get("resident"))
+    print(
+        "suspend resident_bytes l1/l2:",
+        [res[k].get("resident_bytes") for k in ("ours_l1_suspend", "ours_l2_suspend")],
+    )
+    kv = res.get("keep_kv") or {}
+    if kv:
+        print(
+            "\n| arm | sleep s | wake s | first token cold / warm / after wake (s) | cached tokens"
+            " after wake | vLLM prefix hits (tokens) over the after-wake request | KV verified"
+            " bytes | KV host buffer | RSS asleep - awake |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
+        for arm, r in kv.items():
+            hits = r["counters_after"].get("vllm:prefix_cache_hits", 0) - r["counters_mid"].get(
+                "vllm:prefix_cache_hits", 0
+            )
+            print(
+                f"| {arm} | {r['sleep_s']:.3f} | {r['wake_s']:.3f} | {r['cold']['s']:.3f} /"
+                f" {r['warm']['s']:.3f} / {r['after_wake']['s']:.3f} |"
+                f" {r['after_wake']['cached_tokens']} | {hits:g} |"
+                f" {r['kv_verified_bytes']} | {r['kv_host_bytes']} | {gib(r['rss_delta'])} GiB |"
+            )
     print(
         "ours l1:",
         {k: v for k, v in res["ours_l1"].items() if k != "wake"},
@@ -317,23 +342,29 @@ def keep_kv_proof(
     """The same long prompt after a level-1 wake: default (prefix cache cleared, KV
     discarded) against keep (KV offloaded, cache kept); vLLM's hit counters around each."""
     out: dict[str, Any] = {}
-    for arm in ("default", "keep"):
+    for arm in ("default", "keep (first: pins its buffer)", "keep"):
+        keep = arm.startswith("keep")
         llm.reset_prefix_cache()
         cold = first_token(llm, prompt)  # computes and caches the prompt's blocks
         warm = first_token(llm, prompt)  # a hit while awake: the best case
         before = prefix_counters(llm)
-        s = ours.sleep(1, keep_kv=arm == "keep")
+        rss0 = rss()
+        s = ours.sleep(1, keep_kv=keep)
         asleep = parts()
+        rss1 = rss()
         w = ours.wake(1)
+        mid = prefix_counters(llm)
         after_wake = first_token(llm, prompt)
         after = prefix_counters(llm)
-        equal.append(gen(llm) == base)
+        info = ours.rpc("hotswap_info")
         equal.append(after_wake["token"] == cold["token"])
+        equal.append(gen(llm) == base)
         out[arm] = {
             "cold": cold,
             "warm": warm,
             "after_wake": after_wake,
             "counters_before": before,
+            "counters_mid": mid,
             "counters_after": after,
             "sleep_s": s["sleep_s"],
             "prepare": {k: v for k, v in s["prepare"].items() if k != "at_risk"},
@@ -341,6 +372,9 @@ def keep_kv_proof(
             "wake_s": w["wake_s"],
             "wake": w,
             "asleep": asleep,
+            "rss_delta": rss1 - rss0,
+            "kv_verified_bytes": w.get("restore_and_verify", {}).get("kv_verified_bytes"),
+            "kv_host_bytes": info.get("backend_detail", {}).get("kv_host_backup_bytes"),
         }
         log(arm, {k: out[arm][k] for k in ("cold", "warm", "after_wake", "sleep_s", "wake_s")})
     return out
