@@ -26,6 +26,7 @@ from controller.errors import DrainTimeout, EngineError, TransitionConflict
 from controller.metrics import Metrics
 from controller.reconciler import Reconciler
 from controller.record import ModelRecord
+from controller.reports import InfoReport, RankReport, SuspendReport, resident_bytes, sum_by_pool
 from controller.runner import AnyStep, PhaseFailed, Run, Runner
 from controller.settings import TimeoutSettings
 from controller.state import (
@@ -214,7 +215,7 @@ class ModelManager:
             State.SUSPENDED,
             level=level,
             last_error=None,
-            resident_bytes=protocol.resident_bytes(reports.get(last.phase, ())),
+            resident_bytes=resident_bytes(reports.get(last.phase, ())),
         )
         return Outcome(Action.BEGIN, self.record.snapshot, rec)
 
@@ -247,7 +248,7 @@ class ModelManager:
 
     async def _guarded(
         self, run: Run, sequence: tuple[AnyStep, ...], params: protocol.Params
-    ) -> dict[str, tuple[protocol.RankReport, ...]]:
+    ) -> dict[str, tuple[RankReport, ...]]:
         """Run a sequence under the model's lock; every failure but a drain that gave up
         (DrainTimeout: still RUNNING, nothing touched) ends in FAILED."""
         async with self._lock:
@@ -356,18 +357,14 @@ class ModelManager:
 
 
 # Outside a transition, an info call is recorded under its method's name, as audit is.
-_INFO_PASSTHROUGH = protocol.Step(
-    "hotswap_info", "hotswap_info", lambda p: (), report=protocol.InfoReport
-)
+_INFO_PASSTHROUGH = protocol.Step("hotswap_info", "hotswap_info", lambda p: (), report=InfoReport)
 
 
 def _freed_by_pool(run: Run) -> dict[str, int]:
     """The bytes a sleep's suspends freed, by pool, summed over ranks (and over the two
     suspends of a sleep split by pool)."""
     reports = [r for rs in run.reports.values() for r in rs]
-    return protocol.sum_by_pool(
-        r.freed_bytes for r in reports if isinstance(r, protocol.SuspendReport)
-    )
+    return sum_by_pool(r.freed_bytes for r in reports if isinstance(r, SuspendReport))
 
 
 def _copied_weights(run: Run) -> int:
@@ -376,7 +373,7 @@ def _copied_weights(run: Run) -> int:
     total = 0
     for reports in run.reports.values():
         for r in reports:
-            if isinstance(r, protocol.SuspendReport):
+            if isinstance(r, SuspendReport):
                 off = r.raw.get("offloaded_bytes")
                 moved = off.get("weights", 0) if isinstance(off, dict) else 0
                 freed = r.freed_bytes.get("weights", 0)
@@ -395,5 +392,5 @@ def _pools_from_info(snap: ModelSnapshot) -> dict[str, int]:
                 for r in phase.ranks
                 if isinstance(p := r.get("pools"), dict)
             ]
-            return protocol.sum_by_pool(pools)
+            return sum_by_pool(pools)
     return {}

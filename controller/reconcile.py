@@ -3,7 +3,7 @@
 Pure: no I/O, no asyncio, no clocks. The controller's state is a cache of what the ranks
 hold; this module is the only place that turns what was read back from an engine (is it
 reachable, `/health`, `/is_paused`, a non-RPC sign of which process answers, and every
-rank's `hotswap_info`, read as `controller.protocol.RankView`s) into a state. It is run at
+rank's `hotswap_info`, read as `controller.reports.RankView`s) into a state. It is run at
 start-up, after any failed step, and periodically for attached engines in every state; the
 caller does the I/O and the action.
 
@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from controller.protocol import Phase, RankView
+from controller.reports import Phase, RankView
 from controller.state import State
 
 

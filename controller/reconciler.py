@@ -19,9 +19,9 @@ from typing import Any
 from controller import protocol, steps
 from controller.engine import EngineClient, RankError
 from controller.errors import EngineError
-from controller.protocol import ranks_from_info
 from controller.reconcile import Do, Memory, Observation, Verdict, reconcile
 from controller.record import ModelRecord
+from controller.reports import ranks_from_info
 from controller.runner import AnyStep, PhaseFailed, Run, Runner
 from controller.settings import TimeoutSettings
 from controller.state import Event, State

@@ -29,6 +29,15 @@ from controller.errors import (
 )
 from controller.metrics import Metrics
 from controller.record import ModelRecord
+from controller.reports import (
+    RankReport,
+    ResumeReport,
+    SuspendReport,
+    late_ranks,
+    mismatched,
+    resident_bytes,
+    sum_by_pool,
+)
 from controller.settings import TimeoutSettings
 from controller.state import Event, ModelSnapshot, PhaseRecord, State, TransitionRecord, next_state
 
@@ -70,7 +79,7 @@ class Run:
     started_at: float
     mono_start: float
     phases: list[PhaseRecord] = field(default_factory=list)
-    reports: dict[str, tuple[protocol.RankReport, ...]] = field(default_factory=dict)
+    reports: dict[str, tuple[RankReport, ...]] = field(default_factory=dict)
     # The params the next steps are built from: `run` sets them; an engine step that
     # decides from an earlier step's reports may replace them (the kv decision).
     params: protocol.Params | None = None
@@ -89,17 +98,17 @@ def _reason(exc: HotswapError) -> str:
     return "error"
 
 
-def _summary(reports: Sequence[protocol.RankReport]) -> dict[str, Any]:
+def _summary(reports: Sequence[RankReport]) -> dict[str, Any]:
     """The detail a phase record keeps: bytes by pool, summed over ranks."""
-    freed = [r.freed_bytes for r in reports if isinstance(r, protocol.SuspendReport)]
-    restored = [r.restored_bytes for r in reports if isinstance(r, protocol.ResumeReport)]
+    freed = [r.freed_bytes for r in reports if isinstance(r, SuspendReport)]
+    restored = [r.restored_bytes for r in reports if isinstance(r, ResumeReport)]
     if freed:
         return {
-            "freed_bytes": protocol.sum_by_pool(freed),
-            "resident_bytes": protocol.resident_bytes(reports),
+            "freed_bytes": sum_by_pool(freed),
+            "resident_bytes": resident_bytes(reports),
         }
     if restored:
-        return {"restored_bytes": protocol.sum_by_pool(restored)}
+        return {"restored_bytes": sum_by_pool(restored)}
     return {}
 
 
@@ -156,7 +165,7 @@ class Runner:
 
     async def run(
         self, run: Run, steps: Sequence[AnyStep], params: protocol.Params
-    ) -> dict[str, tuple[protocol.RankReport, ...]]:
+    ) -> dict[str, tuple[RankReport, ...]]:
         """Run `steps` in order; their reports by phase (also kept in `run.reports`). An
         engine step may change `run.params` for the steps after it."""
         run.params = params
@@ -170,13 +179,13 @@ class Runner:
 
     async def step(
         self, run: Run, step: AnyStep, params: protocol.Params
-    ) -> tuple[protocol.RankReport, ...]:
+    ) -> tuple[RankReport, ...]:
         """Run one step: time it, record it with the per-rank reports, translate failures."""
         self._set_phase(step.phase)
         fields = {"model": self.name, "phase": step.phase, "rank": None}
         log.debug("%s: %s %s", self.name, run.kind, step.phase, extra=fields)
         t0 = self.mono()
-        reports: tuple[protocol.RankReport, ...] = ()
+        reports: tuple[RankReport, ...] = ()
         try:
             if isinstance(step, protocol.Step):
                 reports = await self._rpc(step, params)
@@ -212,9 +221,7 @@ class Runner:
         log.info("%s: %s %s took %.3f s", self.name, run.kind, step.phase, seconds, extra=fields)
         return reports
 
-    async def _rpc(
-        self, step: protocol.Step, params: protocol.Params
-    ) -> tuple[protocol.RankReport, ...]:
+    async def _rpc(self, step: protocol.Step, params: protocol.Params) -> tuple[RankReport, ...]:
         ranks = await self.engine.rpc(
             step.method, *step.call_args(params), timeout_s=step.timeout(self.timeouts)
         )
@@ -226,14 +233,14 @@ class Runner:
             return exc
         if isinstance(exc, RankError):
             reports = step.parse(exc.ranks)
-            if step.fault == "barrier" and (late := protocol.late_ranks(reports)):
+            if step.fault == "barrier" and (late := late_ranks(reports)):
                 return BarrierTimeout(
                     f"{step.phase}: ranks {late} missed the barrier "
                     f"within {params.quiesce_timeout_s:g} s",
                     late_ranks=late,
                     model=self.name,
                 )
-            if step.fault == "verify" and (names := protocol.mismatched(reports)):
+            if step.fault == "verify" and (names := mismatched(reports)):
                 return VerificationFailed(
                     f"{step.phase}: {len(names)} tensors differ after the wake: "
                     + ", ".join(names),
@@ -266,10 +273,10 @@ class Runner:
     def count_bytes(self, run: Run) -> None:
         """A transition that succeeded: the bytes its ranks freed or brought back, by pool."""
         reports = [r for rs in run.reports.values() for r in rs]
-        freed = [r.freed_bytes for r in reports if isinstance(r, protocol.SuspendReport)]
-        restored = [r.restored_bytes for r in reports if isinstance(r, protocol.ResumeReport)]
+        freed = [r.freed_bytes for r in reports if isinstance(r, SuspendReport)]
+        restored = [r.restored_bytes for r in reports if isinstance(r, ResumeReport)]
         for direction, per_rank in (("released", freed), ("restored", restored)):
-            for pool, n in protocol.sum_by_pool(per_rank).items():
+            for pool, n in sum_by_pool(per_rank).items():
                 self.metrics.bytes(self.name, direction, pool, n)
 
     def finish(

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from controller import protocol
 from controller.errors import DrainTimeout, EngineError, EngineTimeout, HotswapError
+from controller.reports import kv_decision
 from controller.runner import AnyStep, EngineStep, Runner
 
 DrainMode = Literal["wait", "abort"]
@@ -129,7 +130,7 @@ async def _kv_decide(r: Runner) -> Mapping[str, Any]:
     run = r.current
     if run is None or run.params is None:
         raise EngineError("the kv step runs inside a sleep's run")
-    keep, why = protocol.kv_decision(run.reports.get(protocol.PREPARE.phase, ()))
+    keep, why = kv_decision(run.reports.get(protocol.PREPARE.phase, ()))
     if keep:
         return {"kv": "keep"}
     run.params = dataclasses.replace(run.params, keep_kv=False)

@@ -21,6 +21,7 @@ from test_manager import FakeClock, Rig, make_rig
 
 from controller import protocol, steps
 from controller.errors import EngineError
+from controller.reports import PrepareReport, SuspendReport, kv_decision, resident_bytes
 from controller.settings import ModelSettings, Settings
 from controller.state import State
 
@@ -146,16 +147,16 @@ def test_protocol_arguments_and_decisions() -> None:
         1,
         ["kv_cache"],
     )
-    yes = protocol.PrepareReport.parse({"ok": True, "rank": 0, "kv": "keep"})
-    no = protocol.PrepareReport.parse({"ok": True, "rank": 1, "kv": "discard", "kv_reason": "x"})
-    assert protocol.kv_decision([yes, yes]) == (True, None)
-    assert protocol.kv_decision([yes, no]) == (False, "rank 1: x")
-    assert protocol.kv_decision([]) == (False, "no rank answered the prepare")
-    a = protocol.SuspendReport.parse({"ok": True, "rank": 0, "resident_bytes": 5})
-    b = protocol.SuspendReport.parse({"ok": True, "rank": 1, "resident_bytes": 7})
-    old = protocol.SuspendReport.parse({"ok": True, "rank": 1})
-    assert protocol.resident_bytes([a, b]) == 12
-    assert protocol.resident_bytes([a, old]) is None  # a rank that did not say: unknown
+    yes = PrepareReport.parse({"ok": True, "rank": 0, "kv": "keep"})
+    no = PrepareReport.parse({"ok": True, "rank": 1, "kv": "discard", "kv_reason": "x"})
+    assert kv_decision([yes, yes]) == (True, None)
+    assert kv_decision([yes, no]) == (False, "rank 1: x")
+    assert kv_decision([]) == (False, "no rank answered the prepare")
+    a = SuspendReport.parse({"ok": True, "rank": 0, "resident_bytes": 5})
+    b = SuspendReport.parse({"ok": True, "rank": 1, "resident_bytes": 7})
+    old = SuspendReport.parse({"ok": True, "rank": 1})
+    assert resident_bytes([a, b]) == 12
+    assert resident_bytes([a, old]) is None  # a rank that did not say: unknown
 
 
 @scenario(models={"a": {"keep_prefix_cache": True}})

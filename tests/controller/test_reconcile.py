@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from controller.protocol import Phase, RankView, ranks_from_info
 from controller.reconcile import (
     RULES,
     Do,
@@ -21,6 +20,7 @@ from controller.reconcile import (
     reconcile,
     rules_table,
 )
+from controller.reports import Phase, RankView, ranks_from_info
 from controller.state import State
 
 S, P = State, Phase
