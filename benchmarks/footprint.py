@@ -138,6 +138,11 @@ class Ours:
         out: dict[str, Any] = {}
         t = time.perf_counter()
         for step in protocol.sleep_steps(level):
+            if step is protocol.SUSPEND and keep_kv and out["prepare"].get("kv") != "keep":
+                # what the controller's kv step does: clear, then discard as usual
+                log("kv not kept:", out["prepare"].get("kv_reason"))
+                self.llm.reset_prefix_cache()
+                params = protocol.Params(level=level, quiesce_timeout_s=30.0)
             out[step.phase] = self.rpc(step.method, *step.call_args(params))
         out["sleep_s"] = time.perf_counter() - t
         return out
