@@ -1,4 +1,4 @@
-"""The HTTP surface: app factory, thin routes, bearer auth, and the one error -> status mapping.
+"""The HTTP surface: app factory, thin routes, bearer auth; its error answers: apierrors.
 
 Routes only translate HTTP to manager calls and snapshots to JSON; every decision lives in
 the manager and the state machine. Readiness (/health) reads snapshots from memory and never
@@ -7,7 +7,6 @@ calls an engine. Nothing here answers 500: anything unexpected becomes a 502 wit
 
 from __future__ import annotations
 
-import http
 import logging
 from collections.abc import Callable, Coroutine
 from contextlib import AbstractAsyncContextManager
@@ -20,16 +19,21 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from controller.apierrors import (
+    NeverFiveHundred,
+    guard_refusal,
+    hotswap_error,
+    http_error,
+    validation_error,
+)
 from controller.errors import (
     HotswapError,
     TransitionConflict,
     Unauthorized,
     WakeRefused,
-    http_status,
 )
-from controller.guard import Guard, Refused, bearer_ok
+from controller.guard import Guard, bearer_ok
 from controller.manager import Manager
 from controller.modelmanager import ModelManager, Outcome
 from controller.openapi import control_table, document
@@ -42,13 +46,6 @@ from controller.swap import SwapCoordinator
 from controller.views import health_entry, outcome_dict, plain, snapshot_dict
 
 log = logging.getLogger("hotswap.api")
-
-
-def error_body(exc: HotswapError, request: Request | None = None) -> dict[str, Any]:
-    body = exc.to_dict()
-    if "model" not in body and request is not None and "name" in request.path_params:
-        body["model"] = request.path_params["name"]
-    return body
 
 
 # ----------------------------------------------------------------------------- dependencies
@@ -284,98 +281,12 @@ async def metrics(ctx: ContextDep) -> Response:
     return Response(generate_latest(ctx.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-# ----------------------------------------------------------------------------- errors
-
-
-async def _hotswap_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HotswapError)
-    status = http_status(exc)
-    if status >= 500:
-        log.warning(
-            "%s %s -> %d %s: %s",
-            request.method,
-            request.url.path,
-            status,
-            type(exc).__name__,
-            exc.message,
-            extra={"model": exc.model or request.path_params.get("name"), "phase": exc.phase},
-        )
-    headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else None
-    return JSONResponse(error_body(exc, request), status_code=status, headers=headers)
-
-
-async def _validation_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RequestValidationError)
-    # Only loc/msg/type: `input` and `ctx` may hold bytes or exceptions that JSON cannot carry.
-    details = [
-        {
-            "loc": [str(x) for x in e.get("loc", ())],
-            "msg": str(e.get("msg", "")),
-            "type": str(e.get("type", "")),
-        }
-        for e in exc.errors()
-    ]
-    message = "; ".join(f"{'.'.join(d['loc'])}: {d['msg']}" for d in details) or "invalid request"
-    body = {"error": "ValidationError", "message": message, "details": details}
-    if "name" in request.path_params:
-        body["model"] = request.path_params["name"]
-    return JSONResponse(body, status_code=422)
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, StarletteHTTPException)
-    try:
-        phrase = http.HTTPStatus(exc.status_code).phrase
-    except ValueError:
-        phrase = "HTTPError"
-    body = {"error": phrase.replace(" ", "").replace("-", ""), "message": str(exc.detail)}
-    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
-
-
 def _open_path(path: str) -> bool:
     """Probes and scrapes need no token; every other path does (an unknown one too)."""
     if path in ("/livez", "/health", "/metrics"):
         return True
     parts = path.split("/")
     return len(parts) == 4 and parts[1] == "models" and bool(parts[2]) and parts[3] == "health"
-
-
-def _guard_refusal(refused: Refused) -> Response:
-    """The guard's answers in the control API's error shape."""
-    body = {"error": refused.error, "message": refused.message}
-    return JSONResponse(body, status_code=refused.status, headers=refused.headers)
-
-
-class NeverFiveHundred:
-    """Outermost catch-all: an unexpected exception becomes a logged 502 with a reason.
-
-    A plain ASGI middleware rather than an `Exception` handler: Starlette re-raises after
-    running such a handler, which would put a traceback (and a 500) in the server's path.
-    """
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracking_send)
-        except Exception as exc:
-            log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
-            if started:
-                raise  # headers are gone: nothing better can be sent
-            body = {"error": type(exc).__name__, "message": f"internal error: {exc}"}
-            await JSONResponse(body, status_code=502)(scope, receive, send)
 
 
 # ----------------------------------------------------------------------------- factory
@@ -399,12 +310,12 @@ def create_app(
     )
     app.state.hotswap = ctx  # read by get_context, the routes' one dependency
 
-    app.add_exception_handler(HotswapError, _hotswap_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(HotswapError, hotswap_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_middleware(
         Guard,
-        render=_guard_refusal,
+        render=guard_refusal,
         token=token.get_secret_value().encode() if token is not None else None,
         is_open=_open_path,
         max_body_bytes=settings.server.max_body_bytes,
