@@ -43,7 +43,7 @@ from controller.state import Action, State, decide, overall_ready
 from controller.state import Request as Transition
 from controller.supervisor import Supervisor
 from controller.swap import SwapCoordinator
-from controller.views import health_entry, outcome_dict, plain, snapshot_dict
+from controller.views import health_entry, model_dict, outcome_dict, plain
 
 log = logging.getLogger("hotswap.api")
 
@@ -240,11 +240,11 @@ def _accepted(name: str, started: Outcome) -> Response:
 
 
 async def list_models(manager: ManagerDep) -> dict[str, Any]:
-    return {"models": [snapshot_dict(s) for s in manager.snapshots().values()]}
+    return {"models": [model_dict(r, manager.settings) for r in manager.fleet.values()]}
 
 
-async def get_model_state(model: ModelDep) -> dict[str, Any]:
-    return snapshot_dict(model.snapshot())
+async def get_model_state(model: ModelDep, manager: ManagerDep) -> dict[str, Any]:
+    return model_dict(model.record, manager.settings)
 
 
 async def audit_model(

@@ -189,9 +189,18 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     try:
         return load_settings(**overrides)
     except ValidationError as exc:
-        raise CliError(f"invalid settings:\n{exc}") from None
+        raise CliError(f"invalid settings: {settings_errors(exc)}") from None
     except (OSError, ValueError) as exc:
         raise CliError(f"invalid settings: {exc}") from None
+
+
+def settings_errors(exc: ValidationError) -> str:
+    """Every reason on one line: `where: why`, joined by `; ` (a start refused says why)."""
+    parts = []
+    for e in exc.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "settings"
+        parts.append(f"{where}: {e['msg']}")
+    return "; ".join(parts)
 
 
 def refuse_open_binds(settings: Settings) -> None:

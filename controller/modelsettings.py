@@ -7,13 +7,17 @@ or managed (its `command` is the argv the supervisor starts, on a socket of its 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, StringConstraints, field_validator, model_validator
 
+from controller.placement import Want, place
 from controller.state import Gate
 
 MAX_BYTES = 1 << 50  # 1 PiB: a memory budget or footprint, far above any device
+DAY_S = 86_400.0
+# A device as CUDA_VISIBLE_DEVICES names it: an index, or a GPU-/MIG- UUID.
+DeviceId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")]
 
 
 def flag_value(argv: Sequence[str], flag: str) -> str | None:
@@ -59,7 +63,30 @@ class ModelSettings(BaseModel):
         le=MAX_BYTES,
         description="Awake footprint if known; None = measured from the engine.",
     )
-    device: str = Field("0", description="Models on one device share its memory budget.")
+    device: DeviceId = Field("0", description="Models on one device share its memory budget.")
+    devices: list[DeviceId] | None = Field(
+        None,
+        min_length=1,
+        description="The devices of its engine (tensor parallel: one per rank); None = "
+        "`device`, or (managed, with swap.devices) `tp_size` devices assigned at start. "
+        "/models shows the placement.",
+    )
+    tp_size: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="Devices its engine needs when they are assigned; None = the command's "
+        "--tensor-parallel-size, else 1.",
+    )
+    idle_sleep_s: float | None = Field(
+        None,
+        ge=0,
+        le=7 * DAY_S,
+        description="Idle sleep of this model (0 = never); None = swap.idle_sleep_s.",
+    )
+    idle_sleep_level: int | None = Field(
+        None, ge=1, le=2, description="Its idle sleep's level; None = swap.idle_sleep_level."
+    )
     keep_prefix_cache: bool = Field(
         False,
         description="Level-1 sleeps keep the KV cache (offloaded to pinned host memory, as big "
@@ -117,3 +144,82 @@ class ModelSettings(BaseModel):
     @property
     def managed(self) -> bool:
         return self.command is not None
+
+    @property
+    def placement(self) -> tuple[str, ...]:
+        return tuple(self.devices) if self.devices else (self.device,)
+
+
+# ----------------------------------------------------------------------------- placement
+
+VISIBLE = "CUDA_VISIBLE_DEVICES"
+
+
+def _tp_flag(argv: Sequence[str], *flags: str) -> str | None:
+    for i, arg in enumerate(argv):
+        for flag in flags:
+            if arg == flag:
+                return argv[i + 1] if i + 1 < len(argv) else ""
+            if arg.startswith(flag + "="):
+                return arg[len(flag) + 1 :]
+    return None
+
+
+def tp_size(m: ModelSettings) -> int:
+    """The devices a model's engine needs: `tp_size`, else its command's TP flag, else 1."""
+    raw = _tp_flag(m.command or [], "--tensor-parallel-size", "-tp")
+    flag: int | None = None
+    if raw is not None:
+        try:
+            flag = int(raw)
+        except ValueError:
+            raise ValueError(
+                f"model {m.name}: --tensor-parallel-size {raw!r} is not a number"
+            ) from None
+    if m.tp_size is not None and flag is not None and flag != m.tp_size:
+        raise ValueError(
+            f"model {m.name}: tp_size {m.tp_size} but its command says "
+            f"--tensor-parallel-size {flag}"
+        )
+    return m.tp_size or flag or 1
+
+
+def resolve(models: Sequence[ModelSettings], declared: Sequence[str] | None) -> list[ModelSettings]:
+    """Placement (controller.placement.place over the models' wishes): every model with
+    `devices` filled in (and `device` = its first); managed models placed on `declared`
+    devices (swap.devices) or naming `devices` get CUDA_VISIBLE_DEVICES. A model that cannot
+    be placed raises ValueError with one line."""
+    wants = []
+    for m in models:
+        n = tp_size(m)
+        if m.devices:
+            named = tuple(m.devices)
+            sized = m.tp_size is not None or _tp_flag(m.command or [], "--tensor-parallel-size", "-tp")
+            if sized and len(named) != n:
+                raise ValueError(
+                    f"model {m.name}: {len(named)} device(s) {list(named)} for tensor "
+                    f"parallel size {n}; name {n} devices, or leave them to swap.devices"
+                )
+            wants.append(Want(m.name, named, len(named)))
+        elif declared is None or not m.managed or "device" in m.model_fields_set:
+            wants.append(Want(m.name, (m.device,), 1))  # as configured (one device)
+        else:
+            wants.append(Want(m.name, (), n))  # assigned from swap.devices
+    available = list(declared) if declared is not None else []
+    if declared is None:
+        for w in wants:
+            available.extend(d for d in w.devices if d not in available)
+    placed = place(wants, available)
+    out = []
+    for m in models:
+        devs = placed[m.name]
+        env = dict(m.env)
+        if m.managed and (declared is not None or m.devices):
+            if VISIBLE in env and env[VISIBLE] != ",".join(devs):
+                raise ValueError(
+                    f"model {m.name}: env {VISIBLE}={env[VISIBLE]!r} disagrees with its "
+                    f"placement {list(devs)}; set `devices` (or swap.devices), not the env"
+                )
+            env[VISIBLE] = ",".join(devs)
+        out.append(m.model_copy(update={"devices": list(devs), "device": devs[0], "env": env}))
+    return out

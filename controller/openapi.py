@@ -90,6 +90,11 @@ class SnapshotBody(BaseModel):
     last_transition: TransitionBody | None
     last_error: str | None
     extra: dict[str, Any]
+    fleet: dict[str, Any] | None = Field(
+        None,
+        description="Placement (devices, CUDA_VISIBLE_DEVICES), the bytes the policy counts "
+        "(footprint, asleep, host) and the model's idle sleep.",
+    )
 
 
 class ModelsBody(BaseModel):

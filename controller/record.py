@@ -106,6 +106,8 @@ class Lane:
 
     def leave(self) -> None:
         self.in_flight = max(0, self.in_flight - 1)
+        # A request's end is a use too: idle time counts from the last one to finish.
+        self.record.last_used = max(self.record.last_used, self.record.clock())
         self.record.changed()
 
     def close(self, closed: bool = True) -> None:
@@ -149,6 +151,7 @@ class ModelRecord:
     def __init__(self, settings: ModelSettings, *, clock: Callable[[], float] = time.time) -> None:
         self.name = settings.name
         self.settings = settings
+        self.clock = clock
         self.changes = Changes()
         self._snapshot = ModelSnapshot(
             name=settings.name,
@@ -168,6 +171,14 @@ class ModelRecord:
         # ranks): 0 where a sleep copies nothing (the host backend, level 2); None: no
         # sleep seen yet. An overlapped swap only pays off when this is not 0.
         self.copied_bytes: int | None = None
+        # What its engine held on its devices after its last suspend (the snapshot's
+        # resident_bytes, kept while awake; 0 until one is reported), and in host RAM now (a level-1
+        # sleeper's weights, an awake model's kept backup); what a level-1 sleep holds there.
+        self.asleep_bytes = 0
+        self.host_bytes = 0
+        self.host_weights: int | None = None
+        self.demotable = True  # its backend can drop a level-1 host copy while asleep
+        self.idle_slept_at: float | None = None  # when an idle sleep was last decided
         self.last_used = 0.0  # unix seconds of the last gateway request (0: never)
         self.served_model = settings.served_model_name  # read from /v1/models when None
         # The transition in flight (sleep or wake) and the phase it is in.

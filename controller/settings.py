@@ -18,7 +18,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from controller.modelsettings import MAX_BYTES, ModelSettings
+from controller.modelsettings import MAX_BYTES, DeviceId, ModelSettings
+from controller.modelsettings import resolve as resolve_placement
 from controller.state import Gate
 
 
@@ -245,6 +246,25 @@ class SwapSettings(BaseModel):
         "on CPU or at level 2 nothing is copied and the split sleep only adds a round trip), "
         "always = whenever the budget has room, never = one after the other.",
     )
+    devices: list[DeviceId] | None = Field(
+        None,
+        min_length=1,
+        description="The pod's accelerators, as CUDA_VISIBLE_DEVICES names them; managed "
+        "models are placed on them (named `devices`, else `tp_size` of the least loaded) and "
+        "get CUDA_VISIBLE_DEVICES; budgets, locks and LRU are per device. None = the devices "
+        "the models name (`device`, default 0), engines' CUDA_VISIBLE_DEVICES untouched.",
+    )
+    idle_sleep_s: float | None = Field(
+        None,
+        ge=0,
+        le=7 * DAY_S,
+        description="Default for every model: put to sleep a model that served nothing (and "
+        "was not woken) for this long; woken again by the gateway's next request. None or 0 = "
+        "off. Never a pinned model, never with requests in flight or queued.",
+    )
+    idle_sleep_level: int = Field(
+        1, ge=1, le=2, description="Default sleep level of an idle sleep."
+    )
 
 
 class SupervisorSettings(BaseModel):
@@ -321,8 +341,15 @@ class Settings(BaseSettings):
         return any(m.managed for m in self.models)
 
     @property
+    def idle_sleeping(self) -> bool:
+        """Some model has idle sleep on (something must wake it: the gateway)."""
+        return any(self.idle_sleep(m)[0] is not None for m in self.models)
+
+    @property
     def gateway_enabled(self) -> bool:
-        return self.gateway.enabled if self.gateway.enabled is not None else self.managed
+        if self.gateway.enabled is not None:
+            return self.gateway.enabled
+        return self.managed or self.idle_sleeping
 
     def open_binds(self) -> list[str]:
         """The non-loopback addresses that would answer anyone: those bound without a token
@@ -339,8 +366,21 @@ class Settings(BaseSettings):
     @property
     def hot_swap(self) -> bool:
         """Wakes go through the swap policy (a budget, managed engines or the gateway)."""
-        budget = self.swap.budget_bytes is not None or self.swap.max_awake is not None
-        return budget or self.managed or self.gateway_enabled
+        swap = self.swap
+        budget = swap.budget_bytes is not None or swap.max_awake is not None
+        fleet = swap.devices is not None
+        return budget or fleet or self.idle_sleeping or self.managed or self.gateway_enabled
+
+    @model_validator(mode="after")
+    def _placed(self) -> Settings:
+        self.models = resolve_placement(self.models, self.swap.devices)
+        return self
+
+    def idle_sleep(self, model: ModelSettings) -> tuple[float | None, int]:
+        """A model's idle sleep: seconds (None = off) and level."""
+        s = model.idle_sleep_s if model.idle_sleep_s is not None else self.swap.idle_sleep_s
+        level = model.idle_sleep_level or self.swap.idle_sleep_level
+        return (s if s else None), level
 
     @model_validator(mode="after")
     def _hot_swap_gates(self) -> Settings:
@@ -348,7 +388,8 @@ class Settings(BaseSettings):
         if self.gateway_enabled:
             self.models = [
                 m.model_copy(update={"gate": Gate.SWAPPABLE})
-                if m.managed and "gate" not in m.model_fields_set
+                if (m.managed or self.idle_sleep(m)[0] is not None)
+                and "gate" not in m.model_fields_set
                 else m
                 for m in self.models
             ]

@@ -7,6 +7,7 @@
                   ├── Manager: a ModelManager per model  (requests, sequences, runner)
                   ├── SwapCoordinator                    (hot swap: policy wakes, draining sleeps)
                   ├── Supervisor                         (managed engines: boot, watch, restart)
+                  ├── IdleSleeper                        (idle sleep: one task per model)
                   ├── Gateway                            (the /v1 router, when enabled)
                   └── app, gateway_app                   (the two ASGI apps)
 
@@ -27,6 +28,7 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from controller import api, gateway
+from controller.idle import IdleSleeper
 from controller.manager import EngineFactory, Manager, default_engine_factory
 from controller.metrics import Metrics
 from controller.record import Fleet
@@ -77,6 +79,7 @@ class Sidecar:
         self.coordinator: SwapCoordinator | None = None
         self.supervisor: Supervisor | None = None
         self.gateway: gateway.Gateway | None = None
+        self.idle: IdleSleeper | None = None
         if settings.hot_swap:
             self.swap_metrics = SwapMetrics(self.registry)
             self.coordinator = SwapCoordinator(
@@ -92,6 +95,8 @@ class Sidecar:
                     monotonic=monotonic,
                     socket_folder=socket_folder,
                 )
+            if any(settings.idle_sleep(m)[0] is not None for m in settings.models):
+                self.idle = IdleSleeper(self.coordinator, settings, self.tasks, clock=clock)
             if settings.gateway_enabled:
                 self.gateway = gateway.Gateway(
                     settings,
@@ -120,6 +125,8 @@ class Sidecar:
         await self.manager.start()
         if self.supervisor is not None:
             self.supervisor.start()  # staggered boot in the background: /livez answers meanwhile
+        if self.idle is not None:
+            self.idle.start()  # one task per model with idle sleep on, in the task group
         names = [m.name for m in self.settings.models]
         log.info("managing %d model(s): %s", len(names), names)
 

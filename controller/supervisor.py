@@ -208,12 +208,12 @@ class Supervisor:
             return
         seen: set[str] = set()
         for m in self.models:
-            if m.device in seen or self.fleet[m.name].state not in (
+            if set(m.placement) <= seen or self.fleet[m.name].state not in (
                 State.SUSPENDED,
                 State.RUNNING,
             ):
                 continue
-            seen.add(m.device)
+            seen.update(m.placement)
             try:
                 ranks = await self.manager.get(m.name).info()
             except HotswapError as exc:
@@ -222,12 +222,13 @@ class Supervisor:
             free = budget_from_info(ranks)
             if free is None:
                 continue
-            pinned = sum(
-                self.coordinator.footprint(p.name) or 0
-                for p in self.models
-                if p.device == m.device and p.pinned
-            )
-            self.coordinator.set_measured_budget(m.device, free + pinned)
+            for d in m.placement:  # the tightest rank's free memory, for each of its devices
+                pinned = sum(
+                    (self.coordinator.footprint(p.name) or 0) // len(p.placement)
+                    for p in self.models
+                    if d in p.placement and p.pinned
+                )
+                self.coordinator.set_measured_budget(d, free + pinned)
 
     # ---- watch and restart ---------------------------------------------------------------
 

@@ -13,10 +13,11 @@ slips in between (the gateway holds those for the next wake).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +38,7 @@ from controller.policy import (
 from controller.settings import Settings
 from controller.state import State
 from controller.steps import DrainMode
-from controller.swapmetrics import SwapMetrics
+from controller.swapmetrics import FleetRow, SwapMetrics
 
 log = logging.getLogger("hotswap.swap")
 
@@ -94,12 +95,29 @@ class SwapCoordinator:
         self.engine_gone: Callable[[str], bool] = self._engine_gone
         for m in settings.models:
             metrics.register_model(m.name)
+        metrics.read_fleet(self.fleet_rows)
+
+    def fleet_rows(self) -> list[FleetRow]:
+        return [
+            FleetRow(
+                r.name, r.settings.placement, r.host_bytes, r.snapshot.resident_bytes or 0
+            )
+            for r in self.fleet.values()
+        ]
 
     # ---- what the policy sees ------------------------------------------------------------
 
     def device(self, name: str) -> str:
         rec = self.fleet.get(name)
         return rec.settings.device if rec is not None else "0"
+
+    def devices(self, name: str) -> tuple[str, ...]:
+        """Every device of `name`'s engine (its placement)."""
+        rec = self.fleet.get(name)
+        return rec.settings.placement if rec is not None else ("0",)
+
+    def budgets(self, name: str) -> dict[str, Budget]:
+        return {d: self.budget(d) for d in self.devices(name)}
 
     def budget(self, device: str) -> Budget:
         cfg = self.settings.swap
@@ -135,32 +153,53 @@ class SwapCoordinator:
         self.learn_footprint(name, footprint_from_info(ranks), "hotswap_info pools")
 
     def views(self) -> list[ModelView]:
-        return [
-            ModelView(
-                name=rec.name,
-                state=rec.state,
-                footprint_bytes=rec.footprint,
-                last_used=rec.last_used,
-                awake_since=rec.snapshot.since if rec.state is State.RUNNING else None,
-                pinned=rec.settings.pinned,
-                device=rec.settings.device,
-                process_gone=self.engine_gone(rec.name),
-            )
-            for rec in self.fleet.values()
-        ]
+        return [self.view(name) for name in self.fleet]
+
+    def view(self, name: str) -> ModelView:
+        """What the policy knows of one model, read from its record now."""
+        rec = self.fleet[name]
+        swap = rec.swap
+        return ModelView(
+            name=rec.name,
+            state=rec.state,
+            footprint_bytes=rec.footprint,
+            last_used=rec.last_used,
+            awake_since=rec.snapshot.since if rec.state is State.RUNNING else None,
+            pinned=rec.settings.pinned,
+            device=rec.settings.device,
+            devices=rec.settings.placement,
+            process_gone=self.engine_gone(rec.name),
+            # What it leaves on its devices asleep: the last suspend's report (kept awake:
+            # an eviction counts what the model will leave behind).
+            asleep_bytes=rec.snapshot.resident_bytes or rec.asleep_bytes,
+            host_bytes=rec.host_bytes,
+            host_weights_bytes=rec.host_weights,
+            level=rec.snapshot.level if rec.state is State.SUSPENDED else None,
+            demotable=rec.demotable,
+            in_flight=rec.lane.in_flight,
+            queued=rec.lane.held,
+            busy=rec.in_flight_task() is not None or (swap is not None and not swap.done()),
+        )
 
     def _engine_gone(self, name: str) -> bool:
         rec = self.fleet[name]
         return rec.settings.managed and (rec.engine is None or not rec.engine.is_alive())
 
     def plan(self, name: str, *, allow_evict: bool = True) -> WakePlan:
-        device = self.device(name)
         return plan_wake(
-            name, self.views(), self.budget(device), self._clock(), allow_evict=allow_evict
+            name, self.views(), self.budgets(name), self._clock(), allow_evict=allow_evict
         )
 
     def _lock(self, device: str) -> asyncio.Lock:
         return self._locks.setdefault(device, asyncio.Lock())
+
+    @contextlib.asynccontextmanager
+    async def _device_locks(self, name: str) -> AsyncIterator[None]:
+        """Every lock of `name`'s devices, taken in one order (no two plans deadlock)."""
+        async with contextlib.AsyncExitStack() as stack:
+            for d in sorted(self.devices(name)):
+                await stack.enter_async_context(self._lock(d))
+            yield
 
     # ---- wake ----------------------------------------------------------------------------
 
@@ -187,9 +226,8 @@ class SwapCoordinator:
 
     async def _wake(self, name: str, *, evict: bool) -> SwapResult:
         mm = self.manager.get(name)
-        device = self.device(name)
-        async with self._lock(device):
-            await self._settle(device)
+        async with self._device_locks(name):
+            await self._settle(name)
             plan = self.plan(name, allow_evict=evict)
             fields = {"model": name, "phase": "policy"}
             log.info(
@@ -340,9 +378,9 @@ class SwapCoordinator:
         self.metrics.eviction(victim, "lru")
         return outcome, t1, (sleep_end[0] if sleep_end else self._mono()) - t0
 
-    def device_lock(self, name: str) -> asyncio.Lock:
-        """The lock every wake plan of `name`'s device runs under (boots take it too)."""
-        return self._lock(self.device(name))
+    def device_lock(self, name: str) -> contextlib.AbstractAsyncContextManager[None]:
+        """The locks every wake plan of `name`'s devices runs under (boots take them too)."""
+        return self._device_locks(name)
 
     async def make_room(self, name: str) -> tuple[str, ...]:
         """Holding the device lock: put to sleep what a wake of `name` would evict, so its
@@ -351,7 +389,7 @@ class SwapCoordinator:
             dataclasses.replace(v, state=State.SUSPENDED) if v.name == name else v
             for v in self.views()
         ]
-        plan = plan_wake(name, views, self.budget(self.device(name)), self._clock())
+        plan = plan_wake(name, views, self.budgets(name), self._clock())
         fields = {"model": name, "phase": "policy"}
         log.info("%s: start plan %s: %s", name, plan.decision.value, plan.reason, extra=fields)
         evicted = []
@@ -362,12 +400,13 @@ class SwapCoordinator:
                 evicted.append(victim)
         return tuple(evicted)
 
-    async def _settle(self, device: str) -> None:
-        """Wait (bounded) for transitions in flight on the device, so the plan sees where
-        they end. Timeouts: a drain, then an RPC, at most."""
+    async def _settle(self, name: str) -> None:
+        """Wait (bounded) for transitions in flight on `name`'s devices, so the plan sees
+        where they end. Timeouts: a drain, then an RPC, at most."""
         # Not STARTING: a boot may take many minutes, and the policy counts it as holding.
         moving = (State.SUSPENDING,)
-        on_device = [r for r in self.fleet.values() if r.settings.device == device]
+        mine = set(self.devices(name))
+        on_device = [r for r in self.fleet.values() if mine & set(r.settings.placement)]
         await self.fleet.wait_for(
             lambda: not any(r.state in moving for r in on_device),
             self.settings.timeouts.drain_s + self.settings.timeouts.rpc_s,
@@ -438,4 +477,8 @@ class SwapCoordinator:
             if mm.snapshot().state is State.RUNNING:
                 self.fleet[name].lane.hand_over()  # the sleep gave up: serve what was held
         self.learn_footprint(name, footprint_from_sleep(outcome.transition), "bytes freed at sleep")
+        if outcome.transition is not None and outcome.transition.result == "ok":
+            self.metrics.slept(name, reason)
+        if outcome.snapshot.resident_bytes is not None:
+            self.fleet[name].asleep_bytes = outcome.snapshot.resident_bytes
         return outcome

@@ -4,9 +4,66 @@ registry is injected, like `controller.metrics.Metrics`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from controller.metrics import SECONDS_BUCKETS
+
+# Why the sidecar put a model to sleep (hotswap_sleeps_total's `reason`).
+SLEEP_REASONS = ("request", "evict", "boot", "idle", "host_budget")
+
+
+@dataclass(frozen=True)
+class FleetRow:
+    """What the fleet collector reads of one model at scrape time."""
+
+    model: str
+    devices: tuple[str, ...]
+    host_bytes: int
+    asleep_bytes: int
+
+
+class _FleetCollector:
+    """Placement and host memory, read from the records on every scrape."""
+
+    def __init__(self, rows: Callable[[], Iterable[FleetRow]]) -> None:
+        self._rows = rows
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+        return (
+            GaugeMetricFamily(
+                "hotswap_model_device_info",
+                "1 for every device a model's engine is placed on.",
+                labels=["model", "device"],
+            ),
+            GaugeMetricFamily(
+                "hotswap_model_host_bytes",
+                "Host RAM the model holds now (a level-1 sleeper's weights, a kept backup).",
+                labels=["model"],
+            ),
+            GaugeMetricFamily(
+                "hotswap_model_asleep_device_bytes",
+                "Device memory a sleeping engine still holds, as its worker reports it.",
+                labels=["model"],
+            ),
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        placed, host, asleep = self._families()
+        for row in self._rows():
+            for d in row.devices:
+                placed.add_metric([row.model, d], 1.0)
+            host.add_metric([row.model], float(row.host_bytes))
+            asleep.add_metric([row.model], float(row.asleep_bytes))
+        yield from (placed, host, asleep)
+
 
 REFUSAL_REASONS = (
     "queue_full",
@@ -68,6 +125,25 @@ class SwapMetrics:
             ["model", "reason"],
             registry=registry,
         )
+        self._sleeps = Counter(
+            "hotswap_sleeps_total",
+            "Sleeps through the swap coordinator, by model and reason "
+            "(request, evict, boot, idle, host_budget).",
+            ["model", "reason"],
+            registry=registry,
+        )
+        self._demotions = Counter(
+            "hotswap_demotions_total",
+            "Level-1 sleepers demoted to level 2 (host copy released), by model and reason.",
+            ["model", "reason"],
+            registry=registry,
+        )
+        self._backups_dropped = Counter(
+            "hotswap_host_backups_dropped_total",
+            "Awake models whose kept host backup was released for the host budget.",
+            ["model"],
+            registry=registry,
+        )
         self._restarts = Counter(
             "hotswap_engine_restarts_total",
             "Managed engines restarted after a crash or a FAILED transition.",
@@ -80,6 +156,23 @@ class SwapMetrics:
         shows in increase()/rate() (and a model never restarted reads 0, not no data)."""
         self._restarts.labels(model)
         self._queue_depth.labels(model).set(0)
+        self._sleeps.labels(model, "idle")
+        self._demotions.labels(model, "host_budget")
+
+    def read_fleet(self, rows: Callable[[], Iterable[FleetRow]]) -> None:
+        """Register the placement and host-memory gauges, read from `rows()` at scrape."""
+        self.registry.register(_FleetCollector(rows))
+
+    def slept(self, model: str, reason: str) -> None:
+        if reason not in SLEEP_REASONS:
+            raise ValueError(f"unknown sleep reason {reason!r}")
+        self._sleeps.labels(model, reason).inc()
+
+    def demotion(self, model: str, reason: str = "host_budget") -> None:
+        self._demotions.labels(model, reason).inc()
+
+    def backup_dropped(self, model: str) -> None:
+        self._backups_dropped.labels(model).inc()
 
     def swap(self, model: str, result: str, seconds: float | None = None) -> None:
         self._swaps.labels(model, result).inc()

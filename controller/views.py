@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from controller.modelmanager import Outcome
+from controller.record import ModelRecord
+from controller.settings import Settings
 from controller.state import ModelSnapshot, PhaseRecord, TransitionRecord
 
 
@@ -84,3 +86,26 @@ def outcome_dict(name: str, outcome: Outcome) -> dict[str, Any]:
 
 def health_entry(s: ModelSnapshot, ready: bool) -> dict[str, Any]:
     return {"state": s.state.value, "verified": s.verified, "gate": s.gate.value, "ready": ready}
+
+
+def fleet_dict(rec: ModelRecord, settings: Settings) -> dict[str, Any]:
+    """Where a model runs and what the fleet policy counts for it (GET /models' `fleet`)."""
+    m = rec.settings
+    idle_s, idle_level = settings.idle_sleep(m)
+    return {
+        "devices": list(m.placement),
+        "visible_devices": m.env.get("CUDA_VISIBLE_DEVICES"),
+        "pinned": m.pinned,
+        "footprint_bytes": rec.footprint,
+        "asleep_bytes": rec.asleep_bytes,
+        "host_bytes": rec.host_bytes,
+        "host_weights_bytes": rec.host_weights,
+        "idle_sleep_s": idle_s,
+        "idle_sleep_level": idle_level,
+        "idle_slept_at": rec.idle_slept_at,
+    }
+
+
+def model_dict(rec: ModelRecord, settings: Settings) -> dict[str, Any]:
+    """One model of GET /models: its snapshot and its `fleet` entry."""
+    return {**snapshot_dict(rec.snapshot), "fleet": fleet_dict(rec, settings)}

@@ -125,8 +125,12 @@ async def world(
     timeouts = TimeoutSettings(drain_s=2.0, shutdown_s=1.0)
     if rpc_s is not None:
         timeouts = timeouts.model_copy(update={"rpc_s": rpc_s})
+    per_model: dict[str, dict[str, Any]] = overrides.pop("per_model", {})
     settings = Settings(
-        models=[ModelSettings(name=n, url=f"http://{n}.engine.test") for n in names],
+        models=[
+            ModelSettings(name=n, url=f"http://{n}.engine.test", **per_model.get(n, {}))
+            for n in names
+        ],
         auth={"token": token, "guard_gateway": guard},
         timeouts=timeouts,
         gateway={"enabled": True, **overrides.pop("gateway", {})},
@@ -140,6 +144,8 @@ async def world(
     await manager.start()
     for n in names[1:]:
         await coordinator.sleep(n)  # one awake: the budget's steady state
+    if side.idle is not None:
+        side.idle.start()  # the sidecar's start() does this (its tasks end with the manager)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with (
         app.router.lifespan_context(app),
@@ -149,6 +155,7 @@ async def world(
     ):
         yield World(app, client, engines, manager, coordinator, registry)
     await manager.stop()
+    await side.tasks.aclose()
 
 
 def run(body: Callable[[], Coroutine[Any, Any, None]]) -> None:

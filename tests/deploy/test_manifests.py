@@ -35,7 +35,9 @@ def variant(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
 
 
 def test_every_variant_is_found() -> None:
-    assert {"base", "overlays/managed", "overlays/tp2"} <= set(VARIANTS)
+    assert {"base", "overlays/managed", "overlays/tp2", "overlays/multigpu-managed"} <= set(
+        VARIANTS
+    )
 
 
 # ----------------------------------------------------------------------------- schemas
@@ -359,6 +361,30 @@ def test_gpus_are_requested(variant: tuple[str, list[dict[str, Any]]]) -> None:
         argv = _engine_argvs(docs, pod)[0][0]
         gpus = gpu_containers[0]["resources"]["requests"]["nvidia.com/gpu"]
         assert _flag(argv, "--tensor-parallel-size") == gpus == "2"
+
+
+def test_the_multigpu_pod_places_every_engine_on_its_own_gpus(tmp_path: Path) -> None:
+    """The multi-GPU managed variant: swap.devices are the pod's GPUs (as many as it
+    requests), every engine gets CUDA_VISIBLE_DEVICES for its placement (a TP model as many
+    as its size), and every GPU carries some model."""
+    docs = render(VARIANTS["overlays/multigpu-managed"])
+    pod = _pod(docs)
+    controller = _controller(pod)
+    path = tmp_path / "models.yaml"
+    path.write_text(yaml.safe_dump(_models_file(docs, pod, _flag(controller["args"], "--config"))))
+    settings = Settings(config_file=path)
+    gpus = int(controller["resources"]["requests"]["nvidia.com/gpu"])
+    assert settings.swap.devices == [str(i) for i in range(gpus)]
+    used: set[str] = set()
+    for m in settings.models:
+        visible = m.env["CUDA_VISIBLE_DEVICES"].split(",")
+        assert visible == list(m.placement), m.name
+        assert m.command is not None
+        tp = _flag(m.command, "--tensor-parallel-size") or "1"
+        assert len(visible) == int(tp), m.name
+        used.update(visible)
+    assert used == set(settings.swap.devices)
+    assert settings.swap.idle_sleep_s
 
 
 def test_images_are_tagged(variant: tuple[str, list[dict[str, Any]]]) -> None:

@@ -1,0 +1,78 @@
+"""Idle sleep on a real CPU vLLM server in attached mode (the managed case is in
+test_fleet_placement): the sidecar puts the engine to sleep once it served nothing for
+`idle_sleep_s`, never while a request streams, counts it with reason `idle`, and the
+gateway's next request wakes it and is answered."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sidecar_harness import Api, SidecarThread, attach, attached
+
+pytestmark = pytest.mark.vllm
+
+NAME = "idle-a"
+IDLE_S = 0.3  # shorter than the 240-token stream below takes on this CPU
+
+
+@pytest.fixture(scope="module")
+def sidecar(engines: Any, tiny_llama: Path) -> Iterator[SidecarThread]:
+    engine = engines.start(tiny_llama, NAME)
+    side = SidecarThread(
+        attached([attach(NAME, engine)]), swap={"idle_sleep_s": IDLE_S, "min_awake_s": 0.0}
+    )
+    side.start()
+    try:
+        yield side
+    finally:
+        side.stop()
+
+
+def _ask(side: SidecarThread, max_tokens: int, stream: bool = False) -> httpx.Response:
+    assert side.gateway_url is not None  # idle sleep turns the gateway on: it wakes the model
+    body = {
+        "model": NAME,
+        "prompt": "hello world, this is",
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    return httpx.post(f"{side.gateway_url}/v1/completions", json=body, timeout=180)
+
+
+def test_an_idle_engine_sleeps_and_the_next_request_wakes_it(sidecar: SidecarThread) -> None:
+    api = Api(sidecar.base_url)
+    assert api.state(NAME)["fleet"]["idle_sleep_s"] == IDLE_S
+    t0 = time.monotonic()
+    sidecar.wait_state(NAME, "SUSPENDED", timeout_s=60)
+    assert time.monotonic() - t0 >= IDLE_S * 0.5  # counted from its start-up probe
+    assert api.metric("hotswap_sleeps_total", model=NAME, reason="idle") == 1
+    assert httpx.get(f"{sidecar.base_url}/health", timeout=10).status_code == 200  # swappable
+    r = _ask(sidecar, 4)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"]
+    assert api.metric("hotswap_swaps_total", model=NAME, result="ok") >= 1  # it was woken
+
+
+def test_never_while_a_request_streams(sidecar: SidecarThread) -> None:
+    api = Api(sidecar.base_url)
+    sidecar.wait_state(NAME, "SUSPENDED", timeout_s=60)
+    before = api.metric("hotswap_sleeps_total", model=NAME, reason="idle")
+    t0 = time.monotonic()
+    r = _ask(sidecar, 240, stream=True)  # wakes it, then streams for several idle periods
+    took = time.monotonic() - t0
+    ended = time.time()
+    assert r.status_code == 200, r.text
+    assert r.text.rstrip().endswith("data: [DONE]")
+    assert '"finish_reason":"abort"' not in r.text.replace(" ", "")
+    assert took > 2 * IDLE_S, f"the stream took {took:.1f} s: too short to show anything"
+    sidecar.wait_state(NAME, "SUSPENDED", timeout_s=60)  # and idles out after it
+    assert api.metric("hotswap_sleeps_total", model=NAME, reason="idle") == before + 1
+    decided = api.state(NAME)["fleet"]["idle_slept_at"]
+    assert decided >= ended - 0.05, "the idle sleep was decided before the stream ended"
