@@ -194,7 +194,9 @@ def resolve(models: Sequence[ModelSettings], declared: Sequence[str] | None) -> 
         n = tp_size(m)
         if m.devices:
             named = tuple(m.devices)
-            sized = m.tp_size is not None or _tp_flag(m.command or [], "--tensor-parallel-size", "-tp")
+            sized = m.tp_size is not None or _tp_flag(
+                m.command or [], "--tensor-parallel-size", "-tp"
+            )
             if sized and len(named) != n:
                 raise ValueError(
                     f"model {m.name}: {len(named)} device(s) {list(named)} for tensor "

@@ -99,9 +99,7 @@ class SwapCoordinator:
 
     def fleet_rows(self) -> list[FleetRow]:
         return [
-            FleetRow(
-                r.name, r.settings.placement, r.host_bytes, r.snapshot.resident_bytes or 0
-            )
+            FleetRow(r.name, r.settings.placement, r.host_bytes, r.snapshot.resident_bytes or 0)
             for r in self.fleet.values()
         ]
 

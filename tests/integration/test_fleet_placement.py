@@ -15,7 +15,8 @@ import httpx
 import pytest
 from sidecar_harness import Api, SidecarThread, attached
 
-from controller.launcher import EngineProcess, EngineSpec, managed_argv
+from controller.enginespec import EngineSpec, managed_argv
+from controller.launcher import EngineProcess
 from controller.settings import ModelSettings
 
 pytestmark = pytest.mark.vllm
