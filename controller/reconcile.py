@@ -80,6 +80,8 @@ class Verdict:
     process: str | None = None  # the sign to remember from now on
     boot_ids: tuple[str | None, ...] | None = None  # the boot ids to remember from now on
     new_process: bool = False  # the engine is a different process than last seen
+    # SUSPENDED: what its ranks hold on their devices, summed (None: a rank did not say)
+    resident_bytes: int | None = None
 
     @property
     def sends_rpc(self) -> bool:
@@ -321,6 +323,9 @@ def reconcile(obs: Observation, mem: Memory) -> Verdict:
             f"every rank suspended at level {level}, pools {list(first.tags)}",
             level=level,
             tags=first.tags,
+            resident_bytes=None
+            if any(r.resident_bytes is None for r in ranks)
+            else sum(r.resident_bytes or 0 for r in ranks),
             **seen,
         )
     # resumed_unverified

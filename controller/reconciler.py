@@ -197,7 +197,11 @@ class Reconciler:
         if target in (State.RUNNING, State.SUSPENDED):
             running = target is State.RUNNING
             kept: dict[str, Any] = {"error": failure, "last_error": failure}
-            kept |= {"verified": True, "level": None} if running else {"level": v.level}
+            if running:
+                kept |= {"verified": True, "level": None, "resident_bytes": None}
+            else:  # what the ranks say they hold asleep, when they say it
+                held = v.resident_bytes if v.resident_bytes is not None else snap.resident_bytes
+                kept |= {"level": v.level, "resident_bytes": held}
             if snap.state is target:  # e.g. a start-up probe of what was known
                 self.runner.finish_same(run, **kept)
                 return

@@ -165,6 +165,7 @@ class RankView:
     poisoned: bool = False
     world_size: int | None = None
     error: str | None = None
+    resident_bytes: int | None = None  # what the rank holds on its device now (`resident`)
 
     @classmethod
     def from_info(cls, report: Mapping[str, Any], index: int = 0) -> RankView:
@@ -184,6 +185,8 @@ class RankView:
         boot = report.get("boot_id")
         reason = report.get("phase_reason")
         error = report.get("error")
+        resident = report.get("resident")
+        held = resident.get("bytes") if isinstance(resident, Mapping) else None
         return cls(
             rank=index if rank is None or rank < 0 else rank,
             ok=report.get("ok") is True,
@@ -198,6 +201,7 @@ class RankView:
             poisoned=report.get("poisoned") is True,
             world_size=opt_int("world_size"),
             error=str(error) if error is not None else None,
+            resident_bytes=held if isinstance(held, int) and not isinstance(held, bool) else None,
         )
 
 

@@ -231,6 +231,9 @@ class FakeVllm:
                 level=self.level,
                 **{"poisoned": False, **me},
             )
+            if self.resident_bytes is not None:
+                held = self.resident_bytes if self.suspended else 1 << 20
+                out["resident"] = {"bytes": held, "source": "nvml"}
         elif method == "hotswap_quiesce":
             out.update(barrier_s=0.0005, late_ranks=[])
         elif method == "hotswap_audit":

@@ -199,3 +199,18 @@ async def test_a_split_sleep_keeps_the_kv_cache_in_its_own_suspend() -> None:
     names = [p.name for p in out.transition.phases]
     assert names.index("kv") < names.index("suspend_kv_cache")
     assert rig.m.snapshot().resident_bytes == 200  # from the last suspend
+
+
+async def test_a_sleeper_found_at_start_says_what_it_holds() -> None:
+    """A sidecar (re)started beside a sleeping engine reads its ranks' `resident` back."""
+    rig = make_rig(FakeClock())
+    rig.world.asleep(1)
+    await rig.manager.start()
+    snap = rig.m.snapshot()
+    assert (snap.state, snap.resident_bytes) == (State.SUSPENDED, 200)
+    rig.world.resident_bytes = None  # an older extension: unknown, not 0
+    rig2 = make_rig(FakeClock())
+    rig2.world.asleep(1)
+    rig2.world.resident_bytes = None
+    await rig2.manager.start()
+    assert rig2.m.snapshot().resident_bytes is None
