@@ -21,7 +21,7 @@ from starlette.types import Receive
 from controller.errors import HotswapError, Refusal, WakeRefused
 from controller.manager import Manager
 from controller.record import ModelRecord
-from controller.settings import GatewaySettings
+from controller.servesettings import GatewaySettings
 from controller.state import State
 from controller.swap import SwapCoordinator, SwapResult
 from controller.swapmetrics import SwapMetrics

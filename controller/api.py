@@ -27,6 +27,7 @@ from controller.apierrors import (
     http_error,
     validation_error,
 )
+from controller.bounds import HOUR_S
 from controller.errors import (
     HotswapError,
     TransitionConflict,
@@ -38,7 +39,7 @@ from controller.manager import Manager
 from controller.modelmanager import ModelManager, Outcome
 from controller.openapi import control_table, document
 from controller.policy import Decision
-from controller.settings import HOUR_S, Settings
+from controller.settings import Settings
 from controller.state import Action, State, decide, overall_ready
 from controller.state import Request as Transition
 from controller.supervisor import Supervisor

@@ -11,11 +11,10 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, StringConstraints, field_validator, model_validator
 
+from controller.bounds import DAY_S, MAX_BYTES
 from controller.placement import Want, place
 from controller.state import Gate
 
-MAX_BYTES = 1 << 50  # 1 PiB: a memory budget or footprint, far above any device
-DAY_S = 86_400.0
 # A device as CUDA_VISIBLE_DEVICES names it: an index, or a GPU-/MIG- UUID.
 DeviceId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")]
 
