@@ -37,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -131,19 +132,29 @@ def llama_tensors(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def write_checkpoint(model_dir: str, seed: int = 0) -> int:
+def write_checkpoint(
+    model_dir: str,
+    seed: int = 0,
+    *,
+    fill: Callable[[Any, str, int], Any] | None = None,
+    device: str = "cuda:0",
+) -> int:
     """Seeded bf16 safetensors for the config in `model_dir` (one shard per layer, values
-    made on cuda:0 and copied out); returns the bytes written."""
+    made on `device` and copied out); returns the bytes written. `fill(t, name, seed)`
+    draws tensor `t` in place (e.g. benchmarks.realweights.fill_); None: normal(0, 0.02),
+    norm weights 1."""
     import torch
     from safetensors.torch import save_file
 
     cfg = json.loads(Path(model_dir, "config.json").read_text())
-    g = torch.Generator(device="cuda:0").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     shards: dict[str, dict[str, Any]] = {}
-    for name, shape in llama_tensors(cfg):
+    for i, (name, shape) in enumerate(llama_tensors(cfg)):
         key = name.split(".")[2] if name.startswith("model.layers.") else "other"
-        t = torch.empty(shape, dtype=torch.bfloat16, device="cuda:0")
-        if len(shape) == 1 and "norm" in name:
+        t = torch.empty(shape, dtype=torch.bfloat16, device=device)
+        if fill is not None:
+            fill(t, name, seed * 100003 + i)
+        elif len(shape) == 1 and "norm" in name:
             t.fill_(1.0)
         else:
             t.normal_(0.0, 0.02, generator=g)
@@ -157,7 +168,8 @@ def write_checkpoint(model_dir: str, seed: int = 0) -> int:
             total += t.numel() * t.element_size()
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     Path(model_dir, "model.safetensors.index.json").write_text(json.dumps(index))
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return total
 
 

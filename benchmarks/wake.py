@@ -141,27 +141,27 @@ class ViaExtension:
         s = WorkerSettings.from_env()
         self.llm.collective_rpc(lambda w: w.worker._hotswap_state().use_settings(s))
 
-    def sleep(self, prepare_level: int = 1) -> tuple[dict[str, Any], float]:
-        """controller.protocol's level-1 sleep steps; each report and its seconds.
+    def sleep(self, prepare_level: int = 1, level: int = 1) -> tuple[dict[str, Any], float]:
+        """controller.protocol's sleep steps at `level`; each report and its seconds.
         `prepare_level` 2: the prepare protects what a level-2 sleep would (its cost, on
         the same level-1 wake)."""
         self.llm.reset_prefix_cache()
-        params = protocol.Params(level=1, quiesce_timeout_s=30.0)
-        prep = protocol.Params(level=prepare_level, quiesce_timeout_s=30.0)
+        params = protocol.Params(level=level, quiesce_timeout_s=30.0)
+        prep = protocol.Params(level=max(level, prepare_level), quiesce_timeout_s=30.0)
         out: dict[str, Any] = {}
-        for step in protocol.sleep_steps(1):
+        for step in protocol.sleep_steps(level):
             args = step.call_args(prep if step is protocol.PREPARE else params)
             out[step.phase], out[f"{step.phase}_s"] = timed(self.rpc, step.method, *args)
         return out, out.pop(f"{protocol.SUSPEND.phase}_s")
 
-    def wake(self) -> tuple[dict[str, Any], float, float]:
-        """controller.protocol's level-1 wake steps; reports by pool and "verify", the
-        wake's seconds and the verify's."""
+    def wake(self, level: int = 1) -> tuple[dict[str, Any], float, float]:
+        """controller.protocol's wake steps from `level`; reports by pool, "reload" (level
+        2) and "verify", the wake's seconds and the verify's."""
         keys = {"resume_weights": "weights", "resume_kv_cache": "kv_cache"}
-        params = protocol.Params(level=1)
+        params = protocol.Params(level=level)
         out: dict[str, Any] = {}
         t = time.perf_counter()
-        for step in protocol.wake_steps(1):
+        for step in protocol.wake_steps(level):
             out[keys.get(step.phase, step.phase)], seconds = timed(
                 self.rpc, step.method, *step.call_args(params)
             )
@@ -278,6 +278,32 @@ def map_env(variant: str) -> dict[str, str]:
     return {"HOTSWAP_MAP_IMPL": impl, "HOTSWAP_MAP_HANDLES": handles or "vllm"}
 
 
+def engine_kwargs(
+    model: str,
+    shape: str,
+    *,
+    graphs: bool = False,
+    max_model_len: int = 2048,
+    load_format: str = "dummy",
+) -> dict[str, Any]:
+    """The in-process LLM's arguments the benches share: sleep mode, bf16, token ids only,
+    the shape's memory utilization, the extension; `load_format` "auto": the checkpoint."""
+    return {
+        "model": model,
+        "load_format": load_format,
+        "skip_tokenizer_init": True,
+        "enable_sleep_mode": True,
+        "enforce_eager": not graphs,
+        "max_model_len": max_model_len,
+        "gpu_memory_utilization": UTIL[shape],
+        "dtype": "bfloat16",
+        "seed": 0,
+        "max_num_seqs": 8,
+        "disable_log_stats": True,
+        "worker_extension_cls": "worker_ext.HotSwapExtension",
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
@@ -360,21 +386,9 @@ def main() -> int:
     res.update(bw)
     log(f"pinned H2D {bw['h2d_Bps'] / GB:.1f} GB/s, D2H {bw['d2h_Bps'] / GB:.1f} GB/s")
     d = write_config(args.shape, tempfile.mkdtemp(prefix=f"{args.shape}-"))
-    kw: dict[str, Any] = {
-        "model": d,
-        "load_format": "dummy",
-        "skip_tokenizer_init": True,
-        "enable_sleep_mode": True,
-        "enforce_eager": not args.graphs,
-        "max_model_len": args.max_model_len,
-        "gpu_memory_utilization": UTIL[args.shape],
-        "dtype": "bfloat16",
-        "seed": 0,
-        "max_num_seqs": 8,
-        "disable_log_stats": True,
-    }
-    if args.via == "extension":
-        kw["worker_extension_cls"] = "worker_ext.HotSwapExtension"
+    kw = engine_kwargs(d, args.shape, graphs=bool(args.graphs), max_model_len=args.max_model_len)
+    if args.via == "backend":
+        del kw["worker_extension_cls"]
     llm, res["llm_start_s"] = timed(LLM, **kw)
     res["weights_kind"] = args.weights
     if args.weights == "realistic":
