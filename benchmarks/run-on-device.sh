@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-command GPU run on the lent device, from the repo root, after the vLLM bundle:
 #   . .gpu/install-vllm-bundle.sh || exit 1; bash benchmarks/run-on-device.sh STEP...
-# STEP: smoke | tests | bench:SHAPE[:via] (SHAPE tiny|llama3-8b|qwen25-14b, via
+# STEP: smoke | tests | disktier:SHAPE (benchmarks.disktier; DISKTIER_BUDGET_S, DISKTIER_ARGS) | bench:SHAPE[:via] (SHAPE tiny|llama3-8b|qwen25-14b, via
 # extension|backend; BENCH_ARGS adds benchmarks.wake options, e.g. "--kv-modes wait"; TESTS_K
 # is a pytest -k expression for the tests step, e.g. "flip or cycle") | sidecar:SHAPE (benchmarks.sidecar;
 # needs the controller's wheels on PYTHONPATH).
@@ -28,6 +28,10 @@ for step in "$@"; do
            (( budget >= ${BENCH_MIN_S:-90} )) || budget=${BENCH_MIN_S:-90}
            # shellcheck disable=SC2206  # BENCH_ARGS: extra words, e.g. "--kv-modes wait"
            cmd=(python3 -m benchmarks.wake --shape "${shape:-llama3-8b}" --via "${via:-extension}" ${BENCH_ARGS:-}) ;;
+    disktier) budget=${DISKTIER_BUDGET_S:-160}
+           # benchmarks.disktier: its own --budget-s skips cycles 10 s before the step's limit
+           # shellcheck disable=SC2206  # DISKTIER_ARGS: extra words, e.g. "--readers 1,8"
+           cmd=(python3 -m benchmarks.disktier --shape "${shape:-llama3-8b}" --budget-s $(( budget - 10 )) ${DISKTIER_ARGS:-}) ;;
     sidecar) budget=$(( DEADLINE - now - 5 ))
              (( budget >= ${SIDECAR_MIN_S:-150} )) || budget=${SIDECAR_MIN_S:-150}
              cmd=(python3 -m benchmarks.sidecar --shape "${shape:-llama3-8b}" --budget-s $(( budget - 25 ))) ;;
