@@ -79,6 +79,10 @@ def _reads(metric: str) -> list[str]:
         "hotswap_gateway_hold_seconds",
         "hotswap_engine_restarts_total",
         "hotswap_swaps_total",
+        "hotswap_model_device_info",
+        "hotswap_model_host_bytes",
+        "hotswap_demotions_total",
+        "hotswap_sleeps_total",
     ],
 )
 def test_the_required_views_exist(metric: str) -> None:
