@@ -14,6 +14,7 @@ resent. Reading the engine back (start-up, after a failed step, periodically) is
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -349,12 +350,31 @@ class ModelManager:
             self.runner.discard()
             return [dict(r.raw) for r in reports]
 
+    async def demote(self) -> ModelSnapshot:
+        """Asleep at level 1: release the host copy (`hotswap_demote`); the model stays
+        SUSPENDED, now at level 2 (its next wake reloads). Refused (409) in any other
+        state or level; a failure leaves it as it was unless the call may have left the
+        queues out of step (then FAILED), like info and audit."""
+        snap = self.record.snapshot
+        if snap.state is not State.SUSPENDED or snap.level != 1:
+            raise TransitionConflict(
+                f"cannot demote {self.name}: {snap.state.value} at level {snap.level}",
+                model=self.name,
+            )
+        await self._passthrough(_DEMOTE, protocol.Params(level=2))
+        rec = self.record
+        rec.snapshot = dataclasses.replace(rec.snapshot, level=2)
+        return rec.snapshot
+
     async def audit(self, level: int) -> list[dict[str, Any]]:
         return await self._passthrough(protocol.AUDIT, protocol.Params(level=level))
 
     async def info(self) -> list[dict[str, Any]]:
         return await self._passthrough(_INFO_PASSTHROUGH, protocol.Params())
 
+
+# A demotion (level 1 -> 2 while asleep) is one RPC outside a transition, like audit.
+_DEMOTE = protocol.Step("demote", "hotswap_demote", lambda p: ())
 
 # Outside a transition, an info call is recorded under its method's name, as audit is.
 _INFO_PASSTHROUGH = protocol.Step("hotswap_info", "hotswap_info", lambda p: (), report=InfoReport)

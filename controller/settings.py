@@ -122,6 +122,15 @@ class SwapSettings(BaseModel):
         "get CUDA_VISIBLE_DEVICES; budgets, locks and LRU are per device. None = the devices "
         "the models name (`device`, default 0), engines' CUDA_VISIBLE_DEVICES untouched.",
     )
+    host_budget: int | float | None = Field(
+        None,
+        ge=0,
+        le=MAX_BYTES,
+        description="Host RAM the models may hold (level-1 sleepers' weights, awake models' "
+        "kept backups): bytes, or a fraction in (0, 1] of the machine's RAM. Over it, LRU "
+        "level-1 sleepers are demoted to level 2 (the host backend; CPU), else the sleep is "
+        "made at level 2. None = no host budget.",
+    )
     idle_sleep_s: float | None = Field(
         None,
         ge=0,
@@ -133,6 +142,31 @@ class SwapSettings(BaseModel):
     idle_sleep_level: int = Field(
         1, ge=1, le=2, description="Default sleep level of an idle sleep."
     )
+
+    @field_validator("host_budget", mode="before")
+    @classmethod
+    def _host_budget_text(cls, v: Any) -> Any:
+        # From the environment: "0.5" and "1.0" are fractions, "1073741824" bytes.
+        if isinstance(v, str):
+            text = v.strip()
+            try:
+                return int(text)
+            except ValueError:
+                try:
+                    return float(text)
+                except ValueError:
+                    return v
+        return v
+
+    @field_validator("host_budget")
+    @classmethod
+    def _host_budget(cls, v: int | float | None) -> int | float | None:
+        if isinstance(v, float) and not 0 < v <= 1:
+            raise ValueError(
+                "swap.host_budget: a fraction of the machine's RAM must be in (0, 1]; "
+                "bytes are a whole number"
+            )
+        return v
 
 
 class SupervisorSettings(BaseModel):
@@ -226,7 +260,7 @@ class Settings(BaseSettings):
         """Wakes go through the swap policy (a budget, managed engines or the gateway)."""
         swap = self.swap
         budget = swap.budget_bytes is not None or swap.max_awake is not None
-        fleet = swap.devices is not None
+        fleet = swap.host_budget is not None or swap.devices is not None
         return budget or fleet or self.idle_sleeping or self.managed or self.gateway_enabled
 
     @model_validator(mode="after")

@@ -124,7 +124,7 @@ class SwapView:
             # an eviction counts what the model will leave behind).
             asleep_bytes=rec.snapshot.resident_bytes or rec.asleep_bytes,
             host_bytes=rec.host_bytes,
-            host_weights_bytes=rec.host_weights,
+            host_weights_bytes=rec.host_weights or rec.pools.get("weights"),
             level=rec.snapshot.level if rec.state is State.SUSPENDED else None,
             demotable=rec.demotable,
             in_flight=rec.lane.in_flight,

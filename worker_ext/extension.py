@@ -441,6 +441,42 @@ class HotSwapExtension:
         }
 
     @rpc
+    def hotswap_demote(self) -> dict[str, Any]:
+        """Asleep at level 1: become level 2 (the host copy of the weights released). The
+        tensors a level-2 wake does not reload are copied to host memory first, beside the
+        level-1 snapshot's fingerprints, so the wake's verification still covers every
+        byte. The host backend only (CPU, where level 1 keeps the weights in place); on
+        another backend it refuses before touching anything."""
+        st = self._hotswap_state()
+        snap = st.snap
+        if st.level != 1 or snap is None:
+            raise RuntimeError(f"demote: not asleep at level 1 (level {st.level})")
+        demote = getattr(st.backend, "demote", None)
+        if not callable(demote):
+            raise RuntimeError(f"demote: the {st.backend.name} backend cannot demote")
+        self._hotswap_fault("demote")
+        rows = ownership.judge([e.record for e in snap.entries], 2, st.backend.tag_of)
+        at_risk = {r["name"] for r in rows if r["at_risk"]}
+        copied = 0
+        with self._hotswap_step("demote") as ph:
+            for e in snap.entries:
+                if e.record.name in at_risk and e.backup is None:
+                    raw = snapshot.storage_bytes(e.original)
+                    e.backup = torch.empty(raw.numel(), dtype=torch.uint8)
+                    e.backup.copy_(raw)
+                    copied += int(raw.numel())
+            res = demote()
+            snap.level = 2
+            st.level = 2
+            ph.suspended(2, st.backend.suspended())
+        return {
+            "level": 2,
+            "freed_bytes": res.get("freed_bytes", {}),
+            "protected_bytes": copied,
+            "at_risk": sorted(at_risk),
+        }
+
+    @rpc
     def hotswap_reload(self) -> dict[str, Any]:
         st = self._hotswap_state()
         if WEIGHTS in st.backend.suspended():

@@ -216,6 +216,21 @@ class HostBackend:
         malloc_trim()
         return {"freed_bytes": freed, "offloaded_bytes": offloaded}
 
+    def demote(self) -> dict[str, Any]:
+        """A level-1 sleep becomes level 2: the weights kept in place are freed (and their
+        packed kernels dropped); a wake then reloads them from the checkpoint."""
+        if self._asleep.get(WEIGHTS) != OFFLOADED:
+            raise RuntimeError(f"demote: the weights are not kept asleep ({self._asleep})")
+        freed = 0
+        for s in self._members.get(WEIGHTS, []):
+            s.storage.resize_(0)
+            freed += s.nbytes
+        self._drop_kernels()
+        self._asleep[WEIGHTS] = DISCARDED
+        self._ranges = None
+        malloc_trim()
+        return {"freed_bytes": {WEIGHTS: freed}}
+
     def _drop_kernels(self) -> None:
         """Release packed linear kernels; vLLM's reload re-packs them from the checkpoint."""
         runner = self._runner()

@@ -82,6 +82,8 @@ def test_placement_is_stable_when_the_settings_are_validated_again() -> None:
             "disagrees with its placement",
         ),
         ({"swap": {"devices": ["0;rm"]}}, "swap.devices.0"),
+        ({"swap": {"host_budget": 1.5}}, "a fraction of the machine's RAM must be in (0, 1]"),
+        ({"swap": {"host_budget": -1}}, "swap.host_budget"),
         ({"swap": {"idle_sleep_s": -1}}, "swap.idle_sleep_s"),
         ({"swap": {"idle_sleep_level": 3}}, "swap.idle_sleep_level"),
         ({"models": [managed("a", idle_sleep_level=0)]}, "models.0.idle_sleep_level"),
@@ -89,6 +91,18 @@ def test_placement_is_stable_when_the_settings_are_validated_again() -> None:
 )
 def test_bad_fleet_settings_are_refused_with_one_line(kw: dict[str, Any], says: str) -> None:
     assert says in refused(**kw)
+
+
+@pytest.mark.parametrize(
+    ("raw", "kind"), [("1073741824", int), ("0.25", float), ("1", int), ("1.0", float)]
+)
+def test_host_budget_from_the_environment_is_bytes_or_a_fraction(
+    monkeypatch: pytest.MonkeyPatch, raw: str, kind: type
+) -> None:
+    monkeypatch.setenv("HOTSWAP_SWAP__HOST_BUDGET", raw)
+    value = Settings().swap.host_budget
+    assert type(value) is kind
+    assert Settings().hot_swap
 
 
 def test_idle_sleep_per_model_over_the_default() -> None:

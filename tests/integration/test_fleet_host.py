@@ -1,0 +1,97 @@
+"""The host budget on real CPU vLLM servers, where a level-1 sleep keeps the weights in host
+memory: with room for one sleeper's weights, a second level-1 sleep demotes the least
+recently used sleeper to level 2 (its weights' storage freed inside the engine, as its worker
+reports), the metrics and /models say so, and the demoted model's next wake reloads from the
+checkpoint, verifies, and answers exactly as before."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from sidecar_harness import Api, SidecarThread, attach, attached
+
+pytestmark = pytest.mark.vllm
+
+A, B = "host-a", "host-b"
+PROMPT = {"prompt": "hello world, this is", "max_tokens": 8, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def engines_ab(engines: Any, tiny_model: Any) -> dict[str, Any]:
+    return {
+        A: engines.start(tiny_model("llama", 0, True), A),
+        B: engines.start(tiny_model("llama", 1, True), B),
+    }
+
+
+def _answer(side: SidecarThread, name: str) -> str:
+    assert side.gateway_url is not None
+    r = httpx.post(
+        f"{side.gateway_url}/v1/completions", json={"model": name, **PROMPT}, timeout=120
+    )
+    assert r.status_code == 200, r.text
+    return str(r.json()["choices"][0]["text"])
+
+
+@pytest.fixture(scope="module")
+def weights(engines_ab: dict[str, Any]) -> int:
+    """Host bytes one level-1 sleeper holds: its weights, as a sidecar without a budget sees."""
+    side = SidecarThread(
+        attached([attach(n, e) for n, e in engines_ab.items()]), gateway={"enabled": True}
+    ).start()
+    try:
+        api = Api(side.base_url)
+        r = api.sleep(A, 1)
+        assert r.status_code == 200, r.text
+        held = int(api.state(A)["fleet"]["host_bytes"])
+        assert api.wake(A).status_code == 200
+    finally:
+        side.stop()
+    assert held > 0
+    return held
+
+
+@pytest.fixture(scope="module")
+def sidecar(engines_ab: dict[str, Any], weights: int) -> Iterator[SidecarThread]:
+    side = SidecarThread(
+        attached([attach(n, e) for n, e in engines_ab.items()]),
+        gateway={"enabled": True},
+        swap={"host_budget": weights + weights // 2, "min_awake_s": 0.0},
+    )
+    side.start()
+    try:
+        yield side
+    finally:
+        side.stop()
+
+
+def test_a_second_level1_sleep_demotes_the_lru_sleeper(
+    sidecar: SidecarThread, weights: int
+) -> None:
+    api = Api(sidecar.base_url)
+    before = {n: _answer(sidecar, n) for n in (A, B)}  # B used last: A is the LRU
+    assert before[A] != before[B]
+    r = api.sleep(A, 1)
+    assert r.status_code == 200, r.text
+    assert api.state(A)["level"] == 1
+    assert api.state(A)["fleet"]["host_bytes"] == weights
+    assert api.metric("hotswap_demotions_total", model=A) == 0
+    r = api.sleep(B, 1)  # two sleepers' weights do not fit: A goes to level 2 first
+    assert r.status_code == 200, r.text
+    a, b = api.state(A), api.state(B)
+    assert (a["state"], a["level"], a["fleet"]["host_bytes"]) == ("SUSPENDED", 2, 0)
+    assert (b["state"], b["level"], b["fleet"]["host_bytes"]) == ("SUSPENDED", 1, weights)
+    assert api.metric("hotswap_demotions_total", model=A, reason="host_budget") == 1
+    assert api.metric("hotswap_model_host_bytes", model=A) == 0
+    assert api.metric("hotswap_model_host_bytes", model=B) == weights
+    # The demoted model wakes from its checkpoint, verified, and answers as before.
+    assert _answer(sidecar, A) == before[A]
+    a = api.state(A)
+    assert a["state"] == "RUNNING"
+    assert a["verified"] is True
+    phases = [p["name"] for p in a["last_transition"]["phases"]]
+    assert any("reload" in p for p in phases), phases
+    assert _answer(sidecar, B) == before[B]
