@@ -361,7 +361,7 @@ class ModelManager:
                 f"cannot demote {self.name}: {snap.state.value} at level {snap.level}",
                 model=self.name,
             )
-        await self._passthrough(_DEMOTE, protocol.Params(level=2))
+        await self._passthrough(protocol.DEMOTE, protocol.Params(level=2))
         rec = self.record
         rec.snapshot = dataclasses.replace(rec.snapshot, level=2)
         return rec.snapshot
@@ -372,9 +372,6 @@ class ModelManager:
     async def info(self) -> list[dict[str, Any]]:
         return await self._passthrough(_INFO_PASSTHROUGH, protocol.Params())
 
-
-# A demotion (level 1 -> 2 while asleep) is one RPC outside a transition, like audit.
-_DEMOTE = protocol.Step("demote", "hotswap_demote", lambda p: ())
 
 # Outside a transition, an info call is recorded under its method's name, as audit is.
 _INFO_PASSTHROUGH = protocol.Step("hotswap_info", "hotswap_info", lambda p: (), report=InfoReport)

@@ -304,6 +304,14 @@ class FakeVllm:
             )
             if self.resident_bytes is not None:
                 out["resident_bytes"] = self.resident_bytes
+        elif method == "hotswap_demote":
+            if self.level != 1 or self.suspended.get("weights") != "offloaded":
+                return {**out, "ok": False, "error": "demote: not asleep at level 1"}
+            if rank == 0:
+                self.level = 2
+                self.suspended["weights"] = "discarded"
+            self._step(me, phase_level=2)
+            out.update(level=2, freed_bytes={"weights": self.pool_bytes["weights"]})
         elif method == "hotswap_resume":
             tags = args[0] if args else kwargs.get("tags")
             tags = list(tags) if tags else list(self.suspended)

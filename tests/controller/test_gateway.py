@@ -126,6 +126,8 @@ async def world(
     if rpc_s is not None:
         timeouts = timeouts.model_copy(update={"rpc_s": rpc_s})
     per_model: dict[str, dict[str, Any]] = overrides.pop("per_model", {})
+    for n, fails in overrides.pop("fail", {}).items():
+        engines[n].fake.fail.update(fails)
     settings = Settings(
         models=[
             ModelSettings(name=n, url=f"http://{n}.engine.test", **per_model.get(n, {}))

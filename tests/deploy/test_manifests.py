@@ -385,6 +385,7 @@ def test_the_multigpu_pod_places_every_engine_on_its_own_gpus(tmp_path: Path) ->
         used.update(visible)
     assert used == set(settings.swap.devices)
     assert settings.swap.idle_sleep_s
+    assert settings.swap.host_budget == 0.5
 
 
 def test_images_are_tagged(variant: tuple[str, list[dict[str, Any]]]) -> None:
