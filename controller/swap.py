@@ -27,14 +27,8 @@ from controller.footprints import footprint_from_sleep
 from controller.hostpolicy import HostBudget, host_budget_bytes, plan_host
 from controller.manager import Manager
 from controller.modelmanager import Outcome
-from controller.policy import (
-    Decision,
-    Overlap,
-    WakePlan,
-    estimate,
-    plan_overlap,
-    plan_wake,
-)
+from controller.overlap import Overlap, plan_overlap
+from controller.policy import Decision, WakePlan, estimate, plan_wake
 from controller.settings import Settings
 from controller.state import State
 from controller.steps import DrainMode
@@ -240,7 +234,7 @@ class SwapCoordinator(SwapView):
 
     def overlap(self, name: str, plan: WakePlan) -> Overlap:
         """Whether this evicting wake may overlap the evicted model's offload with the
-        target's load (controller.policy.plan_overlap over the records' measured pools)."""
+        target's load (controller.overlap.plan_overlap over the records' measured pools)."""
         if plan.decision is not Decision.EVICT or len(plan.evict) != 1:
             return Overlap(False, "not a one-model eviction")
         mode = self.settings.swap.overlap

@@ -1,0 +1,49 @@
+"""Whether an evicting wake may overlap the evicted model's offload with the woken model's
+load (`plan_overlap`). Pure, like policy.py: the coordinator (controller.swap) runs the
+overlapped swap when the plan says so, else one sleep after the other."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from controller.policy import Decision, WakePlan, mib
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """Whether an evicting wake may map the target's weights while the evicted model's
+    weights are still leaving the device (its KV cache already gone), and why."""
+
+    ok: bool
+    reason: str
+    peak_bytes: int | None = None  # what the device holds at most while both move
+
+
+def plan_overlap(
+    plan: WakePlan,
+    victim_pools: Mapping[str, int],
+    target_pools: Mapping[str, int],
+    victim_counted: int,
+) -> Overlap:
+    """One evicted model on one device, a byte budget, and both models' pools measured:
+    the overlap holds, at its peak, the other models' bytes plus both models' weights (the
+    target's KV cache waits until the victim's weights are gone). `victim_counted`: the
+    bytes `plan.used_bytes` counted for the victim (`estimate`). Anything unknown: the swap
+    runs one sleep after the other, as before."""
+    if plan.decision is not Decision.EVICT or len(plan.evict) != 1:
+        return Overlap(False, "not a one-model eviction")
+    if len(plan.devices) > 1:
+        return Overlap(False, "tensor parallel over several devices: one after the other")
+    if plan.budget_bytes is None:
+        return Overlap(False, "no byte budget to check the overlap against")
+    vw, tw = victim_pools.get("weights"), target_pools.get("weights")
+    if not vw or not tw:
+        return Overlap(False, "pool sizes not measured yet")
+    others = max(0, plan.used_bytes - victim_counted)
+    peak = others + vw + tw
+    if peak > plan.budget_bytes:
+        why = f"{mib(others)} held + both weights {mib(vw)} + {mib(tw)} > {mib(plan.budget_bytes)}"
+        return Overlap(False, why, peak)
+    why = f"{mib(others)} held + both weights {mib(vw)} + {mib(tw)} <= {mib(plan.budget_bytes)}"
+    return Overlap(True, why, peak)
