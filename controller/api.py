@@ -44,7 +44,7 @@ from controller.state import Action, State, decide, overall_ready
 from controller.state import Request as Transition
 from controller.supervisor import Supervisor
 from controller.swap import SwapCoordinator
-from controller.views import health_entry, model_dict, outcome_dict, plain
+from controller.views import fleet_summary, health_entry, model_dict, outcome_dict, plain
 
 log = logging.getLogger("hotswap.api")
 
@@ -240,8 +240,12 @@ def _accepted(name: str, started: Outcome) -> Response:
     return JSONResponse(body, status_code=202, headers={"Location": f"/models/{name}"})
 
 
-async def list_models(manager: ManagerDep) -> dict[str, Any]:
-    return {"models": [model_dict(r, manager.settings) for r in manager.fleet.values()]}
+async def list_models(manager: ManagerDep, ctx: ContextDep) -> dict[str, Any]:
+    host = ctx.coordinator.host_budget().bytes if ctx.coordinator is not None else None
+    return {
+        "models": [model_dict(r, manager.settings) for r in manager.fleet.values()],
+        "fleet": fleet_summary(manager.fleet, manager.settings, host),
+    }
 
 
 async def get_model_state(model: ModelDep, manager: ManagerDep) -> dict[str, Any]:

@@ -99,6 +99,11 @@ class SnapshotBody(BaseModel):
 
 class ModelsBody(BaseModel):
     models: list[SnapshotBody]
+    fleet: dict[str, Any] | None = Field(
+        None,
+        description="The fleet settings (swap.devices, host_budget and its bytes, idle sleep) "
+        "and the host bytes all models hold.",
+    )
 
 
 class AuditBody(BaseModel):

@@ -109,3 +109,18 @@ def fleet_dict(rec: ModelRecord, settings: Settings) -> dict[str, Any]:
 def model_dict(rec: ModelRecord, settings: Settings) -> dict[str, Any]:
     """One model of GET /models: its snapshot and its `fleet` entry."""
     return {**snapshot_dict(rec.snapshot), "fleet": fleet_dict(rec, settings)}
+
+
+def fleet_summary(
+    fleet: Mapping[str, ModelRecord], settings: Settings, host_budget_bytes: int | None
+) -> dict[str, Any]:
+    """GET /models' `fleet`: the pod's devices, the host budget and what the models hold."""
+    swap = settings.swap
+    return {
+        "devices": swap.devices,
+        "host_budget": swap.host_budget,
+        "host_budget_bytes": host_budget_bytes,
+        "host_bytes": sum(r.host_bytes for r in fleet.values()),
+        "idle_sleep_s": swap.idle_sleep_s,
+        "idle_sleep_level": swap.idle_sleep_level,
+    }

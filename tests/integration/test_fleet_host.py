@@ -87,6 +87,9 @@ def test_a_second_level1_sleep_demotes_the_lru_sleeper(
     assert api.metric("hotswap_demotions_total", model=A, reason="host_budget") == 1
     assert api.metric("hotswap_model_host_bytes", model=A) == 0
     assert api.metric("hotswap_model_host_bytes", model=B) == weights
+    fleet = api.get("/models").json()["fleet"]
+    assert fleet["host_budget_bytes"] == weights + weights // 2
+    assert fleet["host_bytes"] == weights
     # The demoted model wakes from its checkpoint, verified, and answers as before.
     assert _answer(sidecar, A) == before[A]
     a = api.state(A)
