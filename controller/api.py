@@ -241,7 +241,7 @@ def _accepted(name: str, started: Outcome) -> Response:
 
 
 async def list_models(manager: ManagerDep, ctx: ContextDep) -> dict[str, Any]:
-    host = ctx.coordinator.host_budget().bytes if ctx.coordinator is not None else None
+    host = ctx.coordinator.host.budget().bytes if ctx.coordinator is not None else None
     return {
         "models": [model_dict(r, manager.settings) for r in manager.fleet.values()],
         "fleet": fleet_summary(manager.fleet, manager.settings, host),
