@@ -4,9 +4,11 @@ measured byte budget (CUDA's free memory with every model asleep). Pure, like po
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from controller import protocol
+from controller.reports import RankReport, SuspendReport, sum_by_pool
 from controller.state import TransitionRecord
 
 
@@ -43,3 +45,37 @@ def budget_from_info(ranks: Sequence[Mapping[str, Any]]) -> int | None:
         and isinstance(mem.get("free"), int)
     ]
     return min(free) if free else None
+
+
+def freed_by_pool(reports: Iterable[RankReport]) -> dict[str, int]:
+    """The bytes a sleep's suspends freed, by pool, summed over ranks (and over the two
+    suspends of a sleep split by pool)."""
+    return sum_by_pool(r.freed_bytes for r in reports if isinstance(r, SuspendReport))
+
+
+def copied_weights(reports: Iterable[RankReport]) -> int:
+    """The weights bytes a sleep copied off the device: freed and offloaded on each rank
+    (the host backend offloads in place and frees nothing; level 2 discards)."""
+    total = 0
+    for r in reports:
+        if isinstance(r, SuspendReport):
+            off = r.raw.get("offloaded_bytes")
+            moved = off.get("weights", 0) if isinstance(off, dict) else 0
+            freed = r.freed_bytes.get("weights", 0)
+            total += min(int(moved), int(freed)) if isinstance(moved, int | float) else 0
+    return total
+
+
+def pools_from_info(transition: TransitionRecord | None) -> dict[str, int]:
+    """The pools' bytes a start probe's `hotswap_info` reported, summed over ranks."""
+    if transition is None:
+        return {}
+    for phase in transition.phases:
+        if phase.name == protocol.INFO.phase:
+            pools = [
+                {str(k): int(v) for k, v in p.items() if isinstance(v, int) and v > 0}
+                for r in phase.ranks
+                if isinstance(p := r.get("pools"), dict)
+            ]
+            return sum_by_pool(pools)
+    return {}

@@ -24,10 +24,11 @@ from typing import Any
 from controller import protocol, steps
 from controller.engine import EngineClient
 from controller.errors import DrainTimeout, EngineError, TransitionConflict
+from controller.footprints import copied_weights, freed_by_pool, pools_from_info
 from controller.metrics import Metrics
 from controller.reconciler import Reconciler
 from controller.record import ModelRecord
-from controller.reports import InfoReport, RankReport, SuspendReport, resident_bytes, sum_by_pool
+from controller.reports import InfoReport, RankReport, resident_bytes
 from controller.runner import AnyStep, PhaseFailed, Run, Runner
 from controller.settings import TimeoutSettings
 from controller.state import (
@@ -205,8 +206,9 @@ class ModelManager:
         sequence = steps.sleep_sequence(level, drain, grace, kv_released, keep_kv=keep_kv)
         reports = await self._guarded(run, sequence, params)
         self.runner.count_bytes(run)
-        self.record.learn_pools(_freed_by_pool(run), "bytes freed at sleep")
-        self.record.copied_bytes = _copied_weights(run)
+        sent = [r for rs in run.reports.values() for r in rs]
+        self.record.learn_pools(freed_by_pool(sent), "bytes freed at sleep")
+        self.record.copied_bytes = copied_weights(sent)
         self.record.asleep = None  # every pool the level releases
         # what the last suspend's ranks say they left on their devices
         last = protocol.SUSPEND_WEIGHTS if kv_released is not None else protocol.SUSPEND
@@ -285,7 +287,8 @@ class ModelManager:
         async with self._lock:
             fresh = self.record.state is State.STARTING
             await self.reconciler.run("start-up", kind="start", fresh=fresh)
-            self.record.learn_pools(_pools_from_info(self.record.snapshot), "hotswap_info pools")
+            pools = pools_from_info(self.record.snapshot.last_transition)
+            self.record.learn_pools(pools, "hotswap_info pools")
             return self.record.snapshot
 
     def mark_starting(self) -> None:
@@ -375,39 +378,3 @@ class ModelManager:
 
 # Outside a transition, an info call is recorded under its method's name, as audit is.
 _INFO_PASSTHROUGH = protocol.Step("hotswap_info", "hotswap_info", lambda p: (), report=InfoReport)
-
-
-def _freed_by_pool(run: Run) -> dict[str, int]:
-    """The bytes a sleep's suspends freed, by pool, summed over ranks (and over the two
-    suspends of a sleep split by pool)."""
-    reports = [r for rs in run.reports.values() for r in rs]
-    return sum_by_pool(r.freed_bytes for r in reports if isinstance(r, SuspendReport))
-
-
-def _copied_weights(run: Run) -> int:
-    """The weights bytes a sleep copied off the device: freed and offloaded on each rank
-    (the host backend offloads in place and frees nothing; level 2 discards)."""
-    total = 0
-    for reports in run.reports.values():
-        for r in reports:
-            if isinstance(r, SuspendReport):
-                off = r.raw.get("offloaded_bytes")
-                moved = off.get("weights", 0) if isinstance(off, dict) else 0
-                freed = r.freed_bytes.get("weights", 0)
-                total += min(int(moved), int(freed)) if isinstance(moved, int | float) else 0
-    return total
-
-
-def _pools_from_info(snap: ModelSnapshot) -> dict[str, int]:
-    """The pools' bytes the start probe's `hotswap_info` reported, summed over ranks."""
-    if snap.last_transition is None:
-        return {}
-    for phase in snap.last_transition.phases:
-        if phase.name == protocol.INFO.phase:
-            pools = [
-                {str(k): int(v) for k, v in p.items() if isinstance(v, int) and v > 0}
-                for r in phase.ranks
-                if isinstance(p := r.get("pools"), dict)
-            ]
-            return sum_by_pool(pools)
-    return {}
