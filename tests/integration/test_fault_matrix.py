@@ -17,7 +17,9 @@ HOTSWAP_FAULT_MATRIX=full adds an engine SIGKILL at every phase (CI runs one per
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -51,6 +53,11 @@ NAME = "tiny-faults"
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "reliability.md"
 HOLD_S = 3.0  # how long a rank is held at a phase: the fault lands inside it
+# The drain case's request must outlast the harness's phase polls on a busy machine: 240
+# tokens (the tiny model's 256 positions) drained in 0.40 s once and the polls missed it.
+# The module's engine gets a copy of the model with a longer context, the request ~1,000.
+MAX_MODEL_LEN = 1024
+LONG_TOKENS = MAX_MODEL_LEN - 48
 FULL = os.environ.get("HOTSWAP_FAULT_MATRIX", "") == "full"
 SIDECAR_ENV = {
     "HOTSWAP_TIMEOUTS__RPC_S": "60",
@@ -166,14 +173,28 @@ class Engine:
             return bool(client.get("/is_paused").json()["is_paused"])
 
 
+def _with_context(model: Path, out: Path, positions: int) -> Path:
+    """A copy of `model` whose config allows `positions` (the weights do not depend on it:
+    rotary positions)."""
+    shutil.copytree(model, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["max_position_embeddings"] = positions
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
 @pytest.fixture(scope="module")
-def engine(engines: EngineLauncher, tiny_llama: Path) -> Engine:
+def engine(
+    engines: EngineLauncher, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Engine:
     path = os.pathsep.join([str(REPO), str(REPO / "tests" / "worker_ext")])
+    model = _with_context(tiny_llama, tmp_path_factory.mktemp("long") / "m", MAX_MODEL_LEN)
     proc = engines.start(
-        tiny_llama,
+        model,
         NAME,
         worker_extension_cls="hsext.HotSwapTestExtension",
         extra_env={"PYTHONPATH": path},
+        max_model_len=MAX_MODEL_LEN,
     )
     return Engine(engines, proc)
 
@@ -303,7 +324,7 @@ def _long_request(url: str) -> threading.Thread:
     running = threading.Event()
 
     def run() -> None:
-        body = {**completion_body(NAME, max_tokens=240), "stream": True}
+        body = {**completion_body(NAME, max_tokens=LONG_TOKENS), "stream": True}
         with (
             engine_http(url, 300) as client,
             client.stream("POST", "/v1/completions", json=body) as r,
