@@ -30,12 +30,13 @@ def test_an_idle_model_sleeps_by_itself_and_the_next_request_wakes_it() -> None:
             t0 = asyncio.get_running_loop().time()
             await until(lambda: w.state("a") is State.SUSPENDED)
             assert asyncio.get_running_loop().time() - t0 >= 0.25  # not before its time
-            assert w.sample("hotswap_sleeps_total", model="a", reason="idle") == 1
+            # The sleep is counted once its sequence returns, a moment after the state.
+            await until(lambda: w.sample("hotswap_sleeps_total", model="a", reason="idle") == 1)
             r = await ask(w, "a")  # the gateway wakes it
             assert r.status_code == 200, r.text
             assert w.state("a") is State.RUNNING
             await until(lambda: w.state("a") is State.SUSPENDED)  # and idles out again
-            assert w.sample("hotswap_sleeps_total", model="a", reason="idle") == 2
+            await until(lambda: w.sample("hotswap_sleeps_total", model="a", reason="idle") == 2)
             assert w.sample("hotswap_sleeps_total", model="b", reason="idle") == 0  # asleep
 
     run(body)
@@ -63,7 +64,7 @@ def test_a_model_with_a_request_in_flight_never_idles_out() -> None:
             eng.hold.set()
             assert (await req).status_code == 200
             await until(lambda: w.state("a") is State.SUSPENDED)  # idle from its end on
-            assert w.sample("hotswap_sleeps_total", model="a", reason="idle") == 1
+            await until(lambda: w.sample("hotswap_sleeps_total", model="a", reason="idle") == 1)
 
     run(body)
 

@@ -46,13 +46,21 @@ def _ask(side: SidecarThread, max_tokens: int, stream: bool = False) -> httpx.Re
     return httpx.post(f"{side.gateway_url}/v1/completions", json=body, timeout=180)
 
 
+def _wait_idle_sleeps(api: Api, want: float, timeout_s: float = 10.0) -> None:
+    """The sleep is counted once its sequence returns, a moment after the state flips."""
+    deadline = time.monotonic() + timeout_s
+    while (got := api.metric("hotswap_sleeps_total", model=NAME, reason="idle")) != want:
+        assert time.monotonic() < deadline, f"idle sleeps {got}, not {want}"
+        time.sleep(0.05)
+
+
 def test_an_idle_engine_sleeps_and_the_next_request_wakes_it(sidecar: SidecarThread) -> None:
     api = Api(sidecar.base_url)
     assert api.state(NAME)["fleet"]["idle_sleep_s"] == IDLE_S
     t0 = time.monotonic()
     sidecar.wait_state(NAME, "SUSPENDED", timeout_s=60)
     assert time.monotonic() - t0 >= IDLE_S * 0.5  # counted from its start-up probe
-    assert api.metric("hotswap_sleeps_total", model=NAME, reason="idle") == 1
+    _wait_idle_sleeps(api, 1)
     assert httpx.get(f"{sidecar.base_url}/health", timeout=10).status_code == 200  # swappable
     r = _ask(sidecar, 4)
     assert r.status_code == 200, r.text
@@ -73,6 +81,6 @@ def test_never_while_a_request_streams(sidecar: SidecarThread) -> None:
     assert '"finish_reason":"abort"' not in r.text.replace(" ", "")
     assert took > 2 * IDLE_S, f"the stream took {took:.1f} s: too short to show anything"
     sidecar.wait_state(NAME, "SUSPENDED", timeout_s=60)  # and idles out after it
-    assert api.metric("hotswap_sleeps_total", model=NAME, reason="idle") == before + 1
+    _wait_idle_sleeps(api, before + 1)
     decided = api.state(NAME)["fleet"]["idle_slept_at"]
     assert decided >= ended - 0.05, "the idle sleep was decided before the stream ended"
