@@ -61,6 +61,15 @@ class Rig:
         return 0.0 if value is None else value
 
 
+async def _refuse(r: httpx.Request) -> httpx.Response:
+    raise httpx.ConnectError("connection refused", request=r)
+
+
+async def _fail_500(r: httpx.Request) -> httpx.Response:
+    """What vLLM answers when a collective_rpc raised in a worker."""
+    return httpx.Response(500, json={"error": {"message": "Call to collective_rpc failed"}})
+
+
 def make_rig(
     clock: FakeClock | None = None,
     ranks: int = 2,
@@ -192,10 +201,7 @@ async def test_start_finishes_what_a_dead_sidecar_left_or_fails_with_the_reason(
 async def test_start_unreachable_engine_is_failed_with_reason() -> None:
     rig = make_rig()
 
-    async def refuse(r: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("connection refused", request=r)
-
-    rig.world.overrides["/health"] = refuse
+    rig.world.overrides["/health"] = _refuse
     await rig.manager.start()
     snap = rig.m.snapshot()
     assert snap.state is State.FAILED
@@ -482,10 +488,7 @@ async def test_slow_engine_rpc_timeout_is_failed_and_never_resent() -> None:
 async def test_failing_engine_500_is_failed_502() -> None:
     rig = await started()
 
-    async def boom(r: httpx.Request) -> httpx.Response:
-        return httpx.Response(500, json={"error": {"message": "Call to collective_rpc failed"}})
-
-    rig.world.overrides["hotswap_prepare"] = boom
+    rig.world.overrides["hotswap_prepare"] = _fail_500
     with pytest.raises(EngineError) as info:
         await rig.m.sleep(1)
     assert type(info.value) is EngineError
@@ -720,10 +723,7 @@ async def test_begin_returns_at_once_and_the_outcome_lands_in_the_snapshot() -> 
 async def test_begin_sleep_failure_is_kept_in_the_snapshot() -> None:
     rig = await started()
 
-    async def boom(r: httpx.Request) -> httpx.Response:
-        return httpx.Response(500, json={"error": {"message": "x"}})
-
-    rig.world.overrides["hotswap_suspend"] = boom
+    rig.world.overrides["hotswap_suspend"] = _fail_500
     rig.m.begin_sleep(1)
     task = rig.m.task
     assert task is not None
@@ -760,10 +760,7 @@ async def test_audit_and_info_pass_through_per_rank_lists() -> None:
     assert len(await rig.m.info()) == 2
     assert rig.m.snapshot().state is State.RUNNING
 
-    async def boom(r: httpx.Request) -> httpx.Response:
-        return httpx.Response(500, json={"error": {"message": "x"}})
-
-    rig.world.overrides["hotswap_audit"] = boom
+    rig.world.overrides["hotswap_audit"] = _fail_500
     with pytest.raises(EngineError):
         await rig.m.audit(1)
     assert rig.m.snapshot().state is State.FAILED
@@ -795,10 +792,6 @@ async def test_bad_request_values_are_refused_before_anything_changes() -> None:
     await rig.manager.stop()
 
 
-async def _refuse(r: httpx.Request) -> httpx.Response:
-    raise httpx.ConnectError("connection refused", request=r)
-
-
 @pytest.mark.anyio
 async def test_engine_unreachable_at_start_is_probed_once_it_answers() -> None:
     rig = make_rig()
@@ -819,10 +812,7 @@ async def test_engine_failed_mid_transition_is_never_called_again_until_it_resta
     only after the engine was seen down (restarted) is it probed afresh."""
     rig = await started()
 
-    async def boom(r: httpx.Request) -> httpx.Response:
-        return httpx.Response(500, json={"error": {"message": "Call to collective_rpc failed"}})
-
-    rig.world.overrides["hotswap_prepare"] = boom
+    rig.world.overrides["hotswap_prepare"] = _fail_500
     with pytest.raises(EngineError):
         await rig.m.sleep(1)
     assert rig.m.snapshot().state is State.FAILED
