@@ -7,10 +7,10 @@
 
 Runs on the lent device after the vLLM bundle, with the sidecar's extra wheels on
 PYTHONPATH. `python -m controller serve --config FILE`: the sidecar starts both engines
-itself (managed mode, device "0", the shape's config, dummy bf16 weights, max_model_len
-2048, `--util` of the GPU each, so only one fits awake; `--graphs 1`: vLLM's default
-compile and CUDA-graph capture), `swap.max_awake: 1`, `min_awake_s: 0`, the byte budget
-measured by the supervisor with both asleep, the gateway in front.
+itself (managed mode, both on device "0" by issue 17's `devices`, the shape's config,
+dummy bf16 weights, max_model_len 2048, `--util` of the GPU each, so only one fits awake;
+`--graphs 1`: vLLM's default compile and CUDA-graph capture), `swap.max_awake: 1`,
+`min_awake_s: 0`, the byte budget measured by the supervisor with both asleep, the gateway in front.
 
 1. the boot sleeps (each engine's first sleep, after its start) from GET /models;
 2. `--standalone` cycles of POST /models/X/wake then POST /models/X/sleep for each model,
@@ -109,7 +109,7 @@ def config(
                 if cpu
                 else engine_argv(model, n, args.util, args.graphs),
                 "gate": "swappable",
-                "device": "0",
+                "devices": ["0"],  # issue 17's placement: both on device 0
                 "served_model_name": n,
                 **({"env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}} if cpu else {}),
             }
@@ -359,10 +359,13 @@ def report(res: dict[str, Any]) -> None:
     for n, tr in boot.items():
         print(f"boot (first) sleep of {n}: {tr.get('duration_s')} s, phases {tr.get('phases')}")
     placement = {
-        m.get("name"): {k: m.get(k) for k in ("device", "devices", "placement") if k in m}
+        m.get("name"): {
+            k: (m.get("fleet") or {}).get(k) for k in ("devices", "visible_devices", "pinned")
+        }
         for m in _rows(res.get("models_after_boot"))
     }
-    print(f"/models placement: {placement}")
+    fleet = (res.get("models_after_boot") or {}).get("fleet")
+    print(f"/models placement: {placement}; fleet {fleet}")
     if not (wakes and sleeps):
         return
     sw, ss = statistics.median(wakes), statistics.median(sleeps)
