@@ -617,6 +617,38 @@ class CuMemBackend:
             raise RuntimeError(f"no host backup buffer: {self._host_error}")
         return self._host
 
+    def host_backup_bytes(self) -> int:
+        with self._host_lock:
+            bufs = (self._host, self._kv_host)
+            return sum(b.nbytes for b in bufs if b is not None)
+
+    def drop_backup(self) -> dict[str, int]:
+        """Awake: free the kept pinned buffers once the copies a resume queued are done (and
+        a background pinning has ended); the next sleep pins anew, in the foreground."""
+        if self._suspended or self._offloaded_layout or self._coded:
+            raise RuntimeError(f"drop_backup: pools asleep: {sorted(self._suspended)}")
+        self.synchronize()
+        self._join_host()
+        if self._kv_thread is not None:
+            self._kv_thread.join()
+        with self._host_lock:
+            freed = {
+                WEIGHTS: self._host.nbytes if self._host is not None else 0,
+                KV_CACHE: self._kv_host.nbytes if self._kv_host is not None else 0,
+            }
+        self._release_host()
+        return freed
+
+    def wake_scratch_bytes(self) -> int:
+        """The codec's staging a wake decodes through: asleep with a coded host copy of the
+        weights, or with their level-2 disk tier file's key."""
+        gc = self._codec
+        if gc is None or WEIGHTS not in self._suspended:
+            return 0
+        if self._coded or self._tier_key is not None:
+            return int(gc.scratch_bytes())
+        return 0
+
     def _release_host(self) -> None:
         self._join_tier_writer()
         with self._host_lock:

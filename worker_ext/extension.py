@@ -211,6 +211,8 @@ class HotSwapExtension:
             "poisoned": st.quiescer.poisoned,
             **st.phase.report(),
             "snapshot_held": st.snap is not None,
+            "host_backup_bytes": st.backend.host_backup_bytes(),
+            "wake_scratch_bytes": st.backend.wake_scratch_bytes(),
             # the cumem backend's host buffer, verify kernel and mapping (plain values)
             "backend_detail": st.backend.describe(),
         }
@@ -402,6 +404,7 @@ class HotSwapExtension:
             "kv": kv,
             "resident_bytes": resident["bytes"],
             "resident": resident,
+            "wake_scratch_bytes": st.backend.wake_scratch_bytes(),
             "timings": res.get("timings", {}),
             "freed_bytes": res.get("freed_bytes", {}),
             "offloaded_bytes": res.get("offloaded_bytes", {}),
@@ -438,7 +441,21 @@ class HotSwapExtension:
             "timings": res.get("timings", {}),
             "memory_before": _mem_value(before),
             "memory_after": _mem_value(st.backend.memory()),
+            "host_backup_bytes": st.backend.host_backup_bytes(),
         }
+
+    @rpc
+    def hotswap_drop_backup(self) -> dict[str, Any]:
+        """Awake: release the host copies kept for the next sleep (CUDA's pinned buffers);
+        that sleep pins anew. Refused, before touching anything, while a pool is asleep.
+        Host memory only: the rank's phase and transitions do not move."""
+        st = self._hotswap_state()
+        asleep = st.backend.suspended()
+        if asleep:
+            raise RuntimeError(f"drop_backup: not awake (pools asleep: {sorted(asleep)})")
+        self._hotswap_fault("drop_backup")
+        freed = st.backend.drop_backup()
+        return {"freed_host_bytes": freed, "host_backup_bytes": st.backend.host_backup_bytes()}
 
     @rpc
     def hotswap_demote(self) -> dict[str, Any]:

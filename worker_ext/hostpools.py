@@ -187,6 +187,15 @@ class HostBackend:
         """No device: a CPU engine leaves nothing on one (its RSS is in hotswap_info)."""
         return {"bytes": 0, "source": "none"}
 
+    def host_backup_bytes(self) -> int:
+        return 0  # level 1 keeps the weights in place: no copy is ever kept beside them
+
+    def drop_backup(self) -> dict[str, int]:
+        return {WEIGHTS: 0, KV_CACHE: 0}
+
+    def wake_scratch_bytes(self) -> int:
+        return 0
+
     def suspend(self, level: int, tags: list[str], keep_kv: bool = False) -> dict[str, Any]:
         for tag in tags:
             if tag not in (WEIGHTS, KV_CACHE):

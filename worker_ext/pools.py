@@ -81,6 +81,20 @@ class PoolBackend(Protocol):
         """What this process holds on its device now (hotswap_info's `resident`)."""
         ...
 
+    def host_backup_bytes(self) -> int:
+        """Host RAM kept now for the pools' copies (CUDA: the pinned buffers kept for the
+        next sleep); 0 where none is kept."""
+        ...
+
+    def drop_backup(self) -> dict[str, int]:
+        """Awake: release the kept host copies; the bytes freed by pool."""
+        ...
+
+    def wake_scratch_bytes(self) -> int:
+        """Device bytes the next wake takes for a while beyond the pools it maps back (the
+        codec's staging); 0 while awake or where a wake needs none."""
+        ...
+
     def resume(self, tags: list[str]) -> dict[str, Any]:
         """Map the given (asleep) pools back at the same addresses where the platform allows,
         copying offloaded bytes back. Returns {"restored_bytes": {tag: n}}."""

@@ -237,7 +237,32 @@ def test_rss_drops_and_returns(llm: Any) -> None:
     assert abs(grown - r["restored_bytes"]["kv_cache"]) < freed * 0.1, (grown, freed)
 
 
-POINTS = ["info", "quiesce", "audit", "prepare", "suspend", "resume", "reload"]
+def test_drop_backup_awake_only(llm: Any, baseline: Any) -> None:
+    """The host backend keeps no copy beside the weights: an awake drop frees nothing and
+    moves nothing; asleep, it is refused before touching anything, and the wake verifies."""
+    start = _phase(llm)
+    (info,) = ok(llm, "hotswap_info")
+    assert (info["host_backup_bytes"], info["wake_scratch_bytes"]) == (0, 0)
+    (d,) = ok(llm, "hotswap_drop_backup")
+    assert d["freed_host_bytes"] == {"weights": 0, "kv_cache": 0}
+    assert d["host_backup_bytes"] == 0
+    assert _phase(llm) == start  # host memory only: no memory step
+    llm.reset_prefix_cache()
+    ok(llm, "hotswap_prepare", 1)
+    (s,) = ok(llm, "hotswap_suspend", 1)
+    assert s["wake_scratch_bytes"] == 0
+    asleep = _phase(llm)
+    (refused,) = rpc(llm, "hotswap_drop_backup")
+    assert refused["ok"] is False
+    assert "not awake" in refused["error"]
+    assert _phase(llm) == asleep
+    (r,) = ok(llm, "hotswap_resume")
+    assert r["host_backup_bytes"] == 0
+    ok(llm, "hotswap_restore_and_verify")
+    assert generate(llm) == baseline
+
+
+POINTS = ["info", "quiesce", "audit", "prepare", "suspend", "resume", "reload", "drop_backup"]
 
 
 @pytest.mark.parametrize("point", POINTS)
@@ -251,6 +276,7 @@ def test_injected_failure_is_an_answer(llm: Any, baseline: Any, point: str) -> N
         "suspend": (1,),
         "resume": (),
         "reload": (),
+        "drop_backup": (),
     }
     if point in ("suspend", "resume", "reload"):
         ok(llm, "hotswap_prepare", 1)
