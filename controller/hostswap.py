@@ -1,6 +1,8 @@
 """The host budget's actions: before a sleep, the level it may sleep at within the host
-budget, demoting least recently used level-1 sleepers to level 2 first (the plan is
-`controller.hostpolicy`'s, pure); after it, the host bytes the model now holds.
+budget, dropping awake models' kept backups and then demoting least recently used level-1
+sleepers to level 2 first (the plan is `controller.hostpolicy`'s, pure); after a sleep or a
+wake, the host bytes the model now holds (a wake that keeps a backup may put the fleet over
+the budget: then the same plan for the fleet as it is, and its drops and demotions).
 
 `HostMemory` belongs to the `SwapCoordinator` (controller.swap), which takes its lock around
 a budgeted sleep so that host plans and the sleeps they admit never race.
@@ -9,13 +11,16 @@ a budgeted sleep so that host plans and the sleeps they admit never race.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 
+from controller import protocol
 from controller.errors import EngineError, HotswapError
-from controller.hostpolicy import HostBudget, host_budget_bytes, plan_host
+from controller.hostpolicy import HostBudget, HostPlan, host_budget_bytes, plan_host
 from controller.manager import Manager
 from controller.modelmanager import Outcome
+from controller.policy import ModelView
 from controller.swapview import SwapView
 
 log = logging.getLogger("hotswap.swap")
@@ -38,22 +43,83 @@ class HostMemory:
 
     async def room(self, name: str, level: int | None) -> int | None:
         """Holding the host lock, before a sleep of `name`: the level it may sleep at within
-        the host budget, demoting LRU level-1 sleepers first (controller.hostpolicy)."""
+        the host budget, dropping awake models' backups and then demoting LRU level-1
+        sleepers first (controller.hostpolicy)."""
         budget = self.budget()
         if budget.bytes is None:
             return level
         asked = level if level is not None else self.fleet[name].settings.default_level
-        fields = {"model": name, "phase": "host"}
-        for _ in range(len(self.fleet) + 1):  # a demotion refused: plan again without it
-            plan = plan_host(name, asked, self.view.views(), budget)
-            log.info("%s: host plan (level %s): %s", name, plan.level, plan.reason, extra=fields)
-            done = [await self.demote(victim) for victim in plan.demote]
+        plan = await self._enforce(name, asked, budget)
+        return plan.level
+
+    async def _enforce(self, name: str | None, level: int | None, budget: HostBudget) -> HostPlan:
+        """Plan host memory (for a sleep of `name`, or the fleet as it is) and do what the
+        plan says: backups dropped first, then demotions; a step refused is planned again
+        without that model."""
+        fields = {"model": name or "-", "phase": "host"}
+        refused: set[str] = set()
+        plan = plan_host(name, level, self._views(refused), budget)
+        for _ in range(len(self.fleet) + 1):
+            what = f"{name}: host plan (level {plan.level})" if name else "host plan (fleet)"
+            log.info("%s: %s", what, plan.reason, extra=fields)
+            done = [await self.drop_backup(awake) for awake in plan.drop_backup]
+            done += [await self.demote(victim) for victim in plan.demote]
             if all(done):
                 break
-        for awake in plan.drop_backup:
-            # No RPC drops an awake engine's kept backup yet: said, not done.
-            log.warning("%s: its kept host backup cannot be dropped here", awake, extra=fields)
-        return plan.level
+            asked = (*plan.drop_backup, *plan.demote)
+            refused |= {n for n, ok in zip(asked, done, strict=True) if not ok}
+            plan = plan_host(name, level, self._views(refused), budget)
+        return plan
+
+    def _views(self, refused: set[str]) -> list[ModelView]:
+        """The policy's views, with models whose drop or demotion was just refused kept as
+        they are (counted, never chosen again in this plan)."""
+        views = self.view.views()
+        return [dataclasses.replace(v, pinned=True) if v.name in refused else v for v in views]
+
+    def woke(self, name: str, outcome: Outcome) -> bool:
+        """After a wake: the host bytes it keeps (its backup, as its resumes said); True when
+        that may put the fleet over the host budget (then `enforce()`)."""
+        rec = self.fleet[name]
+        rec.host_bytes = _backup_held(outcome)
+        return self.budget().bytes is not None and rec.host_bytes > 0
+
+    async def enforce(self) -> HostPlan | None:
+        """Holding the host lock: the fleet as it is within the host budget (backups
+        dropped, then demotions); None without a budget."""
+        budget = self.budget()
+        if budget.bytes is None:
+            return None
+        async with self.lock:
+            return await self._enforce(None, None, budget)
+
+    async def drop_backup(self, name: str) -> bool:
+        """Release an awake model's kept host backup; False, logged, when it could not be
+        (it is no longer RUNNING, or its engine answered no)."""
+        rec = self.fleet[name]
+        fields = {"model": name, "phase": protocol.DROP_BACKUP.phase}
+        try:
+            reports = await self.manager.get(name).drop_backup()
+        except HotswapError as exc:
+            log.warning("%s: kept host backup not dropped: %s", name, exc, extra=fields)
+            return False
+        freed, rec.host_bytes = rec.host_bytes, 0
+        said = sum(
+            int(v)
+            for r in reports
+            if isinstance(f := r.get("freed_host_bytes"), dict)
+            for v in f.values()
+            if isinstance(v, int | float)
+        )
+        self.metrics.backup_dropped(name)
+        log.info(
+            "%s: kept host backup dropped (%d host bytes released, %d counted)",
+            name,
+            said,
+            freed,
+            extra=fields,
+        )
+        return True
 
     async def demote(self, name: str) -> bool:
         """Demote a level-1 sleeper to level 2 (its host copy released); False, logged, when
@@ -89,6 +155,25 @@ def _machine_ram() -> int:
         return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
     except (OSError, ValueError):
         return 0
+
+
+def _backup_held(outcome: Outcome) -> int:
+    """Host bytes a finished wake keeps for the next sleep: its last resume's
+    `host_backup_bytes`, summed over ranks (0 on CPU, where none is kept)."""
+    t = outcome.transition
+    if t is None or t.kind != "wake" or t.result != "ok":
+        return 0
+    resumes = (protocol.RESUME_WEIGHTS.phase, protocol.RESUME_KV.phase)
+    held = 0
+    for phase in t.phases:
+        if phase.name in resumes and phase.ranks:
+            held = sum(
+                int(v)
+                for r in phase.ranks
+                if isinstance(v := r.get("host_backup_bytes"), int | float)
+                and not isinstance(v, bool)
+            )
+    return held
 
 
 def _host_held(outcome: Outcome) -> int:

@@ -28,7 +28,7 @@ from controller.footprints import copied_weights, freed_by_pool, pools_from_info
 from controller.metrics import Metrics
 from controller.reconciler import Reconciler
 from controller.record import ModelRecord
-from controller.reports import InfoReport, RankReport, resident_bytes
+from controller.reports import InfoReport, RankReport, resident_bytes, wake_scratch_bytes
 from controller.runner import AnyStep, PhaseFailed, Run, Runner
 from controller.settings import TimeoutSettings
 from controller.state import (
@@ -212,6 +212,7 @@ class ModelManager:
         self.record.asleep = None  # every pool the level releases
         # what the last suspend's ranks say they left on their devices
         last = protocol.SUSPEND_WEIGHTS if kv_released is not None else protocol.SUSPEND
+        self.record.wake_scratch = wake_scratch_bytes(reports.get(last.phase, ()))
         rec = self.runner.finish(
             run,
             Event.SLEEP_DONE,
@@ -237,6 +238,7 @@ class ModelManager:
         sequence = steps.wake_sequence(level, self.record.asleep, room)
         await self._guarded(run, sequence, params)
         self.record.asleep = None
+        self.record.wake_scratch = 0
         self.runner.count_bytes(run)
         rec = self.runner.finish(
             run,
@@ -368,6 +370,18 @@ class ModelManager:
         rec = self.record
         rec.snapshot = dataclasses.replace(rec.snapshot, level=2)
         return rec.snapshot
+
+    async def drop_backup(self) -> list[dict[str, Any]]:
+        """Awake: release the host copies its ranks keep for the next sleep
+        (`hotswap_drop_backup`); the model stays RUNNING. Refused (409) in any other state;
+        a failure leaves it as it was unless the queues may be out of step (then FAILED)."""
+        snap = self.record.snapshot
+        if snap.state is not State.RUNNING:
+            raise TransitionConflict(
+                f"cannot drop the host backup of {self.name}: {snap.state.value}",
+                model=self.name,
+            )
+        return await self._passthrough(protocol.DROP_BACKUP, protocol.Params())
 
     async def audit(self, level: int) -> list[dict[str, Any]]:
         return await self._passthrough(protocol.AUDIT, protocol.Params(level=level))

@@ -41,9 +41,10 @@ def plan_overlap(
     if not vw or not tw:
         return Overlap(False, "pool sizes not measured yet")
     others = max(0, plan.used_bytes - victim_counted)
-    peak = others + vw + tw
+    peak = others + vw + tw + plan.scratch_bytes  # the target's wake holds its scratch too
+    both = f"both weights {mib(vw)} + {mib(tw)}"
+    if plan.scratch_bytes:
+        both += f" + the wake's scratch {mib(plan.scratch_bytes)}"
     if peak > plan.budget_bytes:
-        why = f"{mib(others)} held + both weights {mib(vw)} + {mib(tw)} > {mib(plan.budget_bytes)}"
-        return Overlap(False, why, peak)
-    why = f"{mib(others)} held + both weights {mib(vw)} + {mib(tw)} <= {mib(plan.budget_bytes)}"
-    return Overlap(True, why, peak)
+        return Overlap(False, f"{mib(others)} held + {both} > {mib(plan.budget_bytes)}", peak)
+    return Overlap(True, f"{mib(others)} held + {both} <= {mib(plan.budget_bytes)}", peak)

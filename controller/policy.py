@@ -45,9 +45,13 @@ class ModelView:
     process_gone: bool = False  # its engine process is known to be gone (none was started)
     # Placement: every device the engine uses (tensor parallel); () = just `device`.
     devices: tuple[str, ...] = ()
-    # What a sleeping engine still holds on its devices (in all, over ranks): 0 until the
-    # engine reports it (the worker's own figure), counted while SUSPENDED.
+    # What its engine holds on its devices besides its pools (in all, over ranks: the CUDA
+    # context, graph pools, torch's own), as the worker reports it once suspended; 0 until
+    # then. Held awake and asleep alike: counted while its process may live.
     asleep_bytes: int = 0
+    # Device bytes its next wake takes for a while beyond its footprint (the codec's
+    # staging, as its last suspend reported): added to what a wake of it needs.
+    wake_scratch_bytes: int = 0
     # Host memory: what the model holds in host RAM now (a level-1 sleeper's weights, an
     # awake model's kept backup), and what a level-1 sleep would hold (its weights' bytes).
     host_bytes: int = 0
@@ -68,6 +72,12 @@ class ModelView:
         """Whether its engine may hold its awake footprint now: a FAILED or UNKNOWN model
         counts until its process is gone (a failed step may have freed nothing)."""
         return self.state in HOLDING or (self.state in UNSURE and not self.process_gone)
+
+    @property
+    def leaves(self) -> bool:
+        """Whether its engine holds what it leaves besides its pools (`asleep_bytes`): while
+        it holds its footprint, and asleep while its process lives."""
+        return self.holds or (self.state is State.SUSPENDED and not self.process_gone)
 
 
 @dataclass(frozen=True)
@@ -90,6 +100,7 @@ class WakePlan:
     budget_bytes: int | None = None
     retry_after_s: float | None = None  # a refusal that goes away by itself after this long
     devices: tuple[str, ...] = ()  # the target's devices (the plan looked at these only)
+    scratch_bytes: int = 0  # of need_bytes, what the wake holds only while it runs
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -102,6 +113,7 @@ class WakePlan:
             "used_bytes": self.used_bytes,
             "budget_bytes": self.budget_bytes,
             "retry_after_s": self.retry_after_s,
+            "scratch_bytes": self.scratch_bytes,
         }
 
 
@@ -143,7 +155,10 @@ def plan_wake(
     `budget` is one Budget for every device, or one per device. A model on several devices
     (tensor parallel) needs its share (footprint / devices) on each; only models that share a
     device with it are counted, and only those are evicted (a wake never touches another
-    device). A sleeping peer counts what it leaves behind (`ModelView.asleep_bytes`)."""
+    device). Every engine on a device counts what it holds besides its pools
+    (`ModelView.asleep_bytes`, its share per device), the target's own included, awake or
+    asleep; an awake one adds its footprint. The target needs its footprint plus its
+    wake's scratch (`wake_scratch_bytes`)."""
     by_name = {m.name: m for m in models}
     if target not in by_name:
         raise KeyError(target)
@@ -163,18 +178,16 @@ def plan_wake(
         if m.name == target or m.holds
     }
     peers = [m for m in models if m.name != target and m.holds and set(m.placement) & set(mine)]
-    need_total = sizes[target]
+    scratch = max(0, t.wake_scratch_bytes)
+    need_total = sizes[target] + scratch
     need = {d: _share(need_total, t) for d in mine}
+    # What every live engine holds besides its pools, evicted or not (the target's too).
+    leftover = {d: sum(_share(m.asleep_bytes, m) for m in on[d] if m.leaves) for d in mine}
 
     def used_on(d: str, gone: Iterable[str] = ()) -> tuple[int, int]:
         out = set(gone)
         held = [p for p in peers if d in p.placement and p.name not in out]
-        asleep = sum(
-            m.asleep_bytes
-            for m in on[d]
-            if m.name != target and (m.state is State.SUSPENDED or m.name in out)
-        )
-        return sum(_share(sizes[p.name], p) for p in held) + asleep, len(held)
+        return sum(_share(sizes[p.name], p) for p in held) + leftover[d], len(held)
 
     def fits(gone: Iterable[str] = ()) -> bool:
         gone = tuple(gone)
@@ -198,6 +211,8 @@ def plan_wake(
     ) -> WakePlan:
         # With one device the figures are that device's; with several, the tightest's.
         dev = max(mine, key=lambda d: used_on(d)[0] + need[d]) if len(mine) > 1 else first
+        if scratch:
+            why += f" (the need includes {mib(scratch)} of scratch the wake holds while it runs)"
         return WakePlan(
             target,
             decision,
@@ -208,6 +223,7 @@ def plan_wake(
             budgets[dev].bytes,
             retry,
             devices=mine,
+            scratch_bytes=_share(scratch, t) if len(mine) > 1 else scratch,
         )
 
     for d in mine:
@@ -272,6 +288,15 @@ def plan_wake(
     # A busy peer settles by itself: worth retrying; pinned ones never move.
     retry = 1.0 if busy else None
     return plan(Decision.REFUSE, why, retry=retry)
+
+
+def measured_budget(free: int, device: str, models: Sequence[ModelView]) -> int:
+    """A device's byte budget from its free memory measured with every unpinned model
+    asleep: plus what `plan_wake` counts for the models on it then (the pinned ones'
+    footprint, every live engine's `asleep_bytes`), so that nothing is counted twice."""
+    on = [m for m in models if device in m.placement]
+    pinned = sum(_share(m.footprint_bytes or 0, m) for m in on if m.pinned)
+    return free + pinned + sum(_share(m.asleep_bytes, m) for m in on if m.leaves)
 
 
 def _share(total: int, view: ModelView) -> int:

@@ -161,6 +161,8 @@ INFO = Step("info", "hotswap_info", lambda p: (), report=InfoReport)
 AUDIT = Step("hotswap_audit", "hotswap_audit", lambda p: (p.level, True))
 # Asleep at level 1 -> level 2 (the host copy released); one call outside a sequence.
 DEMOTE = Step("demote", "hotswap_demote", lambda p: ())
+# Awake: the host copies kept for the next sleep released (the host budget's first resort).
+DROP_BACKUP = Step("drop_backup", "hotswap_drop_backup", lambda p: ())
 
 # Which pool a wake step brings back (a partial sleep suspends only some of them).
 _POOL_OF = {RESUME_WEIGHTS.phase: "weights", RELOAD.phase: "weights", RESUME_KV.phase: "kv_cache"}

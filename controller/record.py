@@ -178,6 +178,11 @@ class ModelRecord:
         self.host_bytes = 0
         self.host_weights: int | None = None
         self.demotable = True  # its backend can drop a level-1 host copy while asleep
+        # Device bytes its next wake takes for a while beyond its footprint (the codec's
+        # staging, as its last suspend reported; 0 awake): the policy adds it to the need.
+        self.wake_scratch = 0
+        # The host budget enforced after its last wake kept a backup (controller.hostswap).
+        self.host_task: asyncio.Task[Any] | None = None
         self.idle_slept_at: float | None = None  # when an idle sleep was last decided
         self.last_used = 0.0  # unix seconds of the last gateway request (0: never)
         self.served_model = settings.served_model_name  # read from /v1/models when None
@@ -210,6 +215,13 @@ class ModelRecord:
     def snapshot(self, snap: ModelSnapshot) -> None:
         self._snapshot = snap
         self.changed()
+
+    @property
+    def leftover_bytes(self) -> int:
+        """What its engine holds on its devices besides its pools, as the policy counts it:
+        the snapshot's resident_bytes while asleep (a sleeper reconciliation found at start
+        included), else what its last suspend reported (0 until one did)."""
+        return self.snapshot.resident_bytes or self.asleep_bytes
 
     @property
     def state(self) -> State:

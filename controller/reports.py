@@ -21,6 +21,13 @@ def _int_map(value: object) -> dict[str, int]:
     return {str(k): int(v) for k, v in value.items() if isinstance(v, int | float)}
 
 
+def _opt_int(value: object) -> int | None:
+    """An int or float report value as an int; None for anything else (bools included)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return int(value)
+
+
 def _names(value: object) -> tuple[str, ...]:
     if not isinstance(value, list | tuple):
         return ()
@@ -88,25 +95,29 @@ class PrepareReport(RankReport):
 class SuspendReport(RankReport):
     freed_bytes: Mapping[str, int] = field(default_factory=dict)
     resident_bytes: int | None = None  # what the rank still holds on its device, asleep
+    wake_scratch_bytes: int = 0  # device bytes its wake takes for a while beyond the pools
 
     @classmethod
     def _fields(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
-        resident = raw.get("resident_bytes")
-        if isinstance(resident, bool) or not isinstance(resident, int | float):
-            resident = None
+        resident = _opt_int(raw.get("resident_bytes"))
         return {
             "freed_bytes": _int_map(raw.get("freed_bytes")),
-            "resident_bytes": int(resident) if resident is not None else None,
+            "resident_bytes": resident,
+            "wake_scratch_bytes": max(0, _opt_int(raw.get("wake_scratch_bytes")) or 0),
         }
 
 
 @dataclass(frozen=True)
 class ResumeReport(RankReport):
     restored_bytes: Mapping[str, int] = field(default_factory=dict)
+    host_backup_bytes: int | None = None  # host RAM the rank keeps for its next sleep
 
     @classmethod
     def _fields(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
-        return {"restored_bytes": _int_map(raw.get("restored_bytes"))}
+        return {
+            "restored_bytes": _int_map(raw.get("restored_bytes")),
+            "host_backup_bytes": _opt_int(raw.get("host_backup_bytes")),
+        }
 
 
 @dataclass(frozen=True)
@@ -232,6 +243,18 @@ def resident_bytes(reports: Iterable[RankReport]) -> int | None:
     if not sus or any(r.resident_bytes is None for r in sus):
         return None
     return sum(r.resident_bytes or 0 for r in sus)
+
+
+def wake_scratch_bytes(reports: Iterable[RankReport]) -> int:
+    """Device bytes the wake from this suspend takes beyond the pools, over its ranks (the
+    codec's staging; 0 where no rank said)."""
+    return sum(r.wake_scratch_bytes for r in reports if isinstance(r, SuspendReport))
+
+
+def host_backup_bytes(reports: Iterable[RankReport]) -> int:
+    """Host RAM a woken engine keeps for its next sleep, over its ranks (the last resume's
+    reports; 0 where no rank said)."""
+    return sum(r.host_backup_bytes or 0 for r in reports if isinstance(r, ResumeReport))
 
 
 def kv_decision(reports: Iterable[RankReport]) -> tuple[bool, str | None]:

@@ -29,7 +29,7 @@ from controller.footprints import budget_from_info, footprint_from_info
 from controller.launcher import EngineProcess
 from controller.manager import Manager
 from controller.modelsettings import ModelSettings
-from controller.policy import restart_delay
+from controller.policy import measured_budget, restart_delay
 from controller.record import EngineProcess as Engine
 from controller.record import ModelRecord
 from controller.settings import Settings
@@ -203,7 +203,9 @@ class Supervisor:
 
     async def _measure_budgets(self) -> None:
         """No configured byte budget: measure one per device with everything asleep (CUDA
-        reports free memory; the pinned models, awake, count toward it)."""
+        reports free memory), plus what the policy counts for the models on it then: the
+        pinned ones' footprint, and every live engine's leftover besides its pools (so the
+        policy, which counts those, counts nothing twice)."""
         if self.settings.swap.budget_bytes is not None:
             return
         seen: set[str] = set()
@@ -223,12 +225,8 @@ class Supervisor:
             if free is None:
                 continue
             for d in m.placement:  # the tightest rank's free memory, for each of its devices
-                pinned = sum(
-                    (self.coordinator.footprint(p.name) or 0) // len(p.placement)
-                    for p in self.models
-                    if d in p.placement and p.pinned
-                )
-                self.coordinator.set_measured_budget(d, free + pinned)
+                views = [self.coordinator.view(p.name) for p in self.models]
+                self.coordinator.set_measured_budget(d, measured_budget(free, d, views))
 
     # ---- watch and restart ---------------------------------------------------------------
 

@@ -157,13 +157,14 @@ class SwapCoordinator(SwapView):
                 self.metrics.swap(name, "failed", self._mono() - t0)
                 raise
             t2 = self._mono()
-            # Awake: its host copy is back on the device (a CUDA engine's kept backup is not
-            # counted: no report says so yet).
+            # Awake: its host copy is back on the device; what it keeps there (a CUDA
+            # engine's pinned backup) is what its resumes said.
             self.fleet[name].host_bytes = 0
             if mm.snapshot().state is State.RUNNING:
                 self.fleet[
                     name
                 ].lane.hand_over()  # before the lock goes: no eviction overtakes them
+                self._host_after_wake(name, outcome)
             self.metrics.swap(name, "ok", t2 - t0)
             result = SwapResult(
                 plan,
@@ -185,6 +186,13 @@ class SwapCoordinator(SwapView):
                 extra=fields,
             )
             return result
+
+    def _host_after_wake(self, name: str, outcome: Outcome) -> None:
+        """The host bytes a woken model keeps, and (in a named task: the wake's answer does
+        not wait) the host budget enforced over the fleet if they put it over."""
+        if self.host.woke(name, outcome):
+            task = self.manager.tasks.spawn(self.host.enforce(), f"hotswap-host-{name}")
+            self.fleet[name].host_task = task
 
     def overlap(self, name: str, plan: WakePlan) -> Overlap:
         """Whether this evicting wake may overlap the evicted model's offload with the
@@ -264,8 +272,11 @@ class SwapCoordinator(SwapView):
     async def make_room(self, name: str) -> tuple[str, ...]:
         """Holding the device lock: put to sleep what a wake of `name` would evict, so its
         engine (re)starts with its footprint free. A refusal is logged, not raised."""
+        # A boot maps no host copy back: no wake scratch.
         views = [
-            dataclasses.replace(v, state=State.SUSPENDED) if v.name == name else v
+            dataclasses.replace(v, state=State.SUSPENDED, wake_scratch_bytes=0)
+            if v.name == name
+            else v
             for v in self.views()
         ]
         plan = plan_wake(name, views, self.budgets(name), self._clock())

@@ -47,7 +47,8 @@ class _FleetCollector:
             ),
             GaugeMetricFamily(
                 "hotswap_model_asleep_device_bytes",
-                "Device memory a sleeping engine still holds, as its worker reports it.",
+                "Device memory an engine holds besides its pools (worker-reported at its last "
+                "suspend), as the device policy counts it awake and asleep.",
                 labels=["model"],
             ),
         )
@@ -158,6 +159,7 @@ class SwapMetrics:
         self._queue_depth.labels(model).set(0)
         self._sleeps.labels(model, "idle")
         self._demotions.labels(model, "host_budget")
+        self._backups_dropped.labels(model)
 
     def read_fleet(self, rows: Callable[[], Iterable[FleetRow]]) -> None:
         """Register the placement and host-memory gauges, read from `rows()` at scrape."""

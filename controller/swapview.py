@@ -54,7 +54,7 @@ class SwapView:
 
     def fleet_rows(self) -> list[FleetRow]:
         return [
-            FleetRow(r.name, r.settings.placement, r.host_bytes, r.snapshot.resident_bytes or 0)
+            FleetRow(r.name, r.settings.placement, r.host_bytes, r.leftover_bytes)
             for r in self.fleet.values()
         ]
 
@@ -122,7 +122,8 @@ class SwapView:
             process_gone=self.engine_gone(rec.name),
             # What it leaves on its devices asleep: the last suspend's report (kept awake:
             # an eviction counts what the model will leave behind).
-            asleep_bytes=rec.snapshot.resident_bytes or rec.asleep_bytes,
+            asleep_bytes=rec.leftover_bytes,
+            wake_scratch_bytes=rec.wake_scratch,
             host_bytes=rec.host_bytes,
             host_weights_bytes=rec.host_weights or rec.pools.get("weights"),
             level=rec.snapshot.level if rec.state is State.SUSPENDED else None,

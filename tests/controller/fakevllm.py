@@ -66,6 +66,11 @@ class FakeVllm:
     resident_bytes: int | None = 100
     reset_ok: bool = True
     prefix_resets: int = 0
+    # The host budget (docs/contracts.md §1): what a rank keeps in host RAM after a wake (a
+    # CUDA engine's pinned backup), held now, and what a suspend says its wake's scratch is.
+    host_backup: int = 0
+    backup_held: int = 0
+    wake_scratch: int = 0
 
     def __post_init__(self) -> None:
         if not self.ranks:
@@ -304,6 +309,13 @@ class FakeVllm:
             )
             if self.resident_bytes is not None:
                 out["resident_bytes"] = self.resident_bytes
+            out["wake_scratch_bytes"] = self.wake_scratch
+        elif method == "hotswap_drop_backup":
+            if self.suspended:
+                return {**out, "ok": False, "error": "drop_backup: not awake"}
+            out.update(freed_host_bytes={"weights": self.backup_held}, host_backup_bytes=0)
+            if rank == self.world_size - 1:
+                self.backup_held = 0
         elif method == "hotswap_demote":
             if self.level != 1 or self.suspended.get("weights") != "offloaded":
                 return {**out, "ok": False, "error": "demote: not asleep at level 1"}
@@ -322,11 +334,14 @@ class FakeVllm:
                     self.level = None
             left = sorted(set(me["phase_tags"]) - set(tags))
             self._step(me, phase="suspended" if left else "resumed_unverified", phase_tags=left)
+            if not self.suspended:
+                self.backup_held = self.host_backup
             out.update(
                 tags=tags,
                 restored_bytes={t: self.pool_bytes.get(t, 0) for t in tags},
                 memory_before=1 << 19,
                 memory_after=1 << 20,
+                host_backup_bytes=self.host_backup,
             )
         elif method == "hotswap_reload":
             self._step(me)

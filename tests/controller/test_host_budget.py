@@ -50,3 +50,71 @@ def test_without_a_host_budget_nothing_is_demoted() -> None:
             assert "hotswap_demote" not in w.engines["b"].fake.rpc_calls()
 
     run(body)
+
+
+DROP = {"host_budget": 2 * W + W // 2, "max_awake": 2}
+
+
+def test_an_awake_models_backup_is_dropped_before_a_sleeper_is_demoted() -> None:
+    async def body() -> None:
+        # b and c asleep at level 1 (2 W); b woken keeps a backup of W; a's sleep adds W.
+        async with world(("a", "b", "c"), swap=DROP) as w:
+            w.engines["b"].fake.host_backup = W
+            await w.coordinator.wake("b")
+            assert w.coordinator.fleet["b"].host_bytes == W  # what its resume said it keeps
+            await w.coordinator.sleep("a")
+            a = w.manager.get("a").snapshot()
+            assert (a.state, a.level) == (State.SUSPENDED, 1)
+            assert "hotswap_drop_backup" in w.engines["b"].fake.rpc_calls()
+            assert "hotswap_demote" not in w.engines["c"].fake.rpc_calls()
+            assert w.manager.get("b").snapshot().state is State.RUNNING
+            assert w.coordinator.fleet["b"].host_bytes == 0
+            assert w.engines["b"].fake.backup_held == 0
+            assert w.sample("hotswap_host_backups_dropped_total", model="b") == 1
+            assert w.sample("hotswap_demotions_total", model="c", reason="host_budget") == 0
+            assert w.sample("hotswap_model_host_bytes", model="b") == 0
+
+    run(body)
+
+
+def test_a_refused_drop_leaves_the_model_as_it_was_and_a_sleeper_is_demoted() -> None:
+    async def body() -> None:
+        fail = {"b": {"hotswap_drop_backup": "rank"}}  # every rank answers no
+        async with world(("a", "b", "c"), swap=DROP, fail=fail) as w:
+            w.engines["b"].fake.host_backup = W
+            await w.coordinator.wake("b")
+            await w.coordinator.sleep("a")
+            assert w.manager.get("b").snapshot().state is State.RUNNING  # as it was
+            assert w.coordinator.fleet["b"].host_bytes == W
+            assert w.sample("hotswap_host_backups_dropped_total", model="b") == 0
+            c = w.manager.get("c").snapshot()
+            assert (c.state, c.level) == (State.SUSPENDED, 2)  # demoted instead
+            assert w.manager.get("a").snapshot().level == 1
+
+    run(body)
+
+
+def test_a_wake_that_keeps_a_backup_over_the_budget_drops_it() -> None:
+    async def body() -> None:
+        async with world(("a", "b"), swap={"host_budget": W + W // 2, "max_awake": 2}) as w:
+            w.engines["b"].fake.host_backup = 2 * W  # more than the whole budget
+            await w.coordinator.wake("b")
+            task = w.coordinator.fleet["b"].host_task
+            assert task is not None
+            await task  # the fleet as it is, planned and enforced after the wake's answer
+            assert "hotswap_drop_backup" in w.engines["b"].fake.rpc_calls()
+            assert w.coordinator.fleet["b"].host_bytes == 0
+            assert w.sample("hotswap_host_backups_dropped_total", model="b") == 1
+            assert w.manager.get("b").snapshot().state is State.RUNNING
+
+    run(body)
+
+
+def test_a_wake_that_keeps_nothing_plans_nothing() -> None:
+    async def body() -> None:
+        async with world(("a", "b"), swap={"host_budget": W, "max_awake": 2}) as w:
+            await w.coordinator.wake("b")  # the host backend keeps no backup: 0 bytes
+            assert w.coordinator.fleet["b"].host_task is None
+            assert "hotswap_drop_backup" not in w.engines["b"].fake.rpc_calls()
+
+    run(body)

@@ -11,7 +11,14 @@ import pytest
 
 from controller.hostpolicy import HostBudget, host_budget_bytes, plan_host
 from controller.placement import Want, place
-from controller.policy import Budget, Decision, ModelView, plan_idle, plan_wake
+from controller.policy import (
+    Budget,
+    Decision,
+    ModelView,
+    measured_budget,
+    plan_idle,
+    plan_wake,
+)
 from controller.state import State
 
 S = State
@@ -35,6 +42,8 @@ def v(
     in_flight: int = 0,
     queued: int = 0,
     busy: bool = False,
+    scratch_mib: int = 0,
+    gone: bool = False,
 ) -> ModelView:
     devices = tuple(on.split(","))
     return ModelView(
@@ -47,6 +56,8 @@ def v(
         device=devices[0],
         devices=devices,
         asleep_bytes=asleep_mib * MIB,
+        wake_scratch_bytes=scratch_mib * MIB,
+        process_gone=gone,
         host_bytes=host_mib * MIB,
         host_weights_bytes=None if weights_mib is None else weights_mib * MIB,
         level=level if level is not None else (1 if state is S.SUSPENDED else None),
@@ -156,6 +167,55 @@ WAKE_CASES = [
         Decision.REFUSE,
     ),
     WakeCase(
+        "the target's own leftover is on the device: it counts",
+        "a",
+        (v("a", mib=100, asleep_mib=60),),
+        Budget(150 * MIB),
+        Decision.REFUSE,
+        reason_has="60.0 MiB held + 100.0 MiB > 150.0 MiB",
+    ),
+    WakeCase(
+        "an awake peer counts its leftover beside its footprint",
+        "a",
+        (v("a", mib=100), v("b", S.RUNNING, mib=40, asleep_mib=20)),
+        Budget(150 * MIB),
+        Decision.EVICT,
+        evict=("b",),
+        reason_has="60.0 MiB held",
+    ),
+    WakeCase(
+        "a TP2 sleeper's leftover (over both ranks) is its share on each device",
+        "a",
+        (v("a", mib=100, on="0"), v("s", S.SUSPENDED, on="0,1", asleep_mib=100)),
+        Budget(150 * MIB),
+        Decision.WAKE,
+        reason_has="50.0 MiB + 100.0 MiB <= 150.0 MiB",
+    ),
+    WakeCase(
+        "a sleeper whose engine process is gone leaves nothing",
+        "a",
+        (v("a", mib=100), v("b", S.SUSPENDED, asleep_mib=60, gone=True)),
+        Budget(150 * MIB),
+        Decision.WAKE,
+    ),
+    WakeCase(
+        "the wake's codec scratch counts in the need",
+        "a",
+        (v("a", mib=100, scratch_mib=30), v("b", S.RUNNING, mib=40, used=1)),
+        Budget(150 * MIB),
+        Decision.EVICT,
+        evict=("b",),
+        reason_has="30.0 MiB of scratch",
+    ),
+    WakeCase(
+        "the scratch alone can put a wake over the whole budget",
+        "a",
+        (v("a", mib=100, scratch_mib=60),),
+        Budget(150 * MIB),
+        Decision.REFUSE,
+        reason_has="needs 160.0 MiB",
+    ),
+    WakeCase(
         "TP2 bigger than one device's budget",
         "t",
         (v("t", mib=500, on="0,1"),),
@@ -171,8 +231,39 @@ def test_plan_wake_per_device(case: WakeCase) -> None:
     plan = plan_wake(case.target, case.models, case.budget, NOW)
     assert plan.decision is case.decision, plan.reason
     assert plan.evict == case.evict, plan.reason
-    assert case.reason_has in plan.reason
+    assert case.reason_has in plan.reason, plan.reason
     assert plan.to_dict()["devices"] == list(case.models[0].placement)
+    assert plan.scratch_bytes == case.models[0].wake_scratch_bytes
+
+
+@pytest.mark.parametrize(
+    ("device", "models", "expected_mib"),
+    [
+        ("0", (), 1000),
+        # sleepers' leftovers are out of the free memory already: added back
+        ("0", (v("a", asleep_mib=50), v("b", asleep_mib=30)), 1080),
+        # a pinned model is awake: its footprint too; a TP2 engine counts its share
+        ("0", (v("p", S.RUNNING, mib=200, pinned=True, asleep_mib=10),), 1210),
+        ("0", (v("t", on="0,1", asleep_mib=60),), 1030),
+        # another device's models, and a sleeper whose process is gone, add nothing
+        ("1", (v("a", asleep_mib=50),), 1000),
+        ("0", (v("a", asleep_mib=50, gone=True),), 1000),
+    ],
+)
+def test_measured_budget_counts_nothing_twice(
+    device: str, models: tuple[ModelView, ...], expected_mib: int
+) -> None:
+    assert measured_budget(1000 * MIB, device, models) == expected_mib * MIB
+
+
+def test_a_measured_budget_admits_exactly_what_the_free_memory_holds() -> None:
+    """Free memory F with both asleep: a wake that needs F fits, one byte more does not."""
+    free = 500 * MIB
+    sleepers = (v("a", mib=500, asleep_mib=60), v("b", asleep_mib=40))
+    budget = Budget(measured_budget(free, "0", sleepers))
+    assert plan_wake("a", sleepers, budget, NOW).decision is Decision.WAKE
+    bigger = (v("a", mib=501, asleep_mib=60), sleepers[1])
+    assert plan_wake("a", bigger, budget, NOW).decision is Decision.REFUSE
 
 
 # ---------------------------------------------------------------------------- placement

@@ -250,3 +250,22 @@ def test_plan_overlap_only_for_one_eviction_on_one_device() -> None:
     assert not plan_overlap(tp, pools, pools, 10).ok
     fits = WakePlan("c", Decision.WAKE, "", (), 10, 0, 1000, devices=("0",))
     assert not plan_overlap(fits, pools, pools, 10).ok
+
+
+def test_plan_overlap_counts_the_wake_scratch_at_the_peak() -> None:
+    pools = {"weights": 4096}
+    for scratch, ok in ((0, True), (1, False)):
+        plan = WakePlan(
+            "b",
+            Decision.EVICT,
+            "",
+            ("a",),
+            6144,
+            6144,
+            8_192,
+            devices=("0",),
+            scratch_bytes=scratch,
+        )
+        got = plan_overlap(plan, pools, pools, 6144)
+        assert got.ok is ok, got.reason
+        assert ("scratch" in got.reason) is bool(scratch)

@@ -82,6 +82,8 @@ def _reads(metric: str) -> list[str]:
         "hotswap_model_device_info",
         "hotswap_model_host_bytes",
         "hotswap_demotions_total",
+        "hotswap_host_backups_dropped_total",
+        "hotswap_model_asleep_device_bytes",
         "hotswap_sleeps_total",
     ],
 )
