@@ -2,7 +2,9 @@
 memory: with room for one sleeper's weights, a second level-1 sleep demotes the least
 recently used sleeper to level 2 (its weights' storage freed inside the engine, as its worker
 reports), the metrics and /models say so, and the demoted model's next wake reloads from the
-checkpoint, verifies, and answers exactly as before."""
+checkpoint, verifies, and answers exactly as before. A woken CPU engine keeps no host backup
+(its resumes say 0, so nothing is dropped), and `hotswap_drop_backup` on the real server frees
+nothing and moves nothing while awake, and is refused while asleep."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from fault_harness import engine_http
 from sidecar_harness import Api, SidecarThread, attach, attached
 
 pytestmark = pytest.mark.vllm
@@ -98,3 +101,46 @@ def test_a_second_level1_sleep_demotes_the_lru_sleeper(
     phases = [p["name"] for p in a["last_transition"]["phases"]]
     assert any("reload" in p for p in phases), phases
     assert _answer(sidecar, B) == before[B]
+
+
+def _rpc(engine: Any, method: str) -> list[dict[str, Any]]:
+    with engine_http(f"unix:{engine.uds}") as client:
+        r = client.post("/collective_rpc", json={"method": method, "args": [], "kwargs": {}})
+    assert r.status_code == 200, r.text
+    results: list[dict[str, Any]] = r.json()["results"]
+    return results
+
+
+def _truth(engine: Any) -> tuple[Any, ...]:
+    (info,) = _rpc(engine, "hotswap_info")
+    assert info["ok"], info
+    assert info["host_backup_bytes"] == 0
+    return info["phase"], info["transitions"], info["verified_transition"], info["boot_id"]
+
+
+def test_a_woken_cpu_engine_keeps_no_backup_and_drop_backup_frees_nothing(
+    sidecar: SidecarThread, engines_ab: dict[str, Any]
+) -> None:
+    api = Api(sidecar.base_url)
+    before = _answer(sidecar, A)  # awake (woken by the previous test's request, or now)
+    a = api.state(A)
+    assert a["state"] == "RUNNING"
+    assert a["fleet"]["host_bytes"] == 0
+    resumes = [p for p in a["last_transition"]["phases"] if p["name"].startswith("resume")]
+    assert resumes, a["last_transition"]["phases"]
+    assert all(r["host_backup_bytes"] == 0 for p in resumes for r in p["ranks"])
+    assert api.metric("hotswap_host_backups_dropped_total", model=A) == 0
+    truth = _truth(engines_ab[A])
+    (dropped,) = _rpc(engines_ab[A], "hotswap_drop_backup")
+    assert dropped["ok"], dropped
+    assert dropped["freed_host_bytes"] == {"weights": 0, "kv_cache": 0}
+    assert _truth(engines_ab[A]) == truth  # host memory only: no memory step
+    assert _answer(sidecar, A) == before
+    r = api.sleep(A, 1)
+    assert r.status_code == 200, r.text
+    asleep = _truth(engines_ab[A])
+    (refused,) = _rpc(engines_ab[A], "hotswap_drop_backup")
+    assert refused["ok"] is False
+    assert "not awake" in refused["error"]
+    assert _truth(engines_ab[A]) == asleep
+    assert _answer(sidecar, A) == before
