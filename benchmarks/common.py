@@ -35,6 +35,20 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             "max_position_embeddings": 2048,
         },
     ),
+    "llama32-1b": (
+        "llama",
+        {
+            "vocab_size": 128256,
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": 8192,
+            "rope_theta": 500000.0,
+            "tie_word_embeddings": True,
+        },
+    ),
     "llama3-8b": (
         "llama",
         {
@@ -62,7 +76,7 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
 }
-UTIL = {"tiny": 0.05, "llama3-8b": 0.45, "qwen25-14b": 0.5}
+UTIL = {"tiny": 0.05, "llama32-1b": 0.2, "llama3-8b": 0.45, "qwen25-14b": 0.5}
 
 
 def rss() -> int:
