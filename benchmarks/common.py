@@ -9,6 +9,7 @@ replace the argv the benches used to build by hand.
 from __future__ import annotations
 
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -97,6 +98,22 @@ def write_config(shape: str, d: str) -> str:
     cfg.torch_dtype = "bfloat16"
     cfg.save_pretrained(d)
     return d
+
+
+def dummy_engine_kwargs(shape: str, max_model_len: int, **extra: Any) -> dict[str, Any]:
+    """An in-process engine's arguments: the shape's config written to a fresh folder,
+    dummy bf16 weights, token ids only, seed 0, the hot-swap extension; `extra` on top."""
+    d = write_config(shape, tempfile.mkdtemp(prefix=f"{shape}-"))
+    return {
+        "model": d,
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "max_model_len": max_model_len,
+        "dtype": "bfloat16",
+        "seed": 0,
+        "worker_extension_cls": "worker_ext.HotSwapExtension",
+        **extra,
+    }
 
 
 def gen(llm: Any, n: int = 16) -> tuple[list[int], list[float]]:

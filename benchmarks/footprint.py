@@ -26,11 +26,10 @@ import gc
 import json
 import os
 import sys
-import tempfile
 import time
 from typing import Any
 
-from benchmarks.common import SHAPES, GiB, gen, logger, rss, timed, write_config
+from benchmarks.common import SHAPES, GiB, dummy_engine_kwargs, gen, logger, rss, timed
 from controller import protocol
 
 log = logger("bench")
@@ -217,20 +216,14 @@ def main() -> int:
     from vllm import LLM
 
     res["vllm"] = vllm.__version__
-    d = write_config(args.shape, tempfile.mkdtemp(prefix=f"{args.shape}-"))
-    kw: dict[str, Any] = {
-        "model": d,
-        "load_format": "dummy",
-        "skip_tokenizer_init": True,
-        "enable_sleep_mode": True,
-        "max_model_len": args.max_model_len,
-        "gpu_memory_utilization": args.util,
-        "dtype": "bfloat16",
-        "seed": 0,
-        "disable_log_stats": False,  # the prefix-cache counters
-        "enable_prefix_caching": True,
-        "worker_extension_cls": "worker_ext.HotSwapExtension",
-    }
+    kw = dummy_engine_kwargs(
+        args.shape,
+        args.max_model_len,
+        enable_sleep_mode=True,
+        gpu_memory_utilization=args.util,
+        disable_log_stats=False,  # the prefix-cache counters
+        enable_prefix_caching=True,
+    )
     if args.compile == "O0-full":
         kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL"}
     llm, res["llm_start_s"] = timed(LLM, **kw)

@@ -28,11 +28,10 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from typing import Any
 
-from benchmarks.common import SHAPES, gen, logger, rss, timed, write_config
+from benchmarks.common import SHAPES, dummy_engine_kwargs, gen, logger, rss, timed
 from benchmarks.footprint import Ours
 from controller import protocol
 
@@ -100,17 +99,7 @@ def main() -> int:
     from vllm import LLM
 
     res["vllm"] = vllm.__version__
-    d = write_config(args.shape, tempfile.mkdtemp(prefix=f"{args.shape}-"))
-    kw: dict[str, Any] = {
-        "model": d,
-        "load_format": "dummy",
-        "skip_tokenizer_init": True,
-        "enforce_eager": True,
-        "max_model_len": 1024,
-        "dtype": "bfloat16",
-        "seed": 0,
-        "worker_extension_cls": "worker_ext.HotSwapExtension",
-    }
+    kw = dummy_engine_kwargs(args.shape, 1024, enforce_eager=True)
     if cuda:
         kw |= {"enable_sleep_mode": True, "gpu_memory_utilization": args.util}
     else:

@@ -5,34 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+from policyviews import MIB, NOW, S, v
 
 from controller.footprints import budget_from_info, footprint_from_info, footprint_from_sleep
 from controller.policy import Budget, Decision, ModelView, plan_wake, restart_delay
 from controller.state import PhaseRecord, State, TransitionRecord
-
-S = State
-MIB = 1 << 20
-NOW = 1000.0
-
-
-def v(
-    name: str,
-    state: State = S.SUSPENDED,
-    mib: int | None = 100,
-    used: float = 0.0,
-    since: float | None = 0.0,
-    pinned: bool = False,
-    device: str = "0",
-) -> ModelView:
-    return ModelView(
-        name=name,
-        state=state,
-        footprint_bytes=None if mib is None else mib * MIB,
-        last_used=used,
-        awake_since=since,
-        pinned=pinned,
-        device=device,
-    )
 
 
 @dataclass(frozen=True)
@@ -173,7 +150,7 @@ CASES = [
     Case(
         "other devices do not count",
         "a",
-        (v("a", device="0"), v("b", S.RUNNING, device="1")),
+        (v("a", on="0"), v("b", S.RUNNING, on="1")),
         Budget(max_awake=1),
         Decision.WAKE,
     ),

@@ -8,65 +8,11 @@ import re
 from dataclasses import dataclass
 
 import pytest
+from policyviews import MIB, NOW, S, v
 
 from controller.hostpolicy import HostBudget, host_budget_bytes, plan_host
 from controller.placement import Want, place
-from controller.policy import (
-    Budget,
-    Decision,
-    ModelView,
-    measured_budget,
-    plan_idle,
-    plan_wake,
-)
-from controller.state import State
-
-S = State
-MIB = 1 << 20
-NOW = 1000.0
-
-
-def v(
-    name: str,
-    state: State = S.SUSPENDED,
-    mib: int | None = 100,
-    used: float = 0.0,
-    since: float | None = 0.0,
-    pinned: bool = False,
-    on: str = "0",
-    asleep_mib: int = 0,
-    host_mib: int = 0,
-    weights_mib: int | None = None,
-    level: int | None = None,
-    demotable: bool = True,
-    in_flight: int = 0,
-    queued: int = 0,
-    busy: bool = False,
-    scratch_mib: int = 0,
-    gone: bool = False,
-) -> ModelView:
-    devices = tuple(on.split(","))
-    return ModelView(
-        name=name,
-        state=state,
-        footprint_bytes=None if mib is None else mib * MIB,
-        last_used=used,
-        awake_since=since,
-        pinned=pinned,
-        device=devices[0],
-        devices=devices,
-        asleep_bytes=asleep_mib * MIB,
-        wake_scratch_bytes=scratch_mib * MIB,
-        process_gone=gone,
-        host_bytes=host_mib * MIB,
-        host_weights_bytes=None if weights_mib is None else weights_mib * MIB,
-        level=level if level is not None else (1 if state is S.SUSPENDED else None),
-        demotable=demotable,
-        in_flight=in_flight,
-        queued=queued,
-        busy=busy,
-    )
-
+from controller.policy import Budget, Decision, ModelView, measured_budget, plan_idle, plan_wake
 
 # ---------------------------------------------------------------------------- per device
 
