@@ -112,3 +112,30 @@ def test_one_flipped_weight_element_after_resume_is_named(llama: Engine) -> None
     llama.sleep(1)
     assert llama.wake(1)["verify"]["mismatched"] == []
     assert llama.gen() == base
+
+
+def test_drop_backup_frees_the_kept_pinned_copy(llama: Engine) -> None:
+    """Awake, the pinned copy kept for the next sleep is released (the host budget's first
+    resort); serving is untouched; the next sleep pins anew; asleep, the drop is refused."""
+    base = llama.gen()
+    s = llama.sleep(1)
+    codec = llama.rpc("hotswap_info")["backend_detail"]["codec"]
+    coded = bool((codec.get("warm") or {}).get("ok")) and codec["setting"] == "exp"
+    assert (s["suspend"]["wake_scratch_bytes"] > 0) is coded, (s["suspend"], codec)
+    w = llama.wake(1)
+    kept = llama.rpc("hotswap_info")["host_backup_bytes"]
+    assert kept > 0
+    assert w["kv_cache"]["host_backup_bytes"] == kept
+    d = llama.rpc("hotswap_drop_backup")
+    assert sum(d["freed_host_bytes"].values()) == kept
+    assert d["host_backup_bytes"] == 0
+    assert llama.rpc("hotswap_info")["host_backup_bytes"] == 0
+    assert llama.gen() == base
+    llama.sleep(1)
+    refused = llama.rpc("hotswap_drop_backup", ok=False)
+    assert refused["ok"] is False
+    assert "not awake" in refused["error"]
+    w = llama.wake(1)
+    assert w["verify"]["mismatched"] == []
+    assert llama.rpc("hotswap_info")["host_backup_bytes"] > 0  # pinned anew
+    assert llama.gen() == base
