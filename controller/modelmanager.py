@@ -239,6 +239,9 @@ class ModelManager:
         await self._guarded(run, sequence, params)
         self.record.asleep = None
         self.record.wake_scratch = 0
+        # What it held asleep it holds awake too (beside its pools): kept for the policy,
+        # also when reconciliation found it asleep and no sleep of ours measured it.
+        self.record.asleep_bytes = self.record.leftover_bytes
         self.runner.count_bytes(run)
         rec = self.runner.finish(
             run,

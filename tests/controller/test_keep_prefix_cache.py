@@ -214,3 +214,15 @@ async def test_a_sleeper_found_at_start_says_what_it_holds() -> None:
     rig2.world.resident_bytes = None
     await rig2.manager.start()
     assert rig2.m.snapshot().resident_bytes is None
+
+
+async def test_what_a_sleeper_found_at_start_holds_is_kept_once_it_wakes() -> None:
+    """Its leftover beside the pools stays on the device awake: the policy keeps counting it."""
+    rig = make_rig(FakeClock())
+    rig.world.asleep(1)
+    await rig.manager.start()
+    assert rig.m.record.leftover_bytes == 200
+    await rig.m.wake()
+    snap = rig.m.snapshot()
+    assert (snap.state, snap.resident_bytes) == (State.RUNNING, None)
+    assert rig.m.record.leftover_bytes == 200
