@@ -118,10 +118,12 @@ def raw_pipeline(rt: CudaRT, ranges: list[tuple[int, int]], host: Any, to_host: 
     return min(timed_gpu(go) for _ in range(3))
 
 
-def bench_codec(rt: CudaRT, tensors: list[Any], piece_chunks: int, slots: int) -> dict[str, Any]:
+def bench_codec(
+    rt: CudaRT, tensors: list[Any], piece_chunks: int, slots: int, decoder: str = "planes"
+) -> dict[str, Any]:
     ranges = [(t.data_ptr(), t.numel() * 2) for t in tensors]
     raw_total = sum(n for _, n in ranges)
-    gc = codec.GpuCodec("cuda", piece_chunks=piece_chunks, slots=slots)
+    gc = codec.GpuCodec("cuda", piece_chunks=piece_chunks, slots=slots, decoder=decoder)
     plan = gc.plan(ranges)  # warm (compiles)
     plan_s = min(timed_gpu(lambda: gc.plan(ranges)) for _ in range(2))
     plan = gc.plan(ranges)
@@ -139,6 +141,7 @@ def bench_codec(rt: CudaRT, tensors: list[Any], piece_chunks: int, slots: int) -
     res: dict[str, Any] = {
         "piece_chunks": piece_chunks,
         "slots": slots,
+        "decoder": decoder,
         "raw_bytes": raw_total,
         "encoded_bytes": plan.total,
         "ratio": plan.ratio(),
@@ -193,6 +196,12 @@ def bench_codec(rt: CudaRT, tensors: list[Any], piece_chunks: int, slots: int) -
     res["wake_s"] = min(times)
     res["wake_s_all"] = times
     res["wake_exact"] = all(torch.equal(a, b) for a, b in zip(tensors, orig, strict=True))
+    q = codec.WakeQueue(gc, plan, hcopy, dma, dec, profile=True)  # where a wake's time goes
+    torch.cuda.synchronize()
+    for p in plan.pieces:
+        q.queue(p)
+    torch.cuda.synchronize()
+    res["wake_profile"] = q.profile_summary()
     del orig, host
     gc.release()
     return res
@@ -261,7 +270,11 @@ def main() -> None:
     ap.add_argument("--out", default="codec-bench")
     ap.add_argument("--gib", type=float, default=3.0)
     ap.add_argument("--kinds", default="realistic,dummy,fp8,noise")
-    ap.add_argument("--sweep", default="32x2,16x2,64x2,32x3")
+    ap.add_argument(
+        "--sweep",
+        default="32x2,16x2,64x2,32x3",
+        help="PIECE_CHUNKSxSLOTS[g]: g runs the groups decoder (else planes)",
+    )
     ap.add_argument("--nvcomp", action="store_true")
     a = ap.parse_args()
     out = Path(a.out)
@@ -297,9 +310,10 @@ def main() -> None:
             sweep = a.sweep.split(",") if kind == "realistic" else a.sweep.split(",")[:1]
             r["codec"] = []
             for item in sweep:
-                pc, sl = (int(x) for x in item.split("x"))
+                dec_name = "groups" if item.endswith("g") else "planes"
+                pc, sl = (int(x) for x in item.rstrip("g").split("x"))
                 try:
-                    c = bench_codec(rt, tensors, pc, sl)
+                    c = bench_codec(rt, tensors, pc, sl, dec_name)
                     c["wake_vs_h2d_bound"] = c["wake_s"] / r["h2d_bound_s"]
                     c["sleep_vs_d2h_bound"] = c["sleep_s"] / r["d2h_bound_s"]
                     r["codec"].append(c)
@@ -327,7 +341,8 @@ def main() -> None:
         for c in r.get("codec", []):
             if "ratio" in c:
                 print(
-                    f"{kind:9s} {c['piece_chunks']}x{c['slots']} ratio {c['ratio']:.4f} "
+                    f"{kind:9s} {c['piece_chunks']}x{c['slots']} {c['decoder']}"
+                    f" ratio {c['ratio']:.4f} "
                     f"enc {c['encode_gbps']:.0f} GB/s dec {c['decode_gbps']:.0f} GB/s "
                     f"sleep {c['sleep_s']:.4f}s ({c['sleep_vs_d2h_bound']:.3f}x) "
                     f"wake {c['wake_s']:.4f}s ({c['wake_vs_h2d_bound']:.3f}x) "

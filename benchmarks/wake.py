@@ -102,6 +102,30 @@ class Direct:
         return {"weights": r1, "kv_cache": r2}, time.perf_counter() - t, 0.0
 
 
+def tune_codec(w: Any, decoder: str | None, slots: int | None, profile: bool) -> dict[str, Any]:
+    """On the worker: the backend's codec decode kernel and slots for the next cycles, and
+    whether its next coded wake is profiled (timing events around every piece)."""
+    from worker_ext import codec
+
+    b = find_backend(w.worker)
+    gc = b._get_codec()
+    proof: dict[str, Any] | None = None
+    if gc is not None:
+        if decoder and decoder != gc.decoder:  # proven on this device before it is used
+            _, proof = codec.warm(gc.device, gc.piece_chunks, decoder=decoder)
+            if proof["ok"]:
+                gc.decoder = decoder
+        if slots:
+            gc.n_slots = max(2, slots)
+    b.codec_profile = profile
+    return {
+        "decoder": getattr(gc, "decoder", None),
+        "slots": getattr(gc, "n_slots", None),
+        "profile": profile,
+        "decoder_proof": proof,
+    }
+
+
 def find_backend(worker: Any) -> Any:
     from worker_ext.cumem import CuMemBackend
 
@@ -354,7 +378,16 @@ def main() -> int:
     ap.add_argument(
         "--codec-maps",
         default="interleaved",
-        help="HOTSWAP_CODEC_MAP variants for the exp codec (interleaved, first), in turn",
+        help="variants of the exp codec, in turn, each MAP[:DECODER[:SLOTS]]: MAP a"
+        " HOTSWAP_CODEC_MAP value (interleaved, first), DECODER the decode kernel (planes,"
+        " groups; default the codec's), SLOTS its staging slots (default the codec's)",
+    )
+    ap.add_argument(
+        "--codec-profile",
+        type=int,
+        default=0,
+        help="1: after each coded variant's cycles, one more cycle with timing events around"
+        " every piece (the wake's GPU time by kind: wire, decode, slot waits, CPU gaps)",
     )
     ap.add_argument(
         "--weights",
@@ -451,7 +484,9 @@ def main() -> int:
         for a in asleeps
     ]
     for variant, mode, impl, vk, asleep, protect, plevel in variants:
-        hc, _, cmap = variant.partition("/")
+        hc, _, cvar = variant.partition("/")
+        cmap, _, tune = cvar.partition(":")
+        decoder, _, slots = tune.partition(":")
         switched = os.environ.get("HOTSWAP_HOST_CODEC") != hc
         os.environ["HOTSWAP_HOST_CODEC"] = hc
         os.environ["HOTSWAP_CODEC_MAP"] = cmap or "interleaved"
@@ -462,7 +497,13 @@ def main() -> int:
         drv.use_env()  # the worker reads its settings once: hand it these
         if switched:  # a raw copy needs a bigger buffer: pin it now, not inside a sleep
             drv.warm()
-        for _ in range(args.cycles):
+        n_cycles = args.cycles + (1 if hc == "exp" and args.codec_profile else 0)
+        for cycle in range(n_cycles):
+            profiled = hc == "exp" and cycle >= args.cycles
+            if hc == "exp":
+                tuned = llm.collective_rpc(
+                    tune_codec, args=(decoder or None, int(slots) if slots else None, profiled)
+                )[0]
             s, ts = drv.sleep(plevel) if plevel != 1 else drv.sleep()
             r_asleep = rss()
             time.sleep(asleep)
@@ -473,8 +514,10 @@ def main() -> int:
             coded = llm.collective_rpc(lambda w: find_backend(w.worker).describe()["codec"])[0]
             ours.append(
                 {
-                    "codec": variant,
+                    "codec": variant + (" (profiled)" if profiled else ""),
+                    "codec_tuned": tuned if hc == "exp" else None,
                     "codec_suspend": coded.get("last_suspend") if hc == "exp" else None,
+                    "codec_wake": coded.get("last_wake") if profiled else None,
                     "kv_mode": mode,
                     "map_impl": impl,
                     "protect": protect,
@@ -511,6 +554,19 @@ def main() -> int:
                 "equal",
                 equal[-1],
             )
+            if hc == "exp":
+                w_ = ours[-1]["wake"]
+                log(
+                    "codec",
+                    ours[-1]["codec"],
+                    tuned,
+                    "wake weights timings",
+                    (w_.get("weights") or {}).get("timings"),
+                    "copies_gpu_s",
+                    ((w_.get("kv_cache") or {}).get("timings") or {}).get("copies_gpu_s"),
+                    "profile",
+                    ours[-1]["codec_wake"],
+                )
     res["codec_describe"] = llm.collective_rpc(
         lambda w: find_backend(w.worker).describe().get("codec")
     )[0]

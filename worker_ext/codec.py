@@ -31,6 +31,7 @@ each part ALIGN-aligned; k = 0: the n words as they are.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from dataclasses import dataclass, field
@@ -381,6 +382,53 @@ def _k_decode(piece, dst, CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # type: ig
         tl.store(out, w.to(tl.int16), mask=valid)
 
 
+def _k_decode_groups(piece, dst, CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The same decode as _k_decode, by groups of 8 words: each bit-plane byte is loaded
+    once per group (not once per word), and the escapes' ranks are a prefix count over the
+    groups plus one inside each group, so no [BLOCK] gather repeats a byte 8 times."""
+    c = tl.program_id(0)
+    b = tl.program_id(1)
+    row = piece.to(tl.pointer_type(tl.int32)) + c * 16
+    k = tl.load(row + 0)
+    off = tl.multiple_of(tl.load(row + 1), 16)  # ALIGN: the loads below are vectorized
+    nc = tl.load(row + 2)
+    body = piece + off
+    if k == 0:
+        i = b * BLOCK + tl.arange(0, BLOCK)
+        valid = i < nc
+        raw = tl.load(body.to(tl.pointer_type(tl.int16)) + i, mask=valid, other=0)
+        tl.store(dst + c * CHUNK + i, raw, mask=valid)
+    else:
+        g = b * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+        lanes = tl.arange(0, 8)
+        i2 = g[:, None] * 8 + lanes[None, :]
+        valid2 = i2 < nc
+        s2 = tl.load(body + i2, mask=valid2, other=0).to(tl.int32)
+        gvalid = g * 8 < nc
+        packed = body + tl.multiple_of(tl.load(row + 4), 16)
+        code2 = tl.zeros([BLOCK // 8, 8], dtype=tl.int32)
+        for p in range(0, k):
+            byte = tl.load(packed + g * k + p, mask=gvalid, other=0).to(tl.int32)
+            code2 |= ((byte[:, None] >> lanes[None, :]) & 1) << p
+        table = piece + c * 64 + 32
+        e2 = tl.load(table + code2, mask=valid2, other=0).to(tl.int32)
+        esc2 = ((code2 == (1 << k) - 1) & valid2).to(tl.int32)
+        per_group = tl.sum(esc2, axis=1)
+        before = tl.cumsum(per_group, axis=0) - per_group
+        boff = body + tl.multiple_of(tl.load(row + 5), 16)
+        base = tl.load(boff.to(tl.pointer_type(tl.int32)) + b)
+        rank2 = base + before[:, None] + tl.cumsum(esc2, axis=1) - esc2
+        nexc = tl.load(row + 3)
+        inside = (esc2 != 0) & (rank2 >= 0) & (rank2 < nexc)  # a corrupt count reads nothing
+        x2 = tl.load(body + tl.load(row + 6) + rank2, mask=inside, other=0).to(tl.int32)
+        e2 = tl.where(esc2 != 0, x2, e2)
+        w2 = ((s2 & 0x80) << 8) | (e2 << 7) | (s2 & 0x7F)
+        tl.store(dst + c * CHUNK + i2, w2.to(tl.int16), mask=valid2)
+
+
+DECODERS = ("planes", "groups")  # _k_decode, _k_decode_groups: the same bytes out
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip() == "1"
 
@@ -403,6 +451,7 @@ def kernels() -> dict[str, Any]:
         "encode": triton.jit(_k_encode),
         "exceptions": triton.jit(_k_exceptions),
         "decode": triton.jit(_k_decode),
+        "decode_groups": triton.jit(_k_decode_groups),
     }
     _KERNELS[mode] = made
     return made
@@ -454,7 +503,9 @@ class GpuCodec:
     Scratch: `slots` staging buffers of one piece each (the pipeline's double buffer), the
     plan's meta and maps, and small per-piece counts; `scratch_bytes()` reports it."""
 
-    def __init__(self, device: Any, piece_chunks: int = 32, slots: int = 2) -> None:
+    def __init__(
+        self, device: Any, piece_chunks: int = 32, slots: int = 2, decoder: str = "planes"
+    ) -> None:
         device = torch.device(device)
         if device.type == "cpu" and not _interpreting():
             raise Unavailable("CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
@@ -466,6 +517,9 @@ class GpuCodec:
         self.slot_bytes = _align(
             header_bytes(piece_chunks) + piece_chunks * (2 * CHUNK_WORDS + ALIGN), PIECE_ALIGN
         )
+        if decoder not in DECODERS:
+            raise ValueError(f"decoder {decoder!r}: expected one of {DECODERS}")
+        self.decoder = decoder  # which decode kernel runs (the same bytes out)
         self._k = kernels()
         self._slots: list[Any] = []
         self._counts: Any = None
@@ -581,7 +635,8 @@ class GpuCodec:
 
     def decode_to(self, staged: Any, n_chunks: int, dst_ptr: int, nbytes: int) -> None:
         dst = self._view(dst_ptr, nbytes).view(torch.int16)
-        _launch(self._k["decode"], (n_chunks, CHUNK_BLOCKS), self.device, staged, dst)
+        kernel = self._k["decode_groups" if self.decoder == "groups" else "decode"]
+        _launch(kernel, (n_chunks, CHUNK_BLOCKS), self.device, staged, dst)
 
     # pipelines -------------------------------------------------------------------------
 
@@ -623,36 +678,87 @@ class SleepQueue:
 
 class WakeQueue:
     """Copy pieces from the host into the staging slots on `dma` and decode each into its
-    final place on `dec`, piece j + 1 on the wire while piece j decodes."""
+    final place on `dec`, piece j + 1 on the wire while piece j decodes.
 
-    def __init__(self, gc: GpuCodec, plan: Plan, copy: Copy, dma: Any, dec: Any) -> None:
+    `profile=True` records timing events around every piece's copy and decode (a few
+    microseconds of CPU per piece); `profile_summary()`, once the streams are done, says
+    where the GPU time went: the wire busy, the decoder busy, the DMA stream idle because
+    nothing was queued yet (the CPU behind) or because it waited for a free slot (the
+    decoder behind)."""
+
+    def __init__(
+        self, gc: GpuCodec, plan: Plan, copy: Copy, dma: Any, dec: Any, profile: bool = False
+    ) -> None:
         self.gc, self.plan, self._copy = gc, plan, copy
         self.dma, self.dec = dma, dec
         self._slots = gc.slots()
         self._free: list[Any] = [None] * len(self._slots)
         self._j = 0
+        self._prof: list[tuple[Any, ...]] | None = [] if profile else None
+        self._sizes: list[tuple[int, int]] = []  # (coded, raw) bytes per piece, profiled
+
+    def _event(self, stream: Any) -> Any:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        return ev
 
     def queue(self, piece: Piece) -> None:
         s = self._j % len(self._slots)
         self._j += 1
         slot = self._slots[s]
+        prof = self._prof
+        queued = self._event(self.dma) if prof is not None else None
         if self._free[s] is not None:
             self.dma.wait_event(self._free[s])
+        h0 = self._event(self.dma) if prof is not None else None
         self._copy(piece.host_off, slot.data_ptr(), piece.size, False, self.dma.cuda_stream)
-        staged = self.dma.record_event()
+        staged = self._event(self.dma) if prof is not None else self.dma.record_event()
         self.dec.wait_event(staged)
+        d0 = self._event(self.dec) if prof is not None else None
         with torch.cuda.stream(self.dec):
             self.gc.decode_into(self.plan, piece, slot)
-        self._free[s] = self.dec.record_event()
+        self._free[s] = self._event(self.dec) if prof is not None else self.dec.record_event()
+        if prof is not None:
+            prof.append((queued, h0, staged, d0, self._free[s]))
+            self._sizes.append((piece.size, piece.raw_bytes))
+
+    def profile_summary(self) -> dict[str, Any] | None:
+        """Seconds by kind over the profiled pieces (call after the streams are done)."""
+        prof = self._prof
+        if not prof:
+            return None
+        ms = [[a.elapsed_time(b) for a, b in itertools.pairwise(ev)] for ev in prof]
+        # per piece: (queued->h0 slot wait, h0->staged wire, staged->d0 decoder's lag, d0->end)
+        gaps = [prof[j - 1][2].elapsed_time(prof[j][0]) for j in range(1, len(prof))]
+        wire = [m[1] for m in ms]
+        dec = [m[3] for m in ms]
+        slow = [j for j in range(len(prof)) if dec[j] > wire[j]]
+        coded = sum(c for c, _ in self._sizes)
+        raw = sum(r for _, r in self._sizes)
+        return {
+            "pieces": len(prof),
+            "total_s": prof[0][0].elapsed_time(prof[-1][4]) / 1000.0,
+            "wire_s": sum(wire) / 1000.0,
+            "decode_s": sum(dec) / 1000.0,
+            "slot_wait_s": sum(m[0] for m in ms) / 1000.0,
+            "dma_idle_cpu_s": sum(max(0.0, g) for g in gaps) / 1000.0,
+            "decode_lag_s": sum(m[2] for m in ms) / 1000.0,
+            "decode_slower_than_wire": len(slow),
+            "wire_gbps": coded / (sum(wire) / 1000.0) / 1e9 if sum(wire) else None,
+            "decode_gbps_raw": raw / (sum(dec) / 1000.0) / 1e9 if sum(dec) else None,
+            "largest_cpu_gaps_ms": sorted(((round(g, 3), j + 1) for j, g in enumerate(gaps)))[-5:],
+        }
 
 
-def warm(device: Any, piece_chunks: int = 32) -> tuple[GpuCodec | None, dict[str, Any]]:
+def warm(
+    device: Any, piece_chunks: int = 32, decoder: str = "planes"
+) -> tuple[GpuCodec | None, dict[str, Any]]:
     """Compile the kernels and prove them on `device` (a coded and a raw chunk, NaNs and
     denormals; byte-identical to the reference encoder, decoded exactly) before the backend
     trusts them: (codec or None, {"ok", "s", "error"}); never raises."""
     t = time.perf_counter()
     try:
-        gc = GpuCodec(device, piece_chunks=piece_chunks)
+        gc = GpuCodec(device, piece_chunks=piece_chunks, decoder=decoder)
         g = torch.Generator(device="cpu").manual_seed(0)
         coded = (torch.randn(CHUNK_WORDS, generator=g) * 0.02).to(torch.bfloat16).view(torch.int16)
         coded[::97] = 0x7FC1  # a NaN

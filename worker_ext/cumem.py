@@ -163,6 +163,11 @@ class CuMemBackend:
         self._codec_plan: codec.Plan | None = None
         self._codec_scratch = False  # the codec's staging buffers are held
         self._codec_report: dict[str, Any] | None = None
+        # benchmarks.wake sets codec_profile: timing events around every piece of a coded
+        # wake, summed into describe()["codec"]["last_wake"] once its copies are waited for
+        self.codec_profile = False
+        self._wake_queue: codec.WakeQueue | None = None
+        self._codec_wake: dict[str, Any] | None = None
         # HOTSWAP_DISK_DIR: the level-2 disk tier (worker_ext/disktier.py)
         self._tier_key: disktier.Key | None = None  # the weights a level-2 sleep put away
         self._tier_writer: threading.Thread | None = None
@@ -287,6 +292,7 @@ class CuMemBackend:
                 "setting": self.settings.host_codec,
                 "warm": self._codec_warm,
                 "last_suspend": self._codec_report,
+                "last_wake": self._codec_wake,
             },
             "map": {
                 "impl": self.settings.map_impl,
@@ -553,42 +559,54 @@ class CuMemBackend:
                 held["host"] = self._host_for(n)
                 return raw_bytes(held["host"].ptr, n, self._torch.device("cpu"))
 
-            def decode(header: disktier.Header, _buf: Any) -> None:
-                pieces = [
-                    codec.Piece(
-                        p.record,
-                        p.dev_off,
-                        p.raw_bytes,
-                        0,
-                        p.n_chunks,
-                        p.size,
-                        p.file_off - header.payload_off,
-                    )
-                    for p in header.pieces
-                ]
-                plan = codec.Plan(
-                    ranges, pieces, None, None, header.payload_bytes(), sum(key.sizes)
+            wq: list[codec.WakeQueue] = []  # made at the first piece read
+
+            def queue(header: disktier.Header, i: int, _buf: Any) -> None:
+                p = header.pieces[i]
+                piece = codec.Piece(
+                    p.record,
+                    p.dev_off,
+                    p.raw_bytes,
+                    0,
+                    p.n_chunks,
+                    p.size,
+                    p.file_off - header.payload_off,
                 )
+                if not wq:
+                    plan = codec.Plan(
+                        ranges, [], None, None, header.payload_bytes(), sum(key.sizes)
+                    )
+                    dma, dec = self._get_streams()[:2]
+                    current = self._torch.cuda.current_stream(self._device)
+                    dma.wait_stream(current)
+                    dec.wait_stream(current)
+                    self._codec_scratch = True
+                    copy = self._copier(held["host"].ptr)
+                    wq.append(codec.WakeQueue(gc, plan, copy, dma, dec, profile=self.codec_profile))
+                wq[0].queue(piece)
+
+            def drain() -> None:
                 dma, dec = self._get_streams()[:2]
-                current = self._torch.cuda.current_stream(self._device)
-                dma.wait_stream(current)
-                dec.wait_stream(current)
-                self._codec_scratch = True
-                wq = codec.WakeQueue(gc, plan, self._copier(held["host"].ptr), dma, dec)
-                for piece in pieces:
-                    wq.queue(piece)
                 dma.synchronize()
                 dec.synchronize()
+                if wq:
+                    self._codec_wake = wq[0].profile_summary()
                 self._release_codec_scratch()
 
-            report = disktier.restore(
-                directory,
-                key,
-                alloc,
-                decode,
-                lambda: self._weights_digest(ranges),
-                self.settings.disk_threads,
-            )
+            try:
+                report = disktier.restore(
+                    directory,
+                    key,
+                    alloc,
+                    queue,
+                    drain,
+                    lambda: self._weights_digest(ranges),
+                    self.settings.disk_threads,
+                )
+            finally:  # refused midway: what was queued still reads the host buffer
+                if wq:
+                    self._get_streams()[0].synchronize()
+                    self._get_streams()[1].synchronize()
             report["used"] = True
         except Exception as exc:  # refused or failed: the reload brings the weights back
             reason = str(exc) if isinstance(exc, disktier.TierRefused) else repr(exc)
@@ -834,6 +852,9 @@ class CuMemBackend:
             start, ends = self._dma_events
             self.last_dma_s = max(start.elapsed_time(e) for e in ends) / 1000.0
             self._dma_events = None
+        if self._wake_queue is not None:  # its streams are done: the events can be read
+            wq, self._wake_queue = self._wake_queue, None
+            self._codec_wake = wq.profile_summary()
         if not self._coded:
             self._release_codec_scratch()
         if self._release_host_after_pending and not self._offloaded_layout and not self._coded:
@@ -1008,8 +1029,16 @@ class CuMemBackend:
                             assert self._host is not None
                             dma, dec = self._get_streams()[:2]
                             copy = self._copier(self._host.ptr)
-                            wq = codec.WakeQueue(self._codec, self._codec_plan, copy, dma, dec)
+                            wq = codec.WakeQueue(
+                                self._codec,
+                                self._codec_plan,
+                                copy,
+                                dma,
+                                dec,
+                                profile=self.codec_profile,
+                            )
                             self._codec_scratch = True
+                            self._wake_queue = wq if self.codec_profile else None
                         if self.settings.codec_map == "first":
                             later.extend(pieces)  # queued once every record is mapped
                         else:

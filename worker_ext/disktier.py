@@ -251,40 +251,100 @@ def read_header(path: Path, key: Key) -> Header:
     return Header(key, pieces, doc.get("digest"), total, payload)
 
 
-def read_payload(path: Path, header: Header, dst: Any, threads: int = 8) -> float:
+class _Reader:
+    """Parallel preads of a file's payload into `dst`, issued in file order (each thread
+    takes the next span), with a watermark: the bytes from the start that are all read, so
+    the caller can use piece i while later pieces are still on their way."""
+
+    def __init__(
+        self, path: Path, header: Header, dst: Any, threads: int, read_bytes: int = READ_BYTES
+    ) -> None:
+        self.path, self.header = path, header
+        self.n = n = header.payload_bytes()
+        self.view = view = memoryview(dst).cast("B")
+        if len(view) < n:
+            raise ValueError(f"buffer of {len(view)} bytes for {n}")
+        self.spans = [(o, min(read_bytes, n - o)) for o in range(0, n, read_bytes)]
+        self._done = [False] * len(self.spans)
+        self._next = 0  # the next span a thread takes
+        self._mark = 0  # spans [0, mark) are all read
+        self._error: BaseException | None = None
+        self._cv = threading.Condition()
+        self.t0 = time.perf_counter()
+        self.last_read_s = 0.0
+        self._fd = os.open(path, os.O_RDONLY)
+        k = max(1, min(threads, len(self.spans)))
+        self._workers = [threading.Thread(target=self._work, daemon=True) for _ in range(k)]
+        for w in self._workers:
+            w.start()
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                if self._error is not None or self._next >= len(self.spans):
+                    return
+                j = self._next
+                self._next += 1
+            off, m = self.spans[j]
+            try:
+                got = os.preadv(self._fd, [self.view[off : off + m]], self.header.payload_off + off)
+                if got != m:
+                    raise TierRefused(f"{self.path.name}: short read at {off} ({got} of {m})")
+            except BaseException as exc:
+                with self._cv:
+                    self._error = self._error or exc
+                    self._cv.notify_all()
+                return
+            with self._cv:
+                self._done[j] = True
+                while self._mark < len(self.spans) and self._done[self._mark]:
+                    self._mark += 1
+                if self._mark == len(self.spans):
+                    self.last_read_s = time.perf_counter() - self.t0
+                self._cv.notify_all()
+
+    def _raise(self) -> None:
+        err = self._error
+        if err is not None:
+            raise err if isinstance(err, TierRefused) else TierRefused(f"{self.path.name}: {err}")
+
+    def wait_until(self, end: int) -> None:
+        """Block until the payload's bytes [0, end) are read (TierRefused on a failed read)."""
+        with self._cv:
+            while True:
+                self._raise()
+                read = self.spans[self._mark][0] if self._mark < len(self.spans) else self.n
+                if read >= end:
+                    return
+                self._cv.wait()
+
+    def close(self) -> float:
+        """Stop taking spans, join the threads, close the file; seconds to the last read."""
+        with self._cv:
+            if self._error is None and self._mark < len(self.spans):
+                self._error = TierRefused(f"{self.path.name}: reading stopped")
+                stopped = True
+            else:
+                stopped = False
+        for w in self._workers:
+            w.join()
+        os.close(self._fd)
+        if not stopped:
+            self._raise()
+        return self.last_read_s
+
+
+def read_payload(
+    path: Path, header: Header, dst: Any, threads: int = 8, read_bytes: int = READ_BYTES
+) -> float:
     """Read every piece into `dst` (a writable buffer of header.payload_bytes(), e.g. a
     pinned host buffer's memoryview) with `threads` parallel preads; seconds taken."""
-    t0 = time.perf_counter()
-    n = header.payload_bytes()
-    view = memoryview(dst).cast("B")
-    if len(view) < n:
-        raise ValueError(f"buffer of {len(view)} bytes for {n}")
-    spans = [(o, min(READ_BYTES, n - o)) for o in range(0, n, READ_BYTES)]
-    errors: list[BaseException] = []
-    fd = os.open(path, os.O_RDONLY)
+    reader = _Reader(path, header, dst, threads, read_bytes)
     try:
-
-        def work(mine: list[tuple[int, int]]) -> None:
-            try:
-                for off, m in mine:
-                    got = os.preadv(fd, [view[off : off + m]], header.payload_off + off)
-                    if got != m:
-                        raise TierRefused(f"{path.name}: short read at {off} ({got} of {m})")
-            except BaseException as exc:
-                errors.append(exc)
-
-        k = max(1, min(threads, len(spans)))
-        workers = [threading.Thread(target=work, args=(spans[i::k],)) for i in range(k)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
+        reader.wait_until(reader.n)
     finally:
-        os.close(fd)
-    if errors:
-        err = errors[0]
-        raise err if isinstance(err, TierRefused) else TierRefused(f"{path.name}: {err}")
-    return time.perf_counter() - t0
+        reader.close()
+    return reader.last_read_s
 
 
 def check_piece(piece: Any, entry: TierPiece) -> None:
@@ -326,26 +386,37 @@ def restore(
     directory: Path,
     key: Key,
     alloc: Callable[[int], Any],
-    decode: Callable[[Header, Any], None],
+    queue: Callable[[Header, int, Any], None],
+    drain: Callable[[], None],
     digest: Callable[[], Any],
     threads: int = 8,
+    read_bytes: int = READ_BYTES,
 ) -> dict[str, Any]:
     """Read `key`'s file into `alloc(n)` (a uint8 CPU tensor of n bytes, e.g. over a pinned
-    buffer), check every piece's rows, `decode(header, buffer)` (the caller puts each piece
-    into its record), then compare `digest()` of the decoded bytes with the file's.
-    TierRefused, with the reason, at the first thing that is not right."""
+    buffer) with parallel reads in file order; as soon as piece i is read, check its rows
+    and `queue(header, i, buffer)` (the caller starts putting it into its record: its copy
+    and decode run while later pieces are still read); once every piece is queued,
+    `drain()` (the caller waits for its decodes), then compare `digest()` of the decoded
+    bytes with the file's. TierRefused, with the reason, at the first thing that is not
+    right; the caller's drain has then not run, and it must wait for what it queued."""
     t0 = time.perf_counter()
     path = directory / key.filename()
     header = read_header(path, key)
     buf = alloc(header.payload_bytes())
-    read_s = read_payload(path, header, buf.numpy(), threads)
+    reader = _Reader(path, header, buf.numpy(), threads, read_bytes)
+    check_s = 0.0
+    try:
+        for i, p in enumerate(header.pieces):
+            lo = p.file_off - header.payload_off
+            reader.wait_until(lo + p.size)
+            t = time.perf_counter()
+            check_piece(buf[lo : lo + p.size], p)
+            check_s += time.perf_counter() - t
+            queue(header, i, buf)
+    finally:
+        read_s = reader.close()
     t = time.perf_counter()
-    for p in header.pieces:
-        lo = p.file_off - header.payload_off
-        check_piece(buf[lo : lo + p.size], p)
-    check_s = time.perf_counter() - t
-    t = time.perf_counter()
-    decode(header, buf)
+    drain()
     decode_s = time.perf_counter() - t
     got = digest()
     if json.loads(json.dumps(got)) != header.digest:

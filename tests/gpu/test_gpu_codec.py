@@ -60,9 +60,11 @@ def test_kernels_write_the_reference_bytes(kind: str) -> None:
     assert piece.size == ref.numel()
     mask = _written(ref, piece.n_chunks)
     assert torch.equal(slot[: piece.size].cpu()[mask], ref[mask])
-    out = torch.zeros_like(data)
-    gc.decode_to(slot, piece.n_chunks, out.data_ptr(), out.numel())
-    assert torch.equal(out, data)
+    for decoder in codec.DECODERS:
+        gc.decoder = decoder
+        out = torch.zeros_like(data)
+        gc.decode_to(slot, piece.n_chunks, out.data_ptr(), out.numel())
+        assert torch.equal(out, data), decoder
     if kind == "realistic":
         assert plan.ratio() <= 0.72, plan.ratio()
     else:
@@ -94,14 +96,22 @@ def test_queues_roundtrip_through_pinned_memory_within_scratch() -> None:
     for p in plan.pieces:
         sq.queue(p)
     torch.cuda.synchronize()
-    for t in tensors:
-        t.fill_(0x5A)
-    wq = codec.WakeQueue(gc, plan, copy, a, b)
-    for p in plan.pieces:
-        wq.queue(p)
-    torch.cuda.synchronize()
-    for t, o in zip(tensors, orig, strict=True):
-        assert torch.equal(t, o)
+    for decoder in codec.DECODERS:
+        gc.decoder = decoder
+        for t in tensors:
+            t.fill_(0x5A)
+        wq = codec.WakeQueue(gc, plan, copy, a, b, profile=True)
+        for p in plan.pieces:
+            wq.queue(p)
+        torch.cuda.synchronize()
+        for t, o in zip(tensors, orig, strict=True):
+            assert torch.equal(t, o), decoder
+        prof = wq.profile_summary()
+        assert prof is not None
+        assert prof["pieces"] == len(plan.pieces), prof
+        assert 0 < prof["wire_s"] <= prof["total_s"], prof
+        assert prof["decode_s"] > 0, prof
+        print(f"[codec] wake profile, {decoder}: {prof}")
     bound = 2 * gc.slot_bytes + 2 * gc.piece_chunks * codec.CHUNK_BLOCKS * 4
     assert gc.peak_scratch <= bound
     assert gc.scratch_bytes(plan) <= bound + plan.meta.numel() * 4 + plan.inv.numel()

@@ -60,22 +60,26 @@ def _write(directory: Path, records: list[torch.Tensor], budget: int = 1 << 30) 
     return disktier.write(directory, KEY, entries, blobs.__getitem__, _digest(records), budget)
 
 
-def _restore(directory: Path, key: disktier.Key = KEY) -> list[torch.Tensor]:
+def _restore(
+    directory: Path, key: disktier.Key = KEY, read_bytes: int = disktier.READ_BYTES
+) -> list[torch.Tensor]:
     out = [torch.zeros(n, dtype=torch.uint8) for n in key.sizes]
 
-    def decode(header: disktier.Header, buf: torch.Tensor) -> None:
-        for p in header.pieces:
-            lo = p.file_off - header.payload_off
-            raw = codec.decode_piece(buf[lo : lo + p.size], p.n_chunks)
-            out[p.record][p.dev_off : p.dev_off + p.raw_bytes] = raw[: p.raw_bytes]
+    def queue(header: disktier.Header, i: int, buf: torch.Tensor) -> None:
+        p = header.pieces[i]
+        lo = p.file_off - header.payload_off
+        raw = codec.decode_piece(buf[lo : lo + p.size], p.n_chunks)
+        out[p.record][p.dev_off : p.dev_off + p.raw_bytes] = raw[: p.raw_bytes]
 
     disktier.restore(
         directory,
         key,
         lambda n: torch.empty(n, dtype=torch.uint8),
-        decode,
+        queue,
+        lambda: None,
         lambda: _digest(out),
         threads=3,
+        read_bytes=read_bytes,
     )
     return out
 
@@ -223,3 +227,78 @@ def test_budget_removes_the_oldest_and_refuses_what_cannot_fit(
     small = _write(tmp_path, records, budget=size - 1)
     assert not small["written"]
     assert "budget" in small["reason"]
+
+
+def test_pieces_are_queued_while_later_ones_are_still_read(
+    tmp_path: Path, records: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The restore pipelines: piece 0 goes to its copy and decode before the file's last
+    read is done (the old restore read the whole file first), in small reads here."""
+    assert _write(tmp_path, records)["written"]
+    log: list[str] = []
+    real = os.preadv
+
+    def preadv(fd: int, bufs: list, off: int) -> int:
+        log.append(f"read {off}")
+        return real(fd, bufs, off)
+
+    monkeypatch.setattr(disktier.os, "preadv", preadv)
+    out = [torch.zeros(n, dtype=torch.uint8) for n in KEY.sizes]
+
+    def queue(header: disktier.Header, i: int, buf: torch.Tensor) -> None:
+        log.append(f"queue {i}")
+        p = header.pieces[i]
+        lo = p.file_off - header.payload_off
+        raw = codec.decode_piece(buf[lo : lo + p.size], p.n_chunks)
+        out[p.record][p.dev_off : p.dev_off + p.raw_bytes] = raw[: p.raw_bytes]
+
+    def drain() -> None:
+        log.append("drain")
+
+    done = disktier.restore(
+        tmp_path,
+        KEY,
+        lambda n: torch.empty(n, dtype=torch.uint8),
+        queue,
+        drain,
+        lambda: _digest(out),
+        threads=1,
+        read_bytes=4096,
+    )
+    reads = [i for i, e in enumerate(log) if e.startswith("read")]
+    assert len(reads) > 3, log
+    assert log.index("queue 0") < reads[-1], log
+    assert log[-1] == "drain"
+    assert done["read_s"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(out, records, strict=True))
+
+
+def test_a_failed_read_midway_is_refused_after_queued_pieces(
+    tmp_path: Path, records: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read that fails after some pieces were queued ends in TierRefused (the caller
+    reloads), the readers stop and the file is closed; drain is not called."""
+    assert _write(tmp_path, records)["written"]
+    real = os.preadv
+    calls = []
+
+    def preadv(fd: int, bufs: list, off: int) -> int:
+        calls.append(off)
+        if len(calls) > 6:
+            raise OSError(5, "Input/output error")
+        return real(fd, bufs, off)
+
+    monkeypatch.setattr(disktier.os, "preadv", preadv)
+    drained = []
+    with pytest.raises(disktier.TierRefused, match="Input/output error"):
+        disktier.restore(
+            tmp_path,
+            KEY,
+            lambda n: torch.empty(n, dtype=torch.uint8),
+            lambda h, i, b: None,
+            lambda: drained.append(1),
+            lambda: [],
+            threads=2,
+            read_bytes=4096,
+        )
+    assert not drained
