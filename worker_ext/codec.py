@@ -528,20 +528,20 @@ class GpuCodec:
 
     # scratch ---------------------------------------------------------------------------
 
-    def _scratch(self) -> None:
-        if not self._slots:
-            self._slots = [
-                torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
-                for _ in range(self.n_slots)
-            ]
+    def _scratch(self, n_slots: int) -> None:
+        while len(self._slots) < n_slots:
+            self._slots.append(torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device))
+        if self._counts is None:
             self._counts = torch.zeros(
                 (self.piece_chunks, CHUNK_BLOCKS), dtype=torch.int32, device=self.device
             )
             self._boff = torch.zeros_like(self._counts)
 
-    def scratch_bytes(self, plan: Plan | None = None) -> int:
-        """Device bytes the pipeline holds while it runs (slots, counts, the plan's rows)."""
-        n = self.n_slots * self.slot_bytes + 2 * self.piece_chunks * CHUNK_BLOCKS * 4
+    def scratch_bytes(self, plan: Plan | None = None, slots: int | None = None) -> int:
+        """Device bytes the pipeline holds while it runs (`slots` staging slots, default
+        n_slots; counts; the plan's rows)."""
+        k = self.n_slots if slots is None else slots
+        n = k * self.slot_bytes + 2 * self.piece_chunks * CHUNK_BLOCKS * 4
         if plan is not None:
             n += int(plan.meta.numel()) * 4 + int(plan.inv.numel())
         return n
@@ -640,13 +640,18 @@ class GpuCodec:
 
     # pipelines -------------------------------------------------------------------------
 
-    def slots(self) -> list[Any]:
-        self._scratch()
-        self.peak_scratch = max(self.peak_scratch, self.scratch_bytes())
-        return self._slots
+    def slots(self, n: int | None = None) -> list[Any]:
+        """The first `n` staging slots (default n_slots), made on first use."""
+        k = self.n_slots if n is None else max(1, min(n, self.n_slots))
+        self._scratch(k)
+        self.peak_scratch = max(self.peak_scratch, self.scratch_bytes(slots=len(self._slots)))
+        return self._slots[:k]
 
 
 Copy = Any  # (host offset, device address, bytes, to_host, raw cudaStream_t) -> None
+
+
+SLEEP_SLOTS = 2  # a sleep's double buffer (it runs while the KV cache is still mapped)
 
 
 class SleepQueue:
@@ -656,7 +661,7 @@ class SleepQueue:
     def __init__(self, gc: GpuCodec, plan: Plan, copy: Copy, enc: Any, dma: Any) -> None:
         self.gc, self.plan, self._copy = gc, plan, copy
         self.enc, self.dma = enc, dma
-        self._slots = gc.slots()
+        self._slots = gc.slots(SLEEP_SLOTS)
         self._free: list[Any] = [None] * len(self._slots)
         self._j = 0
 
@@ -694,32 +699,59 @@ class WakeQueue:
         self._slots = gc.slots()
         self._free: list[Any] = [None] * len(self._slots)
         self._j = 0
+        self._staged: list[tuple[Piece, int, tuple[Any, ...]]] = []  # copied, not decoded
         self._prof: list[tuple[Any, ...]] | None = [] if profile else None
         self._sizes: list[tuple[int, int]] = []  # (coded, raw) bytes per piece, profiled
+
+    @property
+    def n_slots(self) -> int:
+        return len(self._slots)
 
     def _event(self, stream: Any) -> Any:
         ev = torch.cuda.Event(enable_timing=True)
         ev.record(stream)
         return ev
 
-    def queue(self, piece: Piece) -> None:
+    def _copy_in(self, piece: Piece) -> tuple[int, tuple[Any, ...]]:
+        """Piece's bytes into the next slot on `dma` (after that slot's last decode)."""
         s = self._j % len(self._slots)
         self._j += 1
-        slot = self._slots[s]
-        prof = self._prof
-        queued = self._event(self.dma) if prof is not None else None
+        prof = self._prof is not None
+        queued = self._event(self.dma) if prof else None
         if self._free[s] is not None:
             self.dma.wait_event(self._free[s])
-        h0 = self._event(self.dma) if prof is not None else None
+        h0 = self._event(self.dma) if prof else None
+        slot = self._slots[s]
         self._copy(piece.host_off, slot.data_ptr(), piece.size, False, self.dma.cuda_stream)
-        staged = self._event(self.dma) if prof is not None else self.dma.record_event()
-        self.dec.wait_event(staged)
+        staged = self._event(self.dma) if prof else self.dma.record_event()
+        return s, (queued, h0, staged)
+
+    def stage(self, piece: Piece) -> bool:
+        """Copy `piece` into a free slot now, before its record is mapped (its decode waits
+        for `queue(piece)`, in the same order); False when every slot is taken."""
+        if len(self._staged) >= len(self._slots):
+            return False
+        s, evs = self._copy_in(piece)
+        self._staged.append((piece, s, evs))
+        return True
+
+    def queue(self, piece: Piece) -> None:
+        """Decode `piece` into its place (mapped by now) on `dec`, copying it first unless
+        it was staged; staged pieces are queued first, in the order they were staged."""
+        if self._staged:
+            if self._staged[0][0] is not piece:
+                raise RuntimeError("staged pieces are queued in the order they were staged")
+            _, s, evs = self._staged.pop(0)
+        else:
+            s, evs = self._copy_in(piece)
+        self.dec.wait_event(evs[2])
+        prof = self._prof
         d0 = self._event(self.dec) if prof is not None else None
         with torch.cuda.stream(self.dec):
-            self.gc.decode_into(self.plan, piece, slot)
+            self.gc.decode_into(self.plan, piece, self._slots[s])
         self._free[s] = self._event(self.dec) if prof is not None else self.dec.record_event()
         if prof is not None:
-            prof.append((queued, h0, staged, d0, self._free[s]))
+            prof.append((*evs, d0, self._free[s]))
             self._sizes.append((piece.size, piece.raw_bytes))
 
     def profile_summary(self) -> dict[str, Any] | None:
@@ -751,14 +783,14 @@ class WakeQueue:
 
 
 def warm(
-    device: Any, piece_chunks: int = 32, decoder: str = "planes"
+    device: Any, piece_chunks: int = 32, decoder: str = "planes", slots: int = 2
 ) -> tuple[GpuCodec | None, dict[str, Any]]:
     """Compile the kernels and prove them on `device` (a coded and a raw chunk, NaNs and
     denormals; byte-identical to the reference encoder, decoded exactly) before the backend
     trusts them: (codec or None, {"ok", "s", "error"}); never raises."""
     t = time.perf_counter()
     try:
-        gc = GpuCodec(device, piece_chunks=piece_chunks, decoder=decoder)
+        gc = GpuCodec(device, piece_chunks=piece_chunks, slots=2, decoder=decoder)
         g = torch.Generator(device="cpu").manual_seed(0)
         coded = (torch.randn(CHUNK_WORDS, generator=g) * 0.02).to(torch.bfloat16).view(torch.int16)
         coded[::97] = 0x7FC1  # a NaN
@@ -781,6 +813,7 @@ def warm(
         if not torch.equal(decode_piece(slot[: piece.size].cpu(), piece.n_chunks), host):
             raise Unavailable("the reference decoder disagrees with the device's bytes")
         gc.release()
+        gc.n_slots = max(2, slots)  # a wake's slots, made when it runs
     except Exception as e:
         return None, {
             "ok": False,

@@ -360,7 +360,9 @@ class CuMemBackend:
             return None
         if self._codec is None and self._codec_warm is None:
             chunks = self.settings.codec_piece_mib * (1 << 20) // (2 * codec.CHUNK_WORDS)
-            self._codec, self._codec_warm = codec.warm(self._device, max(1, chunks))
+            self._codec, self._codec_warm = codec.warm(
+                self._device, max(1, chunks), slots=self.settings.codec_slots
+            )
             if self._codec is None:
                 log.warning("hotswap: host codec off: %s", self._codec_warm.get("error"))
         return self._codec
@@ -382,6 +384,24 @@ class CuMemBackend:
                 pos += m
 
         return copy
+
+    def _new_wake_queue(self) -> codec.WakeQueue:
+        """The coded wake's queue: H2D on the first copy stream, decodes on the second."""
+        assert self._codec is not None
+        assert self._codec_plan is not None
+        assert self._host is not None
+        dma, dec = self._get_streams()[:2]
+        wq = codec.WakeQueue(
+            self._codec,
+            self._codec_plan,
+            self._copier(self._host.ptr),
+            dma,
+            dec,
+            profile=self.codec_profile,
+        )
+        self._codec_scratch = True
+        self._wake_queue = wq if self.codec_profile else None
+        return wq
 
     def _release_codec_scratch(self) -> float:
         """Give the codec's staging buffers back to the device (after every copy is done)."""
@@ -426,7 +446,7 @@ class CuMemBackend:
             "ratio": plan.ratio(),
             "chunks_by_k": {str(k): v for k, v in sorted(plan.by_k.items())},
             "pieces": len(plan.pieces),
-            "scratch_bytes": gc.scratch_bytes(plan),
+            "scratch_bytes": gc.scratch_bytes(plan, slots=codec.SLEEP_SLOTS),
         }
         return [(p, d, [last[r]]) for r, (p, d) in enumerate(offload) if r in last]
 
@@ -1010,6 +1030,23 @@ class CuMemBackend:
                 continue
             t, cpu = time.perf_counter(), time.thread_time()
             later: list[codec.Piece] = []
+            first = self.settings.codec_map == "first"
+            if first and mode == OFFLOADED and self._coded:
+                # the first pieces go on the wire into the staging slots before any record
+                # is mapped; their decodes (and every other piece) once all are mapped
+                ahead = [
+                    piece
+                    for ptr, data in self._tag_records(tag)
+                    if data.is_asleep
+                    for piece in self._coded.get(ptr, ())
+                ]
+                if ahead:
+                    start = start if start is not None else self._start_copies()
+                    wq = wq if wq is not None else self._new_wake_queue()
+                    staged = 0
+                    while staged < len(ahead) and wq.stage(ahead[staged]):
+                        staged += 1
+                    timings[f"{tag}_staged_pieces"] = float(staged)
             # Each record's copies are queued as soon as it is mapped. (Mapping every
             # record first and then copying measured slower: docs/benchmarks.md.)
             for ptr, data in self._tag_records(tag):
@@ -1023,23 +1060,8 @@ class CuMemBackend:
                         start = self._start_copies()
                     pieces = self._coded.pop(ptr, None)
                     if pieces is not None:  # coded: H2D into a slot, decode into place
-                        if wq is None:
-                            assert self._codec is not None
-                            assert self._codec_plan is not None
-                            assert self._host is not None
-                            dma, dec = self._get_streams()[:2]
-                            copy = self._copier(self._host.ptr)
-                            wq = codec.WakeQueue(
-                                self._codec,
-                                self._codec_plan,
-                                copy,
-                                dma,
-                                dec,
-                                profile=self.codec_profile,
-                            )
-                            self._codec_scratch = True
-                            self._wake_queue = wq if self.codec_profile else None
-                        if self.settings.codec_map == "first":
+                        wq = wq if wq is not None else self._new_wake_queue()
+                        if first:
                             later.extend(pieces)  # queued once every record is mapped
                         else:
                             for piece in pieces:
@@ -1051,6 +1073,8 @@ class CuMemBackend:
                 timings[f"{tag}_mapped_s"] = time.perf_counter() - t
                 for piece in later:
                     wq.queue(piece)
+            if wq is not None and self._codec is not None and tag == WEIGHTS:
+                timings["codec_scratch_bytes"] = float(self._codec.scratch_bytes(slots=wq.n_slots))
             if tag == WEIGHTS and mode == DISCARDED and self._tier_key is not None:
                 self._tier_restored = self._tier_restore(timings)
             timings[f"{tag}_s"] = time.perf_counter() - t

@@ -42,9 +42,13 @@ class WorkerSettings:
     # HOTSWAP_CODEC_PIECE_MIB: bytes the codec moves per copy; its GPU scratch is two
     # pieces (double buffer), 2 x 64 MiB by default
     codec_piece_mib: int = 64
-    # HOTSWAP_CODEC_MAP: interleaved (measured: each record's pieces queued once it is
-    # mapped) | first (every record mapped before the first decode: no driver mapping call
-    # while the decoder runs; a candidate, not yet measured)
+    # HOTSWAP_CODEC_SLOTS: staging slots of one piece each on the device while a coded
+    # sleep or wake runs (2..64); with HOTSWAP_CODEC_MAP=first a wake fills them all before
+    # it maps the weights, so their copies overlap the mapping
+    codec_slots: int = 2
+    # HOTSWAP_CODEC_MAP: interleaved (each record's pieces queued once it is mapped) |
+    # first (every staging slot filled from the host first, then every record mapped, then
+    # every piece decoded: no driver mapping call while the decoder runs)
     codec_map: str = "interleaved"
     # HOTSWAP_DISK_DIR: the level-2 disk tier's directory (worker_ext/disktier.py); empty:
     # no tier, a level-2 wake reloads from the checkpoint as before
@@ -70,6 +74,10 @@ class WorkerSettings:
         except ValueError:
             piece_mib = 64
         try:
+            slots = min(64, max(2, int(env.get("HOTSWAP_CODEC_SLOTS", "2"))))
+        except ValueError:
+            slots = 2
+        try:
             budget = max(0, int(float(env.get("HOTSWAP_DISK_BUDGET_GB", "64")) * 10**9))
         except ValueError:
             budget = 64 * 10**9
@@ -89,6 +97,7 @@ class WorkerSettings:
             protect="objects" if _word(env, "HOTSWAP_PROTECT", "ranges") == "objects" else "ranges",
             host_codec=_choice(env, "HOTSWAP_HOST_CODEC", ("exp", "none"), "exp"),
             codec_piece_mib=piece_mib,
+            codec_slots=slots,
             codec_map=_choice(env, "HOTSWAP_CODEC_MAP", ("interleaved", "first"), "interleaved"),
             disk_dir=env.get("HOTSWAP_DISK_DIR", "").strip(),
             disk_budget_bytes=budget,

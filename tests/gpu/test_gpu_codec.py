@@ -123,3 +123,52 @@ def test_warm_proves_the_kernels() -> None:
     gc, report = codec.warm(torch.device("cuda", torch.cuda.current_device()))
     assert gc is not None, report
     assert report["ok"], report
+
+
+def test_staged_pieces_fill_every_slot_then_decode_in_order() -> None:
+    """HOTSWAP_CODEC_MAP=first: the wake's slots (4 here) all take a piece before anything
+    is decoded, then every piece is queued; the bytes come back exactly, a piece queued out
+    of the staged order is refused, the sleep used two slots and the wake four."""
+    sizes = [3 * codec.CHUNK_WORDS, codec.CHUNK_WORDS // 3, 5 * codec.CHUNK_WORDS + 2]
+    tensors = [_data("realistic" if i % 2 == 0 else "noise", n) for i, n in enumerate(sizes)]
+    orig = [t.clone() for t in tensors]
+    gc = codec.GpuCodec("cuda", piece_chunks=2, slots=4, decoder="groups")
+    plan = gc.plan([(t.data_ptr(), t.numel()) for t in tensors])
+    host = torch.empty(plan.total, dtype=torch.uint8, pin_memory=True)
+    dev_ = torch.device("cuda", torch.cuda.current_device())
+
+    def copy(off: int, dev: int, n: int, to_host: bool, stream: int) -> None:
+        s = torch.cuda.ExternalStream(stream)
+        with torch.cuda.stream(s):
+            src = raw_bytes(dev, n, dev_)
+            if to_host:
+                host[off : off + n].copy_(src, non_blocking=True)
+            else:
+                src.copy_(host[off : off + n], non_blocking=True)
+
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    sq = codec.SleepQueue(gc, plan, copy, a, b)
+    for p in plan.pieces:
+        sq.queue(p)
+    torch.cuda.synchronize()
+    fixed = 2 * gc.piece_chunks * codec.CHUNK_BLOCKS * 4
+    assert gc.peak_scratch <= 2 * gc.slot_bytes + fixed
+    for t in tensors:
+        t.fill_(0x5A)
+    wq = codec.WakeQueue(gc, plan, copy, a, b, profile=True)
+    staged = 0
+    while staged < len(plan.pieces) and wq.stage(plan.pieces[staged]):
+        staged += 1
+    assert staged == wq.n_slots == 4 < len(plan.pieces)
+    with pytest.raises(RuntimeError, match="order"):
+        wq.queue(plan.pieces[1])
+    for p in plan.pieces:
+        wq.queue(p)
+    torch.cuda.synchronize()
+    for t, o in zip(tensors, orig, strict=True):
+        assert torch.equal(t, o)
+    assert gc.peak_scratch <= 4 * gc.slot_bytes + fixed
+    prof = wq.profile_summary()
+    assert prof is not None
+    assert prof["pieces"] == len(plan.pieces)
+    print(f"[codec] staged {staged} of {len(plan.pieces)} pieces: {prof}")

@@ -4,6 +4,7 @@ raw where coding does not pay, meets the ratio on trained-like weights; the Trit
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -192,3 +193,93 @@ def test_kernel_matches_reference(kind: str, n_words: int) -> None:
         dst = torch.full_like(data, 0xA5)
         gc.decode_to(got, piece.n_chunks, int(dst.data_ptr()), int(dst.numel()))
         assert torch.equal(dst, data), decoder
+
+
+# -- the wake queue's order, with recording fakes for CUDA streams and events -------------
+
+
+class _Ev:
+    n = 0
+
+    def __init__(self, log: list[str]) -> None:
+        _Ev.n += 1
+        self.id, self.log = _Ev.n, log
+
+    def record(self, stream: _Stream) -> None:
+        self.log.append(f"{stream.cuda_stream} records e{self.id}")
+
+
+class _Stream:
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.cuda_stream, self.log = name, log
+
+    def wait_event(self, ev: _Ev) -> None:
+        self.log.append(f"{self.cuda_stream} waits e{ev.id}")
+
+    def record_event(self) -> _Ev:
+        ev = _Ev(self.log)
+        ev.record(self)
+        return ev
+
+
+class _Slot:
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+    def data_ptr(self) -> int:
+        return 1000 + self.i
+
+
+class _Codec:
+    def __init__(self, log: list[str], n_slots: int) -> None:
+        self.log, self.n = log, n_slots
+
+    def slots(self, n: int | None = None) -> list[_Slot]:
+        return [_Slot(i) for i in range(self.n if n is None else n)]
+
+    def decode_into(self, plan: object, piece: codec.Piece, slot: _Slot) -> None:
+        self.log.append(f"decode p{piece.first} from slot {slot.i}")
+
+
+@pytest.mark.parametrize("profile", [False, True])
+def test_wake_queue_stages_every_slot_then_decodes_in_order(
+    monkeypatch: pytest.MonkeyPatch, profile: bool
+) -> None:
+    """HOTSWAP_CODEC_MAP=first's queue: stage() fills the free slots (copies only, no
+    decode), queue() decodes the staged pieces in their order and refuses another, and a
+    later piece's copy into a reused slot waits for that slot's last decode."""
+    log: list[str] = []
+    monkeypatch.setattr(codec.torch.cuda, "Event", lambda **_: _Ev(log))
+    monkeypatch.setattr(codec.torch.cuda, "stream", lambda _s: contextlib.nullcontext())
+    pieces = [codec.Piece(0, 0, 8, j, 1, 4, 4 * j) for j in range(5)]
+
+    def copy(host_off: int, dev: int, n: int, to_host: bool, stream: str) -> None:
+        assert not to_host
+        log.append(f"{stream} copies host {host_off} to slot {dev - 1000}")
+
+    dma, dec = _Stream("dma", log), _Stream("dec", log)
+    gc = _Codec(log, 3)
+    wq = codec.WakeQueue(gc, None, copy, dma, dec, profile=profile)  # type: ignore[arg-type]
+    staged = [wq.stage(p) for p in pieces]
+    assert staged == [True, True, True, False, False]
+    assert not any(e.startswith("decode") for e in log)
+    assert [e for e in log if "copies" in e] == [
+        f"dma copies host {4 * j} to slot {j}" for j in range(3)
+    ]
+    with pytest.raises(RuntimeError, match="order"):
+        wq.queue(pieces[1])
+    for p in pieces:
+        wq.queue(p)
+    decodes = [e for e in log if e.startswith("decode")]
+    assert decodes == [f"decode p{j} from slot {j % 3}" for j in range(5)]
+    # piece 3's copy reuses slot 0: it waits for the event recorded after piece 0's decode
+    d0 = log.index("decode p0 from slot 0")
+    freed = next(e for e in log[d0:] if e.startswith("dec records")).split()[-1]
+    c3 = log.index("dma copies host 12 to slot 0")
+    assert f"dma waits {freed}" in log[d0:c3]
+    # every decode waits for its own piece's copy
+    for j in range(5):
+        c = log.index(f"dma copies host {4 * j} to slot {j % 3}")
+        staged_ev = next(e for e in log[c:] if e.startswith("dma records")).split()[-1]
+        dj = log.index(f"decode p{j} from slot {j % 3}")
+        assert f"dec waits {staged_ev}" in log[c:dj]

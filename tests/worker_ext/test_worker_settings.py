@@ -15,7 +15,7 @@ def test_defaults() -> None:
     assert (s.keep_host_backup, s.pin_mode, s.kv_map_mode) == (True, "early", "wait")
     assert (s.map_impl, s.map_handles, s.pin_threads) == ("driver", "vllm", 4)
     assert (s.resume_sync, s.verify_kernel, s.protect) == (False, "auto", "ranges")
-    assert (s.host_codec, s.codec_piece_mib) == ("exp", 64)
+    assert (s.host_codec, s.codec_piece_mib, s.codec_slots) == ("exp", 64, 2)
 
 
 def test_every_variable_is_read() -> None:
@@ -32,6 +32,7 @@ def test_every_variable_is_read() -> None:
             "HOTSWAP_PROTECT": "objects",
             "HOTSWAP_HOST_CODEC": "None",
             "HOTSWAP_CODEC_PIECE_MIB": "16",
+            "HOTSWAP_CODEC_SLOTS": "5",
             "HOTSWAP_CODEC_MAP": "First",
             "HOTSWAP_DISK_DIR": " /var/tier ",
             "HOTSWAP_DISK_BUDGET_GB": "1.5",
@@ -50,6 +51,7 @@ def test_every_variable_is_read() -> None:
         "objects",
         "none",
         16,
+        5,
         "first",
         "/var/tier",
         1_500_000_000,
@@ -69,6 +71,7 @@ def test_bad_words_fall_back_to_the_defaults() -> None:
             "HOTSWAP_PROTECT": "everything",
             "HOTSWAP_HOST_CODEC": "zstd",
             "HOTSWAP_CODEC_PIECE_MIB": "big",
+            "HOTSWAP_CODEC_SLOTS": "several",
             "HOTSWAP_CODEC_MAP": "later",
             "HOTSWAP_DISK_BUDGET_GB": "lots",
             "HOTSWAP_DISK_THREADS": "x",
@@ -76,6 +79,8 @@ def test_bad_words_fall_back_to_the_defaults() -> None:
     )
     assert s == WorkerSettings()
     assert WorkerSettings.from_env({"HOTSWAP_CODEC_PIECE_MIB": "0"}).codec_piece_mib == 2
+    assert WorkerSettings.from_env({"HOTSWAP_CODEC_SLOTS": "1"}).codec_slots == 2
+    assert WorkerSettings.from_env({"HOTSWAP_CODEC_SLOTS": "500"}).codec_slots == 64
     assert WorkerSettings.from_env({"HOTSWAP_PIN_THREADS": "-3"}).pin_threads == 1
     # not keeping the buffer makes lazy pinning the default, as before
     assert WorkerSettings.from_env({"HOTSWAP_KEEP_HOST_BACKUP": "no"}).pin_mode == "lazy"
