@@ -102,9 +102,12 @@ class Direct:
         return {"weights": r1, "kv_cache": r2}, time.perf_counter() - t, 0.0
 
 
-def tune_codec(w: Any, decoder: str | None, slots: int | None, profile: bool) -> dict[str, Any]:
-    """On the worker: the backend's codec decode kernel and slots for the next cycles, and
-    whether its next coded wake is profiled (timing events around every piece)."""
+def tune_codec(
+    w: Any, decoder: str | None, slots: int | None, profile: bool, align: int | None = None
+) -> dict[str, Any]:
+    """On the worker: the backend's codec decode kernel, slots and host alignment of the
+    pieces (the next sleep's plan) for the next cycles, and whether its next coded wake is
+    profiled (timing events around every piece)."""
     from worker_ext import codec
 
     b = find_backend(w.worker)
@@ -117,10 +120,13 @@ def tune_codec(w: Any, decoder: str | None, slots: int | None, profile: bool) ->
                 gc.decoder = decoder
         if slots:
             gc.n_slots = max(2, slots)
+        if align:
+            gc.host_align = align
     b.codec_profile = profile
     return {
         "decoder": getattr(gc, "decoder", None),
         "slots": getattr(gc, "n_slots", None),
+        "host_align": getattr(gc, "host_align", None),
         "profile": profile,
         "decoder_proof": proof,
     }
@@ -378,9 +384,10 @@ def main() -> int:
     ap.add_argument(
         "--codec-maps",
         default="interleaved",
-        help="variants of the exp codec, in turn, each MAP[:DECODER[:SLOTS]]: MAP a"
+        help="variants of the exp codec, in turn, each MAP[:DECODER[:SLOTS[:ALIGN]]]: MAP a"
         " HOTSWAP_CODEC_MAP value (interleaved, first), DECODER the decode kernel (planes,"
-        " groups; default the codec's), SLOTS its staging slots (default the codec's)",
+        " groups; default the codec's), SLOTS its staging slots, ALIGN the pieces' offset"
+        " alignment in the host copy (bytes; default the codec's)",
     )
     ap.add_argument(
         "--codec-profile",
@@ -486,7 +493,8 @@ def main() -> int:
     for variant, mode, impl, vk, asleep, protect, plevel in variants:
         hc, _, cvar = variant.partition("/")
         cmap, _, tune = cvar.partition(":")
-        decoder, _, slots = tune.partition(":")
+        decoder, _, tune = tune.partition(":")
+        slots, _, align = tune.partition(":")
         switched = os.environ.get("HOTSWAP_HOST_CODEC") != hc
         os.environ["HOTSWAP_HOST_CODEC"] = hc
         os.environ["HOTSWAP_CODEC_MAP"] = cmap or "interleaved"
@@ -502,7 +510,13 @@ def main() -> int:
             profiled = hc == "exp" and cycle >= args.cycles
             if hc == "exp":
                 tuned = llm.collective_rpc(
-                    tune_codec, args=(decoder or None, int(slots) if slots else None, profiled)
+                    tune_codec,
+                    args=(
+                        decoder or None,
+                        int(slots) if slots else None,
+                        profiled,
+                        int(align) if align else None,
+                    ),
                 )[0]
             s, ts = drv.sleep(plevel) if plevel != 1 else drv.sleep()
             r_asleep = rss()

@@ -48,6 +48,7 @@ META_BYTES = META_INTS * 4
 TABLE_AT = 32  # the table's byte offset inside a meta row (ints 8..11)
 ALIGN = 16
 PIECE_ALIGN = 256
+HOST_ALIGN = 4096  # a piece's offset in the host copy (the pages the DMA reads)
 NUM_WARPS = 8
 
 # meta columns
@@ -525,6 +526,10 @@ class GpuCodec:
         self._counts: Any = None
         self._boff: Any = None
         self.peak_scratch = 0
+        # where each piece starts in the host copy: a whole page, so that no host-to-device
+        # copy starts inside one (measured on an H200: pieces at 256-byte offsets came in
+        # at 43 GB/s where the link gives 55; docs/benchmarks.md)
+        self.host_align = HOST_ALIGN
 
     # scratch ---------------------------------------------------------------------------
 
@@ -591,6 +596,7 @@ class GpuCodec:
                 rows = meta_h[row + j : row + j + n_ch]
                 size = layout(rows)
                 raw = min(nbytes - j * 2 * CHUNK_WORDS, n_ch * 2 * CHUNK_WORDS)
+                host = _align(host, self.host_align)
                 pieces.append(Piece(r, j * 2 * CHUNK_WORDS, raw, row + j, n_ch, size, host))
                 host += size
             row += c

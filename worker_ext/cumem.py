@@ -468,6 +468,8 @@ class CuMemBackend:
             "budget_bytes": self.settings.disk_budget_bytes,
             "usage_bytes": usage,
             "writing": writing,
+            # the file the next level-2 wake reads (its key: these weights' bytes), or None
+            "pending": self._tier_key.filename() if self._tier_key is not None else None,
             "last": dict(self._tier_report),
         }
 

@@ -6,7 +6,8 @@ version, the parallel rank and the records' sizes (`Key`); its name carries a di
 key, so a changed model or vLLM never opens an old file. Layout:
 
   magic (8) | format version u32 | header length u32 | header crc32 u32 | 0 u32 |
-  header (JSON, utf-8) | zero padding to ALIGN | the pieces, each at its `file_off`
+  header (JSON, utf-8) | zero padding to ALIGN | the pieces, each at its `file_off` (a
+  multiple of ALIGN, so a piece read into a page-aligned host buffer starts on a page)
 
 The header names the key, every record's size and pieces (file offset, size, chunks, raw
 bytes, offset in the record), the file's total size and a digest of the raw bytes (the
@@ -44,7 +45,7 @@ import torch
 from worker_ext import codec
 
 MAGIC = b"HSWTIER\x00"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: every piece starts on ALIGN in the file (1: pieces back to back)
 ALIGN = 4096
 SUFFIX = ".hswt"
 _FIXED = struct.Struct("<8sIIII")
@@ -99,6 +100,10 @@ class Header:
         return self.total - self.payload_off
 
 
+def _aligned(pos: int) -> int:
+    return (pos + ALIGN - 1) // ALIGN * ALIGN
+
+
 def _header_blob(key: Key, pieces: list[TierPiece], digest: Any, total: int, payload: int) -> bytes:
     doc = {
         "key": key.as_json(),
@@ -125,6 +130,7 @@ def layout(
         pieces: list[TierPiece] = []
         pos = payload
         for rec, dev_off, raw, n_ch, size in entries:
+            pos = _aligned(pos)  # a whole page: the host-to-device copy reads whole pages
             pieces.append(TierPiece(rec, dev_off, raw, n_ch, size, pos))
             pos += size
         blob = _header_blob(key, pieces, digest, pos, payload)
@@ -241,6 +247,7 @@ def read_header(path: Path, key: Key) -> Header:
         raise TierRefused(f"{path.name}: {size} bytes, the header says {total} (truncated?)")
     pos = payload
     for i, p in enumerate(pieces):
+        pos = _aligned(pos)
         if p.file_off != pos or p.size <= 0 or not 0 <= p.record < len(key.sizes):
             raise TierRefused(f"{path.name}: piece {i} out of place")
         if p.dev_off + p.raw_bytes > key.sizes[p.record]:

@@ -4,6 +4,7 @@ verified every time; a truncated or older-format file is written again at the ne
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.gpu.conftest import Engine
+from worker_ext import codec
 
 pytestmark = pytest.mark.gpu
 
@@ -49,45 +51,61 @@ def _written(eng: Engine) -> dict:
     return _tier(eng)
 
 
-def _cycle(eng: Engine, base: object) -> dict:
+def _cycle(eng: Engine, base: object, damage: Callable[[Path], None] | None = None) -> dict:
+    """A level-2 sleep, its tier file written, `damage` done to the file the wake will
+    read (between the write and the wake), the wake: verified, tokens equal."""
     eng.sleep(2)
     tier = _written(eng)
+    assert tier["pending"], tier
+    path = Path(tier["dir"]) / tier["pending"]
+    assert path.is_file(), (path, tier)
+    if damage is not None:
+        damage(path)
     w = eng.wake(2)
     assert w["verify"]["mismatched"] == [], w["verify"]
     assert eng.gen() == base
-    return {"tier": tier, "reload": w["reload"]}
+    return {"tier": tier, "reload": w["reload"], "path": path}
+
+
+def _flip(path: Path) -> None:
+    """A byte the decoder reads (the first piece's first chunk, past its rows): the header
+    is whole, the decoded bytes' digest differs."""
+    data = bytearray(path.read_bytes())
+    hlen = struct.unpack_from("<I", data, 12)[0]
+    _rec, _dev_off, _raw, n_chunks, _size, off = json.loads(data[24 : 24 + hlen])["pieces"][0]
+    data[off + codec.header_bytes(n_chunks) + 10] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def _version(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write(struct.pack("<I", 999))
 
 
 def test_level2_wake_from_disk_then_faults_end_in_reload(llama: Engine, tier_dir: Path) -> None:
     base = llama.gen()
     first = _cycle(llama, base)
-    files = sorted(tier_dir.glob("*.hswt"))
-    assert len(files) == 1, (files, first)
     assert first["tier"]["last"]["write"]["written"], first
     assert first["reload"]["source"] == "disk", first["reload"]
-    assert first["tier"]["usage_bytes"] == files[0].stat().st_size
+    assert first["tier"]["usage_bytes"] == sum(p.stat().st_size for p in tier_dir.glob("*.hswt"))
     print(f"[tier] from disk: {first['reload']['tier']}")
 
-    # a flipped byte in the payload: the header is whole, so the sleep keeps the file; the
-    # wake decodes, sees the digest differ, reloads and removes the file
-    data = bytearray(files[0].read_bytes())
-    data[-100] ^= 0x5A
-    files[0].write_bytes(bytes(data))
-    flipped = _cycle(llama, base)
-    assert flipped["reload"]["source"] == "reload", flipped["reload"]
-    assert not flipped["reload"]["tier"]["used"]
-    assert flipped["reload"]["tier"]["removed"]
-    print(f"[tier] flipped byte: {flipped['reload']['tier']['reason']}")
-    assert _cycle(llama, base)["reload"]["source"] == "disk"  # written again, used again
-
-    # truncated, then another format version: the sleep writes the file again
-    for damage in ("truncate", "version"):
-        if damage == "truncate":
-            os.truncate(files[0], files[0].stat().st_size // 2)
-        else:
-            with open(files[0], "r+b") as f:
-                f.seek(8)
-                f.write(struct.pack("<I", 999))
+    # each damage, done between the sleep's write and the wake, ends in a reload that says
+    # why and removes the file; the next sleep writes it again and the wake uses it
+    for name, damage in (("flipped byte", _flip), ("truncated", _truncate), ("version", _version)):
+        hit = _cycle(llama, base, damage)
+        assert hit["reload"]["source"] == "reload", (name, hit["reload"])
+        assert not hit["reload"]["tier"]["used"], (name, hit["reload"])
+        assert hit["reload"]["tier"]["removed"], (name, hit["reload"])
+        assert not hit["path"].exists(), name
+        print(f"[tier] {name}: {hit['reload']['tier']['reason']}")
         again = _cycle(llama, base)
-        assert again["tier"]["last"]["write"]["written"], (damage, again)
-        assert again["reload"]["source"] == "disk", (damage, again["reload"])
+        assert again["tier"]["last"]["write"]["written"], (name, again)
+        assert again["reload"]["source"] == "disk", (name, again["reload"])
+    # whether a sleep found its file already on disk (the same bytes as an earlier sleep's)
+    print(f"[tier] files now: {sorted(p.name for p in tier_dir.glob('*.hswt'))}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 from pathlib import Path
 
 import pytest
@@ -235,10 +236,18 @@ def test_pieces_are_queued_while_later_ones_are_still_read(
     """The restore pipelines: piece 0 goes to its copy and decode before the file's last
     read is done (the old restore read the whole file first), in small reads here."""
     assert _write(tmp_path, records)["written"]
+    header = disktier.read_header(tmp_path / KEY.filename(), KEY)
+    first_end = header.pieces[0].file_off + header.pieces[0].size
+    assert first_end + 8 * 4096 < header.total
     log: list[str] = []
     real = os.preadv
+    queued_first = threading.Event()
+
+    waited: list[bool] = []
 
     def preadv(fd: int, bufs: list, off: int) -> int:
+        if off >= first_end + 4 * 4096 and not waited:  # wait once (bounded) for queue 0
+            waited.append(queued_first.wait(timeout=5))
         log.append(f"read {off}")
         return real(fd, bufs, off)
 
@@ -247,6 +256,7 @@ def test_pieces_are_queued_while_later_ones_are_still_read(
 
     def queue(header: disktier.Header, i: int, buf: torch.Tensor) -> None:
         log.append(f"queue {i}")
+        queued_first.set()
         p = header.pieces[i]
         lo = p.file_off - header.payload_off
         raw = codec.decode_piece(buf[lo : lo + p.size], p.n_chunks)
