@@ -526,9 +526,9 @@ class GpuCodec:
         self._counts: Any = None
         self._boff: Any = None
         self.peak_scratch = 0
-        # where each piece starts in the host copy: a whole page, so that no host-to-device
-        # copy starts inside one (measured on an H200: pieces at 256-byte offsets came in
-        # at 43 GB/s where the link gives 55; docs/benchmarks.md)
+        # where each piece starts in the host copy: a whole page (no copy starts inside
+        # one; measured on an H200 it made no difference to the wake's copies, 43.4 GB/s at
+        # 4096 against 43.7 at 256 bytes: docs/benchmarks.md; it costs < 4 KiB a piece)
         self.host_align = HOST_ALIGN
 
     # scratch ---------------------------------------------------------------------------
@@ -701,7 +701,10 @@ class WakeQueue:
         self, gc: GpuCodec, plan: Plan, copy: Copy, dma: Any, dec: Any, profile: bool = False
     ) -> None:
         self.gc, self.plan, self._copy = gc, plan, copy
-        self.dma, self.dec = dma, dec
+        # `dma`: one stream, or a list whose streams take the pieces' copies in turn (two
+        # copies in flight at once; each slot's next copy still waits for its decode)
+        self._dmas: list[Any] = list(dma) if isinstance(dma, (list, tuple)) else [dma]
+        self.dma, self.dec = self._dmas[0], dec
         self._slots = gc.slots()
         self._free: list[Any] = [None] * len(self._slots)
         self._j = 0
@@ -721,15 +724,16 @@ class WakeQueue:
     def _copy_in(self, piece: Piece) -> tuple[int, tuple[Any, ...]]:
         """Piece's bytes into the next slot on `dma` (after that slot's last decode)."""
         s = self._j % len(self._slots)
+        dma = self._dmas[self._j % len(self._dmas)]
         self._j += 1
         prof = self._prof is not None
-        queued = self._event(self.dma) if prof else None
+        queued = self._event(dma) if prof else None
         if self._free[s] is not None:
-            self.dma.wait_event(self._free[s])
-        h0 = self._event(self.dma) if prof else None
+            dma.wait_event(self._free[s])
+        h0 = self._event(dma) if prof else None
         slot = self._slots[s]
-        self._copy(piece.host_off, slot.data_ptr(), piece.size, False, self.dma.cuda_stream)
-        staged = self._event(self.dma) if prof else self.dma.record_event()
+        self._copy(piece.host_off, slot.data_ptr(), piece.size, False, dma.cuda_stream)
+        staged = self._event(dma) if prof else dma.record_event()
         return s, (queued, h0, staged)
 
     def stage(self, piece: Piece) -> bool:

@@ -132,6 +132,7 @@ class CuMemBackend:
         self.device = self._device
         self._cudart = CudaRT()
         self._streams: list[Any] = []
+        self._xstreams: list[Any] = []  # a coded wake's further H2D streams (settings)
         self._suspended: dict[str, str] = {}
         self._level: int | None = None
         # ptr -> (host buffer address, offset, size) of every record offloaded now
@@ -390,12 +391,12 @@ class CuMemBackend:
         assert self._codec is not None
         assert self._codec_plan is not None
         assert self._host is not None
-        dma, dec = self._get_streams()[:2]
+        dec = self._get_streams()[1]
         wq = codec.WakeQueue(
             self._codec,
             self._codec_plan,
             self._copier(self._host.ptr),
-            dma,
+            self._h2d_streams(),
             dec,
             profile=self.codec_profile,
         )
@@ -598,19 +599,20 @@ class CuMemBackend:
                     plan = codec.Plan(
                         ranges, [], None, None, header.payload_bytes(), sum(key.sizes)
                     )
-                    dma, dec = self._get_streams()[:2]
+                    dmas, dec = self._h2d_streams(), self._get_streams()[1]
                     current = self._torch.cuda.current_stream(self._device)
-                    dma.wait_stream(current)
-                    dec.wait_stream(current)
+                    for s in [*dmas, dec]:
+                        s.wait_stream(current)
                     self._codec_scratch = True
                     copy = self._copier(held["host"].ptr)
-                    wq.append(codec.WakeQueue(gc, plan, copy, dma, dec, profile=self.codec_profile))
+                    wq.append(
+                        codec.WakeQueue(gc, plan, copy, dmas, dec, profile=self.codec_profile)
+                    )
                 wq[0].queue(piece)
 
             def drain() -> None:
-                dma, dec = self._get_streams()[:2]
-                dma.synchronize()
-                dec.synchronize()
+                for s in self._all_streams():
+                    s.synchronize()
                 if wq:
                     self._codec_wake = wq[0].profile_summary()
                 self._release_codec_scratch()
@@ -627,8 +629,8 @@ class CuMemBackend:
                 )
             finally:  # refused midway: what was queued still reads the host buffer
                 if wq:
-                    self._get_streams()[0].synchronize()
-                    self._get_streams()[1].synchronize()
+                    for s in self._all_streams():
+                        s.synchronize()
             report["used"] = True
         except Exception as exc:  # refused or failed: the reload brings the weights back
             reason = str(exc) if isinstance(exc, disktier.TierRefused) else repr(exc)
@@ -837,7 +839,7 @@ class CuMemBackend:
         """Order the copy streams after the worker's current stream; the start event."""
         torch = self._torch
         current = torch.cuda.current_stream(self._device)
-        for s in self._get_streams():
+        for s in self._all_streams():
             s.wait_stream(current)
         start = torch.cuda.Event(enable_timing=True)
         start.record(self._get_streams()[0])
@@ -847,6 +849,16 @@ class CuMemBackend:
         if not self._streams:
             self._streams = [self._torch.cuda.Stream(self._device) for _ in range(N_STREAMS)]
         return self._streams
+
+    def _h2d_streams(self) -> list[Any]:
+        """A coded wake's host-to-device streams: the first copy stream and, with
+        HOTSWAP_CODEC_COPY_STREAMS=2, one more (the second copy stream runs the decodes)."""
+        while len(self._xstreams) < self.settings.codec_copy_streams - 1:
+            self._xstreams.append(self._torch.cuda.Stream(self._device))
+        return [self._get_streams()[0], *self._xstreams[: self.settings.codec_copy_streams - 1]]
+
+    def _all_streams(self) -> list[Any]:
+        return [*self._get_streams(), *self._xstreams]
 
     def _queue(self, dev: int, host: int, host_off: int, size: int, to_host: bool, k: int) -> int:
         """Queue one record's copies in CHUNK_BYTES pieces (cut at host-offset multiples, so
@@ -1089,10 +1101,10 @@ class CuMemBackend:
         if start is not None:
             current = torch.cuda.current_stream(self._device)
             ends = []
-            for s in self._get_streams():
+            for s in self._all_streams():
                 ends.append(s.record_event(torch.cuda.Event(enable_timing=True)))
                 current.wait_stream(s)  # later work on this stream sees the bytes
-            self._pending = list(self._get_streams())
+            self._pending = self._all_streams()
             self._dma_events = (start, ends)
             if not self.settings.keep_host_backup:
                 self._release_host_after_pending = True

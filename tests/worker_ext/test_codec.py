@@ -241,13 +241,14 @@ class _Codec:
         self.log.append(f"decode p{piece.first} from slot {slot.i}")
 
 
-@pytest.mark.parametrize("profile", [False, True])
+@pytest.mark.parametrize(("profile", "n_dma"), [(False, 1), (True, 1), (False, 2)])
 def test_wake_queue_stages_every_slot_then_decodes_in_order(
-    monkeypatch: pytest.MonkeyPatch, profile: bool
+    monkeypatch: pytest.MonkeyPatch, profile: bool, n_dma: int
 ) -> None:
     """HOTSWAP_CODEC_MAP=first's queue: stage() fills the free slots (copies only, no
     decode), queue() decodes the staged pieces in their order and refuses another, and a
-    later piece's copy into a reused slot waits for that slot's last decode."""
+    later piece's copy into a reused slot waits for that slot's last decode; with two copy
+    streams (HOTSWAP_CODEC_COPY_STREAMS=2) the pieces' copies take them in turn."""
     log: list[str] = []
     monkeypatch.setattr(codec.torch.cuda, "Event", lambda **_: _Ev(log))
     monkeypatch.setattr(codec.torch.cuda, "stream", lambda _s: contextlib.nullcontext())
@@ -257,14 +258,20 @@ def test_wake_queue_stages_every_slot_then_decodes_in_order(
         assert not to_host
         log.append(f"{stream} copies host {host_off} to slot {dev - 1000}")
 
-    dma, dec = _Stream("dma", log), _Stream("dec", log)
+    dmas = [_Stream(f"dma{i}", log) for i in range(n_dma)]
+    dec = _Stream("dec", log)
     gc = _Codec(log, 3)
-    wq = codec.WakeQueue(gc, None, copy, dma, dec, profile=profile)  # type: ignore[arg-type]
+    dma_arg = dmas if n_dma > 1 else dmas[0]
+    wq = codec.WakeQueue(gc, None, copy, dma_arg, dec, profile=profile)  # type: ignore[arg-type]
+
+    def on(j: int) -> str:  # the stream that takes piece j's copy
+        return f"dma{j % n_dma}"
+
     staged = [wq.stage(p) for p in pieces]
     assert staged == [True, True, True, False, False]
     assert not any(e.startswith("decode") for e in log)
     assert [e for e in log if "copies" in e] == [
-        f"dma copies host {4 * j} to slot {j}" for j in range(3)
+        f"{on(j)} copies host {4 * j} to slot {j}" for j in range(3)
     ]
     with pytest.raises(RuntimeError, match="order"):
         wq.queue(pieces[1])
@@ -275,11 +282,11 @@ def test_wake_queue_stages_every_slot_then_decodes_in_order(
     # piece 3's copy reuses slot 0: it waits for the event recorded after piece 0's decode
     d0 = log.index("decode p0 from slot 0")
     freed = next(e for e in log[d0:] if e.startswith("dec records")).split()[-1]
-    c3 = log.index("dma copies host 12 to slot 0")
-    assert f"dma waits {freed}" in log[d0:c3]
-    # every decode waits for its own piece's copy
+    c3 = log.index(f"{on(3)} copies host 12 to slot 0")
+    assert f"{on(3)} waits {freed}" in log[d0:c3]
+    # every decode waits for its own piece's copy, recorded on the stream that copied it
     for j in range(5):
-        c = log.index(f"dma copies host {4 * j} to slot {j % 3}")
-        staged_ev = next(e for e in log[c:] if e.startswith("dma records")).split()[-1]
+        c = log.index(f"{on(j)} copies host {4 * j} to slot {j % 3}")
+        staged_ev = next(e for e in log[c:] if e.startswith(f"{on(j)} records")).split()[-1]
         dj = log.index(f"decode p{j} from slot {j % 3}")
         assert f"dec waits {staged_ev}" in log[c:dj]

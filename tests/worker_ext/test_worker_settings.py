@@ -33,6 +33,7 @@ def test_every_variable_is_read() -> None:
             "HOTSWAP_HOST_CODEC": "None",
             "HOTSWAP_CODEC_PIECE_MIB": "16",
             "HOTSWAP_CODEC_SLOTS": "5",
+            "HOTSWAP_CODEC_COPY_STREAMS": "2",
             "HOTSWAP_CODEC_MAP": "First",
             "HOTSWAP_DISK_DIR": " /var/tier ",
             "HOTSWAP_DISK_BUDGET_GB": "1.5",
@@ -52,6 +53,7 @@ def test_every_variable_is_read() -> None:
         "none",
         16,
         5,
+        2,
         "first",
         "/var/tier",
         1_500_000_000,
@@ -72,6 +74,7 @@ def test_bad_words_fall_back_to_the_defaults() -> None:
             "HOTSWAP_HOST_CODEC": "zstd",
             "HOTSWAP_CODEC_PIECE_MIB": "big",
             "HOTSWAP_CODEC_SLOTS": "several",
+            "HOTSWAP_CODEC_COPY_STREAMS": "both",
             "HOTSWAP_CODEC_MAP": "later",
             "HOTSWAP_DISK_BUDGET_GB": "lots",
             "HOTSWAP_DISK_THREADS": "x",
@@ -81,6 +84,10 @@ def test_bad_words_fall_back_to_the_defaults() -> None:
     assert WorkerSettings.from_env({"HOTSWAP_CODEC_PIECE_MIB": "0"}).codec_piece_mib == 2
     assert WorkerSettings.from_env({"HOTSWAP_CODEC_SLOTS": "1"}).codec_slots == 2
     assert WorkerSettings.from_env({"HOTSWAP_CODEC_SLOTS": "500"}).codec_slots == 64
+    # two copy streams need two slots in flight and two being decoded
+    two = WorkerSettings.from_env({"HOTSWAP_CODEC_COPY_STREAMS": "2"})
+    assert (two.codec_copy_streams, two.codec_slots) == (2, 4)
+    assert WorkerSettings.from_env({"HOTSWAP_CODEC_COPY_STREAMS": "7"}).codec_copy_streams == 2
     assert WorkerSettings.from_env({"HOTSWAP_PIN_THREADS": "-3"}).pin_threads == 1
     # not keeping the buffer makes lazy pinning the default, as before
     assert WorkerSettings.from_env({"HOTSWAP_KEEP_HOST_BACKUP": "no"}).pin_mode == "lazy"
