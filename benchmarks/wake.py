@@ -122,11 +122,14 @@ def tune_codec(
             gc.n_slots = max(2, slots)
         if align:
             gc.host_align = align
+        if b.settings.codec_copy_streams == 2:  # two copies in flight, two decoding
+            gc.n_slots = max(gc.n_slots, 4)
     b.codec_profile = profile
     return {
         "decoder": getattr(gc, "decoder", None),
         "slots": getattr(gc, "n_slots", None),
         "host_align": getattr(gc, "host_align", None),
+        "copy_streams": b.settings.codec_copy_streams,
         "profile": profile,
         "decoder_proof": proof,
     }
@@ -384,10 +387,11 @@ def main() -> int:
     ap.add_argument(
         "--codec-maps",
         default="interleaved",
-        help="variants of the exp codec, in turn, each MAP[:DECODER[:SLOTS[:ALIGN]]]: MAP a"
-        " HOTSWAP_CODEC_MAP value (interleaved, first), DECODER the decode kernel (planes,"
-        " groups; default the codec's), SLOTS its staging slots, ALIGN the pieces' offset"
-        " alignment in the host copy (bytes; default the codec's)",
+        help="variants of the exp codec, in turn, each MAP[:DECODER[:SLOTS[:ALIGN[:STREAMS]]]]:"
+        " MAP a HOTSWAP_CODEC_MAP value (interleaved, first), DECODER the decode kernel"
+        " (planes, groups; default the codec's), SLOTS its staging slots, ALIGN the pieces'"
+        " offset alignment in the host copy (bytes; default the codec's), STREAMS"
+        " HOTSWAP_CODEC_COPY_STREAMS (1, 2; default 1)",
     )
     ap.add_argument(
         "--codec-profile",
@@ -494,10 +498,12 @@ def main() -> int:
         hc, _, cvar = variant.partition("/")
         cmap, _, tune = cvar.partition(":")
         decoder, _, tune = tune.partition(":")
-        slots, _, align = tune.partition(":")
+        slots, _, tune = tune.partition(":")
+        align, _, streams = tune.partition(":")
         switched = os.environ.get("HOTSWAP_HOST_CODEC") != hc
         os.environ["HOTSWAP_HOST_CODEC"] = hc
         os.environ["HOTSWAP_CODEC_MAP"] = cmap or "interleaved"
+        os.environ["HOTSWAP_CODEC_COPY_STREAMS"] = streams or "1"
         os.environ["HOTSWAP_RESUME_KV"] = mode  # in-process worker
         os.environ.update(map_env(impl))
         os.environ["HOTSWAP_VERIFY_KERNEL"] = vk
