@@ -118,8 +118,15 @@ class VerificationFailed(EngineError):
     status = 502
     may_desync = False  # every rank answered
 
-    def __init__(self, message: str, *, tensors: list[str], model: str | None = None) -> None:
-        super().__init__(message, model=model, phase="restore_and_verify")
+    def __init__(
+        self,
+        message: str,
+        *,
+        tensors: list[str],
+        model: str | None = None,
+        phase: str = "restore_and_verify",
+    ) -> None:
+        super().__init__(message, model=model, phase=phase)  # or the fused resume_and_verify
         self.tensors = tensors
 
     def to_dict(self) -> dict[str, object]:

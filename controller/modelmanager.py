@@ -235,7 +235,9 @@ class ModelManager:
         level = self.record.snapshot.level or 1
         run = self.runner.begin("wake", level, State.SUSPENDED)
         params = protocol.Params(level=level, quiesce_timeout_s=self.timeouts.quiesce_s)
-        sequence = steps.wake_sequence(level, self.record.asleep, room)
+        sequence = steps.wake_sequence(
+            level, self.record.asleep, room, fused=self.settings.fused_wake
+        )
         await self._guarded(run, sequence, params)
         self.record.asleep = None
         self.record.wake_scratch = 0

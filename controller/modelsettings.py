@@ -94,6 +94,13 @@ class ModelSettings(BaseModel):
         "its copy time at sleep and wake.",
     )
 
+    fused_wake: bool = Field(
+        True,
+        description="A wake's last resume and its verify are one RPC (hotswap_wake): a "
+        "level-1 wake is one round trip. False: resume_weights, resume_kv_cache and "
+        "restore_and_verify as three RPCs (an extension without hotswap_wake).",
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _socket_url(cls, data: Any) -> Any:

@@ -14,6 +14,8 @@ only places the order is written:
     sleep:  hotswap_quiesce(timeout_s) -> hotswap_prepare(level) -> hotswap_suspend(level)
     wake:   hotswap_resume(["weights"]) -> [level 2: hotswap_reload()]
             -> hotswap_resume(["kv_cache"]) -> hotswap_restore_and_verify()
+    fused:  [level 2 or split: hotswap_resume(["weights"]) -> [level 2: hotswap_reload()]]
+            -> hotswap_wake()   (the rest resumed, restored and verified in one RPC)
 
 A sleep split by pool (`sleep_steps(level, split=True)`, what an overlapped swap runs)
 releases the KV cache first, alone, and the weights after it:
@@ -43,6 +45,7 @@ from controller.reports import (
     ResumeReport,
     SuspendReport,
     VerifyReport,
+    WakeReport,
     parse_all,
 )
 
@@ -157,6 +160,11 @@ VERIFY = Step(
     report=VerifyReport,
     fault="verify",
 )
+# The wake's last resume and its verify in one RPC (`wake_steps(..., fused=True)`): every
+# pool still asleep mapped back, then restored and verified; a mismatch fails it as VERIFY.
+RESUME_VERIFY = Step(
+    "resume_and_verify", "hotswap_wake", lambda p: (), report=WakeReport, fault="verify"
+)
 INFO = Step("info", "hotswap_info", lambda p: (), report=InfoReport)
 AUDIT = Step("hotswap_audit", "hotswap_audit", lambda p: (p.level, True))
 # Asleep at level 1 -> level 2 (the host copy released); one call outside a sequence.
@@ -177,11 +185,20 @@ def sleep_steps(level: int, *, split: bool = False) -> tuple[Step, ...]:
     return (QUIESCE, PREPARE, SUSPEND)
 
 
-def wake_steps(level: int, suspended: Iterable[str] | None = None) -> tuple[Step, ...]:
+def wake_steps(
+    level: int,
+    suspended: Iterable[str] | None = None,
+    *,
+    fused: bool = False,
+    split: bool = False,
+) -> tuple[Step, ...]:
     """The RPCs of a wake from `level`, in order (before the engine is resumed).
 
     `suspended`: the pools actually asleep (a partial sleep); None: both, as a full sleep
-    leaves them. Verification always runs."""
+    leaves them. Verification always runs. `fused`: the last resume and the verify are one
+    `hotswap_wake` (RESUME_VERIFY), so a level-1 wake is one RPC; at level 2 the weights'
+    resume and the reload stay before it; `split` keeps the weights' resume apart at level 1
+    too (an overlapped swap waits for room between it and the KV cache's)."""
     _check_level(level)
     steps: tuple[Step, ...] = (
         (RESUME_WEIGHTS, RELOAD, RESUME_KV) if level == 2 else (RESUME_WEIGHTS, RESUME_KV)
@@ -189,7 +206,12 @@ def wake_steps(level: int, suspended: Iterable[str] | None = None) -> tuple[Step
     if suspended is not None:
         asleep = set(suspended)
         steps = tuple(s for s in steps if _POOL_OF[s.phase] in asleep)
-    return (*steps, VERIFY)
+    if not fused:
+        return (*steps, VERIFY)
+    # hotswap_wake maps back whatever is still asleep: the KV cache's resume always goes
+    # into it, the weights' too at level 1 unless split (level 2 reloads them in between).
+    keep = {RELOAD.phase} | ({RESUME_WEIGHTS.phase} if level == 2 or split else set())
+    return (*(s for s in steps if s.phase in keep), RESUME_VERIFY)
 
 
 def _check_level(level: int) -> None:

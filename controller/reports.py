@@ -130,6 +130,16 @@ class VerifyReport(RankReport):
 
 
 @dataclass(frozen=True)
+class WakeReport(ResumeReport, VerifyReport):
+    """`hotswap_wake`'s answer: a resume's and a verify's report in one (the bytes it
+    brought back are counted, its mismatches fail the wake as a verify's do)."""
+
+    @classmethod
+    def _fields(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
+        return {**ResumeReport._fields(raw), **VerifyReport._fields(raw)}
+
+
+@dataclass(frozen=True)
 class InfoReport(RankReport):
     suspended: Mapping[str, str] = field(default_factory=dict)
     level: int | None = None

@@ -246,6 +246,7 @@ class Runner:
                     + ", ".join(names),
                     tensors=names,
                     model=self.name,
+                    phase=step.phase,
                 )
         if step.fault == "barrier" and isinstance(exc, EngineTimeout):
             return EngineTimeout(f"{step.phase}: no answer, ranks unknown ({exc.message})")

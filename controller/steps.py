@@ -186,18 +186,24 @@ def wake_sequence(
     level: int,
     suspended: Iterable[str] | None = None,
     room: Callable[[], Awaitable[None]] | None = None,
+    fused: bool = False,
 ) -> tuple[AnyStep, ...]:
     """`suspended`: the pools asleep when only some are (a wake a dead sidecar left half
     done, read back by reconciliation); None: as the level's sleep leaves them. At level 2
     with the weights already mapped, they are reloaded anyway: the dead wake may have died
     before its reload (a second reload refills the same checkpoint; verify checks it).
     `room`: awaited before the KV cache is mapped (an overlapped swap: the evicted model's
-    weights leave the device while these come in)."""
-    rpcs: tuple[AnyStep, ...] = protocol.wake_steps(level, suspended)
-    if level == 2 and suspended is not None and "weights" not in set(suspended):
+    weights leave the device while these come in). `fused`: the KV cache's resume and the
+    verify are one `hotswap_wake` (protocol.wake_steps); the room is then awaited before it."""
+    asleep = None if suspended is None else tuple(suspended)
+    rpcs: tuple[AnyStep, ...] = protocol.wake_steps(
+        level, asleep, fused=fused, split=room is not None
+    )
+    if level == 2 and asleep is not None and "weights" not in set(asleep):
         rpcs = (protocol.RELOAD, *rpcs)
-    if room is not None:
-        i = next((i for i, s in enumerate(rpcs) if s is protocol.RESUME_KV), None)
+    if room is not None and (asleep is None or "kv_cache" in asleep):
+        kv = (protocol.RESUME_KV, protocol.RESUME_VERIFY)
+        i = next((i for i, s in enumerate(rpcs) if s in kv), None)
         if i is not None:
             rpcs = (*rpcs[:i], wait_room(room), *rpcs[i:])
     return (*rpcs, RESUME_ENGINE, WARMUP)

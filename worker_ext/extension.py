@@ -414,6 +414,9 @@ class HotSwapExtension:
 
     @rpc
     def hotswap_resume(self, tags: list[str] | None = None) -> dict[str, Any]:
+        return self._hotswap_resume(tags)
+
+    def _hotswap_resume(self, tags: list[str] | None = None) -> dict[str, Any]:
         st = self._hotswap_state()
         asleep = st.backend.suspended()
         chosen = list(asleep) if tags is None else [str(t) for t in tags]
@@ -517,6 +520,49 @@ class HotSwapExtension:
 
     @rpc
     def hotswap_restore_and_verify(self) -> dict[str, Any]:
+        return self._hotswap_restore_and_verify()
+
+    @rpc
+    def hotswap_wake(self) -> dict[str, Any]:
+        """The wake's last RPC fused (docs/contracts.md §1): every pool still suspended
+        mapped back, then restored and verified, in one round trip. Refused before any
+        memory step without a snapshot to verify against, or at level 2 with the weights
+        still asleep (they need the reload first)."""
+        st = self._hotswap_state()
+        if st.snap is None:
+            raise RuntimeError("nothing to verify: no hotswap_prepare since the last verify")
+        asleep = st.backend.suspended()
+        if st.snap.level == 2 and WEIGHTS in asleep:
+            raise RuntimeError(
+                "level 2: resume the weights and reload them (hotswap_resume(['weights']), "
+                "hotswap_reload()) before hotswap_wake"
+            )
+        self._hotswap_fault("wake")
+        t0 = time.monotonic()
+        try:
+            resumed = self._hotswap_resume(None)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            log.exception("hotswap: hotswap_wake's resume failed on rank %s", _rank_of(self))
+            return {"ok": False, "error": f"{type(e).__name__}: {e}", "failed_step": "resume"}
+        t1 = time.monotonic()
+        try:
+            verified = self._hotswap_restore_and_verify()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            log.exception("hotswap: hotswap_wake's verify failed on rank %s", _rank_of(self))
+            verified = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        t2 = time.monotonic()
+        timings = {**resumed.pop("timings", {}), **verified.pop("timings", {})}
+        timings.update(resume_s=t1 - t0, verify_elapsed_s=t2 - t1)
+        out: dict[str, Any] = {**resumed, **verified, "timings": timings}
+        if not verified.get("ok", True):
+            out["failed_step"] = "restore_and_verify"
+        return out
+
+    def _hotswap_restore_and_verify(self) -> dict[str, Any]:
         st = self._hotswap_state()
         snap = st.snap
         if snap is None:

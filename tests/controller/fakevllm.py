@@ -37,6 +37,9 @@ class Clock(Protocol):
     t: float
 
 
+WAKE_PARTS = ("hotswap_resume", "hotswap_restore_and_verify")  # what hotswap_wake does
+
+
 @dataclass
 class FakeVllm:
     name: str = "fake"
@@ -144,14 +147,23 @@ class FakeVllm:
             method = f"/pause?{request.url.params.get('mode', 'wait')}"
         self.calls.append(method)
         self.requests.append(request)
-        self._advance(self.costs.get(method, 0.0))
-        if method in self.entered:
-            self.entered[method].set()
-        if method in self.gates:
-            await self.gates[method].wait()
-        if method in self.overrides:
-            return await self.overrides[method](request)
-        failure = self.fail.get(method) or self.fail.get(path)
+        # The fused wake (hotswap_wake) is its parts in one call: what a test sets on a
+        # part (cost, block, override, failure) applies to it unless set on it by name.
+        names = [method, *(WAKE_PARTS if method == "hotswap_wake" else ())]
+        if method in self.costs or method != "hotswap_wake":
+            self._advance(self.costs.get(method, 0.0))
+        else:
+            self._advance(sum(self.costs.get(n, 0.0) for n in WAKE_PARTS))
+        for n in names:
+            if n in self.entered:
+                self.entered[n].set()
+            if n in self.gates:
+                await self.gates[n].wait()
+        for n in names:
+            if n in self.overrides:
+                return await self.overrides[n](request)
+        failure = next((f for n in names if (f := self.fail.get(n))), None)
+        failure = failure or self.fail.get(path)
         if failure == "timeout":
             raise httpx.ReadTimeout(f"fake {method} timed out", request=request)
         if failure == "unreachable":
@@ -345,6 +357,15 @@ class FakeVllm:
             )
         elif method == "hotswap_reload":
             self._step(me)
+        elif method == "hotswap_wake":
+            if self.level == 2 and "weights" in self.suspended:
+                return {**out, "ok": False, "error": "level 2: reload the weights first"}
+            resumed = self._rank("hotswap_resume", rank, {"args": [None]}, None)
+            verified = self._rank("hotswap_restore_and_verify", rank, {}, failure)
+            out.update({k: v for k, v in resumed.items() if k not in ("ok", "rank")})
+            out.update(verified)
+            if not verified["ok"]:
+                out["failed_step"] = "restore_and_verify"
         elif method == "hotswap_restore_and_verify":
             mismatched = ["model.embed_scale"] if failure == "mismatch" else []
             out.update(restored=1, rebound=[], verified=2, mismatched=mismatched)

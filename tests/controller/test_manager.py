@@ -26,6 +26,7 @@ from controller.errors import (
     EngineError,
     EngineTimeout,
     EngineUnavailable,
+    HotswapError,
     ModelNotFound,
     TransitionConflict,
     VerificationFailed,
@@ -74,6 +75,7 @@ def make_rig(
     clock: FakeClock | None = None,
     ranks: int = 2,
     wrap: Callable[[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport] | None = None,
+    fused: bool = True,
     **timeouts: float,
 ) -> Rig:
     clock = clock or FakeClock()
@@ -82,7 +84,8 @@ def make_rig(
         name="tiny", world_size=ranks, pool_bytes={"weights": 1000, "kv_cache": 500}, clock=clock
     )
     settings = Settings(
-        models=[ModelSettings(name="m", url="http://m:8000")],  # type: ignore[call-arg]
+        # fused=False: the wake as three RPCs (an extension without hotswap_wake)
+        models=[ModelSettings(name="m", url="http://m:8000", fused_wake=fused)],  # type: ignore[call-arg]
         timeouts=TimeoutSettings(**timeouts),  # type: ignore[arg-type]
     )
     registry = CollectorRegistry()
@@ -122,6 +125,8 @@ WAKE_CALLS_1 = [
     "/v1/models",
     "/v1/completions",
 ]
+# The default (fused_wake): the resumes and the verify in one hotswap_wake.
+WAKE_CALLS_FUSED = ["hotswap_wake", *WAKE_CALLS_1[3:]]
 
 
 @pytest.mark.anyio
@@ -216,7 +221,7 @@ async def test_start_unreachable_engine_is_failed_with_reason() -> None:
 
 @pytest.mark.anyio
 async def test_sleep_and_wake_level_1_in_sequence_order_with_timed_phases() -> None:
-    rig = await started(quiesce_s=3.0)
+    rig = await started(quiesce_s=3.0, fused=False)
     w = rig.world
     w.costs = {"hotswap_quiesce": 0.01, "hotswap_suspend": 0.5, "hotswap_resume": 0.2}
     out = await rig.m.sleep(1)
@@ -278,7 +283,7 @@ async def test_sleep_and_wake_level_1_in_sequence_order_with_timed_phases() -> N
 
 @pytest.mark.anyio
 async def test_level_2_wake_reloads_between_the_resumes_with_the_reload_timeout() -> None:
-    rig = await started(reload_s=321.0)
+    rig = await started(reload_s=321.0, fused=False)
     await rig.m.sleep(2)
     assert rig.world.suspended == {"weights": "discarded", "kv_cache": "discarded"}
     rig.world.calls.clear()
@@ -295,6 +300,99 @@ async def test_level_2_wake_reloads_between_the_resumes_with_the_reload_timeout(
     assert out.transition is not None
     assert out.transition.level == 2
     assert rig.m.snapshot().state is State.RUNNING
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_a_fused_level_1_wake_is_one_rpc_then_resume_and_warmup() -> None:
+    """fused_wake (the default): the resumes and the verify are one hotswap_wake; the
+    bytes it brought back are counted and the model is RUNNING, verified, only after it."""
+    clock = FakeClock()
+    rig = await started(clock=clock)
+    w = rig.world
+    w.costs.update({"hotswap_resume": 0.3, "hotswap_restore_and_verify": 0.05})
+    await rig.m.sleep(1)
+    w.calls.clear()
+    w.requests.clear()
+    out = await rig.m.wake()
+    assert w.calls == WAKE_CALLS_FUSED
+    assert json.loads(w.requests[0].content) == {"method": "hotswap_wake", "args": [], "kwargs": {}}
+    snap = rig.m.snapshot()
+    assert (snap.state, snap.verified, snap.level) == (State.RUNNING, True, None)
+    assert out.transition is not None
+    assert [p.name for p in out.transition.phases] == [
+        "resume_and_verify",
+        "resume_engine",
+        "warmup",
+    ]
+    fused = out.transition.phases[0]
+    assert fused.duration_s == pytest.approx(0.35)
+    assert [r["rank"] for r in fused.ranks] == [0, 1]
+    assert fused.detail["restored_bytes"] == {"weights": 2000, "kv_cache": 1000}
+    assert rig.sample("hotswap_bytes_restored_total", model="m", pool="weights") == 2000
+    assert w.suspended == {}
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_a_fused_level_2_wake_reloads_before_one_hotswap_wake() -> None:
+    rig = await started(reload_s=321.0)
+    await rig.m.sleep(2)
+    rig.world.calls.clear()
+    rig.world.requests.clear()
+    await rig.m.wake()
+    assert rig.world.rpc_calls() == ["hotswap_resume", "hotswap_reload", "hotswap_wake"]
+    assert json.loads(rig.world.requests[0].content)["args"] == [["weights"]]
+    assert rig.world.requests[1].extensions["timeout"]["read"] == 321.0
+    assert rig.m.snapshot().state is State.RUNNING
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_a_fused_wake_whose_verify_mismatches_is_failed_and_never_resumed() -> None:
+    """A mismatch inside hotswap_wake fails the wake as the verify's own RPC would: FAILED,
+    the tensors named, /resume never sent, the RPC never sent again."""
+    rig = await started()
+    await rig.m.sleep(1)
+    rig.world.calls.clear()
+    rig.world.fail["hotswap_wake"] = "mismatch"
+    with pytest.raises(VerificationFailed) as info:
+        await rig.m.wake()
+    assert info.value.tensors == ["model.embed_scale"]
+    assert info.value.phase == "resume_and_verify"
+    assert "/resume" not in rig.world.calls
+    assert rig.world.rpc_calls().count("hotswap_wake") == 1
+    snap = rig.m.snapshot()
+    assert snap.state is State.FAILED
+    assert not snap.verified
+    assert snap.last_transition is not None
+    assert snap.last_transition.failed_phase == "resume_and_verify"
+    assert rig.sample("hotswap_verification_failures_total", model="m") == 1
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("failure", ["http500", "timeout", "rank"])
+async def test_a_failed_fused_wake_is_failed_and_never_resent(failure: str) -> None:
+    rig = await started()
+    await rig.m.sleep(1)
+    rig.world.calls.clear()
+    rig.world.fail["hotswap_wake"] = failure
+    with pytest.raises(HotswapError):
+        await rig.m.wake()
+    assert rig.world.rpc_calls().count("hotswap_wake") == 1
+    assert "/resume" not in rig.world.calls
+    snap = rig.m.snapshot()
+    assert not snap.ready
+    assert snap.state in (State.FAILED, State.SUSPENDED)  # SUSPENDED: read back, untouched
+    err = {"model": "m", "method": "hotswap_wake"}
+    assert (
+        sum(
+            rig.sample("hotswap_engine_rpc_errors_total", **err, reason=r)
+            for r in ("rank_failed", "timeout", "error", "unavailable")
+        )
+        == 1
+    )
     await rig.manager.stop()
 
 
@@ -329,7 +427,7 @@ async def test_concurrent_wakes_coalesce_into_one_engine_sequence() -> None:
     outs = await asyncio.gather(first, *others)
     assert [o.action for o in outs] == [Action.BEGIN] + [Action.JOIN] * 3
     assert len({id(o.transition) for o in outs}) == 1
-    assert rig.world.calls == WAKE_CALLS_1
+    assert rig.world.calls == WAKE_CALLS_FUSED
     await rig.manager.stop()
 
 
@@ -501,7 +599,7 @@ async def test_failing_engine_500_is_failed_502() -> None:
 
 @pytest.mark.anyio
 async def test_unreachable_engine_during_wake_is_failed() -> None:
-    rig = await started()
+    rig = await started(fused=False)
     await rig.m.sleep(1)
 
     async def gone(r: httpx.Request) -> httpx.Response:
@@ -644,7 +742,7 @@ async def test_hanging_engine_times_out_over_a_real_socket() -> None:
 
 @pytest.mark.anyio
 async def test_verification_mismatch_names_the_tensors_and_stays_out_of_rotation() -> None:
-    rig = await started()
+    rig = await started(fused=False)
     await rig.m.sleep(1)
 
     async def mismatch(r: httpx.Request) -> httpx.Response:
@@ -928,7 +1026,7 @@ async def test_a_failed_audit_changes_the_state_only_when_the_queues_may_be_out_
 async def test_a_half_done_wake_read_back_resumes_only_what_is_still_asleep(level: int) -> None:
     """A sidecar died after the weights came back: the next wake must not resume them again
     (the extension refuses: "pools not suspended"), but reloads them at level 2."""
-    rig = make_rig()
+    rig = make_rig(fused=False)
     rig.world.paused = True
     rig.world.level = level
     rig.world.suspended = {"kv_cache": "discarded"}
@@ -952,6 +1050,29 @@ async def test_a_half_done_wake_read_back_resumes_only_what_is_still_asleep(leve
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("level", [1, 2])
+async def test_a_half_done_fused_wake_read_back_reloads_at_level_2_then_one_hotswap_wake(
+    level: int,
+) -> None:
+    """The same half-done wake with the fused RPC: hotswap_wake maps back what is still
+    asleep (the KV cache) and verifies; level 2 reloads first (the dead wake may have died
+    before its reload)."""
+    rig = make_rig()
+    rig.world.paused = True
+    rig.world.level = level
+    rig.world.suspended = {"kv_cache": "discarded"}
+    rig.world.set_truth(phase="suspended", phase_level=level, phase_tags=["kv_cache"])
+    rig.world.set_truth(snapshot_held=True)
+    await rig.manager.start()
+    rig.world.calls.clear()
+    out = await rig.m.wake()
+    assert out.snapshot.state is State.RUNNING
+    assert rig.world.rpc_calls() == ["hotswap_reload"] * (level == 2) + ["hotswap_wake"]
+    assert rig.world.suspended == {}
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
 async def test_a_periodic_pass_in_suspended_does_not_shorten_the_next_wake() -> None:
     """Seen on real servers: a pass that found the cache right forgot which pools were
     asleep, and the wake went straight to the verify of still-suspended pools."""
@@ -960,9 +1081,6 @@ async def test_a_periodic_pass_in_suspended_does_not_shorten_the_next_wake() -> 
     assert not await rig.m.check_recovered()
     rig.world.calls.clear()
     await rig.m.wake()
-    assert rig.world.rpc_calls() == [
-        "hotswap_resume",
-        "hotswap_resume",
-        "hotswap_restore_and_verify",
-    ]
+    assert rig.world.rpc_calls() == ["hotswap_wake"]  # it maps back both pools, then verifies
+    assert rig.world.suspended == {}
     await rig.manager.stop()

@@ -92,7 +92,7 @@ def test_the_woken_models_weights_come_in_while_the_evicted_models_go_out() -> N
             kv_gone = log.at("a", "hotswap_suspend[kv_cache]", "end")
             a_weights_gone = log.at("a", "hotswap_suspend[weights]", "end")
             b_weights = log.at("b", "hotswap_resume[weights]", "start")
-            b_kv = log.at("b", "hotswap_resume[kv_cache]", "start")
+            b_kv = log.at("b", "hotswap_wake", "start")  # the KV cache's resume + the verify
             assert kv_gone < b_weights < a_weights_gone  # the overlap
             assert a_weights_gone < b_kv  # never both KV caches and weights at once
             assert phases(w, "a") == [
@@ -103,7 +103,7 @@ def test_the_woken_models_weights_come_in_while_the_evicted_models_go_out() -> N
                 "kv_released",
                 "suspend_weights",
             ]
-            assert phases(w, "b")[:3] == ["resume_weights", "wait_room", "resume_kv_cache"]
+            assert phases(w, "b")[:3] == ["resume_weights", "wait_room", "resume_and_verify"]
             assert w.engines["a"].wrong == []
             assert w.engines["b"].wrong == []
             assert w.sample("hotswap_evictions_total", model="a", reason="lru") == 1
@@ -128,9 +128,8 @@ def test_without_room_for_both_weights_the_swap_runs_one_after_the_other() -> No
             log.log.clear()
             r = await ask(w, "b")
             assert r.status_code == 200, r.text
-            assert log.at("a", "hotswap_suspend", "end") < log.at(
-                "b", "hotswap_resume[weights]", "start"
-            )
+            assert log.at("a", "hotswap_suspend", "end") < log.at("b", "hotswap_wake", "start")
+            assert "hotswap_resume[weights]" not in log.calls("b")  # one RPC: not split
             assert "suspend" in phases(w, "a")
             assert "wait_room" not in phases(w, "b")
 
@@ -207,7 +206,7 @@ def test_an_eviction_that_fails_after_its_kv_cache_never_maps_the_woken_models_k
             assert w.state("b") is not State.RUNNING
             assert w.manager.fleet["b"].asleep == ("kv_cache",)
             assert "hotswap_resume[weights]" in log.calls("b")
-            assert "hotswap_resume[kv_cache]" not in log.calls("b")
+            assert "hotswap_wake" not in log.calls("b")
             err = w.manager.get("b").snapshot().last_error or ""
             assert "did not release its weights" in err
 

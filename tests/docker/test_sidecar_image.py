@@ -141,7 +141,7 @@ def test_sleep_and_wake_through_the_container_with_the_token_from_its_environmen
     assert woke.status_code == 200, woke.text
     body = woke.json()
     assert body["state"] == "RUNNING"
-    assert "restore_and_verify" in [p["name"] for p in body["transition"]["phases"]]
+    assert "resume_and_verify" in [p["name"] for p in body["transition"]["phases"]]
     state = httpx.get(f"{url}/models/{NAME}", headers=AUTH, timeout=10.0).json()
     assert state["verified"] is True, state
     assert httpx.get(f"{url}/health", timeout=10.0).status_code == 200

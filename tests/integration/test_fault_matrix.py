@@ -59,6 +59,7 @@ HOLD_S = 3.0  # how long a rank is held at a phase: the fault lands inside it
 MAX_MODEL_LEN = 1024
 LONG_TOKENS = MAX_MODEL_LEN - 48
 FULL = os.environ.get("HOTSWAP_FAULT_MATRIX", "") == "full"
+FUSED = "resume_and_verify"  # the fused wake's phase (hotswap_wake: resume + restore + verify)
 SIDECAR_ENV = {
     "HOTSWAP_TIMEOUTS__RPC_S": "60",
     "HOTSWAP_TIMEOUTS__REPROBE_INTERVAL_S": "0.5",
@@ -80,6 +81,8 @@ class Case:
     @property
     def id(self) -> str:
         where = f"{self.kind}-L{self.level}-{self.phase}" if self.kind != "rest" else self.phase
+        if self.phase == FUSED and self.point is not None:
+            where += f"-{self.point}"  # the fused wake: which of its parts the fault lands in
         return f"{_PREFIX[self.fault]}-{where}"
 
 
@@ -95,25 +98,26 @@ SIDECAR_KILLS = [
     Case("sidecar SIGKILL", "sleep", 1, "prepare", "prepare", 0, "RUNNING"),
     Case("sidecar SIGKILL", "sleep", 1, "suspend", "suspend", 0, "SUSPENDED"),
     Case("sidecar SIGKILL", "sleep", 2, "suspend", "suspend", 0, "SUSPENDED"),
-    Case("sidecar SIGKILL", "wake", 1, "resume_weights", "resume", 0, "SUSPENDED"),
-    Case("sidecar SIGKILL", "wake", 1, "resume_kv_cache", "resume", 1, "RUNNING"),
-    Case("sidecar SIGKILL", "wake", 1, "restore_and_verify", "restore_and_verify", 0, "RUNNING"),
+    # A level-1 wake is one RPC (hotswap_wake): the engine finishes it without the sidecar,
+    # whichever part it was in, and the next sidecar finds it verified and paused.
+    Case("sidecar SIGKILL", "wake", 1, FUSED, "resume", 0, "RUNNING"),
+    Case("sidecar SIGKILL", "wake", 1, FUSED, "restore_and_verify", 0, "RUNNING"),
     Case("sidecar SIGKILL", "wake", 2, "resume_weights", "resume", 0, "SUSPENDED"),
     Case("sidecar SIGKILL", "wake", 2, "reload", "reload", 0, "SUSPENDED"),
-    Case("sidecar SIGKILL", "wake", 2, "resume_kv_cache", "resume", 1, "RUNNING"),
+    Case("sidecar SIGKILL", "wake", 2, FUSED, "resume", 1, "RUNNING"),
 ]
 _ENGINE_PHASES = [
     ("sleep", 1, "quiesce", "quiesce", 0),
     ("sleep", 1, "prepare", "prepare", 0),
     ("sleep", 1, "suspend", "suspend", 0),
-    ("wake", 1, "resume_weights", "resume", 0),
+    ("wake", 1, FUSED, "resume", 0),
     ("wake", 2, "reload", "reload", 0),
-    ("wake", 1, "resume_kv_cache", "resume", 1),
-    ("wake", 1, "restore_and_verify", "restore_and_verify", 0),
+    ("wake", 2, FUSED, "resume", 1),
+    ("wake", 1, FUSED, "restore_and_verify", 0),
 ]
-_ENGINE_CI = ("prepare", "restore_and_verify")  # one per sequence in CI; the rest: full
+_ENGINE_CI = ("prepare", "restore_and_verify")  # by point: one per sequence in CI; the rest: full
 ENGINE_KILLS = [
-    Case("engine SIGKILL", kind, lvl, phase, point, skip, "FAILED", ci=phase in _ENGINE_CI)
+    Case("engine SIGKILL", kind, lvl, phase, point, skip, "FAILED", ci=point in _ENGINE_CI)
     for kind, lvl, phase, point, skip in _ENGINE_PHASES
 ]
 ENGINE_RESTARTS = [
@@ -479,5 +483,7 @@ def test_the_reliability_table_lists_every_case() -> None:
         fault, where, end = rows[key][0], rows[key][1], rows[key][2]
         assert fault == case.fault, rows[key]
         phase = case.phase if case.kind == "rest" else f"{case.kind} L{case.level}: {case.phase}"
+        if case.phase == FUSED:
+            phase += f" ({case.point})"
         assert where == phase, rows[key]
         assert end.startswith(case.end), rows[key]

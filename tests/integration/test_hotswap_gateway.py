@@ -211,7 +211,7 @@ def test_a_swap_overlaps_the_evicted_models_offload_with_the_woken_models_load(
         "kv_released",
         "suspend_weights",
     ]
-    assert [p.name for p in woke.phases][:3] == ["resume_weights", "wait_room", "resume_kv_cache"]
+    assert [p.name for p in woke.phases][:3] == ["resume_weights", "wait_room", "resume_and_verify"]
     assert woke.started_at < slept.ended_at  # the two ran at once
     assert sidecar.state(A) == "SUSPENDED"
     assert sidecar.state(B) == "RUNNING"

@@ -98,7 +98,7 @@ def test_cycle_gives_identical_tokens_and_readiness_tracks_it(
     assert (sleep_t["kind"], sleep_t["result"], sleep_t["level"]) == ("sleep", "ok", level)
     assert (wake_t["kind"], wake_t["result"]) == ("wake", "ok")
     phases = [p["name"] for p in wake_t["phases"]]
-    assert "restore_and_verify" in phases
+    assert "resume_and_verify" in phases  # the fused hotswap_wake (fused_wake, the default)
     assert ("reload" in phases) == (level == 2)
 
     # From the sleep's first moment to the wake's verified end: never ready.

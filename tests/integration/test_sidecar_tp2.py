@@ -60,7 +60,7 @@ def test_level2_cycle_across_two_ranks(
     assert woke.status_code == 200, woke.text
     assert woke.json()["state"] == "RUNNING"
     verify = next(
-        p for p in woke.json()["transition"]["phases"] if p["name"] == "restore_and_verify"
+        p for p in woke.json()["transition"]["phases"] if p["name"] == "resume_and_verify"
     )
     assert sorted(r["rank"] for r in verify["ranks"]) == [0, 1]
     assert all(r["mismatched"] == [] for r in verify["ranks"])

@@ -182,6 +182,18 @@ class HotSwapTestExtension(HotSwapExtension):
                 count += 1
         return {"poisoned": count, "poisoned_bytes": n}
 
+    def _hotswap_before_verify(self) -> None:
+        armed = self._hotswap_test_state().pop("flip_before_verify", None)
+        if armed is not None:
+            self.hotswap_test_flip(*armed)
+
+    @rpc
+    def hotswap_test_flip_before_verify(self, name: str, bit: int = 0) -> dict[str, Any]:
+        """Flip one bit of `name` inside the next verify, after its write-back and before its
+        fingerprints (the fused hotswap_wake has no RPC between the two)."""
+        self._hotswap_test_state()["flip_before_verify"] = (str(name), int(bit))
+        return {}
+
     @rpc
     def hotswap_test_flip(self, name: str, bit: int = 0) -> dict[str, Any]:
         """Flip one bit of the first element of the named tensor."""

@@ -143,6 +143,60 @@ def test_phase_moves_through_a_sleep_and_wake(llm: Any, baseline: Any) -> None:
     assert generate(llm) == baseline
 
 
+def test_the_fused_wake_maps_back_and_verifies_in_one_rpc(llm: Any, baseline: Any) -> None:
+    """hotswap_wake: both pools back and verified in one call, the rank awake_verified,
+    the same tokens; each part's time in its timings."""
+    start = _phase(llm)
+    assert start["phase"] == "awake_verified"
+    n = start["transitions"]
+    llm.reset_prefix_cache()
+    ok(llm, "hotswap_quiesce", 10.0)
+    (prep,) = ok(llm, "hotswap_prepare", 1)
+    ok(llm, "hotswap_suspend", 1)
+    assert _phase(llm)["phase"] == "suspended"
+    (w,) = ok(llm, "hotswap_wake")
+    assert sorted(w["tags"]) == ["kv_cache", "weights"]
+    assert w["restored_bytes"]["kv_cache"] >= KV_BYTES
+    assert w["mismatched"] == []
+    assert w["verified"] == prep["fingerprinted"]
+    assert "failed_step" not in w
+    assert {"resume_s", "verify_elapsed_s", "verify_s", "rebind_s"} <= set(w["timings"])
+    end = _phase(llm)
+    # three memory steps, as the three RPCs make: the suspend, the resume, the verify
+    assert (end["phase"], end["transitions"], end["verified_transition"]) == (
+        "awake_verified",
+        n + 3,
+        n + 3,
+    )
+    assert end["snapshot_held"] is False
+    assert generate(llm) == baseline
+
+
+def test_the_fused_wake_refuses_before_memory_without_a_snapshot_or_before_a_reload(
+    llm: Any, baseline: Any
+) -> None:
+    start = _phase(llm)
+    (bad,) = rpc(llm, "hotswap_wake")  # no prepare: nothing to verify against
+    assert bad["ok"] is False
+    assert "nothing to verify" in bad["error"]
+    assert _phase(llm) == start
+    llm.reset_prefix_cache()
+    ok(llm, "hotswap_prepare", 2)
+    ok(llm, "hotswap_suspend", 2)
+    asleep = _phase(llm)
+    (bad,) = rpc(llm, "hotswap_wake")  # level 2: the weights need their reload first
+    assert bad["ok"] is False
+    assert "reload" in bad["error"]
+    assert _phase(llm) == asleep  # refused before memory: nothing moved
+    ok(llm, "hotswap_resume", ["weights"])
+    ok(llm, "hotswap_reload")
+    (w,) = ok(llm, "hotswap_wake")
+    assert w["tags"] == ["kv_cache"]
+    assert w["mismatched"] == []
+    assert _phase(llm)["phase"] == "awake_verified"
+    assert generate(llm) == baseline
+
+
 @pytest.mark.parametrize("level", [1, 2])
 def test_unreachable_tensors_survive_host_levels(llm: Any, baseline: Any, level: int) -> None:
     """The host backend's rule (docs/contracts.md §1.2): it frees only what the walk finds,
@@ -204,6 +258,25 @@ def test_level2_without_restore_serves_wrong_tokens(llm: Any, baseline: Any) -> 
     assert generate(llm) == baseline
 
 
+def test_a_fused_wake_that_finds_a_flipped_bit_fails_the_rank(llm: Any, baseline: Any) -> None:
+    """A corruption between the fused wake's write-back and its fingerprints: the answer
+    names the tensor and the step, and the rank is failed (never ready unverified)."""
+    llm.reset_prefix_cache()
+    ok(llm, "hotswap_prepare", 1)
+    ok(llm, "hotswap_suspend", 1)
+    ok(llm, "hotswap_test_flip_before_verify", "model.norm.weight", 5)
+    (w,) = rpc(llm, "hotswap_wake")
+    assert w["ok"] is False
+    assert w["mismatched"] == ["model.norm.weight"]
+    assert w["failed_step"] == "restore_and_verify"
+    assert sorted(w["tags"]) == ["kv_cache", "weights"]  # both pools were mapped back
+    failed = _phase(llm)
+    assert failed["phase"] == "failed"
+    assert failed["phase_reason"].startswith("restore_and_verify: ")
+    ok(llm, "hotswap_test_flip", "model.norm.weight", 5)  # undo: the engine serves as before
+    assert generate(llm) == baseline
+
+
 def test_verify_names_a_single_flipped_element(llm: Any, baseline: Any) -> None:
     llm.reset_prefix_cache()
     ok(llm, "hotswap_prepare", 1)
@@ -262,7 +335,17 @@ def test_drop_backup_awake_only(llm: Any, baseline: Any) -> None:
     assert generate(llm) == baseline
 
 
-POINTS = ["info", "quiesce", "audit", "prepare", "suspend", "resume", "reload", "drop_backup"]
+POINTS = [
+    "info",
+    "quiesce",
+    "audit",
+    "prepare",
+    "suspend",
+    "resume",
+    "reload",
+    "drop_backup",
+    "wake",
+]
 
 
 @pytest.mark.parametrize("point", POINTS)
@@ -277,10 +360,11 @@ def test_injected_failure_is_an_answer(llm: Any, baseline: Any, point: str) -> N
         "resume": (),
         "reload": (),
         "drop_backup": (),
+        "wake": (),
     }
-    if point in ("suspend", "resume", "reload"):
+    if point in ("suspend", "resume", "reload", "wake"):
         ok(llm, "hotswap_prepare", 1)
-    if point == "resume":
+    if point in ("resume", "wake"):
         ok(llm, "hotswap_suspend", 1)
     ok(llm, "hotswap_test_fail_next", point)
     (res,) = rpc(llm, f"hotswap_{point}", *calls[point])
@@ -288,7 +372,9 @@ def test_injected_failure_is_an_answer(llm: Any, baseline: Any, point: str) -> N
     assert "injected failure" in res["error"]
     if point == "resume":
         ok(llm, "hotswap_resume")
-    if point in ("suspend", "resume", "reload"):
+    if point == "wake":
+        ok(llm, "hotswap_wake")  # refused before memory: the same call works next time
+    elif point in ("suspend", "resume", "reload"):
         ok(llm, "hotswap_restore_and_verify")
     assert generate(llm) == baseline
 
