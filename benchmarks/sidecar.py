@@ -1,7 +1,7 @@
 """Whole level-1 sleep and wake through the sidecar on one GPU, next to raw vLLM's.
 
     python3 -m benchmarks.sidecar [--shape llama3-8b] [--cycles 3] [--graphs 1]
-                                  [--ttft-tokens 1000] [--budget-s 420]
+                                  [--ttft-tokens 1000] [--budget-s 420] [--fused 0,1]
 
 Runs on the lent device after the vLLM bundle, with the sidecar's extra wheels on
 PYTHONPATH. First the pinned-copy bandwidth (torch, this process: the bound is weights
@@ -12,7 +12,10 @@ the other (each while the other idles), same flags
 127.0.0.1, own process group; `--graphs 1`: vLLM's default compile and CUDA-graph capture,
 `0`: --enforce-eager):
 
-1. ours: `python -m controller serve --engine llama=URL`; three first-token requests
+1. ours: `python -m controller serve --config FILE` (the engine attached as `llama`, its
+   `fused_wake` as `--fused` names it: one sidecar per value, one after the other, on the
+   same engine, `--cycles` cycles each; `0`: the wake's three RPCs, `1`: one hotswap_wake);
+   three first-token requests
    (`--ttft-tokens` distinct prompt tokens, 1 token out) on the never-slept engine; per
    cycle POST /models/llama/sleep {"level": 1} (its phases and the ranks' own step timings
    kept), 1 s asleep, then POST /models/llama/wake while /health is polled every 2 ms:
@@ -40,8 +43,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
-from benchmarks.common import GB, UTIL, free_port, gpu_engine, logger, sidecar, write_config
+from benchmarks.common import GB, UTIL, free_port, gpu_engine, logger, write_config
 from controller.enginespec import EngineSpec
 from controller.launcher import EngineProcess
 
@@ -134,68 +138,34 @@ def timed_wake(base: str, post: Any) -> dict[str, Any]:
     return box
 
 
+def attached(url: str, port: int, fused: bool) -> EngineSpec:
+    """`hotswap serve --config FILE` with one attached engine, `fused_wake` as given."""
+    cfg = Path(tempfile.mkdtemp(prefix="bench-sidecar-")) / "sidecar.yaml"
+    cfg.write_text(yaml.safe_dump({"models": [{"name": "llama", "url": url, "fused_wake": fused}]}))
+    argv = [sys.executable, "-m", "controller", "serve", "--config", str(cfg)]
+    return EngineSpec.from_command("sidecar", argv, port, {})
+
+
 def ours(server: EngineProcess, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
-    cport = free_port()
     side: EngineProcess | None = None
-    res: dict[str, Any] = {"cycles": []}
+    res: dict[str, Any] = {"cycles": [], "sidecar_start_s": []}
     try:
         res["server_start_s"] = wait_up(server, deadline)
         log(f"vLLM healthy after {res['server_start_s']:.1f} s")
-        side = launch(sidecar([("llama", server.base_url)], cport), "sidecar")
-        base = side.base_url
-        res["sidecar_start_s"] = wait_up(side, deadline)
-        log(f"sidecar ready after {res['sidecar_start_s']:.1f} s")
-        with (
-            httpx.Client(base_url=base, timeout=300.0) as c,
-            httpx.Client(base_url=server.base_url, timeout=300.0) as e,
-        ):
+        with httpx.Client(base_url=server.base_url, timeout=300.0) as e:
             e.post("/v1/completions", json=WARMUP).raise_for_status()
             res["ttft_never_slept_s"] = [first_token(e, args.ttft_tokens) for _ in range(3)]
             log("ttft never slept", res["ttft_never_slept_s"])
-            time.sleep(max(0.0, 3.0 - (time.monotonic() - T0)))  # the host buffer pins early
-            for i in range(args.cycles):
-                if time.monotonic() > deadline - 20:
-                    log("out of time after", i, "cycles")
-                    break
-                t = time.monotonic()
-                r = c.post("/models/llama/sleep", json={"level": 1})
-                sleep_s = time.monotonic() - t
-                if r.status_code != 200:
-                    raise RuntimeError(f"sleep {r.status_code}: {r.text[:2000]}")
-                sleep_tr = r.json().get("transition") or {}
-                health_503 = c.get("/health").status_code
-                time.sleep(ASLEEP_S)
-                box = timed_wake(base, lambda w: w.post("/models/llama/wake"))
-                body = box.get("body") or {}
-                if box.get("status") != 200:
-                    raise RuntimeError(f"wake {box.get('status')}: {json.dumps(body)[:2000]}")
-                ttft = first_token(e, args.ttft_tokens)
-                ttft2 = first_token(e, args.ttft_tokens)
-                tr = body.get("transition") or {}
-                cyc = {
-                    "sleep_post_s": sleep_s,
-                    "sleep_transition_s": sleep_tr.get("duration_s"),
-                    "sleep_phases": phases_of(sleep_tr),
-                    "sleep_ranks": rank_detail(sleep_tr),
-                    "freed_bytes": next(
-                        (
-                            p["detail"].get("freed_bytes")
-                            for p in sleep_tr.get("phases", [])
-                            if "freed_bytes" in (p.get("detail") or {})
-                        ),
-                        None,
-                    ),
-                    "health_after_sleep": health_503,
-                    "wake_post_s": box["answer_s"],
-                    "post_to_health_200_s": box["health_s"],
-                    "wake_transition_s": tr.get("duration_s"),
-                    "wake_phases": phases_of(tr),
-                    "wake_ranks": rank_detail(tr),
-                    "ttft_after_wake_s": ttft,
-                    "ttft_second_s": ttft2,
-                }
-                res["cycles"].append(cyc)
-                log(f"ours cycle {i + 1}", json.dumps(cyc))
+        time.sleep(max(0.0, 3.0 - (time.monotonic() - T0)))  # the host buffer pins early
+        # One sidecar per --fused value, one after the other, attached to the same engine
+        # (each finds it RUNNING and verified at its start).
+        for fused in args.fused:
+            side = launch(attached(server.base_url, free_port(), fused), f"sidecar-f{int(fused)}")
+            res["sidecar_start_s"].append(wait_up(side, deadline))
+            log(f"sidecar (fused_wake {fused}) ready after {res['sidecar_start_s'][-1]:.1f} s")
+            cycles(side, server, args, deadline, fused, res)
+            side.stop(20.0)
+            side = None
     finally:
         if side is not None:
             if res["cycles"] == []:
@@ -205,6 +175,65 @@ def ours(server: EngineProcess, args: argparse.Namespace, deadline: float) -> di
             log("vLLM log tail:\n" + server.log_tail())
         server.stop(20.0)
     return res
+
+
+def cycles(
+    side: EngineProcess,
+    server: EngineProcess,
+    args: argparse.Namespace,
+    deadline: float,
+    fused: bool,
+    res: dict[str, Any],
+) -> None:
+    base = side.base_url
+    with (
+        httpx.Client(base_url=base, timeout=300.0) as c,
+        httpx.Client(base_url=server.base_url, timeout=300.0) as e,
+    ):
+        for i in range(args.cycles):
+            if time.monotonic() > deadline - 20:
+                log("out of time after", i, "cycles")
+                break
+            t = time.monotonic()
+            r = c.post("/models/llama/sleep", json={"level": 1})
+            sleep_s = time.monotonic() - t
+            if r.status_code != 200:
+                raise RuntimeError(f"sleep {r.status_code}: {r.text[:2000]}")
+            sleep_tr = r.json().get("transition") or {}
+            health_503 = c.get("/health").status_code
+            time.sleep(ASLEEP_S)
+            box = timed_wake(base, lambda w: w.post("/models/llama/wake"))
+            body = box.get("body") or {}
+            if box.get("status") != 200:
+                raise RuntimeError(f"wake {box.get('status')}: {json.dumps(body)[:2000]}")
+            ttft = first_token(e, args.ttft_tokens)
+            ttft2 = first_token(e, args.ttft_tokens)
+            tr = body.get("transition") or {}
+            cyc = {
+                "sleep_post_s": sleep_s,
+                "sleep_transition_s": sleep_tr.get("duration_s"),
+                "sleep_phases": phases_of(sleep_tr),
+                "sleep_ranks": rank_detail(sleep_tr),
+                "freed_bytes": next(
+                    (
+                        p["detail"].get("freed_bytes")
+                        for p in sleep_tr.get("phases", [])
+                        if "freed_bytes" in (p.get("detail") or {})
+                    ),
+                    None,
+                ),
+                "health_after_sleep": health_503,
+                "wake_post_s": box["answer_s"],
+                "post_to_health_200_s": box["health_s"],
+                "wake_transition_s": tr.get("duration_s"),
+                "wake_phases": phases_of(tr),
+                "wake_ranks": rank_detail(tr),
+                "ttft_after_wake_s": ttft,
+                "ttft_second_s": ttft2,
+                "fused": fused,
+            }
+            res["cycles"].append(cyc)
+            log(f"ours cycle {i + 1} (fused_wake {fused})", json.dumps(cyc))
 
 
 def raw(server: EngineProcess, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
@@ -248,7 +277,14 @@ def raw(server: EngineProcess, args: argparse.Namespace, deadline: float) -> dic
     return res
 
 
-PHASES = ("resume_weights", "resume_kv_cache", "restore_and_verify", "resume_engine", "warmup")
+PHASES = (
+    "resume_weights",
+    "resume_kv_cache",
+    "restore_and_verify",
+    "resume_and_verify",
+    "resume_engine",
+    "warmup",
+)
 SLEEP_PHASES = ("drain", "quiesce", "prepare", "suspend")
 
 
@@ -279,16 +315,16 @@ def report(out: dict[str, Any]) -> None:
         return f"{v / b:.2f}x" if isinstance(v, int | float) and b else "-"
 
     print(
-        f"\n| {shape}: wake through the sidecar | POST -> answer | POST -> /health 200 | x H2D"
-        f" | {' | '.join(PHASES)} | first token after | 2nd |"
+        f"\n| {shape}: wake through the sidecar | fused | POST -> answer | POST -> /health 200"
+        f" | x H2D | {' | '.join(PHASES)} | first token after | 2nd |"
     )
-    print("|---" * (6 + len(PHASES)) + "|")
+    print("|---" * (7 + len(PHASES)) + "|")
     for i, c in enumerate(cyc):
         ph = " | ".join(f4(c["wake_phases"].get(p)) for p in PHASES)
         h = c["post_to_health_200_s"]
         print(
-            f"| cycle {i + 1} | {f3(c['wake_post_s'])} | {f3(h)} | {x(h, h2d)} | {ph}"
-            f" | {f4(c['ttft_after_wake_s'])} | {f4(c['ttft_second_s'])} |"
+            f"| cycle {i + 1} | {int(c.get('fused', False))} | {f3(c['wake_post_s'])} | {f3(h)}"
+            f" | {x(h, h2d)} | {ph} | {f4(c['ttft_after_wake_s'])} | {f4(c['ttft_second_s'])} |"
         )
     print(
         f"\n| {shape}: sleep through the sidecar | POST | transition | x D2H"
@@ -326,8 +362,12 @@ def main() -> int:
     ap.add_argument("--raw", type=int, default=1, help="0: skip raw vLLM")
     ap.add_argument("--util", type=float, default=None, help="GPU share of each server")
     ap.add_argument("--budget-s", type=float, default=420.0)
+    ap.add_argument(
+        "--fused", default="1", help="fused_wake per sidecar run, comma-separated (e.g. 0,1)"
+    )
     args = ap.parse_args()
     args.graphs = bool(args.graphs)
+    args.fused = [f.strip() not in ("0", "false") for f in args.fused.split(",") if f.strip()]
     deadline = T0 + args.budget_s
     from benchmarks.wake import bandwidth
 
