@@ -49,6 +49,7 @@ WORKER_ENV = frozenset(
         "HOTSWAP_MAP_IMPL",
         "HOTSWAP_MAP_HANDLES",
         "HOTSWAP_PROTECT",
+        "HOTSWAP_WARM_PREPARE",
     }
 )
 

@@ -92,6 +92,8 @@ class _HotswapState:
     snap: snapshot.Snapshot | None = None
     level: int | None = None
     phase: RankPhase = field(default_factory=RankPhase)
+    # The prepare run once ahead of time (HOTSWAP_WARM_PREPARE): its outcome, None until then.
+    warm_prepare: dict[str, Any] | None = None
 
     def use_settings(self, settings: WorkerSettings) -> None:
         """Tests and benches that change a variable in a live worker: the new settings."""
@@ -190,6 +192,7 @@ class HotSwapExtension:
     def hotswap_info(self) -> dict[str, Any]:
         self._hotswap_fault("info")
         st = self._hotswap_state()
+        self._hotswap_warm_prepare()
         model = self._hotswap_model()
         try:
             from vllm.distributed.parallel_state import get_world_group
@@ -213,9 +216,50 @@ class HotSwapExtension:
             "snapshot_held": st.snap is not None,
             "host_backup_bytes": st.backend.host_backup_bytes(),
             "wake_scratch_bytes": st.backend.wake_scratch_bytes(),
+            "warm_prepare": st.warm_prepare,
             # the cumem backend's host buffer, verify kernel and mapping (plain values)
             "backend_detail": st.backend.describe(),
         }
+
+    def _hotswap_warm_prepare(self) -> None:
+        """Once per process, on an awake rank with no snapshot: a level-1 prepare whose
+        snapshot is dropped at once, so that its first-call costs (allocator blocks, pinned
+        host blocks, kernel variants for these tensors) are paid here and not by the first
+        sleep. It moves no memory and changes neither phase nor transitions; a failure is
+        only reported (`warm_prepare` in hotswap_info)."""
+        st = self._hotswap_state()
+        if not st.settings.warm_prepare or st.warm_prepare is not None:
+            return
+        if st.snap is not None or st.backend.suspended() or self._hotswap_model() is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            records = self._hotswap_records()
+            rows = self._hotswap_audit_rows(1, records)
+            cover = self._hotswap_protection(1, records)
+            backups = set() if cover is not None else {r["name"] for r in rows if r["at_risk"]}
+            snap = snapshot.prepare(
+                1,
+                records,
+                backups,
+                torch.cuda.is_available(),
+                cover,
+                st.backend.device,
+                st.settings.verify_kernel,
+            )
+            st.warm_prepare = {
+                "ok": True,
+                "s": time.perf_counter() - t0,
+                "fingerprinted": len(snap.entries) + len(snap.unnamed),
+            }
+            del snap
+        except Exception as exc:  # reported, never raised: the real prepare will say more
+            log.warning("hotswap: the prepare ahead of time failed: %s", exc)
+            st.warm_prepare = {
+                "ok": False,
+                "s": time.perf_counter() - t0,
+                "error": f"{type(exc).__name__}: {exc}",
+            }
 
     @rpc
     def hotswap_quiesce(self, timeout_s: float) -> dict[str, Any]:

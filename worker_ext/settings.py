@@ -60,6 +60,9 @@ class WorkerSettings:
     # HOTSWAP_DISK_BUDGET_GB: bytes the tier's files may take in that directory (oldest go)
     disk_budget_bytes: int = 64 * 10**9
     disk_threads: int = 8  # HOTSWAP_DISK_THREADS: parallel reads of a tier file
+    # HOTSWAP_WARM_PREPARE: 1 (the first hotswap_info of an awake rank runs a sleep's prepare
+    # once and drops it, so the first real sleep does not pay its first-call costs) | 0
+    warm_prepare: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerSettings:
@@ -111,4 +114,5 @@ class WorkerSettings:
             disk_dir=env.get("HOTSWAP_DISK_DIR", "").strip(),
             disk_budget_bytes=budget,
             disk_threads=disk_threads,
+            warm_prepare=_word(env, "HOTSWAP_WARM_PREPARE", "1") not in ("0", "false", "no"),
         )

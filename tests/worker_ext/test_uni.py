@@ -51,6 +51,15 @@ def test_info(llm: Any) -> None:
     assert len(info["boot_id"]) == 32
     assert info["process_start_s"] <= time.time()
     assert info["pid"] == os.getpid()  # the uni executor: the worker is this process
+    # The prepare ahead of time ran in this first info, moved nothing (transitions 0, no
+    # snapshot held above) and runs once per process.
+    warm = info["warm_prepare"]
+    assert warm["ok"] is True, warm
+    assert warm["s"] > 0
+    assert warm["fingerprinted"] > 0
+    (again,) = ok(llm, "hotswap_info")
+    assert again["warm_prepare"] == warm
+    assert again["transitions"] == 0
 
 
 def test_every_name_is_prefixed() -> None:

@@ -38,6 +38,7 @@ def test_every_variable_is_read() -> None:
             "HOTSWAP_DISK_DIR": " /var/tier ",
             "HOTSWAP_DISK_BUDGET_GB": "1.5",
             "HOTSWAP_DISK_THREADS": "3",
+            "HOTSWAP_WARM_PREPARE": "0",
         }
     )
     assert s == WorkerSettings(
@@ -58,6 +59,7 @@ def test_every_variable_is_read() -> None:
         "/var/tier",
         1_500_000_000,
         3,
+        False,
     )
 
 
