@@ -159,11 +159,16 @@ def _machine_ram() -> int:
 
 def _backup_held(outcome: Outcome) -> int:
     """Host bytes a finished wake keeps for the next sleep: its last resume's
-    `host_backup_bytes`, summed over ranks (0 on CPU, where none is kept)."""
+    `host_backup_bytes` (the fused hotswap_wake's too), summed over ranks (0 on CPU, where none
+    is kept)."""
     t = outcome.transition
     if t is None or t.kind != "wake" or t.result != "ok":
         return 0
-    resumes = (protocol.RESUME_WEIGHTS.phase, protocol.RESUME_KV.phase)
+    resumes = (
+        protocol.RESUME_WEIGHTS.phase,
+        protocol.RESUME_KV.phase,
+        protocol.RESUME_VERIFY.phase,
+    )
     held = 0
     for phase in t.phases:
         if phase.name in resumes and phase.ranks:
