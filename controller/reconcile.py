@@ -80,8 +80,10 @@ class Verdict:
     process: str | None = None  # the sign to remember from now on
     boot_ids: tuple[str | None, ...] | None = None  # the boot ids to remember from now on
     new_process: bool = False  # the engine is a different process than last seen
-    # SUSPENDED: what its ranks hold on their devices, summed (None: a rank did not say)
+    # SUSPENDED: what its ranks hold on their devices, summed (None: a rank did not say),
+    # and the device bytes its wake takes for a while beyond the pools (0: none said)
     resident_bytes: int | None = None
+    wake_scratch_bytes: int = 0
 
     @property
     def sends_rpc(self) -> bool:
@@ -326,6 +328,7 @@ def reconcile(obs: Observation, mem: Memory) -> Verdict:
             resident_bytes=None
             if any(r.resident_bytes is None for r in ranks)
             else sum(r.resident_bytes or 0 for r in ranks),
+            wake_scratch_bytes=sum(r.wake_scratch_bytes for r in ranks),
             **seen,
         )
     # resumed_unverified

@@ -141,6 +141,7 @@ class Reconciler:
         rec.boot_ids = v.boot_ids
         if v.rule == "suspended":  # read from the ranks (a cache-fits verdict says nothing)
             rec.asleep = v.tags or None
+            rec.wake_scratch = v.wake_scratch_bytes  # what its wake will decode through
         elif v.state in (State.RUNNING, State.RESUMING):
             rec.asleep = None
 

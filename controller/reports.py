@@ -187,6 +187,7 @@ class RankView:
     world_size: int | None = None
     error: str | None = None
     resident_bytes: int | None = None  # what the rank holds on its device now (`resident`)
+    wake_scratch_bytes: int = 0  # what its wake takes beyond the pools (0: asleep without)
 
     @classmethod
     def from_info(cls, report: Mapping[str, Any], index: int = 0) -> RankView:
@@ -223,6 +224,7 @@ class RankView:
             world_size=opt_int("world_size"),
             error=str(error) if error is not None else None,
             resident_bytes=held if isinstance(held, int) and not isinstance(held, bool) else None,
+            wake_scratch_bytes=max(0, opt_int("wake_scratch_bytes") or 0),
         )
 
 

@@ -251,6 +251,7 @@ class FakeVllm:
             if self.resident_bytes is not None:
                 held = self.resident_bytes if self.suspended else 1 << 20
                 out["resident"] = {"bytes": held, "source": "nvml"}
+            out["wake_scratch_bytes"] = self.wake_scratch if self.suspended else 0
         elif method == "hotswap_quiesce":
             out.update(barrier_s=0.0005, late_ranks=[])
         elif method == "hotswap_audit":

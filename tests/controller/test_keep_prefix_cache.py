@@ -226,3 +226,15 @@ async def test_what_a_sleeper_found_at_start_holds_is_kept_once_it_wakes() -> No
     snap = rig.m.snapshot()
     assert (snap.state, snap.resident_bytes) == (State.RUNNING, None)
     assert rig.m.record.leftover_bytes == 200
+
+
+async def test_a_sleeper_found_at_start_says_what_its_wake_needs_beside_its_pools() -> None:
+    """The codec's staging its wake decodes through, from the ranks' hotswap_info: the
+    policy adds it to the wake's need as for a sleeper of its own; gone once it woke."""
+    rig = make_rig(FakeClock())
+    rig.world.asleep(1)
+    rig.world.wake_scratch = 64  # per rank
+    await rig.manager.start()
+    assert rig.m.record.wake_scratch == 128
+    await rig.m.wake()
+    assert rig.m.record.wake_scratch == 0
