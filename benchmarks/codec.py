@@ -124,8 +124,13 @@ def bench_codec(
     ranges = [(t.data_ptr(), t.numel() * 2) for t in tensors]
     raw_total = sum(n for _, n in ranges)
     gc = codec.GpuCodec("cuda", piece_chunks=piece_chunks, slots=slots, decoder=decoder)
-    plan = gc.plan(ranges)  # warm (compiles)
-    plan_s = min(timed_gpu(lambda: gc.plan(ranges)) for _ in range(2))
+    plan_by_impl = {}
+    for impl in ("ranges", "table"):  # one launch per range, or one over a chunk table
+        gc.plan_impl = impl
+        plan = gc.plan(ranges)  # warm (compiles)
+        plan_by_impl[f"plan_s_{impl}"] = min(timed_gpu(lambda: gc.plan(ranges)) for _ in range(2))
+        plan_by_impl[f"plan_impl_{impl}_used"] = gc.plan_impl
+    plan_s = plan_by_impl["plan_s_table"]
     plan = gc.plan(ranges)
     host = torch.empty(plan.total, dtype=torch.uint8, pin_memory=True)
     orig = [t.clone() for t in tensors]
@@ -147,6 +152,7 @@ def bench_codec(
         "ratio": plan.ratio(),
         "chunks_by_k": {str(k): v for k, v in sorted(plan.by_k.items())},
         "plan_s": plan_s,
+        **plan_by_impl,
         "scratch_bytes": gc.scratch_bytes(plan),
     }
     # device-only encode: every piece into alternating slots

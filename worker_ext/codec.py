@@ -293,6 +293,22 @@ def _k_hist(src, n, hist, CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # type: ig
     tl.atomic_add(hist + c * 256 + bins, h, mask=bins < 256)
 
 
+def _k_hist_table(tab, hist, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    """hist[i, e] += count of exponent e in block b of chunk i, whose word address and
+    word count are tab[i] (every chunk of every range in one launch)."""
+    i = tl.program_id(0)
+    b = tl.program_id(1)
+    base = tl.load(tab + 2 * i).to(tl.pointer_type(tl.int16))
+    n = tl.load(tab + 2 * i + 1)
+    offs = b * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < n
+    w = tl.load(base + offs, mask=valid, other=0).to(tl.int32) & 0xFFFF
+    e = tl.where(valid, (w >> 7) & 0xFF, 256)
+    h = tl.histogram(e, 512)
+    bins = tl.arange(0, 512)
+    tl.atomic_add(hist + i * 256 + bins, h, mask=bins < 256)
+
+
 def _k_encode(src, out, meta, inv, counts, CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
     """Block (c, b): raw words (k = 0), or s bytes, bit planes and its escape count."""
     c = tl.program_id(0)
@@ -449,6 +465,7 @@ def kernels() -> dict[str, Any]:
     tl = triton.language
     made = {
         "hist": triton.jit(_k_hist),
+        "hist_table": triton.jit(_k_hist_table),
         "encode": triton.jit(_k_encode),
         "exceptions": triton.jit(_k_exceptions),
         "decode": triton.jit(_k_decode),
@@ -456,6 +473,14 @@ def kernels() -> dict[str, Any]:
     }
     _KERNELS[mode] = made
     return made
+
+
+def _launch2(kernel: Any, grid: tuple[int, int], device: Any, *args: Any) -> None:
+    """A launch of a kernel whose only constexpr is BLOCK."""
+    kw: dict[str, Any] = {"BLOCK": BLOCK}
+    if device.type == "cuda":
+        kw["num_warps"] = NUM_WARPS
+    kernel[grid](*args, **kw)
 
 
 def _launch(kernel: Any, grid: tuple[int, int], device: Any, *args: Any) -> None:
@@ -530,6 +555,7 @@ class GpuCodec:
         # one; measured on an H200 it made no difference to the wake's copies, 43.4 GB/s at
         # 4096 against 43.7 at 256 bytes: docs/benchmarks.md; it costs < 4 KiB a piece)
         self.host_align = HOST_ALIGN
+        self.plan_impl = "table"  # or "ranges" (see plan)
 
     # scratch ---------------------------------------------------------------------------
 
@@ -566,7 +592,10 @@ class GpuCodec:
 
     def plan(self, ranges: list[tuple[int, int]]) -> Plan:
         """Histograms and tables of every chunk of `ranges` ((address, bytes), even bytes),
-        one host sync, the host layout."""
+        one host sync, the host layout. `plan_impl` "table": one histogram launch over a
+        table of every chunk and the layout as a few tensor ops (no Python per chunk or per
+        range on the device side); "ranges": one launch per range and the layout piece by
+        piece (the first implementation, and the fallback if the table's kernel fails)."""
         t0 = time.perf_counter()
         per = []
         for ptr, nbytes in ranges:
@@ -575,31 +604,36 @@ class GpuCodec:
             per.append(max(1, (nbytes // 2 + CHUNK_WORDS - 1) // CHUNK_WORDS) if nbytes else 0)
         total_chunks = sum(per)
         hist = torch.zeros((max(1, total_chunks), 256), dtype=torch.int32, device=self.device)
-        counts = torch.zeros(max(1, total_chunks), dtype=torch.int64)
-        row = 0
+        addrs: list[int] = []
+        words: list[int] = []
         for (ptr, nbytes), c in zip(ranges, per, strict=True):
-            if not c:
-                continue
-            words = self._view(ptr, nbytes).view(torch.int16)
-            _launch(self._k["hist"], (c, CHUNK_BLOCKS), self.device, words, nbytes // 2, hist[row:])
-            counts[row : row + c] = CHUNK_WORDS
-            counts[row + c - 1] = nbytes // 2 - (c - 1) * CHUNK_WORDS
-            row += c
+            if c:
+                addrs.extend(range(ptr, ptr + c * 2 * CHUNK_WORDS, 2 * CHUNK_WORDS))
+                words.extend([CHUNK_WORDS] * (c - 1))
+                words.append(nbytes // 2 - (c - 1) * CHUNK_WORDS)
+        counts = torch.tensor(words or [0], dtype=torch.int64)
+        table = self.plan_impl == "table"
+        if table and total_chunks:
+            try:
+                tab = torch.tensor([addrs, words], dtype=torch.int64).t().contiguous()
+                _launch2(self._k["hist_table"], (total_chunks, CHUNK_BLOCKS), self.device,
+                         tab.to(self.device), hist)  # fmt: skip
+            except Exception:  # the first implementation, per range
+                self.plan_impl, table = "ranges", False
+                hist.zero_()
+        if not table:
+            row = 0
+            for (ptr, nbytes), c in zip(ranges, per, strict=True):
+                if not c:
+                    continue
+                view = self._view(ptr, nbytes).view(torch.int16)
+                _launch(self._k["hist"], (c, CHUNK_BLOCKS), self.device, view, nbytes // 2,
+                        hist[row:])  # fmt: skip
+                row += c
         meta, inv = select(hist[:total_chunks], counts[:total_chunks].to(self.device))
         meta_h = meta.cpu()  # the one host sync
-        pieces: list[Piece] = []
-        row, host = 0, 0
+        pieces = (self._layout_table if table else self._layout_ranges)(ranges, per, meta_h)
         by_k: dict[int, int] = {}
-        for r, ((_ptr, nbytes), c) in enumerate(zip(ranges, per, strict=True)):
-            for j in range(0, c, self.piece_chunks):
-                n_ch = min(self.piece_chunks, c - j)
-                rows = meta_h[row + j : row + j + n_ch]
-                size = layout(rows)
-                raw = min(nbytes - j * 2 * CHUNK_WORDS, n_ch * 2 * CHUNK_WORDS)
-                host = _align(host, self.host_align)
-                pieces.append(Piece(r, j * 2 * CHUNK_WORDS, raw, row + j, n_ch, size, host))
-                host += size
-            row += c
         for kk, count in enumerate(torch.bincount(meta_h[:, K].to(torch.int64)).tolist()):
             if count:
                 by_k[kk] = int(count)
@@ -609,11 +643,58 @@ class GpuCodec:
             pieces=pieces,
             meta=meta_d,
             inv=inv,
-            total=host,
+            total=pieces[-1].host_off + pieces[-1].size if pieces else 0,
             raw_total=sum(n for _, n in ranges),
             plan_s=time.perf_counter() - t0,
             by_k=by_k,
         )
+
+    def _layout_ranges(
+        self, ranges: list[tuple[int, int]], per: list[int], meta_h: Any
+    ) -> list[Piece]:
+        """Each piece's rows laid out (OFF set in meta_h), piece by piece."""
+        pieces: list[Piece] = []
+        row, host = 0, 0
+        for r, ((_ptr, nbytes), c) in enumerate(zip(ranges, per, strict=True)):
+            for j in range(0, c, self.piece_chunks):
+                n_ch = min(self.piece_chunks, c - j)
+                size = layout(meta_h[row + j : row + j + n_ch])
+                raw = min(nbytes - j * 2 * CHUNK_WORDS, n_ch * 2 * CHUNK_WORDS)
+                host = _align(host, self.host_align)
+                pieces.append(Piece(r, j * 2 * CHUNK_WORDS, raw, row + j, n_ch, size, host))
+                host += size
+            row += c
+        return pieces
+
+    def _layout_table(
+        self, ranges: list[tuple[int, int]], per: list[int], meta_h: Any
+    ) -> list[Piece]:
+        """The same layout as `_layout_ranges` (OFF set in meta_h, the same pieces), with
+        the offsets and sizes as tensor ops over every chunk at once."""
+        out: list[Piece] = []
+        row = 0
+        for r, ((_ptr, nbytes), c) in enumerate(zip(ranges, per, strict=True)):
+            for j in range(0, c, self.piece_chunks):
+                n_ch = min(self.piece_chunks, c - j)
+                raw = min(nbytes - j * 2 * CHUNK_WORDS, n_ch * 2 * CHUNK_WORDS)
+                out.append(Piece(r, j * 2 * CHUNK_WORDS, raw, row + j, n_ch, 0, 0))
+            row += c
+        if not out:
+            return out
+        first = torch.tensor([p.first for p in out], dtype=torch.int64)
+        nch = torch.tensor([p.n_chunks for p in out], dtype=torch.int64)
+        pid = torch.repeat_interleave(torch.arange(len(out)), nch)
+        sizes = meta_h[:, SIZE].to(torch.int64)
+        ends = torch.cumsum(sizes, 0)
+        before = torch.cat([torch.zeros(1, dtype=torch.int64), ends])[first]  # per piece
+        head = _align_t(nch * META_BYTES, PIECE_ALIGN)
+        meta_h[:, OFF] = (head[pid] + ends - sizes - before[pid]).to(torch.int32)
+        psize = _align_t(head + ends[first + nch - 1] - before, PIECE_ALIGN)
+        step = _align_t(psize, self.host_align)
+        host = torch.cumsum(step, 0) - step
+        for p, sz, h in zip(out, psize.tolist(), host.tolist(), strict=True):
+            p.size, p.host_off = int(sz), int(h)
+        return out
 
     # one piece -------------------------------------------------------------------------
 

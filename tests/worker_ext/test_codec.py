@@ -195,6 +195,41 @@ def test_kernel_matches_reference(kind: str, n_words: int) -> None:
         assert torch.equal(dst, data), decoder
 
 
+@needs_interp
+def test_plan_table_kernel_equals_the_ranges_plan() -> None:
+    """The plan's one launch over a table of every chunk, laid out by tensor ops, gives
+    the same rows, maps, pieces and host layout as one launch per range laid out piece by
+    piece: several ranges, multi-chunk and odd-sized, two chunks a piece, an empty one."""
+    datas = [
+        _bf16_words("normal", 2 * codec.CHUNK_WORDS + 999, 3, 0.02),
+        _bf16_words("bits", 5, 4, 1.0),
+        torch.zeros(0, dtype=torch.uint8),
+        _bf16_words("special", 3 * codec.CHUNK_WORDS + 1, 5, 1.0),
+    ]
+    ranges = [(int(d.data_ptr()), int(d.numel())) for d in datas]
+    plans = {}
+    for impl in ("table", "ranges"):
+        gc = codec.GpuCodec("cpu", piece_chunks=2)
+        gc.plan_impl = impl
+        plans[impl] = gc.plan(ranges)
+        assert gc.plan_impl == impl  # no fallback
+    a, b = plans["table"], plans["ranges"]
+    assert a.pieces == b.pieces
+    assert (a.total, a.raw_total, a.by_k) == (b.total, b.raw_total, b.by_k)
+    assert torch.equal(a.meta, b.meta)
+    assert torch.equal(a.inv, b.inv)
+    assert len(a.pieces) == 2 + 1 + 2
+    assert all(p.host_off % codec.HOST_ALIGN == 0 for p in a.pieces)
+    # and each piece is what the reference encoder makes of its bytes
+    for p in a.pieces:
+        d = datas[p.rng][p.dev_off : p.dev_off + p.raw_bytes]
+        ref = codec.encode_piece(d)
+        assert p.size == ref.numel()
+        head = ref[: p.n_chunks * codec.META_BYTES].view(torch.int32).view(p.n_chunks, -1)
+        rows = a.meta[p.first : p.first + p.n_chunks]
+        assert torch.equal(rows[:, : codec.SIZE + 1], head[:, : codec.SIZE + 1])
+
+
 # -- the wake queue's order, with recording fakes for CUDA streams and events -------------
 
 
