@@ -182,15 +182,24 @@ def _backup_held(outcome: Outcome) -> int:
 
 
 def _host_held(outcome: Outcome) -> int:
-    """Host bytes a finished sleep holds: what its suspends offloaded (level 1's weights,
-    a kept KV cache), summed over ranks; 0 at level 2."""
+    """Host bytes a finished sleep holds, summed over ranks: the pinned buffers its last
+    suspend's ranks say they keep (CUDA: a coded copy is smaller than the weights, and a
+    level-2 sleeper may keep an earlier one), else what its suspends offloaded in place
+    (the host backend: level 1's weights, a kept KV cache; 0 at level 2)."""
     t = outcome.transition
     if t is None or t.kind != "sleep" or t.result != "ok":
         return 0
-    total = 0
+    offloaded, pinned = 0, 0
     for phase in t.phases:
-        for r in phase.ranks:
-            off = r.get("offloaded_bytes")
-            if isinstance(off, dict):
-                total += sum(int(v) for v in off.values() if isinstance(v, int | float))
-    return total
+        suspends = [r for r in phase.ranks if isinstance(r.get("offloaded_bytes"), dict)]
+        for r in suspends:
+            off = r["offloaded_bytes"]
+            offloaded += sum(int(v) for v in off.values() if isinstance(v, int | float))
+        if suspends:
+            pinned = sum(
+                int(v)
+                for r in suspends
+                if isinstance(v := r.get("host_backup_bytes"), int | float)
+                and not isinstance(v, bool)
+            )
+    return pinned or offloaded

@@ -449,6 +449,7 @@ class HotSwapExtension:
             "resident_bytes": resident["bytes"],
             "resident": resident,
             "wake_scratch_bytes": st.backend.wake_scratch_bytes(),
+            "host_backup_bytes": st.backend.host_backup_bytes(),
             "timings": res.get("timings", {}),
             "freed_bytes": res.get("freed_bytes", {}),
             "offloaded_bytes": res.get("offloaded_bytes", {}),

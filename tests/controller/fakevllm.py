@@ -323,6 +323,9 @@ class FakeVllm:
             if self.resident_bytes is not None:
                 out["resident_bytes"] = self.resident_bytes
             out["wake_scratch_bytes"] = self.wake_scratch
+            if level == 1 and "weights" in tags:
+                self.backup_held = self.host_backup  # pinned anew (CUDA-like); 0: none
+            out["host_backup_bytes"] = self.backup_held
         elif method == "hotswap_drop_backup":
             if self.suspended:
                 return {**out, "ok": False, "error": "drop_backup: not awake"}

@@ -118,3 +118,18 @@ def test_a_wake_that_keeps_nothing_plans_nothing() -> None:
             assert "hotswap_drop_backup" not in w.engines["b"].fake.rpc_calls()
 
     run(body)
+
+
+def test_a_sleepers_host_bytes_are_the_pinned_buffer_its_ranks_keep() -> None:
+    """A CUDA-like rank says what it keeps pinned (a coded copy smaller than the weights):
+    that is counted, not the raw bytes it offloaded; the host backend says 0: offloaded."""
+
+    async def body() -> None:
+        async with world(("a", "b"), swap={"host_budget": 10 * W, "max_awake": 2}) as w:
+            assert w.coordinator.fleet["b"].host_bytes == W  # host backend: in place
+            w.engines["a"].fake.host_backup = W // 2  # e.g. the codec's 0.68x
+            await w.coordinator.sleep("a")
+            assert w.coordinator.fleet["a"].host_bytes == W // 2
+            assert w.sample("hotswap_model_host_bytes", model="a") == W // 2
+
+    run(body)

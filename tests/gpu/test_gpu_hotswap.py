@@ -122,6 +122,7 @@ def test_drop_backup_frees_the_kept_pinned_copy(llama: Engine) -> None:
     codec = llama.rpc("hotswap_info")["backend_detail"]["codec"]
     coded = bool((codec.get("warm") or {}).get("ok")) and codec["setting"] == "exp"
     assert (s["suspend"]["wake_scratch_bytes"] > 0) is coded, (s["suspend"], codec)
+    assert s["suspend"]["host_backup_bytes"] > 0  # the pinned copy it sleeps in
     w = llama.wake(1)
     kept = llama.rpc("hotswap_info")["host_backup_bytes"]
     assert kept > 0

@@ -332,7 +332,7 @@ def test_drop_backup_awake_only(llm: Any, baseline: Any) -> None:
     llm.reset_prefix_cache()
     ok(llm, "hotswap_prepare", 1)
     (s,) = ok(llm, "hotswap_suspend", 1)
-    assert s["wake_scratch_bytes"] == 0
+    assert (s["wake_scratch_bytes"], s["host_backup_bytes"]) == (0, 0)  # weights in place
     asleep = _phase(llm)
     (refused,) = rpc(llm, "hotswap_drop_backup")
     assert refused["ok"] is False
