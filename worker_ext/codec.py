@@ -81,6 +81,25 @@ def _align_t(x: Any, a: int) -> Any:
     return (x + (a - 1)) // a * a
 
 
+def payload_sizes(k: Any, n: Any, n_exc: Any) -> Any:
+    """`payload_size` over int64 tensors of chunks: [C, 4] (packed, boff, exc, total)."""
+    coded = k > 0
+    packed = _align_t(n, ALIGN)
+    boff = _align_t(packed + (n + 7) // 8 * k, ALIGN)
+    exc = boff + 4 * ((n + BLOCK - 1) // BLOCK)
+    total = torch.where(coded, _align_t(exc + n_exc, ALIGN), _align_t(2 * n, ALIGN))
+    zero = torch.zeros_like(n)
+    return torch.stack(
+        [
+            torch.where(coded, packed, zero),
+            torch.where(coded, boff, zero),
+            torch.where(coded, exc, zero),
+            total,
+        ],
+        1,
+    )
+
+
 def select(hist: Any, n: Any) -> tuple[Any, Any]:
     """Per chunk, from its exponent histogram [C, 256] and word count [C]: the meta rows
     [C, META_INTS] int32 (all but OFF) and the exponent -> code maps [C, 256] uint8.

@@ -378,13 +378,10 @@ def check_piece(piece: Any, entry: TierPiece) -> None:
         rows = meta.clone()
         size = codec.layout(rows)  # recompute every offset from the sizes
         ok = size == entry.size and bool(torch.equal(rows[:, codec.OFF], off))
-    if ok:
-        for row in meta.tolist():
-            want = codec.payload_size(row[codec.K], row[codec.NWORDS], row[codec.NEXC])
-            got = (row[codec.PACKED], row[codec.BOFF], row[codec.EXC], row[codec.SIZE])
-            if got != want:
-                ok = False
-                break
+    if ok:  # every row's part offsets and size, as payload_size computes them
+        want = codec.payload_sizes(k, n, nexc)
+        got = meta[:, [codec.PACKED, codec.BOFF, codec.EXC, codec.SIZE]]
+        ok = bool(torch.equal(got, want))
     if not ok:
         raise TierRefused(f"piece at file offset {entry.file_off}: its chunk rows are not valid")
 

@@ -134,6 +134,18 @@ def test_select_is_deterministic_on_ties() -> None:
     assert int(meta[0, codec.NEXC]) == 1000
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    k=st.sampled_from([0, *codec.KS]),
+    n=st.integers(min_value=1, max_value=codec.CHUNK_WORDS),
+    frac=st.floats(min_value=0.0, max_value=1.0),
+)
+def test_payload_sizes_is_payload_size_over_tensors(k: int, n: int, frac: float) -> None:
+    n_exc = int(n * frac) if k else 0
+    t = codec.payload_sizes(torch.tensor([k]), torch.tensor([n]), torch.tensor([n_exc]))
+    assert tuple(t[0].tolist()) == codec.payload_size(k, n, n_exc)
+
+
 # -- the Triton kernels, under the CPU interpreter (a child pytest) ----------------------
 
 
