@@ -84,6 +84,8 @@ class Verdict:
     # and the device bytes its wake takes for a while beyond the pools (0: none said)
     resident_bytes: int | None = None
     wake_scratch_bytes: int = 0
+    # RUNNING or SUSPENDED, read from the ranks: the host RAM they keep pinned, summed
+    host_backup_bytes: int = 0
 
     @property
     def sends_rpc(self) -> bool:
@@ -308,7 +310,12 @@ def reconcile(obs: Observation, mem: Memory) -> Verdict:
                 **seen,
             )
         return verdict(
-            "running", State.RUNNING, "every rank awake and verified", verified=True, **seen
+            "running",
+            State.RUNNING,
+            "every rank awake and verified",
+            verified=True,
+            host_backup_bytes=sum(r.host_backup_bytes for r in ranks),
+            **seen,
         )
     if first.phase is Phase.SUSPENDED:
         level = first.level
@@ -329,6 +336,7 @@ def reconcile(obs: Observation, mem: Memory) -> Verdict:
             if any(r.resident_bytes is None for r in ranks)
             else sum(r.resident_bytes or 0 for r in ranks),
             wake_scratch_bytes=sum(r.wake_scratch_bytes for r in ranks),
+            host_backup_bytes=sum(r.host_backup_bytes for r in ranks),
             **seen,
         )
     # resumed_unverified

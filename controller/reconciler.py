@@ -144,6 +144,10 @@ class Reconciler:
             rec.wake_scratch = v.wake_scratch_bytes  # what its wake will decode through
         elif v.state in (State.RUNNING, State.RESUMING):
             rec.asleep = None
+        if v.rule in ("suspended", "running") and v.host_backup_bytes:
+            # pinned host copies the ranks keep (CUDA pins its backup at start): the host
+            # budget counts them; 0 says nothing (the host backend keeps weights in place)
+            rec.host_bytes = v.host_backup_bytes
 
     # ---- applying ------------------------------------------------------------------------
 

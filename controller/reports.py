@@ -188,6 +188,7 @@ class RankView:
     error: str | None = None
     resident_bytes: int | None = None  # what the rank holds on its device now (`resident`)
     wake_scratch_bytes: int = 0  # what its wake takes beyond the pools (0: asleep without)
+    host_backup_bytes: int = 0  # host RAM it keeps pinned for its pools' copies now
 
     @classmethod
     def from_info(cls, report: Mapping[str, Any], index: int = 0) -> RankView:
@@ -225,6 +226,7 @@ class RankView:
             error=str(error) if error is not None else None,
             resident_bytes=held if isinstance(held, int) and not isinstance(held, bool) else None,
             wake_scratch_bytes=max(0, opt_int("wake_scratch_bytes") or 0),
+            host_backup_bytes=max(0, opt_int("host_backup_bytes") or 0),
         )
 
 

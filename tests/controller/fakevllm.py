@@ -252,6 +252,7 @@ class FakeVllm:
                 held = self.resident_bytes if self.suspended else 1 << 20
                 out["resident"] = {"bytes": held, "source": "nvml"}
             out["wake_scratch_bytes"] = self.wake_scratch if self.suspended else 0
+            out["host_backup_bytes"] = self.backup_held
         elif method == "hotswap_quiesce":
             out.update(barrier_s=0.0005, late_ranks=[])
         elif method == "hotswap_audit":
