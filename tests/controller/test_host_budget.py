@@ -8,6 +8,7 @@ from fakevllm import POOL_BYTES
 from test_gateway import run, world
 
 from controller.state import State
+from controller.views import fleet_dict
 
 W = POOL_BYTES["weights"]  # what one level-1 sleeper holds in host memory (one rank)
 BUDGET = {"host_budget": W + W // 2, "max_awake": 3}
@@ -131,5 +132,26 @@ def test_a_sleepers_host_bytes_are_the_pinned_buffer_its_ranks_keep() -> None:
             await w.coordinator.sleep("a")
             assert w.coordinator.fleet["a"].host_bytes == W // 2
             assert w.sample("hotswap_model_host_bytes", model="a") == W // 2
+
+    run(body)
+
+
+def test_models_shows_what_the_device_policy_counts() -> None:
+    """GET /models' fleet entry: the leftover beside the pools (awake too, once reported)
+    and the wake's scratch, the same figures the policy's view holds."""
+
+    async def body() -> None:
+        async with world(("a", "b"), swap={"max_awake": 2}) as w:
+            await w.coordinator.wake("b")
+            w.engines["b"].fake.wake_scratch = 64
+            await w.coordinator.sleep("b")
+            rec, settings = w.coordinator.fleet["b"], w.coordinator.settings
+            shown, seen = fleet_dict(rec, settings), w.coordinator.view("b")
+            assert (shown["asleep_bytes"], shown["wake_scratch_bytes"]) == (100, 64)
+            assert (seen.asleep_bytes, seen.wake_scratch_bytes) == (100, 64)
+            await w.coordinator.wake("b")
+            shown, seen = fleet_dict(rec, settings), w.coordinator.view("b")
+            assert (shown["asleep_bytes"], shown["wake_scratch_bytes"]) == (100, 0)
+            assert (seen.asleep_bytes, seen.wake_scratch_bytes) == (100, 0)
 
     run(body)
