@@ -72,7 +72,10 @@ def wait_up(proc: EngineProcess, deadline: float) -> float:
 
 
 def start_vllm(model: str, port: int, util: float, graphs: bool) -> EngineProcess:
-    spec = gpu_engine(model, port, "llama", util=util, dummy=True, eager=not graphs)
+    # the bench's own worker settings (HOTSWAP_HOST_CODEC=none, ...) reach its engines; the
+    # sidecar's (HOTSWAP_SECTION__KEY) do not
+    env = {k: v for k, v in os.environ.items() if k.startswith("HOTSWAP_") and "__" not in k}
+    spec = gpu_engine(model, port, "llama", util=util, dummy=True, eager=not graphs, env=env)
     return launch(spec, f"vllm-{port}")
 
 
