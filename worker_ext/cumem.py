@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from worker_ext import codec, disktier, fpkernel
+from worker_ext import ranges as byteranges
 from worker_ext.cudart import CHUNK_BYTES, REGISTER_BYTES, CudaRT, HostBuffer
 from worker_ext.cudriver import Driver
 from worker_ext.pools import ALL_TAGS, DISCARDED, KV_CACHE, OFFLOADED, UNPOOLED, WEIGHTS, policy
@@ -480,8 +481,13 @@ class CuMemBackend:
             writer.join()
 
     def _weights_digest(self, ranges: list[tuple[int, int]]) -> str:
-        """A digest of the bytes of `ranges` on the device (verify's kernel sums)."""
-        sums = fpkernel.SpanCheck(ranges, self._device).sums()
+        """A digest of the live bytes of `ranges` (start, size) on the device (verify's
+        kernel sums), in address order. The allocator's free blocks inside them are left
+        out: no tensor holds them, and their contents change without the weights changing
+        (a level-2 wake maps fresh memory under them), which gave every level-2 sleep of
+        the same weights a new key and a new file."""
+        live = byteranges.subtract([(p, p + n) for p, n in ranges], self.free_ranges())
+        sums = fpkernel.SpanCheck([(s, e - s) for s, e in live], self._device).sums()
         return hashlib.sha256(json.dumps(sums).encode()).hexdigest()
 
     def _tier_key_for(self, ranges: list[tuple[int, int]], fingerprint: str) -> disktier.Key:
