@@ -213,6 +213,7 @@ class ModelManager:
         # what the last suspend's ranks say they left on their devices
         last = protocol.SUSPEND_WEIGHTS if kv_released is not None else protocol.SUSPEND
         self.record.wake_scratch = wake_scratch_bytes(reports.get(last.phase, ()))
+        self.record.codec_scratch = max(self.record.codec_scratch, self.record.wake_scratch)
         rec = self.runner.finish(
             run,
             Event.SLEEP_DONE,

@@ -25,12 +25,14 @@ def plan_overlap(
     victim_pools: Mapping[str, int],
     target_pools: Mapping[str, int],
     victim_counted: int,
+    victim_scratch: int = 0,
 ) -> Overlap:
     """One evicted model on one device, a byte budget, and both models' pools measured:
     the overlap holds, at its peak, the other models' bytes plus both models' weights (the
     target's KV cache waits until the victim's weights are gone). `victim_counted`: the
-    bytes `plan.used_bytes` counted for the victim (`estimate`). Anything unknown: the swap
-    runs one sleep after the other, as before."""
+    bytes `plan.used_bytes` counted for the victim (`estimate`); `victim_scratch`: what its
+    sleep's coder holds while it encodes (the wake's own is `plan.scratch_bytes`). Anything
+    unknown: the swap runs one sleep after the other, as before."""
     if plan.decision is not Decision.EVICT or len(plan.evict) != 1:
         return Overlap(False, "not a one-model eviction")
     if len(plan.devices) > 1:
@@ -41,10 +43,11 @@ def plan_overlap(
     if not vw or not tw:
         return Overlap(False, "pool sizes not measured yet")
     others = max(0, plan.used_bytes - victim_counted)
-    peak = others + vw + tw + plan.scratch_bytes  # the target's wake holds its scratch too
+    scratch = plan.scratch_bytes + max(0, victim_scratch)  # both coders' staging at once
+    peak = others + vw + tw + scratch
     both = f"both weights {mib(vw)} + {mib(tw)}"
-    if plan.scratch_bytes:
-        both += f" + the wake's scratch {mib(plan.scratch_bytes)}"
+    if scratch:
+        both += f" + both coders' scratch {mib(scratch)}"
     if peak > plan.budget_bytes:
         return Overlap(False, f"{mib(others)} held + {both} > {mib(plan.budget_bytes)}", peak)
     return Overlap(True, f"{mib(others)} held + {both} <= {mib(plan.budget_bytes)}", peak)

@@ -142,6 +142,7 @@ class Reconciler:
         if v.rule == "suspended":  # read from the ranks (a cache-fits verdict says nothing)
             rec.asleep = v.tags or None
             rec.wake_scratch = v.wake_scratch_bytes  # what its wake will decode through
+            rec.codec_scratch = max(rec.codec_scratch, rec.wake_scratch)
         elif v.state in (State.RUNNING, State.RESUMING):
             rec.asleep = None
         if v.rule in ("suspended", "running") and v.host_backup_bytes:

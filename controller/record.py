@@ -181,6 +181,9 @@ class ModelRecord:
         # Device bytes its next wake takes for a while beyond its footprint (the codec's
         # staging, as its last suspend reported; 0 awake): the policy adds it to the need.
         self.wake_scratch = 0
+        # The largest such figure it ever reported: its coder's staging, which its own
+        # sleep holds while it encodes (an overlapped swap's peak counts it).
+        self.codec_scratch = 0
         # The host budget enforced after its last wake kept a backup (controller.hostswap).
         self.host_task: asyncio.Task[Any] | None = None
         self.idle_slept_at: float | None = None  # when an idle sleep was last decided

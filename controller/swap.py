@@ -214,7 +214,8 @@ class SwapCoordinator(SwapView):
         peers = [v for v in views if set(v.placement) & set(victim.placement)]
         counted = estimate(victim, peers, self.budget(victim.device))
         pools = self.fleet[victim.name].pools
-        return plan_overlap(plan, pools, self.fleet[name].pools, counted)
+        scratch = self.fleet[victim.name].codec_scratch  # its encode, beside the wake's
+        return plan_overlap(plan, pools, self.fleet[name].pools, counted, scratch)
 
     async def _overlapped(self, name: str, victim: str) -> tuple[Outcome, float, float]:
         """Put `victim` to sleep split by pool and start waking `name` the moment the

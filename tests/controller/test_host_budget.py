@@ -153,5 +153,6 @@ def test_models_shows_what_the_device_policy_counts() -> None:
             shown, seen = fleet_dict(rec, settings), w.coordinator.view("b")
             assert (shown["asleep_bytes"], shown["wake_scratch_bytes"]) == (100, 0)
             assert (seen.asleep_bytes, seen.wake_scratch_bytes) == (100, 0)
+            assert rec.codec_scratch == 64  # its next sleep encodes through it: kept
 
     run(body)

@@ -8,6 +8,7 @@ pools it names); the evicted model's weights offload is made slow, so an overlap
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from typing import Any
@@ -268,3 +269,13 @@ def test_plan_overlap_counts_the_wake_scratch_at_the_peak() -> None:
         got = plan_overlap(plan, pools, pools, 6144)
         assert got.ok is ok, got.reason
         assert ("scratch" in got.reason) is bool(scratch)
+
+
+def test_plan_overlap_counts_the_victims_encode_scratch_too() -> None:
+    pools = {"weights": 4096}
+    plan = WakePlan("b", Decision.EVICT, "", ("a",), 6144, 6144, 8_200, devices=("0",))
+    plan = dataclasses.replace(plan, scratch_bytes=4)
+    assert plan_overlap(plan, pools, pools, 6144, victim_scratch=4).ok  # 8192 + 8 <= 8200
+    late = plan_overlap(plan, pools, pools, 6144, victim_scratch=5)
+    assert not late.ok
+    assert late.peak_bytes == 8_201
