@@ -176,17 +176,24 @@ def test_gateway_has_no_dev_endpoints(sidecar: SidecarThread) -> None:
 def test_a_burst_over_the_queue_gets_429_and_the_rest_is_right(
     sidecar: SidecarThread, reference: dict[str, str]
 ) -> None:
-    _text(_ask(sidecar, B), False)  # A is asleep now: the burst for A must wait for its wake
-    assert sidecar.state(A) == "SUSPENDED"
-    with ThreadPoolExecutor(12) as pool:
-        answers = list(pool.map(lambda _: _ask(sidecar, A), range(12)))
-    codes = [r.status_code for r in answers]
-    assert set(codes) <= {200, 429}, codes
-    assert codes.count(429) >= 1
-    assert codes.count(200) >= 3  # the held ones, plus any that came after the wake
-    for r in answers:
-        if r.status_code == 200:
-            assert _text(r, False) == reference[A]
+    # On a starved machine the twelve threads can reach the gateway more slowly than A
+    # wakes (the queue only holds requests while the model is not serving): then no 429 is
+    # due, and the burst is tried again from A asleep, a bounded number of times. Every
+    # attempt's answers must be right.
+    for _attempt in range(4):
+        _text(_ask(sidecar, B), False)  # A is asleep now: the burst for A must wait for its wake
+        assert sidecar.state(A) == "SUSPENDED"
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(lambda _: _ask(sidecar, A), range(12)))
+        codes = [r.status_code for r in answers]
+        assert set(codes) <= {200, 429}, codes
+        assert codes.count(200) >= 3  # the held ones, plus any that came after the wake
+        for r in answers:
+            if r.status_code == 200:
+                assert _text(r, False) == reference[A]
+        if 429 in codes:
+            break
+    assert codes.count(429) >= 1, codes
     assert _metric(sidecar, "hotswap_gateway_refused_total", model=A, reason="queue_full") >= 1
     assert _text(_ask(sidecar, B), False) == reference[B]  # nothing else broke
 
