@@ -2,6 +2,7 @@
 
     python3 -m benchmarks.sidecar [--shape llama3-8b] [--cycles 3] [--graphs 1]
                                   [--ttft-tokens 1000] [--budget-s 420] [--fused 0,1]
+                                  [--serial-boot 0] [--wait-pinned 1]
 
 Runs on the lent device after the vLLM bundle, with the sidecar's extra wheels on
 PYTHONPATH. First the pinned-copy bandwidth (torch, this process: the bound is weights
@@ -25,6 +26,11 @@ the other (each while the other idles), same flags
 2. raw (its own server, so vLLM's sleep never meets our backend on one engine): the same
    first-token requests, then per cycle POST /sleep?level=1, 1 s asleep, POST /wake_up,
    the controller's warm-up completion, then the first request.
+
+`--serial-boot 1`: raw vLLM's server starts only after ours is done (slower, but the two
+never boot at once). `--wait-pinned 1` (the default): before ours' first sleep, rank 0's
+`hotswap_info` is polled until the host buffer is pinned; what it said (the pin's time,
+`warm_prepare`) is kept as `engine_info`.
 
 Prints tables and writes one JSON line to $OUT/sidecar.jsonl.
 """
@@ -149,6 +155,28 @@ def attached(url: str, port: int, fused: bool) -> EngineSpec:
     return EngineSpec.from_command("sidecar", argv, port, {})
 
 
+def wait_pinned(url: str, until: float) -> dict[str, Any]:
+    """Poll rank 0's hotswap_info (the engine's /collective_rpc) until its host buffer is
+    pinned; what it said of that and of the prepare ahead of time, and the seconds waited."""
+    t0 = time.monotonic()
+    info: dict[str, Any] = {}
+    with httpx.Client(base_url=url, timeout=30.0) as e:
+        while time.monotonic() < until:
+            r = e.post("/collective_rpc", json={"method": "hotswap_info"})
+            info = (r.json().get("results") or [{}])[0] if r.status_code == 200 else {}
+            if (info.get("backend_detail") or {}).get("host_backup_state") != "pinning":
+                break
+            time.sleep(0.1)
+    d = info.get("backend_detail") or {}
+    return {
+        "waited_s": time.monotonic() - t0,
+        "host_backup_state": d.get("host_backup_state"),
+        "host_backup_pin_s": d.get("host_backup_pin_s"),
+        "host_backup_bytes": d.get("host_backup_bytes"),
+        "warm_prepare": info.get("warm_prepare"),
+    }
+
+
 def ours(server: EngineProcess, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     side: EngineProcess | None = None
     res: dict[str, Any] = {"cycles": [], "sidecar_start_s": []}
@@ -166,6 +194,9 @@ def ours(server: EngineProcess, args: argparse.Namespace, deadline: float) -> di
             side = launch(attached(server.base_url, free_port(), fused), f"sidecar-f{int(fused)}")
             res["sidecar_start_s"].append(wait_up(side, deadline))
             log(f"sidecar (fused_wake {fused}) ready after {res['sidecar_start_s'][-1]:.1f} s")
+            if args.wait_pinned and "engine_info" not in res:
+                res["engine_info"] = wait_pinned(server.base_url, time.monotonic() + 60)
+                log("engine info before the first sleep", json.dumps(res["engine_info"]))
             cycles(side, server, args, deadline, fused, res)
             side.stop(20.0)
             side = None
@@ -340,6 +371,7 @@ def report(out: dict[str, Any]) -> None:
         print(f"| cycle {i + 1} | {f3(c['sleep_post_s'])} | {f3(t)} | {x(t, d2h)} | {ph} |")
     never = (out.get("ours") or {}).get("ttft_never_slept_s")
     print(f"\nours: first token, never slept: {never}")
+    print(f"ours: engine before the first sleep: {(out.get('ours') or {}).get('engine_info')}")
     rc = (out.get("raw") or {}).get("cycles", [])
     print(
         f"\n| {shape}: raw vLLM over HTTP | POST /sleep?level=1 | x D2H | POST /wake_up"
@@ -368,9 +400,24 @@ def main() -> int:
     ap.add_argument(
         "--fused", default="1", help="fused_wake per sidecar run, comma-separated (e.g. 0,1)"
     )
+    ap.add_argument(
+        "--serial-boot",
+        type=int,
+        default=0,
+        help="1: raw vLLM's server starts after ours is done (15:16 UTC: booted at once, "
+        "ours' 8B engine failed its engine-core start)",
+    )
+    ap.add_argument(
+        "--wait-pinned",
+        type=int,
+        default=1,
+        help="1: before the first sleep, wait (up to 60 s) until the engine's host buffer is "
+        "pinned (hotswap_info), so the first sleep's prepare is not measured beside the pinning",
+    )
     args = ap.parse_args()
     args.graphs = bool(args.graphs)
     args.fused = [f.strip() not in ("0", "false") for f in args.fused.split(",") if f.strip()]
+    args.serial_boot, args.wait_pinned = bool(args.serial_boot), bool(args.wait_pinned)
     deadline = T0 + args.budget_s
     from benchmarks.wake import bandwidth
 
@@ -388,7 +435,9 @@ def main() -> int:
     util = args.util if args.util is not None else UTIL[args.shape]
     out["util"] = util
     ours_server = start_vllm(model, free_port(), util, args.graphs)
-    raw_server = start_vllm(model, free_port(), util, args.graphs) if args.raw else None
+    raw_server = None
+    if args.raw and not args.serial_boot:
+        raw_server = start_vllm(model, free_port(), util, args.graphs)
     try:
         try:
             out["ours"] = ours(ours_server, args, deadline)
@@ -396,6 +445,8 @@ def main() -> int:
             out["ours_error"] = f"{type(exc).__name__}: {exc}"
             log("ours failed:", out["ours_error"][-3000:])
             rc = 1
+        if args.raw and args.serial_boot:  # ours has stopped: raw boots alone
+            raw_server = start_vllm(model, free_port(), util, args.graphs)
         if raw_server is not None:
             try:
                 out["raw"] = raw(raw_server, args, deadline)
