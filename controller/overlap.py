@@ -18,6 +18,10 @@ class Overlap:
     ok: bool
     reason: str
     peak_bytes: int | None = None  # what the device holds at most while both move
+    # The target's weights may come in from the swap's start (the victim still awake whole).
+    early: bool = False
+    # The target's KV cache may come in once the victim's is gone (its weights still there).
+    kv_early: bool = False
 
 
 def plan_overlap(
@@ -29,10 +33,11 @@ def plan_overlap(
 ) -> Overlap:
     """One evicted model on one device, a byte budget, and both models' pools measured:
     the overlap holds, at its peak, the other models' bytes plus both models' weights (the
-    target's KV cache waits until the victim's weights are gone). `victim_counted`: the
-    bytes `plan.used_bytes` counted for the victim (`estimate`); `victim_scratch`: what its
-    sleep's coder holds while it encodes (the wake's own is `plan.scratch_bytes`). Anything
-    unknown: the swap runs one sleep after the other, as before."""
+    target's KV cache waits until the victim's weights are gone); `early` and `kv_early`
+    where the earlier starts' own peaks fit as well (docs/contracts.md, the coordinator).
+    `victim_counted`: the bytes `plan.used_bytes` counted for the victim (`estimate`);
+    `victim_scratch`: what its sleep's coder holds while it encodes (the wake's own is
+    `plan.scratch_bytes`). Anything unknown: the swap runs one sleep after the other."""
     if plan.decision is not Decision.EVICT or len(plan.evict) != 1:
         return Overlap(False, "not a one-model eviction")
     if len(plan.devices) > 1:
@@ -50,4 +55,21 @@ def plan_overlap(
         both += f" + both coders' scratch {mib(scratch)}"
     if peak > plan.budget_bytes:
         return Overlap(False, f"{mib(others)} held + {both} > {mib(plan.budget_bytes)}", peak)
-    return Overlap(True, f"{mib(others)} held + {both} <= {mib(plan.budget_bytes)}", peak)
+    why = f"{mib(others)} held + {both} <= {mib(plan.budget_bytes)}"
+    # Earlier starts, each where its own peak fits too: the target's weights beside the
+    # victim awake whole (early), the target whole beside the victim's weights (kv_early).
+    early_peak = others + max(0, victim_counted) + tw + scratch
+    kv_peak = others + vw + max(0, victim_scratch) + plan.need_bytes
+    early = early_peak <= plan.budget_bytes
+    kv_early = plan.need_bytes > 0 and kv_peak <= plan.budget_bytes
+    if early:
+        why += f"; early: + the victim whole {mib(early_peak)} fits"
+    if kv_early:
+        why += f"; the KV cache early: {mib(kv_peak)} fits"
+    return Overlap(
+        True,
+        why,
+        max(peak, early_peak if early else 0, kv_peak if kv_early else 0),
+        early=early,
+        kv_early=kv_early,
+    )

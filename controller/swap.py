@@ -143,7 +143,7 @@ class SwapCoordinator(SwapView):
             evicted: list[str] = []
             try:
                 if overlap.ok:
-                    outcome, t1, evict_s = await self._overlapped(name, plan.evict[0])
+                    outcome, t1, evict_s = await self._overlapped(name, plan.evict[0], overlap)
                     evicted.append(plan.evict[0])
                 else:
                     for victim in plan.evict:
@@ -217,12 +217,15 @@ class SwapCoordinator(SwapView):
         scratch = self.fleet[victim.name].codec_scratch  # its encode, beside the wake's
         return plan_overlap(plan, pools, self.fleet[name].pools, counted, scratch)
 
-    async def _overlapped(self, name: str, victim: str) -> tuple[Outcome, float, float]:
+    async def _overlapped(
+        self, name: str, victim: str, overlap: Overlap
+    ) -> tuple[Outcome, float, float]:
         """Put `victim` to sleep split by pool and start waking `name` the moment the
-        victim's KV cache is off the device: `name`'s weights come in while the victim's go
-        out (the link is full duplex); `name`'s KV cache is mapped only once the victim is
-        SUSPENDED (or its process gone). Returns the wake's outcome, when it started, and
-        how long the victim's sleep took."""
+        victim's KV cache is off the device (or at once, `overlap.early`): `name`'s weights
+        come in while the victim's go out (the link is full duplex); `name`'s KV cache is
+        mapped only once the victim is SUSPENDED (or its process gone), or once the victim's
+        KV cache is gone (`overlap.kv_early`). Returns the wake's outcome, when it started,
+        and how long the victim's sleep took."""
         mm = self.manager.get(name)
         released = asyncio.Event()
         t0 = self._mono()
@@ -230,18 +233,33 @@ class SwapCoordinator(SwapView):
             self.sleep(victim, drain="wait", reason="evict", kv_released=released.set),
             name=f"hotswap-evict-{victim}",
         )
-        signal = asyncio.ensure_future(released.wait())
-        try:
-            await asyncio.wait({sleep, signal}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            signal.cancel()
-        if not released.is_set():
+
+        async def kv_gone() -> bool:
+            """Until the victim's KV cache is off the device (True) or its sleep ended
+            without that (False)."""
+            signal = asyncio.ensure_future(released.wait())
+            try:
+                await asyncio.wait({sleep, signal}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                signal.cancel()
+            return released.is_set()
+
+        if not overlap.early and not await kv_gone():
             await sleep  # it ended before its KV cache went: its error (drain gave up, ...)
         t1 = self._mono()
         sleep_end: list[float] = []
         sleep.add_done_callback(lambda _: sleep_end.append(self._mono()))
 
         async def room() -> None:
+            if overlap.early and not await kv_gone():
+                raise EngineError(
+                    f"{victim}, evicted for {name}, ended its sleep before its KV cache "
+                    f"was released: the KV cache of {name} is not mapped",
+                    model=name,
+                    phase="wait_room",
+                )
+            if overlap.kv_early:
+                return  # the victim's KV cache is gone: this one fits beside its weights
             await asyncio.wait({sleep})
             rec = self.fleet[victim]
             # SUSPENDED with its weights among the pools asleep (a reconciliation after a

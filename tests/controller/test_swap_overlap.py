@@ -279,3 +279,75 @@ def test_plan_overlap_counts_the_victims_encode_scratch_too() -> None:
     late = plan_overlap(plan, pools, pools, 6144, victim_scratch=5)
     assert not late.ok
     assert late.peak_bytes == 8_201
+
+
+@pytest.mark.parametrize(
+    ("used", "budget", "victim", "counted", "early", "kv_early"),
+    [
+        # two 4096-byte weights + 2048-byte KV models: both earlier starts need 10,240
+        (6144, 10_240, {"weights": 4096, "kv_cache": 2048}, 6144, True, True),
+        (6144, 10_239, {"weights": 4096, "kv_cache": 2048}, 6144, False, False),
+        # a victim with a big KV cache: the target whole fits beside its weights first
+        (12_288, 16_384, {"weights": 4096, "kv_cache": 8192}, 12_288, True, True),
+        (12_288, 16_383, {"weights": 4096, "kv_cache": 8192}, 12_288, False, True),
+    ],
+)
+def test_plan_overlap_says_where_the_earlier_starts_fit(
+    used: int, budget: int, victim: dict[str, int], counted: int, early: bool, kv_early: bool
+) -> None:
+    """early: the other models' bytes + the victim whole + the target's weights; kv_early:
+    the others + the victim's weights + the target whole (docs/contracts.md)."""
+    plan = WakePlan("b", Decision.EVICT, "", ("a",), 6144, used, budget, devices=("0",))
+    got = plan_overlap(plan, victim, {"weights": 4096}, counted)
+    assert got.ok, got.reason
+    assert (got.early, got.kv_early) == (early, kv_early), got.reason
+    assert got.peak_bytes is not None
+    assert got.peak_bytes <= budget
+
+
+def test_with_room_for_both_the_woken_model_starts_with_the_eviction() -> None:
+    """Both earlier starts fit (12,000 >= 10,240): b's weights come in while a still
+    drains and prepares, and b's KV cache while a's weights still go out."""
+
+    async def body() -> None:
+        ctx, holder = logged_world(swap={"budget_bytes": 12_000, "overlap": "always"})
+        async with ctx as w:
+            log = holder["router"]
+            log.slow[("a", "hotswap_prepare")] = SLOW_OFFLOAD_S
+            log.slow[("a", "hotswap_suspend[weights]")] = SLOW_OFFLOAD_S
+            log.log.clear()
+            r = await ask(w, "b")
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == "b"
+            assert (w.state("a"), w.state("b")) == (State.SUSPENDED, State.RUNNING)
+            b_weights = log.at("b", "hotswap_resume[weights]", "start")
+            b_kv = log.at("b", "hotswap_wake", "start")
+            assert b_weights < log.at("a", "hotswap_prepare", "end")  # early
+            assert log.at("a", "hotswap_suspend[kv_cache]", "end") < b_kv  # a's KV gone first
+            assert b_kv < log.at("a", "hotswap_suspend[weights]", "end")  # kv_early
+            assert phases(w, "b")[:3] == ["resume_weights", "wait_room", "resume_and_verify"]
+            assert w.engines["a"].wrong == []
+            assert w.engines["b"].wrong == []
+
+    run(body)
+
+
+def test_an_early_wake_whose_victim_fails_before_its_kv_release_maps_no_kv_cache() -> None:
+    async def body() -> None:
+        ctx, holder = logged_world(swap={"budget_bytes": 12_000, "overlap": "always"})
+        async with ctx as w:
+            log = holder["router"]
+            log.fail.add(("a", "hotswap_prepare"))
+            log.log.clear()
+            r = await ask(w, "b")
+            assert r.status_code == 503, r.text
+            assert "hotswap_suspend[kv_cache]" not in log.calls("a")  # nothing released
+            # b came in early with its weights only: read back, its KV cache still asleep
+            assert w.state("b") is not State.RUNNING
+            assert w.manager.fleet["b"].asleep == ("kv_cache",)
+            assert "hotswap_resume[weights]" in log.calls("b")
+            assert "hotswap_wake" not in log.calls("b")
+            err = w.manager.get("b").snapshot().last_error or ""
+            assert "before its KV cache was released" in err
+
+    run(body)
