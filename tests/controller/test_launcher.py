@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,7 +21,7 @@ import httpx
 import pytest
 
 from controller import reaper
-from controller.enginespec import EngineSpec
+from controller.enginespec import WORKER_ENV, EngineSpec
 from controller.errors import EngineStartError
 from controller.launcher import EngineProcess
 from controller.sockets import private_dir, process_group, socket_path, socket_peer_pid
@@ -356,6 +357,20 @@ def test_engines_inherit_no_sidecar_secret() -> None:
         "HOTSWAP_VERIFY_KERNEL": "off",
     }
     assert env["PATH"] == "/usr/bin"
+
+
+def test_every_worker_setting_reaches_a_managed_engine() -> None:
+    """Each HOTSWAP_* variable the worker extension reads (worker_ext/settings.py, read as
+    text: the controller never imports worker_ext) passes from the sidecar's environment to
+    the engines it starts; the codec's and the disk tier's were once left behind."""
+    source = (Path(__file__).parents[2] / "worker_ext" / "settings.py").read_text()
+    read = set(re.findall(r"\bHOTSWAP_[A-Z0-9_]+", source))
+    assert len(read) >= 10, read
+    assert read <= WORKER_ENV, sorted(read - WORKER_ENV)
+    env = EngineSpec.from_command("m", ["vllm.x"], Path("/s/m.sock"), {}).env(
+        {name: "1" for name in read}
+    )
+    assert read <= set(env), sorted(read - set(env))
 
 
 def test_a_port_is_for_benchmarks_and_the_sidecar_process_only(tmp_path: Path) -> None:
