@@ -71,6 +71,16 @@ async def _fail_500(r: httpx.Request) -> httpx.Response:
     return httpx.Response(500, json={"error": {"message": "Call to collective_rpc failed"}})
 
 
+def _assert_failed_unverified(rig: Rig, phase: str) -> None:
+    """A wake whose verification failed: FAILED, never verified, the phase named, counted."""
+    snap = rig.m.snapshot()
+    assert snap.state is State.FAILED
+    assert not snap.verified
+    assert snap.last_transition is not None
+    assert snap.last_transition.failed_phase == phase
+    assert rig.sample("hotswap_verification_failures_total", model="m") == 1
+
+
 def make_rig(
     clock: FakeClock | None = None,
     ranks: int = 2,
@@ -362,12 +372,7 @@ async def test_a_fused_wake_whose_verify_mismatches_is_failed_and_never_resumed(
     assert info.value.phase == "resume_and_verify"
     assert "/resume" not in rig.world.calls
     assert rig.world.rpc_calls().count("hotswap_wake") == 1
-    snap = rig.m.snapshot()
-    assert snap.state is State.FAILED
-    assert not snap.verified
-    assert snap.last_transition is not None
-    assert snap.last_transition.failed_phase == "resume_and_verify"
-    assert rig.sample("hotswap_verification_failures_total", model="m") == 1
+    _assert_failed_unverified(rig, "resume_and_verify")
     await rig.manager.stop()
 
 
@@ -767,12 +772,7 @@ async def test_verification_mismatch_names_the_tensors_and_stays_out_of_rotation
     assert info.value.tensors == ["a.scale", "b"]
     assert info.value.phase == "restore_and_verify"
     assert "/resume" not in rig.world.calls[-3:]  # never re-enters scheduling
-    snap = rig.m.snapshot()
-    assert snap.state is State.FAILED
-    assert not snap.verified
-    assert snap.last_transition is not None
-    assert snap.last_transition.failed_phase == "restore_and_verify"
-    assert rig.sample("hotswap_verification_failures_total", model="m") == 1
+    _assert_failed_unverified(rig, "restore_and_verify")
     await rig.manager.stop()
 
 
