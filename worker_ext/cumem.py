@@ -54,6 +54,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +173,7 @@ class CuMemBackend:
         self._codec_wake: dict[str, Any] | None = None
         # HOTSWAP_DISK_DIR: the level-2 disk tier (worker_ext/disktier.py)
         self._tier_key: disktier.Key | None = None  # the weights a level-2 sleep put away
+        self._tier_rewritten: list[tuple[int, int]] = []  # what its key leaves out
         self._tier_writer: threading.Thread | None = None
         self._tier_report: dict[str, Any] = {}  # the last write and the last restore
         self._tier_restored: dict[str, Any] | None = None
@@ -480,14 +482,20 @@ class CuMemBackend:
         if writer is not None and writer is not threading.current_thread():
             writer.join()
 
-    def _weights_digest(self, ranges: list[tuple[int, int]]) -> str:
-        """A digest of the live bytes of `ranges` (start, size) on the device (verify's
-        kernel sums), in address order. The allocator's free blocks inside them are left
-        out: no tensor holds them, and their contents change without the weights changing
-        (a level-2 wake maps fresh memory under them), which gave every level-2 sleep of
-        the same weights a new key and a new file."""
-        live = byteranges.subtract([(p, p + n) for p, n in ranges], self.free_ranges())
-        sums = fpkernel.SpanCheck([(s, e - s) for s, e in live], self._device).sums()
+    def _weights_digest(
+        self, ranges: list[tuple[int, int]], rewritten: Sequence[tuple[int, int]] = ()
+    ) -> str:
+        """A digest of the bytes of `ranges` (start, size) on the device that the tier
+        file alone brings back (verify's kernel sums, in address order): the parameters.
+        Left out: the allocator's free blocks (no tensor holds them; a level-2 wake maps
+        fresh memory under them) and `rewritten`, the bytes the snapshot writes back after
+        the wake (buffers and other tensors, some of which serving changes: on the H200 a
+        key over them differed between two sleeps of the same weights, so every level-2
+        sleep wrote a new file). What the file holds of those is overwritten, then verified."""
+        spans = byteranges.left_over(
+            [(p, p + n) for p, n in ranges], [*self.free_ranges(), *rewritten], word=8
+        )
+        sums = fpkernel.SpanCheck([(s, e - s) for s, e in spans], self._device).sums()
         return hashlib.sha256(json.dumps(sums).encode()).hexdigest()
 
     def _tier_key_for(self, ranges: list[tuple[int, int]], fingerprint: str) -> disktier.Key:
@@ -502,7 +510,12 @@ class CuMemBackend:
         rank = int(getattr(self._worker, "rank", 0) or 0)
         return disktier.Key(model, version, rank, tuple(n for _, n in ranges), fingerprint)
 
-    def _tier_put_away(self, recs: list[tuple[int, Any]], timings: dict[str, float]) -> None:
+    def _tier_put_away(
+        self,
+        recs: list[tuple[int, Any]],
+        timings: dict[str, float],
+        rewritten: Sequence[tuple[int, int]] = (),
+    ) -> None:
         """Before a level-2 sleep discards the weights: the key of their bytes, and unless
         the tier holds that file already, their coded pieces on the host and a background
         thread that writes them (the sleep does not wait for the disk)."""
@@ -514,8 +527,8 @@ class CuMemBackend:
         t = time.perf_counter()
         try:
             ranges = [(p, int(d.handle[1])) for p, d in recs]
-            key = self._tier_key_for(ranges, self._weights_digest(ranges))
-            self._tier_key = key
+            key = self._tier_key_for(ranges, self._weights_digest(ranges, rewritten))
+            self._tier_key, self._tier_rewritten = key, list(rewritten)
             try:
                 disktier.read_header(directory / key.filename(), key)
                 self._tier_report["write"] = {"written": False, "reason": "already on disk"}
@@ -630,7 +643,7 @@ class CuMemBackend:
                     alloc,
                     queue,
                     drain,
-                    lambda: self._weights_digest(ranges),
+                    lambda: self._weights_digest(ranges, self._tier_rewritten),
                     self.settings.disk_threads,
                 )
             finally:  # refused midway: what was queued still reads the host buffer
@@ -903,7 +916,13 @@ class CuMemBackend:
 
     # -- suspend / resume ----------------------------------------------------------------
 
-    def suspend(self, level: int, tags: list[str], keep_kv: bool = False) -> dict[str, Any]:
+    def suspend(
+        self,
+        level: int,
+        tags: list[str],
+        keep_kv: bool = False,
+        rewritten: Sequence[tuple[int, int]] = (),
+    ) -> dict[str, Any]:
         torch = self._torch
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, not {level!r}")
@@ -970,7 +989,7 @@ class CuMemBackend:
                     off += size
             timings["queue_s"] = timings.get("queue_s", 0.0) + time.perf_counter() - t
         if level == 2 and WEIGHTS in tags and plan[WEIGHTS] == DISCARDED:
-            self._tier_put_away(recs[WEIGHTS], timings)
+            self._tier_put_away(recs[WEIGHTS], timings, rewritten)
         # Discarded pools need no copy: release them while the offload copies run.
         t = time.perf_counter()
         for tag in tags:

@@ -437,7 +437,10 @@ class HotSwapExtension:
         before = st.backend.memory()
         self._hotswap_fault("suspend")
         with self._hotswap_step("suspend") as ph:
-            res = st.backend.suspend(level, chosen, keep_kv=keep)
+            rewritten = (
+                [(s, e) for s, e, _tag in snap.protection.protect] if snap.protection else []
+            )
+            res = st.backend.suspend(level, chosen, keep_kv=keep, rewritten=rewritten)
         st.level = level
         ph.suspended(level, st.backend.suspended())
         after = st.backend.memory()

@@ -19,6 +19,7 @@ import bisect
 import ctypes
 import ctypes.util
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -196,7 +197,13 @@ class HostBackend:
     def wake_scratch_bytes(self) -> int:
         return 0
 
-    def suspend(self, level: int, tags: list[str], keep_kv: bool = False) -> dict[str, Any]:
+    def suspend(
+        self,
+        level: int,
+        tags: list[str],
+        keep_kv: bool = False,
+        rewritten: Sequence[tuple[int, int]] = (),  # no disk tier here: nothing keys by it
+    ) -> dict[str, Any]:
         for tag in tags:
             if tag not in (WEIGHTS, KV_CACHE):
                 raise ValueError(f"unknown pool {tag!r}")

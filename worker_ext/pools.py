@@ -14,6 +14,7 @@ Level semantics every backend implements:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from worker_ext.settings import WorkerSettings
@@ -61,8 +62,16 @@ class PoolBackend(Protocol):
         """The tag of the pool holding [data_ptr, data_ptr+nbytes), or UNPOOLED."""
         ...
 
-    def suspend(self, level: int, tags: list[str], keep_kv: bool = False) -> dict[str, Any]:
+    def suspend(
+        self,
+        level: int,
+        tags: list[str],
+        keep_kv: bool = False,
+        rewritten: Sequence[tuple[int, int]] = (),
+    ) -> dict[str, Any]:
         """Release the given pools per `policy` (`keep_kv`: the KV pool kept, level 1).
+        `rewritten`: (start, end) ranges the snapshot writes back after the wake (level 2:
+        the weights records' protected bytes), which a disk tier's key leaves out.
         Returns {"freed_bytes": {tag: n}, "offloaded_bytes": {tag: n}}. Suspending a pool
         that is already asleep is an error."""
         ...

@@ -82,6 +82,16 @@ def protect(records: Iterable[Range], restored: Iterable[Range]) -> list[Range]:
     return out
 
 
+def left_over(ranges: Iterable[Range], holes: Iterable[Range], word: int) -> list[Range]:
+    """`subtract`, each result's start moved down to a multiple of `word` (a power of two)
+    and the results merged: for a kernel that reads from word boundaries. A start inside
+    a word takes that word's first bytes too; when `ranges` start on words, they stay
+    inside them."""
+    if word <= 0 or word & (word - 1):
+        raise ValueError(f"word must be a power of two, got {word}")
+    return merge((start - start % word, end) for start, end in subtract(ranges, holes))
+
+
 def total(ranges: Iterable[Range]) -> int:
     return sum(end - start for start, end in ranges)
 

@@ -91,6 +91,28 @@ def test_random_against_a_byte_set() -> None:
         assert all(a[1] < b[0] for a, b in itertools.pairwise(sub))  # disjoint, merged
 
 
+def test_left_over_starts_on_words_and_covers_every_byte_left() -> None:
+    """What a disk tier's key digests: the records less the holes, from word boundaries."""
+    recs = [(0x1000, 0x1100), (0x2000, 0x2040)]
+    holes = [(0x1000, 0x1013), (0x1080, 0x1085), (0x2000, 0x2040)]
+    # left (0x1013, 0x1080) and (0x1085, 0x1100): from words, they touch and join
+    assert R.left_over(recs, holes, 8) == [(0x1010, 0x1100)]
+    assert R.left_over(recs, [], 8) == recs
+    with pytest.raises(ValueError, match="power of two"):
+        R.left_over(recs, holes, 12)
+    rnd = random.Random(11)
+    for _ in range(300):
+        recs = sorted({(8 * a, 8 * a + rnd.randint(1, 60)) for a in range(0, 40, 5)})
+        holes = []
+        for _ in range(rnd.randint(0, 6)):
+            start = rnd.randint(0, 330)
+            holes.append((start, start + rnd.randint(0, 25)))
+        got = R.left_over(recs, holes, 8)
+        assert all(s % 8 == 0 for s, _ in got)
+        assert _bytes(R.subtract(recs, holes)) <= _bytes(got) <= _bytes(recs)
+        assert all(a[1] < b[0] for a, b in itertools.pairwise(got))
+
+
 def test_nearest_named_range_and_owner() -> None:
     named = R.Named.of([(100, 200, "a"), (300, 400, "b"), (1000, 1100, "c"), (5, 5, "empty")])
     assert named.nearest((200, 250)) == ("a", 0)  # touching a
