@@ -28,6 +28,7 @@ _WAKE_KEYS = {
     protocol.RELOAD.phase: "reload",
     protocol.RESUME_KV.phase: "kv_cache",
     protocol.VERIFY.phase: "verify",
+    protocol.RESUME_VERIFY.phase: "verify",  # the fused hotswap_wake: its report has verify's keys
 }
 EXTENSION = "tests.gpu.gpu_ext.GpuTestExtension"
 PROMPT = [2, 5, 9, 12, 7, 3, 11, 4]
@@ -199,15 +200,22 @@ class Engine:
         }
 
     def wake(
-        self, level: int, tags: list[str] | None = None, reload: str = "hotswap_reload"
+        self,
+        level: int,
+        tags: list[str] | None = None,
+        reload: str = "hotswap_reload",
+        fused: bool = False,
     ) -> dict[str, Any]:
         """controller.protocol's wake steps for the pools asleep (weights only when `tags`
-        allow); `reload` names the level-2 refill RPC. Reports by pool ("weights",
-        "reload", "kv_cache") and "verify"."""
+        allow); `reload` names the level-2 refill RPC; `fused`: the controller's default,
+        the last resume and the verify in one hotswap_wake. Reports by pool ("weights",
+        "reload", "kv_cache") and "verify" (the fused call's report is under "verify")."""
         asleep = set(self.rpc("hotswap_info")["suspended"])
         if tags is not None and "weights" not in tags:
             asleep.discard("weights")
-        steps = protocol.with_method(protocol.wake_steps(level, asleep), "reload", reload)
+        steps = protocol.with_method(
+            protocol.wake_steps(level, asleep, fused=fused), "reload", reload
+        )
         params = protocol.Params(level=level)
         return {_WAKE_KEYS[s.phase]: self.rpc(s.method, *s.call_args(params)) for s in steps}
 

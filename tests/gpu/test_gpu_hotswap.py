@@ -114,6 +114,39 @@ def test_one_flipped_weight_element_after_resume_is_named(llama: Engine) -> None
     assert llama.gen() == base
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_the_fused_wake_maps_back_and_verifies_in_one_rpc(llama: Engine, level: int) -> None:
+    """The controller's default wake (`fused_wake`): at level 1 one hotswap_wake maps both
+    pools back, restores and verifies; at level 2 the weights' resume and the reload run
+    first. Tokens and logprobs equal; nothing left asleep."""
+    base = llama.gen()
+    llama.sleep(level)
+    w = llama.wake(level, fused=True)
+    assert list(w) == (["verify"] if level == 1 else ["weights", "reload", "verify"]), list(w)
+    assert w["verify"]["mismatched"] == [], w["verify"]
+    assert llama.rpc("hotswap_info")["suspended"] == {}
+    assert llama.gen() == base
+
+
+def test_a_flipped_bit_fails_the_fused_wake(llama: Engine) -> None:
+    """A weight flipped after the weights are back and before the fused call verifies: the
+    call maps the KV cache back, then names the tensor and fails; undone, the next fused
+    wake is clean."""
+    base = llama.gen()
+    llama.sleep(1)
+    llama.rpc("hotswap_resume", ["weights"])
+    flip = llama.rpc("hotswap_test_flip")
+    v = llama.rpc("hotswap_wake", ok=False)
+    assert not v["ok"]
+    assert v["failed_step"] == "restore_and_verify", v
+    assert v["mismatched"] == [flip["name"]], v
+    llama.rpc("hotswap_test_flip", flip["name"])  # the same bit back
+    assert llama.gen() == base
+    llama.sleep(1)
+    assert llama.wake(1, fused=True)["verify"]["mismatched"] == []
+    assert llama.gen() == base
+
+
 def test_drop_backup_frees_the_kept_pinned_copy(llama: Engine) -> None:
     """Awake, the pinned copy kept for the next sleep is released (the host budget's first
     resort); serving is untouched; the next sleep pins anew; asleep, the drop is refused."""
