@@ -123,14 +123,15 @@ class HostMemory:
 
     async def demote(self, name: str) -> bool:
         """Demote a level-1 sleeper to level 2 (its host copy released); False, logged, when
-        it cannot be (a wake came first, or its backend cannot: then never asked again)."""
+        it cannot be (a wake came first, or every rank refused: then not asked again until
+        a sleep's prepare says it can)."""
         rec = self.fleet[name]
         fields = {"model": name, "phase": "demote"}
         try:
             await self.manager.get(name).demote()
         except EngineError as exc:
             if not exc.may_desync:
-                rec.demotable = False  # every rank answered no: its backend cannot
+                rec.demotable = False  # every rank answered no: not until the next sleep
             log.warning("%s: not demoted: %s", name, exc, extra=fields)
             return False
         except HotswapError as exc:
@@ -142,9 +143,13 @@ class HostMemory:
         return True
 
     def slept(self, name: str, outcome: Outcome) -> None:
-        """After a sleep: the host bytes it holds (and, at level 1, its weights' share)."""
+        """After a sleep: the host bytes it holds (and, at level 1, its weights' share), and
+        whether a demotion may follow it (its prepare's `demotable`, every rank)."""
         rec = self.fleet[name]
         rec.host_bytes = _host_held(outcome)
+        said = _demotable(outcome)
+        if said is not None:
+            rec.demotable = said
         if outcome.snapshot.level == 1 and rec.host_bytes:
             rec.host_weights = rec.host_bytes  # what its next level-1 sleep holds
 
@@ -179,6 +184,19 @@ def _backup_held(outcome: Outcome) -> int:
                 and not isinstance(v, bool)
             )
     return held
+
+
+def _demotable(outcome: Outcome) -> bool | None:
+    """A finished sleep's prepare: True when every rank can be demoted after it (a rank
+    that does not say counts as yes), False when one cannot (CUDA with HOTSWAP_DEMOTABLE=0,
+    a kept KV cache); None without a finished sleep's prepare."""
+    t = outcome.transition
+    if t is None or t.kind != "sleep" or t.result != "ok":
+        return None
+    for phase in t.phases:
+        if phase.name == protocol.PREPARE.phase and phase.ranks:
+            return all(r.get("demotable", True) is not False for r in phase.ranks)
+    return None
 
 
 def _host_held(outcome: Outcome) -> int:

@@ -128,7 +128,8 @@ class SwapSettings(BaseModel):
         le=MAX_BYTES,
         description="Host RAM the models may hold (level-1 sleepers' weights, awake models' "
         "kept backups): bytes, or a fraction in (0, 1] of the machine's RAM. Over it, LRU "
-        "level-1 sleepers are demoted to level 2 (the host backend; CPU), else the sleep is "
+        "level-1 sleepers are demoted to level 2 (their host copy released; CPU, and CUDA "
+        "with HOTSWAP_DEMOTABLE on), else the sleep is "
         "made at level 2. None = no host budget.",
     )
     idle_sleep_s: float | None = Field(

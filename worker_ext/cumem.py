@@ -700,6 +700,43 @@ class CuMemBackend:
         self._release_host()
         return freed
 
+    def demote_refusal(self) -> str | None:
+        """Why this sleep cannot become level 2 (None: it can): the weights must be
+        offloaded at level 1, and a kept KV cache must not be (its content and the engine's
+        prefix cache would be out of step at level 2)."""
+        if self._level != 1 or self._suspended.get(WEIGHTS) != OFFLOADED:
+            return f"demote: the weights are not offloaded at level 1 ({self._suspended})"
+        if self._suspended.get(KV_CACHE) == OFFLOADED:
+            return "demote: the KV cache is kept (offloaded) across this sleep"
+        return None
+
+    def demote(self) -> dict[str, Any]:
+        """A level-1 sleep becomes level 2: the weights' host copy (coded or raw) and the
+        KV cache's kept pinned buffer are released, and the weights pool is marked
+        discarded, so the next resume maps it without a copy and the reload (or nothing
+        else) refills it. The caller holds the level-2 protection by range."""
+        why = self.demote_refusal()
+        if why:
+            raise RuntimeError(why)
+        self.synchronize()
+        self._join_host()
+        if self._kv_thread is not None:
+            self._kv_thread.join()
+        for ptr, _data in self._tag_records(WEIGHTS):
+            self._coded.pop(ptr, None)
+            self._offloaded_layout.pop(ptr, None)
+        self._codec_plan = None
+        self._tier_key = None  # no tier file for these weights: the wake reloads
+        with self._host_lock:
+            freed = {
+                WEIGHTS: self._host.nbytes if self._host is not None else 0,
+                KV_CACHE: self._kv_host.nbytes if self._kv_host is not None else 0,
+            }
+        self._release_host()
+        self._suspended[WEIGHTS] = DISCARDED
+        self._level = 2
+        return {"freed_bytes": {WEIGHTS: freed[WEIGHTS]}, "freed_host_bytes": freed}
+
     def wake_scratch_bytes(self) -> int:
         """The codec's staging a wake decodes through: asleep with a coded host copy of the
         weights, or with their level-2 disk tier file's key."""

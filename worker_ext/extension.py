@@ -236,7 +236,7 @@ class HotSwapExtension:
         try:
             records = self._hotswap_records()
             rows = self._hotswap_audit_rows(1, records)
-            cover = self._hotswap_protection(1, records)
+            cover = self._hotswap_protection(self._hotswap_cover_level(1), records)
             backups = set() if cover is not None else {r["name"] for r in rows if r["at_risk"]}
             snap = snapshot.prepare(
                 1,
@@ -329,7 +329,9 @@ class HotSwapExtension:
         rows = self._hotswap_audit_rows(level, records)
         at_risk = {r["name"] for r in rows if r["at_risk"]}
         t2 = time.perf_counter()
-        cover = self._hotswap_protection(level, records)
+        # a sleep that keeps the KV cache cannot be demoted (cumem.demote_refusal)
+        cover_level = level if keep else self._hotswap_cover_level(level)
+        cover = self._hotswap_protection(cover_level, records)
         t3 = time.perf_counter()
         # by range, the ranges hold every at-risk tensor's bytes: no copy per object
         backups = set() if cover is not None else at_risk
@@ -363,10 +365,31 @@ class HotSwapExtension:
             "unnamed_ranges": len(snap.unnamed),
             "unnamed_bytes": sum(r.end - r.start for r in snap.unnamed),
             "pools": cover.pools if cover is not None else {},
+            "demotable": self._hotswap_demotable(snap),
             "fingerprinted": len(snap.entries) + len(snap.unnamed),
             "at_risk": sorted(at_risk),
             "timings": timings,
         }
+
+    def _hotswap_cover_level(self, level: int) -> int:
+        """The level a prepare protects by range: a level-1 sleep on a backend that maps in
+        place also protects what a level-2 wake needs (HOTSWAP_DEMOTABLE, on by default), so
+        hotswap_demote can follow it; else the level itself."""
+        st = self._hotswap_state()
+        able = callable(getattr(st.backend, "demote", None))
+        if level == 1 and st.backend.in_place and st.settings.demotable and able:
+            return 2
+        return level
+
+    def _hotswap_demotable(self, snap: snapshot.Snapshot) -> bool:
+        """hotswap_demote can follow a sleep on this snapshot: asleep at level 1, and where
+        the backend maps in place, with the level-2 protection by range held."""
+        b = self._hotswap_state().backend
+        if snap.level != 1 or not callable(getattr(b, "demote", None)):
+            return False
+        if not b.in_place:
+            return True  # the host backend copies the at-risk tensors when it demotes
+        return snap.protection is not None and snap.protection.level >= 2
 
     def _hotswap_kv_refusal(self, level: int) -> str | None:
         """Why this rank cannot keep the KV cache across a sleep at `level` (None: it can);
@@ -510,29 +533,43 @@ class HotSwapExtension:
 
     @rpc
     def hotswap_demote(self) -> dict[str, Any]:
-        """Asleep at level 1: become level 2 (the host copy of the weights released). The
-        tensors a level-2 wake does not reload are copied to host memory first, beside the
-        level-1 snapshot's fingerprints, so the wake's verification still covers every
-        byte. The host backend only (CPU, where level 1 keeps the weights in place); on
-        another backend it refuses before touching anything."""
+        """Asleep at level 1: become level 2 (the host copy of the weights released), so the
+        next wake reloads. The host backend copies the tensors a level-2 wake does not
+        reload to host memory first, beside the level-1 snapshot's fingerprints; the CUDA
+        backend needs them protected by range already (the level-1 prepare planned level 2:
+        HOTSWAP_DEMOTABLE). Either way the wake's verification covers every byte. Refused
+        before touching anything where that does not hold."""
         st = self._hotswap_state()
         snap = st.snap
-        if st.level != 1 or snap is None:
+        if st.level != 1 or snap is None or snap.level != 1:
             raise RuntimeError(f"demote: not asleep at level 1 (level {st.level})")
         demote = getattr(st.backend, "demote", None)
         if not callable(demote):
             raise RuntimeError(f"demote: the {st.backend.name} backend cannot demote")
+        if not self._hotswap_demotable(snap):
+            raise RuntimeError(
+                "demote: this sleep's prepare did not protect what a level-2 wake needs "
+                "(HOTSWAP_DEMOTABLE=0 or HOTSWAP_PROTECT=objects)"
+            )
+        refusal = getattr(st.backend, "demote_refusal", None)
+        why = refusal() if callable(refusal) else None
+        if why:
+            raise RuntimeError(why)
         self._hotswap_fault("demote")
-        rows = ownership.judge([e.record for e in snap.entries], 2, st.backend.tag_of)
-        at_risk = {r["name"] for r in rows if r["at_risk"]}
+        at_risk: set[str] = set()
         copied = 0
         with self._hotswap_step("demote") as ph:
-            for e in snap.entries:
-                if e.record.name in at_risk and e.backup is None:
-                    raw = snapshot.storage_bytes(e.original)
-                    e.backup = torch.empty(raw.numel(), dtype=torch.uint8)
-                    e.backup.copy_(raw)
-                    copied += int(raw.numel())
+            if st.backend.in_place:  # by range: copied at prepare, written back at restore
+                copied = sum(r.end - r.start for r in snap.ranges if r.pool == WEIGHTS)
+            else:
+                rows = ownership.judge([e.record for e in snap.entries], 2, st.backend.tag_of)
+                at_risk = {r["name"] for r in rows if r["at_risk"]}
+                for e in snap.entries:
+                    if e.record.name in at_risk and e.backup is None:
+                        raw = snapshot.storage_bytes(e.original)
+                        e.backup = torch.empty(raw.numel(), dtype=torch.uint8)
+                        e.backup.copy_(raw)
+                        copied += int(raw.numel())
             res = demote()
             snap.level = 2
             st.level = 2
@@ -540,8 +577,10 @@ class HotSwapExtension:
         return {
             "level": 2,
             "freed_bytes": res.get("freed_bytes", {}),
+            "freed_host_bytes": res.get("freed_host_bytes", {}),
             "protected_bytes": copied,
             "at_risk": sorted(at_risk),
+            "host_backup_bytes": st.backend.host_backup_bytes(),
         }
 
     @rpc

@@ -232,6 +232,12 @@ class HostBackend:
         malloc_trim()
         return {"freed_bytes": freed, "offloaded_bytes": offloaded}
 
+    def demote_refusal(self) -> str | None:
+        """Why this sleep cannot become level 2 (None: it can)."""
+        if self._asleep.get(WEIGHTS) != OFFLOADED:
+            return f"demote: the weights are not kept asleep ({self._asleep})"
+        return None
+
     def demote(self) -> dict[str, Any]:
         """A level-1 sleep becomes level 2: the weights kept in place are freed (and their
         packed kernels dropped); a wake then reloads them from the checkpoint."""

@@ -63,6 +63,9 @@ class WorkerSettings:
     # HOTSWAP_WARM_PREPARE: 1 (the first hotswap_info of an awake rank runs a sleep's prepare
     # once and drops it, so the first real sleep does not pay its first-call costs) | 0
     warm_prepare: bool = True
+    # HOTSWAP_DEMOTABLE: 1 (CUDA, by range: a level-1 prepare also protects what a level-2
+    # wake needs, so hotswap_demote can release the host copy while asleep) | 0
+    demotable: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerSettings:
@@ -115,4 +118,5 @@ class WorkerSettings:
             disk_budget_bytes=budget,
             disk_threads=disk_threads,
             warm_prepare=_word(env, "HOTSWAP_WARM_PREPARE", "1") not in ("0", "false", "no"),
+            demotable=_word(env, "HOTSWAP_DEMOTABLE", "1") not in _OFF,
         )

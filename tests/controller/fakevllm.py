@@ -74,6 +74,9 @@ class FakeVllm:
     host_backup: int = 0
     backup_held: int = 0
     wake_scratch: int = 0
+    # What a prepare answers as `demotable` (None: the key is left out, as older ranks do);
+    # a demotion after a prepare that answered False is refused (CUDA, HOTSWAP_DEMOTABLE=0).
+    demotable: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.ranks:
@@ -295,6 +298,8 @@ class FakeVllm:
                 kv="keep" if asked == "keep" and refusal is None else "discard",
                 kv_reason=refusal,
             )
+            if self.demotable is not None:
+                out["demotable"] = self.demotable
         elif method == "hotswap_suspend":
             level = int(args[0] if args else kwargs.get("level", 1))
             chosen = args[1] if len(args) > 1 else kwargs.get("tags")
@@ -336,11 +341,17 @@ class FakeVllm:
         elif method == "hotswap_demote":
             if self.level != 1 or self.suspended.get("weights") != "offloaded":
                 return {**out, "ok": False, "error": "demote: not asleep at level 1"}
-            if rank == 0:
+            if self.demotable is False:
+                return {**out, "ok": False, "error": "demote: no level-2 protection"}
+            held = self.backup_held  # a CUDA-like rank releases its pinned copy
+            if rank == self.world_size - 1:
                 self.level = 2
                 self.suspended["weights"] = "discarded"
+                self.backup_held = 0
             self._step(me, phase_level=2)
-            out.update(level=2, freed_bytes={"weights": self.pool_bytes["weights"]})
+            freed = {"weights": held or self.pool_bytes["weights"]}
+            out.update(level=2, freed_bytes=freed, host_backup_bytes=0)
+            out["freed_host_bytes"] = {"weights": held, "kv_cache": 0}
         elif method == "hotswap_resume":
             tags = args[0] if args else kwargs.get("tags")
             tags = list(tags) if tags else list(self.suspended)

@@ -128,6 +128,9 @@ async def world(
     per_model: dict[str, dict[str, Any]] = overrides.pop("per_model", {})
     for n, fails in overrides.pop("fail", {}).items():
         engines[n].fake.fail.update(fails)
+    for n, attrs in overrides.pop("fakes", {}).items():  # a fake's answers, set before start
+        for key, value in attrs.items():
+            setattr(engines[n].fake, key, value)
     settings = Settings(
         models=[
             ModelSettings(name=n, url=f"http://{n}.engine.test", **per_model.get(n, {}))

@@ -1,6 +1,7 @@
 """The host budget through the coordinator, over fake engines: a level-1 sleep that would
 exceed it demotes the least recently used level-1 sleeper first; a sleeper whose engine
-refuses to demote (a CUDA backend) is skipped, and the sleep is made at level 2 instead."""
+refuses to demote, or whose prepare said it cannot (CUDA with HOTSWAP_DEMOTABLE=0), is
+skipped, and the sleep is made at level 2 instead; a CUDA sleeper's pinned copy is released."""
 
 from __future__ import annotations
 
@@ -40,6 +41,46 @@ def test_a_sleeper_that_cannot_demote_makes_the_next_sleep_level_2() -> None:
             assert w.coordinator.fleet["b"].demotable is False  # not asked again
             assert w.sample("hotswap_demotions_total", model="b", reason="host_budget") == 0
             assert w.coordinator.fleet["c"].host_bytes == 0
+
+    run(body)
+
+
+CUDA = {"host_backup": W, "demotable": True}  # a pinned copy per level-1 sleep, demotable
+
+
+def test_a_cuda_sleeper_is_demoted_and_its_pinned_copy_released() -> None:
+    async def body() -> None:
+        fakes = {n: dict(CUDA) for n in ("a", "b", "c")}
+        async with world(("a", "b", "c"), swap=BUDGET, fakes=fakes) as w:
+            b, c = (w.manager.get(n).snapshot() for n in ("b", "c"))
+            assert (b.state, b.level) == (State.SUSPENDED, 2)
+            assert (c.state, c.level) == (State.SUSPENDED, 1)
+            assert w.engines["b"].fake.backup_held == 0  # its rank released the copy
+            assert w.coordinator.fleet["b"].host_bytes == 0
+            assert w.coordinator.fleet["c"].host_bytes == W  # what its suspend said it pins
+            assert w.sample("hotswap_demotions_total", model="b", reason="host_budget") == 1
+            await w.coordinator.wake("b")  # the level-2 wake: reload and verify
+            assert w.manager.get("b").snapshot().state is State.RUNNING
+            assert "hotswap_reload" in w.engines["b"].fake.rpc_calls()
+
+    run(body)
+
+
+def test_a_prepare_that_cannot_demote_is_not_asked_to() -> None:
+    async def body() -> None:
+        fakes = {n: dict(CUDA) for n in ("a", "b", "c")}
+        fakes["b"]["demotable"] = False  # CUDA with HOTSWAP_DEMOTABLE=0
+        async with world(("a", "b", "c"), swap=BUDGET, fakes=fakes) as w:
+            b, c = (w.manager.get(n).snapshot() for n in ("b", "c"))
+            assert (b.state, b.level) == (State.SUSPENDED, 1)
+            assert (c.state, c.level) == (State.SUSPENDED, 2)  # the sleep fell back
+            assert w.coordinator.fleet["b"].demotable is False
+            assert "hotswap_demote" not in w.engines["b"].fake.rpc_calls()
+            # a later sleep whose prepare can be demoted makes it demotable again
+            w.engines["b"].fake.demotable = True
+            await w.coordinator.wake("b")
+            await w.coordinator.sleep("b")
+            assert w.coordinator.fleet["b"].demotable is True
 
     run(body)
 

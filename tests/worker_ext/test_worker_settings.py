@@ -39,6 +39,7 @@ def test_every_variable_is_read() -> None:
             "HOTSWAP_DISK_BUDGET_GB": "1.5",
             "HOTSWAP_DISK_THREADS": "3",
             "HOTSWAP_WARM_PREPARE": "0",
+            "HOTSWAP_DEMOTABLE": "off",
         }
     )
     assert s == WorkerSettings(
@@ -59,6 +60,7 @@ def test_every_variable_is_read() -> None:
         "/var/tier",
         1_500_000_000,
         3,
+        False,
         False,
     )
 
