@@ -12,6 +12,7 @@ parameters only, restore and verify) must bring back every byte: docs/contracts.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -99,7 +100,13 @@ class InPlacePools:
     def kv_keep_refusal(self) -> str | None:
         return "not kept here"
 
-    def suspend(self, level: int, tags: list[str], keep_kv: bool = False) -> dict[str, Any]:
+    def suspend(
+        self,
+        level: int,
+        tags: list[str],
+        keep_kv: bool = False,
+        rewritten: Sequence[tuple[int, int]] = (),
+    ) -> dict[str, Any]:
         freed, offloaded = {}, {}
         for tag in tags:
             how = policy(level, tag, keep_kv)
