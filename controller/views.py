@@ -100,6 +100,7 @@ def fleet_dict(rec: ModelRecord, settings: Settings) -> dict[str, Any]:
         "asleep_bytes": rec.leftover_bytes,
         "host_bytes": rec.host_bytes,
         "host_weights_bytes": rec.host_weights,
+        "demotable": rec.demotable,
         "wake_scratch_bytes": rec.wake_scratch,
         "idle_sleep_s": idle_s,
         "idle_sleep_level": idle_level,

@@ -75,6 +75,9 @@ def test_a_prepare_that_cannot_demote_is_not_asked_to() -> None:
             assert (b.state, b.level) == (State.SUSPENDED, 1)
             assert (c.state, c.level) == (State.SUSPENDED, 2)  # the sleep fell back
             assert w.coordinator.fleet["b"].demotable is False
+            assert (
+                fleet_dict(w.coordinator.fleet["b"], w.coordinator.settings)["demotable"] is False
+            )
             assert "hotswap_demote" not in w.engines["b"].fake.rpc_calls()
             # a later sleep whose prepare can be demoted makes it demotable again
             w.engines["b"].fake.demotable = True
