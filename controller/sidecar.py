@@ -34,7 +34,7 @@ from controller.metrics import Metrics
 from controller.record import Fleet
 from controller.settings import Settings
 from controller.supervisor import EngineFactory as ProcessFactory
-from controller.supervisor import Supervisor, place_engine_sockets
+from controller.supervisor import Supervisor, place_engine_sockets, with_demotable_engines
 from controller.swap import SwapCoordinator
 from controller.swapmetrics import SwapMetrics
 from controller.tasks import Tasks
@@ -60,6 +60,7 @@ class Sidecar:
     ) -> None:
         # Managed engines' sockets, placed before anything is built from the settings.
         settings, socket_folder = place_engine_sockets(settings)
+        settings = with_demotable_engines(settings)  # a host budget may demote CUDA sleepers
         self.settings = settings
         self.registry = registry if registry is not None else CollectorRegistry()
         self.tasks = Tasks()

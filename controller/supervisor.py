@@ -39,6 +39,7 @@ from controller.swap import SwapCoordinator
 from controller.swapmetrics import SwapMetrics
 
 log = logging.getLogger("hotswap.supervisor")
+DEMOTABLE_ENV = "HOTSWAP_DEMOTABLE"
 
 
 EngineFactory = Callable[[ModelSettings], Engine]
@@ -65,6 +66,23 @@ def place_engine_sockets(settings: Settings) -> tuple[Settings, Path | None]:
     configured = settings.supervisor.socket_dir
     folder = private_dir(configured)
     return with_engine_sockets(settings, folder), folder if configured is None else None
+
+
+def with_demotable_engines(settings: Settings) -> Settings:
+    """Under a host budget, the managed engines this sidecar starts are told to make their
+    level-1 sleeps demotable (`HOTSWAP_DEMOTABLE=1`: a CUDA rank's prepare then protects
+    what a level-2 wake needs, so the budget can release a sleeper's host copy), unless a
+    model's own `env` names the variable. Without a budget nobody demotes, and the default
+    (off) spares every sleep that cost. Attached engines are started by someone else."""
+    if settings.swap.host_budget is None:
+        return settings
+    models = [
+        m.model_copy(update={"env": {**m.env, DEMOTABLE_ENV: "1"}})
+        if m.managed and DEMOTABLE_ENV not in m.env
+        else m
+        for m in settings.models
+    ]
+    return settings.model_copy(update={"models": models})
 
 
 def _info_ranks(snap: ModelSnapshot) -> list[dict[str, object]]:

@@ -64,8 +64,9 @@ class WorkerSettings:
     # once and drops it, so the first real sleep does not pay its first-call costs) | 0
     warm_prepare: bool = True
     # HOTSWAP_DEMOTABLE: 1 (CUDA, by range: a level-1 prepare also protects what a level-2
-    # wake needs, so hotswap_demote can release the host copy while asleep) | 0
-    demotable: bool = True
+    # wake needs, so hotswap_demote can release the host copy while asleep; it costs every
+    # level-1 sleep, so the sidecar sets it for its managed engines under a host budget) | 0
+    demotable: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerSettings:
@@ -118,5 +119,5 @@ class WorkerSettings:
             disk_budget_bytes=budget,
             disk_threads=disk_threads,
             warm_prepare=_word(env, "HOTSWAP_WARM_PREPARE", "1") not in ("0", "false", "no"),
-            demotable=_word(env, "HOTSWAP_DEMOTABLE", "1") not in _OFF,
+            demotable=_word(env, "HOTSWAP_DEMOTABLE", "0") in _ON,
         )

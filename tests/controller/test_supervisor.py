@@ -22,7 +22,7 @@ from controller.manager import Manager
 from controller.modelsettings import ModelSettings
 from controller.settings import Settings, TimeoutSettings
 from controller.state import Gate, State
-from controller.supervisor import Supervisor
+from controller.supervisor import Supervisor, with_demotable_engines
 from controller.swap import SwapCoordinator
 
 
@@ -347,3 +347,29 @@ def test_a_failed_engine_counts_until_its_process_is_gone() -> None:
             assert w.coordinator.engine_gone("b") is False
 
     run(body())
+
+
+def test_a_host_budget_makes_the_managed_engines_demotable_unless_their_env_says() -> None:
+    """HOTSWAP_DEMOTABLE is off by default (it costs every level-1 sleep on CUDA); under a
+    host budget the sidecar turns it on for the engines it starts, keeping a model's own
+    value; attached engines and a fleet without a budget are left as they are."""
+
+    def fleet(**swap: Any) -> Settings:
+        return Settings(
+            models=[
+                ModelSettings(name="a", command=["vllm", "serve", "/m/a"]),  # type: ignore[call-arg]
+                ModelSettings(  # type: ignore[call-arg]
+                    name="b", command=["vllm", "serve", "/m/b"], env={"HOTSWAP_DEMOTABLE": "0"}
+                ),
+                ModelSettings(name="c", url="http://c:8000"),  # type: ignore[call-arg]
+            ],
+            swap=swap,  # type: ignore[arg-type]
+        )
+
+    plain = fleet()
+    assert with_demotable_engines(plain) is plain
+    budgeted = with_demotable_engines(fleet(host_budget=64 << 30))
+    env = {m.name: m.env for m in budgeted.models}
+    assert env["a"]["HOTSWAP_DEMOTABLE"] == "1"
+    assert env["b"]["HOTSWAP_DEMOTABLE"] == "0"  # the model's own word
+    assert "HOTSWAP_DEMOTABLE" not in env["c"]  # attached: started by someone else

@@ -71,6 +71,9 @@ if SKIP_REASON is None:
         "DO_NOT_TRACK": "1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
+        # demotable level-1 sleeps (off by default, on under a host budget): the demote
+        # test needs them, and every other test then runs the larger prepare as well
+        "HOTSWAP_DEMOTABLE": "1",
     }.items():
         os.environ.setdefault(key, value)
 

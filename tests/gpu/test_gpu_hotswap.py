@@ -95,6 +95,66 @@ def test_audit_table_tiny_llama(llama: Engine) -> None:
         print(audit_table("tiny Llama (GPU, cumem)", rep))
 
 
+def test_demote_releases_the_host_copy_and_the_wake_reloads_verified(llama: Engine) -> None:
+    """A level-1 sleeper demoted to level 2 (the host budget's second resort): its host copy
+    is released, the wake is level 2's (reload, restore, verify) and serves the same tokens
+    and logprobs; refused while awake and, untouched, without the level-2 protection."""
+    base = llama.gen()
+    before = llama.rpc("hotswap_info")
+    awake = llama.rpc("hotswap_demote", ok=False)
+    assert awake["ok"] is False
+    assert "not asleep at level 1" in awake["error"]
+    after = llama.rpc("hotswap_info")
+    assert (after["phase"], after["transitions"]) == (before["phase"], before["transitions"])
+    pools = before["pools"]
+    s = llama.sleep(1)
+    prep = s["prepare"]
+    assert prep["demotable"] is True
+    assert prep["pools"]["weights"]["discarded"] == 1  # level 2's ranges, planned at level 1
+    held = s["suspend"]["host_backup_bytes"]
+    assert held > 0
+    d = llama.rpc("hotswap_demote")
+    assert d["level"] == 2
+    assert d["freed_host_bytes"]["weights"] > 0
+    assert sum(d["freed_host_bytes"].values()) == held
+    assert d["host_backup_bytes"] == 0
+    assert d["protected_bytes"] == prep["pools"]["weights"]["protected_bytes"]
+    info = llama.rpc("hotswap_info")
+    assert info["host_backup_bytes"] == 0
+    assert info["wake_scratch_bytes"] == 0
+    assert info["suspended"] == {"weights": "discarded", "kv_cache": "discarded"}
+    assert (info["phase"], info["phase_level"], info["level"]) == ("suspended", 2, 2)
+    w = llama.wake(2)
+    assert w["reload"]["source"] == "reload"
+    assert w["weights"]["restored_bytes"] == {"weights": pools["weights"]}
+    assert w["verify"]["mismatched"] == [], w["verify"]
+    assert w["verify"]["verified"] == prep["fingerprinted"]
+    assert llama.rpc("hotswap_info")["phase"] == "awake_verified"
+    assert llama.gen() == base  # tokens and logprobs
+    print(
+        f"[demote] freed host {d['freed_host_bytes']}, protected {d['protected_bytes']} B, "
+        f"demote {d['elapsed_s']:.4f} s, prepare {prep['elapsed_s']:.4f} s, "
+        f"reload {w['reload']['reload_s']:.3f} s"
+    )
+    # by object (no level-2 protection at level 1): refused, nothing touched
+    llama.rpc("hotswap_test_protect", "objects")
+    try:
+        s = llama.sleep(1)
+        assert s["prepare"]["demotable"] is False
+        before = llama.rpc("hotswap_info")
+        refused = llama.rpc("hotswap_demote", ok=False)
+        assert refused["ok"] is False
+        assert "level-2 wake needs" in refused["error"]
+        after = llama.rpc("hotswap_info")
+        assert after["transitions"] == before["transitions"]
+        assert after["host_backup_bytes"] == before["host_backup_bytes"] > 0
+        assert after["suspended"]["weights"] == "offloaded"
+        assert llama.wake(1)["verify"]["mismatched"] == []
+    finally:
+        llama.rpc("hotswap_test_protect", None)
+    assert llama.gen() == base
+
+
 def test_one_flipped_weight_element_after_resume_is_named(llama: Engine) -> None:
     base = llama.gen()
     llama.sleep(1)
@@ -172,64 +232,4 @@ def test_drop_backup_frees_the_kept_pinned_copy(llama: Engine) -> None:
     w = llama.wake(1)
     assert w["verify"]["mismatched"] == []
     assert llama.rpc("hotswap_info")["host_backup_bytes"] > 0  # pinned anew
-    assert llama.gen() == base
-
-
-def test_demote_releases_the_host_copy_and_the_wake_reloads_verified(llama: Engine) -> None:
-    """A level-1 sleeper demoted to level 2 (the host budget's second resort): its host copy
-    is released, the wake is level 2's (reload, restore, verify) and serves the same tokens
-    and logprobs; refused while awake and, untouched, without the level-2 protection."""
-    base = llama.gen()
-    before = llama.rpc("hotswap_info")
-    awake = llama.rpc("hotswap_demote", ok=False)
-    assert awake["ok"] is False
-    assert "not asleep at level 1" in awake["error"]
-    after = llama.rpc("hotswap_info")
-    assert (after["phase"], after["transitions"]) == (before["phase"], before["transitions"])
-    pools = before["pools"]
-    s = llama.sleep(1)
-    prep = s["prepare"]
-    assert prep["demotable"] is True
-    assert prep["pools"]["weights"]["discarded"] == 1  # level 2's ranges, planned at level 1
-    held = s["suspend"]["host_backup_bytes"]
-    assert held > 0
-    d = llama.rpc("hotswap_demote")
-    assert d["level"] == 2
-    assert d["freed_host_bytes"]["weights"] > 0
-    assert sum(d["freed_host_bytes"].values()) == held
-    assert d["host_backup_bytes"] == 0
-    assert d["protected_bytes"] == prep["pools"]["weights"]["protected_bytes"]
-    info = llama.rpc("hotswap_info")
-    assert info["host_backup_bytes"] == 0
-    assert info["wake_scratch_bytes"] == 0
-    assert info["suspended"] == {"weights": "discarded", "kv_cache": "discarded"}
-    assert (info["phase"], info["phase_level"], info["level"]) == ("suspended", 2, 2)
-    w = llama.wake(2)
-    assert w["reload"]["source"] == "reload"
-    assert w["weights"]["restored_bytes"] == {"weights": pools["weights"]}
-    assert w["verify"]["mismatched"] == [], w["verify"]
-    assert w["verify"]["verified"] == prep["fingerprinted"]
-    assert llama.rpc("hotswap_info")["phase"] == "awake_verified"
-    assert llama.gen() == base  # tokens and logprobs
-    print(
-        f"[demote] freed host {d['freed_host_bytes']}, protected {d['protected_bytes']} B, "
-        f"demote {d['elapsed_s']:.4f} s, prepare {prep['elapsed_s']:.4f} s, "
-        f"reload {w['reload']['reload_s']:.3f} s"
-    )
-    # by object (no level-2 protection at level 1): refused, nothing touched
-    llama.rpc("hotswap_test_protect", "objects")
-    try:
-        s = llama.sleep(1)
-        assert s["prepare"]["demotable"] is False
-        before = llama.rpc("hotswap_info")
-        refused = llama.rpc("hotswap_demote", ok=False)
-        assert refused["ok"] is False
-        assert "level-2 wake needs" in refused["error"]
-        after = llama.rpc("hotswap_info")
-        assert after["transitions"] == before["transitions"]
-        assert after["host_backup_bytes"] == before["host_backup_bytes"] > 0
-        assert after["suspended"]["weights"] == "offloaded"
-        assert llama.wake(1)["verify"]["mismatched"] == []
-    finally:
-        llama.rpc("hotswap_test_protect", None)
     assert llama.gen() == base

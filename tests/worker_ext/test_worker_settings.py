@@ -16,6 +16,8 @@ def test_defaults() -> None:
     assert (s.map_impl, s.map_handles, s.pin_threads) == ("driver", "vllm", 4)
     assert (s.resume_sync, s.verify_kernel, s.protect) == (False, "auto", "ranges")
     assert (s.host_codec, s.codec_piece_mib, s.codec_slots) == ("exp", 64, 2)
+    assert s.demotable is False  # it costs every level-1 sleep: on under a host budget only
+    assert WorkerSettings.from_env({"HOTSWAP_DEMOTABLE": "1"}).demotable is True
 
 
 def test_every_variable_is_read() -> None:
