@@ -17,7 +17,6 @@ def test_defaults() -> None:
     assert (s.resume_sync, s.verify_kernel, s.protect) == (False, "auto", "ranges")
     assert (s.host_codec, s.codec_piece_mib, s.codec_slots) == ("exp", 64, 2)
     assert s.demotable is False  # it costs every level-1 sleep: on under a host budget only
-    assert WorkerSettings.from_env({"HOTSWAP_DEMOTABLE": "1"}).demotable is True
 
 
 def test_every_variable_is_read() -> None:
@@ -41,7 +40,7 @@ def test_every_variable_is_read() -> None:
             "HOTSWAP_DISK_BUDGET_GB": "1.5",
             "HOTSWAP_DISK_THREADS": "3",
             "HOTSWAP_WARM_PREPARE": "0",
-            "HOTSWAP_DEMOTABLE": "off",
+            "HOTSWAP_DEMOTABLE": "on",
         }
     )
     assert s == WorkerSettings(
@@ -63,7 +62,7 @@ def test_every_variable_is_read() -> None:
         1_500_000_000,
         3,
         False,
-        False,
+        True,
     )
 
 
