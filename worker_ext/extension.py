@@ -373,7 +373,7 @@ class HotSwapExtension:
 
     def _hotswap_cover_level(self, level: int) -> int:
         """The level a prepare protects by range: a level-1 sleep on a backend that maps in
-        place also protects what a level-2 wake needs (HOTSWAP_DEMOTABLE, on by default), so
+        place also protects what a level-2 wake needs (HOTSWAP_DEMOTABLE=1; off by default, on under a host budget), so
         hotswap_demote can follow it; else the level itself."""
         st = self._hotswap_state()
         able = callable(getattr(st.backend, "demote", None))

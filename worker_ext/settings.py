@@ -73,7 +73,7 @@ class WorkerSettings:
         """The settings in `env` (default: this process's environment); a value that is not
         one of a setting's words falls back to its default, as each variable documents."""
         env = os.environ if env is None else env
-        keep = _word(env, "HOTSWAP_KEEP_HOST_BACKUP", "1") not in ("0", "false", "no")
+        keep = _word(env, "HOTSWAP_KEEP_HOST_BACKUP", "1") not in _OFF
         pin_default = "early" if keep else "lazy"
         try:
             threads = max(1, int(env.get("HOTSWAP_PIN_THREADS", "4")))
@@ -107,7 +107,7 @@ class WorkerSettings:
             map_impl=_choice(env, "HOTSWAP_MAP_IMPL", ("vllm", "driver"), "driver"),
             map_handles=_choice(env, "HOTSWAP_MAP_HANDLES", ("vllm", "none"), "vllm"),
             pin_threads=threads,
-            resume_sync=_word(env, "HOTSWAP_RESUME_SYNC", "0") in ("1", "true", "yes"),
+            resume_sync=_word(env, "HOTSWAP_RESUME_SYNC", "0") in _ON,
             verify_kernel="off" if kernel in _OFF else "on" if kernel in _ON else "auto",
             protect="objects" if _word(env, "HOTSWAP_PROTECT", "ranges") == "objects" else "ranges",
             host_codec=_choice(env, "HOTSWAP_HOST_CODEC", ("exp", "none"), "exp"),
@@ -118,6 +118,6 @@ class WorkerSettings:
             disk_dir=env.get("HOTSWAP_DISK_DIR", "").strip(),
             disk_budget_bytes=budget,
             disk_threads=disk_threads,
-            warm_prepare=_word(env, "HOTSWAP_WARM_PREPARE", "1") not in ("0", "false", "no"),
+            warm_prepare=_word(env, "HOTSWAP_WARM_PREPARE", "1") not in _OFF,
             demotable=_word(env, "HOTSWAP_DEMOTABLE", "0") in _ON,
         )

@@ -105,3 +105,9 @@ def test_frozen_and_read_once(monkeypatch: pytest.MonkeyPatch) -> None:
     assert s.protect == "objects"  # a later change of the environment does not reach it
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.protect = "ranges"  # type: ignore[misc]
+
+
+def test_off_turns_every_flag_off() -> None:
+    """ "off" means off for each on/off variable, as "0", "false" and "no" do."""
+    s = WorkerSettings.from_env({"HOTSWAP_WARM_PREPARE": "off", "HOTSWAP_KEEP_HOST_BACKUP": "off"})
+    assert (s.warm_prepare, s.keep_host_backup) == (False, False)
