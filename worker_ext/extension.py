@@ -373,8 +373,8 @@ class HotSwapExtension:
 
     def _hotswap_cover_level(self, level: int) -> int:
         """The level a prepare protects by range: a level-1 sleep on a backend that maps in
-        place also protects what a level-2 wake needs (HOTSWAP_DEMOTABLE=1; off by default, on under a host budget), so
-        hotswap_demote can follow it; else the level itself."""
+        place also protects what a level-2 wake needs (HOTSWAP_DEMOTABLE=1: off by default,
+        on under a host budget), so hotswap_demote can follow it; else the level itself."""
         st = self._hotswap_state()
         able = callable(getattr(st.backend, "demote", None))
         if level == 1 and st.backend.in_place and st.settings.demotable and able:
