@@ -215,7 +215,13 @@ class SwapCoordinator(SwapView):
         counted = estimate(victim, peers, self.budget(victim.device))
         pools = self.fleet[victim.name].pools
         scratch = self.fleet[victim.name].codec_scratch  # its encode, beside the wake's
-        return plan_overlap(plan, pools, self.fleet[name].pools, counted, scratch)
+        ov = plan_overlap(plan, pools, self.fleet[name].pools, counted, scratch)
+        if ov.early and self.fleet[victim.name].lane.in_flight:
+            # Its drain may give up and leave it RUNNING: the target then starts once the
+            # victim's KV cache is gone, not before (its weights would come in for nothing
+            # and its wake fail in wait_room, in place of the drain's own answer).
+            ov = dataclasses.replace(ov, early=False)
+        return ov
 
     async def _overlapped(
         self, name: str, victim: str, overlap: Overlap

@@ -351,3 +351,27 @@ def test_an_early_wake_whose_victim_fails_before_its_kv_release_maps_no_kv_cache
             assert "before its KV cache was released" in err
 
     run(body)
+
+
+def test_no_early_start_while_the_victim_still_serves() -> None:
+    """The victim has a gateway request in flight, so its drain may give up and leave it
+    RUNNING: the woken model does not start early (its weights would come in for nothing
+    and its wake fail in wait_room). The drain's own timeout answers, and b is untouched."""
+
+    async def body() -> None:
+        swap = {"budget_bytes": 12_000, "overlap": "always", "evict_drain_timeout_s": 0.2}
+        ctx, holder = logged_world(swap=swap)
+        async with ctx as w:
+            log = holder["router"]
+            w.manager.fleet["a"].lane.enter()  # a request a is still answering
+            log.log.clear()
+            r = await ask(w, "b")
+            assert r.status_code == 503, (
+                r.text
+            )  # the gateway's wake_failed, with the drain's reason
+            assert "still in flight" in r.text
+            assert "hotswap_resume[weights]" not in log.calls("b")
+            assert (w.state("a"), w.state("b")) == (State.RUNNING, State.SUSPENDED)
+            w.manager.fleet["a"].lane.leave()
+
+    run(body)
