@@ -17,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from controller.enginespec import EngineSpec
@@ -68,13 +69,16 @@ def place_engine_sockets(settings: Settings) -> tuple[Settings, Path | None]:
     return with_engine_sockets(settings, folder), folder if configured is None else None
 
 
-def with_demotable_engines(settings: Settings) -> Settings:
+def with_demotable_engines(
+    settings: Settings, inherited: Mapping[str, str] = os.environ
+) -> Settings:
     """Under a host budget, the managed engines this sidecar starts are told to make their
     level-1 sleeps demotable (`HOTSWAP_DEMOTABLE=1`: a CUDA rank's prepare then protects
     what a level-2 wake needs, so the budget can release a sleeper's host copy), unless a
-    model's own `env` names the variable. Without a budget nobody demotes, and the default
-    (off) spares every sleep that cost. Attached engines are started by someone else."""
-    if settings.swap.host_budget is None:
+    model's own `env` names the variable, or the sidecar's environment does (`inherited`:
+    the engines inherit it). Without a budget nobody demotes, and the default (off) spares
+    every sleep that cost. Attached engines are started by someone else."""
+    if settings.swap.host_budget is None or DEMOTABLE_ENV in inherited:
         return settings
     models = [
         m.model_copy(update={"env": {**m.env, DEMOTABLE_ENV: "1"}})

@@ -367,8 +367,10 @@ def test_a_host_budget_makes_the_managed_engines_demotable_unless_their_env_says
         )
 
     plain = fleet()
-    assert with_demotable_engines(plain) is plain
-    budgeted = with_demotable_engines(fleet(host_budget=64 << 30))
+    assert with_demotable_engines(plain, {}) is plain
+    told = fleet(host_budget=64 << 30)  # the sidecar's own environment says: left as it is
+    assert with_demotable_engines(told, {"HOTSWAP_DEMOTABLE": "0"}) is told
+    budgeted = with_demotable_engines(fleet(host_budget=64 << 30), {})
     env = {m.name: m.env for m in budgeted.models}
     assert env["a"]["HOTSWAP_DEMOTABLE"] == "1"
     assert env["b"]["HOTSWAP_DEMOTABLE"] == "0"  # the model's own word
