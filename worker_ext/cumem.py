@@ -173,7 +173,7 @@ class CuMemBackend:
         self._codec_wake: dict[str, Any] | None = None
         # HOTSWAP_DISK_DIR: the level-2 disk tier (worker_ext/disktier.py)
         self._tier_key: disktier.Key | None = None  # the weights a level-2 sleep put away
-        self._tier_rewritten: list[tuple[int, int]] = []  # what its key leaves out
+        self._tier_spans: list[tuple[int, int]] = []  # the bytes its key digests
         self._tier_writer: threading.Thread | None = None
         self._tier_report: dict[str, Any] = {}  # the last write and the last restore
         self._tier_restored: dict[str, Any] | None = None
@@ -482,19 +482,23 @@ class CuMemBackend:
         if writer is not None and writer is not threading.current_thread():
             writer.join()
 
-    def _weights_digest(
-        self, ranges: list[tuple[int, int]], rewritten: Sequence[tuple[int, int]] = ()
-    ) -> str:
-        """A digest of the bytes of `ranges` (start, size) on the device that the tier
-        file alone brings back (verify's kernel sums, in address order): the parameters.
-        Left out: the allocator's free blocks (no tensor holds them; a level-2 wake maps
-        fresh memory under them) and `rewritten`, the bytes the snapshot writes back after
-        the wake (buffers and other tensors, some of which serving changes: on the H200 a
-        key over them differed between two sleeps of the same weights, so every level-2
-        sleep wrote a new file). What the file holds of those is overwritten, then verified."""
-        spans = byteranges.left_over(
+    def _keyed_spans(
+        self, ranges: list[tuple[int, int]], rewritten: Sequence[tuple[int, int]]
+    ) -> list[tuple[int, int]]:
+        """The (start, end) spans of `ranges` (start, size) that the tier file alone brings
+        back, the parameters, from word boundaries. Left out: the allocator's free blocks
+        (no tensor holds them; a level-2 wake maps fresh memory under them) and
+        `rewritten`, the bytes the snapshot writes back after the wake (buffers and other
+        tensors, some of which serving changes: on the H200 a key over them differed
+        between two sleeps of the same weights, so every level-2 sleep wrote a new file).
+        What the file holds of those is overwritten, then verified. Taken at the sleep; the
+        wake digests the same spans (the key's record sizes hold them in place)."""
+        return byteranges.left_over(
             [(p, p + n) for p, n in ranges], [*self.free_ranges(), *rewritten], word=8
         )
+
+    def _spans_digest(self, spans: list[tuple[int, int]]) -> str:
+        """A digest of the bytes of `spans` on the device (verify's kernel sums, in order)."""
         sums = fpkernel.SpanCheck([(s, e - s) for s, e in spans], self._device).sums()
         return hashlib.sha256(json.dumps(sums).encode()).hexdigest()
 
@@ -527,8 +531,9 @@ class CuMemBackend:
         t = time.perf_counter()
         try:
             ranges = [(p, int(d.handle[1])) for p, d in recs]
-            key = self._tier_key_for(ranges, self._weights_digest(ranges, rewritten))
-            self._tier_key, self._tier_rewritten = key, list(rewritten)
+            spans = self._keyed_spans(ranges, rewritten)
+            key = self._tier_key_for(ranges, self._spans_digest(spans))
+            self._tier_key, self._tier_spans = key, spans
             try:
                 disktier.read_header(directory / key.filename(), key)
                 self._tier_report["write"] = {"written": False, "reason": "already on disk"}
@@ -643,7 +648,7 @@ class CuMemBackend:
                     alloc,
                     queue,
                     drain,
-                    lambda: self._weights_digest(ranges, self._tier_rewritten),
+                    lambda: self._spans_digest(self._tier_spans),
                     self.settings.disk_threads,
                 )
             finally:  # refused midway: what was queued still reads the host buffer
