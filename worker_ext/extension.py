@@ -234,19 +234,7 @@ class HotSwapExtension:
             return
         t0 = time.perf_counter()
         try:
-            records = self._hotswap_records()
-            rows = self._hotswap_audit_rows(1, records)
-            cover = self._hotswap_protection(self._hotswap_cover_level(1), records)
-            backups = set() if cover is not None else {r["name"] for r in rows if r["at_risk"]}
-            snap = snapshot.prepare(
-                1,
-                records,
-                backups,
-                torch.cuda.is_available(),
-                cover,
-                st.backend.device,
-                st.settings.verify_kernel,
-            )
+            snap, _cover, _at_risk, _timings = self._hotswap_take_snapshot(1, keep=False)
             st.warm_prepare = {
                 "ok": True,
                 "s": time.perf_counter() - t0,
@@ -310,19 +298,14 @@ class HotSwapExtension:
         recs = self._hotswap_records() if records is None else records
         return ownership.judge(recs, level, st.backend.tag_of)
 
-    @rpc
-    def hotswap_prepare(self, level: int, kv: str = "discard") -> dict[str, Any]:
-        self._hotswap_fault("prepare")
-        level = int(level)
-        kv = _kv_word(kv)
+    def _hotswap_take_snapshot(
+        self, level: int, keep: bool
+    ) -> tuple[snapshot.Snapshot, protect.Protection | None, set[str], dict[str, float]]:
+        """What a prepare at `level` takes (hotswap_prepare, and once ahead of time the warm
+        prepare, which drops it): the walk's records, the audit, the protection plan and
+        the snapshot, timed by step. Returns the snapshot, its protection by range (None:
+        by object), the at-risk names and the timings."""
         st = self._hotswap_state()
-        if st.backend.suspended():
-            raise RuntimeError(f"pools already suspended: {st.backend.suspended()}")
-        st.snap = None  # a failed prepare must not leave an older snapshot to verify against
-        refusal = self._hotswap_kv_refusal(level) if kv == "keep" else None
-        keep = kv == "keep" and refusal is None
-        if keep:
-            st.backend.prepare_kv_keep()  # CUDA: the KV cache's host buffer, pinned meanwhile
         t0 = time.perf_counter()
         records = self._hotswap_records()
         t1 = time.perf_counter()
@@ -351,6 +334,22 @@ class HotSwapExtension:
             "protect_plan_s": t3 - t2,
             "snapshot_s": time.perf_counter() - t3,
         }
+        return snap, cover, at_risk, timings
+
+    @rpc
+    def hotswap_prepare(self, level: int, kv: str = "discard") -> dict[str, Any]:
+        self._hotswap_fault("prepare")
+        level = int(level)
+        kv = _kv_word(kv)
+        st = self._hotswap_state()
+        if st.backend.suspended():
+            raise RuntimeError(f"pools already suspended: {st.backend.suspended()}")
+        st.snap = None  # a failed prepare must not leave an older snapshot to verify against
+        refusal = self._hotswap_kv_refusal(level) if kv == "keep" else None
+        keep = kv == "keep" and refusal is None
+        if keep:
+            st.backend.prepare_kv_keep()  # CUDA: the KV cache's host buffer, pinned meanwhile
+        snap, cover, at_risk, timings = self._hotswap_take_snapshot(level, keep)
         st.snap = snap
         return {
             "level": level,
