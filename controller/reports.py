@@ -265,12 +265,6 @@ def wake_scratch_bytes(reports: Iterable[RankReport]) -> int:
     return sum(r.wake_scratch_bytes for r in reports if isinstance(r, SuspendReport))
 
 
-def host_backup_bytes(reports: Iterable[RankReport]) -> int:
-    """Host RAM a woken engine keeps for its next sleep, over its ranks (the last resume's
-    reports; 0 where no rank said)."""
-    return sum(r.host_backup_bytes or 0 for r in reports if isinstance(r, ResumeReport))
-
-
 def kv_decision(reports: Iterable[RankReport]) -> tuple[bool, str | None]:
     """Whether every rank's prepare can keep the KV cache, and if not, why (every rank's
     reason, in rank order)."""
