@@ -21,13 +21,29 @@ _MAP_PRIVATE_ANON = 0x02 | 0x20
 _MADV_HUGEPAGE = 14
 
 
+def loaded_library(name: str) -> str | None:
+    """The path of the shared library `name` (e.g. "libcudart") mapped into this process:
+    vLLM's finder where vLLM is installed, else this process's maps (torch-only benches)."""
+    try:
+        from vllm.utils.system_utils import find_loaded_library
+    except ImportError:
+        find_loaded_library = None
+    if find_loaded_library is not None:
+        return find_loaded_library(name)  # type: ignore[no-any-return]
+    with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            path = line.split()[-1] if line.strip() else ""
+            if path.startswith("/") and f"/{name}" in path and ".so" in path:
+                return path
+    return None
+
+
 class CudaRT:
     """The few CUDA runtime calls torch does not expose without holding the GIL."""
 
-    def __init__(self) -> None:
-        from vllm.utils.system_utils import find_loaded_library
-
-        path = find_loaded_library("libcudart")
+    def __init__(self, path: str | None = None) -> None:
+        if path is None:
+            path = loaded_library("libcudart")
         if path is None:
             raise RuntimeError("libcudart is not loaded in this process")
         lib = ctypes.CDLL(path)  # CDLL calls release the GIL
