@@ -342,6 +342,17 @@ def main() -> None:
         run("pieces_slots_2streams", pieces(4, "slots"), S, 2)
         run("pieces_contig_1stream", pieces(2, "contig"), S, 1)
 
+        def evented(s: list[Any]) -> None:  # the queue's events and waits, no decode
+            done: list[Any] = [None, None]
+            for j, p in enumerate(plan.pieces):
+                if done[j % 2] is not None:
+                    s[0].wait_event(done[j % 2])
+                cp(slots[j % 2], p.host_off, p.size, s[0].cuda_stream)
+                s[1].wait_event(s[0].record_event())
+                done[j % 2] = s[1].record_event()
+
+        run("pieces_slots_1stream_events", evented, S, 2)
+
         def busy(s: list[Any]) -> None:  # the coded copies with an HBM-bound kernel beside
             pieces(2, "slots")(s[:1])
             with torch.cuda.stream(s[1]):
@@ -406,7 +417,7 @@ def main() -> None:
     def _torch_pinned(n: int) -> tuple[int, Callable[[], None], int]:
         x = torch.empty(n, dtype=torch.uint8, pin_memory=True)
         held.append(x)
-        return x.data_ptr(), lambda: held.remove(x), n
+        return x.data_ptr(), held.clear, n
 
     for name in a.hosts.split(","):
         if name == "hostbuffer_local" and not gpu_cpus:

@@ -77,12 +77,41 @@ def wait_up(proc: EngineProcess, deadline: float) -> float:
     return proc.wait_ready(timeout_s=max(1.0, deadline - time.monotonic()))
 
 
-def start_vllm(model: str, port: int, util: float, graphs: bool) -> EngineProcess:
+REAL_EXT = "benchmarks.realext.RealWeightsExtension"
+
+
+def start_vllm(
+    model: str,
+    port: int,
+    util: float,
+    graphs: bool,
+    extension: str = "worker_ext.HotSwapExtension",
+    codec: str | None = None,
+) -> EngineProcess:
     # the bench's own worker settings (HOTSWAP_HOST_CODEC=none, ...) reach its engines; the
-    # sidecar's (HOTSWAP_SECTION__KEY) do not
+    # sidecar's (HOTSWAP_SECTION__KEY) do not; `codec` sets HOTSWAP_HOST_CODEC for this one
     env = {k: v for k, v in os.environ.items() if k.startswith("HOTSWAP_") and "__" not in k}
-    spec = gpu_engine(model, port, "llama", util=util, dummy=True, eager=not graphs, env=env)
+    if codec is not None:
+        env["HOTSWAP_HOST_CODEC"] = codec
+    spec = gpu_engine(
+        model, port, "llama", util=util, dummy=True, eager=not graphs, env=env, extension=extension
+    )
     return launch(spec, f"vllm-{port}")
+
+
+def realistic(url: str, seed: int = 1) -> dict[str, Any]:
+    """Redraw the engine's weights like a trained model's (benchmarks/realext.py's RPC;
+    the dummy loader's uniform values code smaller than trained weights do)."""
+    with httpx.Client(base_url=url, timeout=120.0) as e:
+        r = e.post(
+            "/collective_rpc",
+            json={"method": "hotswap_bench_realistic_weights", "kwargs": {"seed": seed}},
+        )
+        r.raise_for_status()
+        res = (r.json().get("results") or [{}])[0]
+    if not res.get("ok"):
+        raise RuntimeError(f"realistic weights: {res}")
+    return {"filled_bytes": res.get("filled_bytes"), "elapsed_s": res.get("elapsed_s")}
 
 
 def first_token(c: httpx.Client, n_tokens: int, model: str = "llama") -> float:
@@ -183,6 +212,9 @@ def ours(server: EngineProcess, args: argparse.Namespace, deadline: float) -> di
     try:
         res["server_start_s"] = wait_up(server, deadline)
         log(f"vLLM healthy after {res['server_start_s']:.1f} s")
+        if args.weights == "realistic":
+            res["realistic"] = realistic(server.base_url)
+            log("realistic weights", json.dumps(res["realistic"]))
         with httpx.Client(base_url=server.base_url, timeout=300.0) as e:
             e.post("/v1/completions", json=WARMUP).raise_for_status()
             res["ttft_never_slept_s"] = [first_token(e, args.ttft_tokens) for _ in range(3)]
@@ -276,6 +308,8 @@ def raw(server: EngineProcess, args: argparse.Namespace, deadline: float) -> dic
         base = server.base_url
         res["server_start_s"] = wait_up(server, deadline)
         log(f"vLLM (raw) healthy after {res['server_start_s']:.1f} s")
+        if args.weights == "realistic":
+            res["realistic"] = realistic(base)
         with httpx.Client(base_url=base, timeout=300.0) as c:
             c.post("/v1/completions", json=WARMUP).raise_for_status()
             res["ttft_never_slept_s"] = [first_token(c, args.ttft_tokens) for _ in range(3)]
@@ -331,26 +365,35 @@ def f4(v: Any) -> str:
 
 
 def report(out: dict[str, Any]) -> None:
+    runs = out.get("ours_by_codec") or {"": out.get("ours") or {}}
+    for codec, run in runs.items():
+        report_ours(out, run, f" HOTSWAP_HOST_CODEC={codec}" if codec else "")
+    report_raw(out)
+
+
+def report_ours(out: dict[str, Any], run: dict[str, Any], label: str) -> None:
     shape = out["shape"]
     bw = out.get("bandwidth") or {}
-    cyc = (out.get("ours") or {}).get("cycles", [])
+    cyc = run.get("cycles", [])
     weights = next((c["freed_bytes"].get("weights") for c in cyc if c.get("freed_bytes")), None)
     h2d = weights / bw["h2d_Bps"] if weights and bw else None
     d2h = weights / bw["d2h_Bps"] if weights and bw else None
-    out["weights_bytes"], out["h2d_bound_s"], out["d2h_bound_s"] = weights, h2d, d2h
+    if weights:
+        out["weights_bytes"], out["h2d_bound_s"], out["d2h_bound_s"] = weights, h2d, d2h
     if weights and bw:
         print(
-            f"\n{shape}: weights {weights / GB:.2f} GB; pinned H2D {bw['h2d_Bps'] / GB:.1f} GB/s,"
-            f" D2H {bw['d2h_Bps'] / GB:.1f} GB/s; H2D bound {h2d:.3f} s, D2H bound {d2h:.3f} s;"
-            f" graphs {out['graphs']}"
+            f"\n{shape}{label}: weights {weights / GB:.2f} GB; pinned H2D"
+            f" {bw['h2d_Bps'] / GB:.1f} GB/s, D2H {bw['d2h_Bps'] / GB:.1f} GB/s; H2D bound"
+            f" {h2d:.3f} s, D2H bound {d2h:.3f} s; graphs {out['graphs']};"
+            f" weights {out.get('weights')}"
         )
 
     def x(v: Any, b: Any) -> str:
         return f"{v / b:.2f}x" if isinstance(v, int | float) and b else "-"
 
     print(
-        f"\n| {shape}: wake through the sidecar | fused | POST -> answer | POST -> /health 200"
-        f" | x H2D | {' | '.join(PHASES)} | first token after | 2nd |"
+        f"\n| {shape}{label}: wake through the sidecar | fused | POST -> answer"
+        f" | POST -> /health 200 | x H2D | {' | '.join(PHASES)} | first token after | 2nd |"
     )
     print("|---" * (7 + len(PHASES)) + "|")
     for i, c in enumerate(cyc):
@@ -361,7 +404,7 @@ def report(out: dict[str, Any]) -> None:
             f" | {x(h, h2d)} | {ph} | {f4(c['ttft_after_wake_s'])} | {f4(c['ttft_second_s'])} |"
         )
     print(
-        f"\n| {shape}: sleep through the sidecar | POST | transition | x D2H"
+        f"\n| {shape}{label}: sleep through the sidecar | POST | transition | x D2H"
         f" | {' | '.join(SLEEP_PHASES)} |"
     )
     print("|---" * (4 + len(SLEEP_PHASES)) + "|")
@@ -369,9 +412,17 @@ def report(out: dict[str, Any]) -> None:
         ph = " | ".join(f4(c["sleep_phases"].get(p)) for p in SLEEP_PHASES)
         t = c["sleep_transition_s"]
         print(f"| cycle {i + 1} | {f3(c['sleep_post_s'])} | {f3(t)} | {x(t, d2h)} | {ph} |")
-    never = (out.get("ours") or {}).get("ttft_never_slept_s")
-    print(f"\nours: first token, never slept: {never}")
-    print(f"ours: engine before the first sleep: {(out.get('ours') or {}).get('engine_info')}")
+    print(f"\nours{label}: first token, never slept: {run.get('ttft_never_slept_s')}")
+    print(f"ours{label}: engine before the first sleep: {run.get('engine_info')}")
+
+
+def report_raw(out: dict[str, Any]) -> None:
+    shape = out["shape"]
+    h2d, d2h = out.get("h2d_bound_s"), out.get("d2h_bound_s")
+
+    def x(v: Any, b: Any) -> str:
+        return f"{v / b:.2f}x" if isinstance(v, int | float) and b else "-"
+
     rc = (out.get("raw") or {}).get("cycles", [])
     print(
         f"\n| {shape}: raw vLLM over HTTP | POST /sleep?level=1 | x D2H | POST /wake_up"
@@ -414,8 +465,22 @@ def main() -> int:
         help="1: before the first sleep, wait (up to 60 s) until the engine's host buffer is "
         "pinned (hotswap_info), so the first sleep's prepare is not measured beside the pinning",
     )
+    ap.add_argument(
+        "--weights",
+        choices=("realistic", "dummy"),
+        default="realistic",
+        help="realistic: every engine's weights redrawn like a trained model's once it is up"
+        " (benchmarks/realext.py's RPC; the host codec's ratio depends on them); dummy: vLLM's",
+    )
+    ap.add_argument(
+        "--codecs",
+        default="",
+        help="HOTSWAP_HOST_CODEC per run of ours, comma-separated (e.g. exp,none): one engine"
+        " each, booted one after the other; empty: one run, the environment's setting",
+    )
     args = ap.parse_args()
     args.graphs = bool(args.graphs)
+    codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
     args.fused = [f.strip() not in ("0", "false") for f in args.fused.split(",") if f.strip()]
     args.serial_boot, args.wait_pinned = bool(args.serial_boot), bool(args.wait_pinned)
     deadline = T0 + args.budget_s
@@ -427,26 +492,39 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "cmd": " ".join(sys.argv),
         "bandwidth": bandwidth(),
+        "weights": args.weights,
     }
+    ext = REAL_EXT if args.weights == "realistic" else "worker_ext.HotSwapExtension"
     model = write_config(args.shape, tempfile.mkdtemp(prefix=f"{args.shape}-"))
     rc = 0
     # Both servers boot at once (each takes the shape's share of the GPU); each is measured
     # while the other idles, and raw vLLM's sleep never meets our backend on one engine.
     util = args.util if args.util is not None else UTIL[args.shape]
     out["util"] = util
-    ours_server = start_vllm(model, free_port(), util, args.graphs)
+    runs = codecs or [None]
+    ours_server = start_vllm(model, free_port(), util, args.graphs, ext, runs[0])
     raw_server = None
     if args.raw and not args.serial_boot:
-        raw_server = start_vllm(model, free_port(), util, args.graphs)
+        raw_server = start_vllm(model, free_port(), util, args.graphs, ext)
     try:
-        try:
-            out["ours"] = ours(ours_server, args, deadline)
-        except Exception as exc:
-            out["ours_error"] = f"{type(exc).__name__}: {exc}"
-            log("ours failed:", out["ours_error"][-3000:])
-            rc = 1
+        for j, codec in enumerate(runs):
+            if j:  # the last run's engine has stopped: the next boots alone
+                ours_server = start_vllm(model, free_port(), util, args.graphs, ext, codec)
+            try:
+                got = ours(ours_server, args, deadline)
+                if codec is None:
+                    out["ours"] = got
+                else:
+                    out.setdefault("ours_by_codec", {})[codec] = got
+                    out.setdefault("ours", got)
+            except Exception as exc:
+                out["ours_error"] = f"{codec}: {type(exc).__name__}: {exc}"
+                log("ours failed:", out["ours_error"][-3000:])
+                rc = 1
+            finally:
+                ours_server.stop(20.0)
         if args.raw and args.serial_boot:  # ours has stopped: raw boots alone
-            raw_server = start_vllm(model, free_port(), util, args.graphs)
+            raw_server = start_vllm(model, free_port(), util, args.graphs, ext)
         if raw_server is not None:
             try:
                 out["raw"] = raw(raw_server, args, deadline)

@@ -1,0 +1,36 @@
+"""Bench-only worker extension: HotSwapExtension plus one RPC that redraws the weights.
+
+Loaded by the benches' HTTP engines as `benchmarks.realext.RealWeightsExtension` (the
+repo root on PYTHONPATH), so a server started with vLLM's dummy loader can be given
+weights drawn like a trained model's (benchmarks/realweights.py) before it is measured:
+the host codec's ratio, and so a coded wake's bytes, depend on them. Never for serving.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from worker_ext.extension import HotSwapExtension, rpc
+
+
+class RealWeightsExtension(HotSwapExtension):
+    @rpc
+    def hotswap_bench_realistic_weights(self, seed: int = 1) -> dict[str, Any]:
+        """Redraw every floating parameter (awake only), then size the host buffer again
+        for the new weights' coded copy (it was pinned for the dummy weights' at start)."""
+        from benchmarks import realweights
+
+        st = self._hotswap_state()
+        if st.backend.suspended():
+            raise RuntimeError("asleep: the weights are not mapped")
+        model = self._hotswap_model()
+        n = realweights.fill_model_(model.named_parameters(), seed=int(seed))
+        torch.cuda.synchronize()
+        warm = getattr(st.backend, "warm_host", None)
+        described: dict[str, Any] = {}
+        if callable(warm):
+            warm(wait=True)  # joins a pinning already running for the old size
+            described = warm(wait=True)  # pins anew if the coded copy grew
+        return {"filled_bytes": n, "host": described}
