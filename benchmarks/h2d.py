@@ -226,6 +226,9 @@ def main() -> None:
         default="torch,hostalloc,hostalloc_wc,hostbuffer,hostbuffer_1t,hostbuffer_nothp,hostbuffer_whole,hostbuffer_local",
     )
     ap.add_argument("--disk-dir", default="")
+    ap.add_argument("--engine", type=int, default=0, help="1: the engine-like wakes")
+    ap.add_argument("--engine-free-gib", type=float, default=40.0)
+    ap.add_argument("--big-host-gib", type=float, default=0.0)
     ap.add_argument("--budget-s", type=float, default=120.0)
     a = ap.parse_args()
     t_start = time.perf_counter()
@@ -419,7 +422,7 @@ def main() -> None:
         held.append(x)
         return x.data_ptr(), held.clear, n
 
-    for name in a.hosts.split(","):
+    for name in [h for h in a.hosts.split(",") if h]:
         if name == "hostbuffer_local" and not gpu_cpus:
             b.put(f"host:{name}", {"skipped": "no GPU-local cpulist"})
             continue
@@ -488,6 +491,16 @@ def main() -> None:
         except Exception:
             b.put("wake_64chunk_pieces_hostbuffer", {"error": traceback.format_exc()[-800:]})
 
+    if a.engine and left() > 20:
+        try:
+            engine_like(b, tensors, orig, plan, gc, rp, S, left, a.engine_free_gib)
+        except Exception:
+            b.put("engine", {"error": traceback.format_exc()[-800:]})
+    if a.big_host_gib and left() > 15:
+        try:
+            big_host(b, int(a.big_host_gib * (1 << 30)), bigp, S)
+        except Exception:
+            b.put("big_host", {"error": traceback.format_exc()[-800:]})
     if a.disk_dir and left() > 20:
         try:
             disk(b, Path(a.disk_dir), ref, S, bigp, left)
@@ -511,6 +524,220 @@ def main() -> None:
                 prof.get("wire_gbps") if isinstance(prof, dict) else None,
                 flush=True,
             )
+
+
+def _quarters(wq: codec.WakeQueue) -> dict[str, Any]:
+    """The profiled wake's wire rate by quarter of its pieces, and its slowest pieces."""
+    prof = wq._prof or []
+    sizes = wq._sizes
+    wire = [ev[1].elapsed_time(ev[2]) / 1000.0 for ev in prof]
+    n = len(wire)
+    out: dict[str, Any] = {}
+    for qi in range(4):
+        lo, hi = qi * n // 4, (qi + 1) * n // 4
+        w = sum(wire[lo:hi])
+        out[f"q{qi + 1}_gbps"] = round(sum(c for c, _ in sizes[lo:hi]) / w / GB, 2) if w else None
+    rates = sorted((sizes[j][0] / wire[j] / GB, j) for j in range(n) if wire[j] > 0)
+    out["slowest"] = [(round(r, 1), j, sizes[j][0]) for r, j in rates[:5]]
+    out["fastest"] = [(round(r, 1), j, sizes[j][0]) for r, j in rates[-3:]]
+    return out
+
+
+def engine_like(
+    b: Bench,
+    tensors: list[Any],
+    orig: list[Any],
+    plan: codec.Plan,
+    gc: codec.GpuCodec,
+    rp: int,
+    S: int,
+    left: Callable[[], float],
+    free_gib: float,
+) -> None:
+    """The wake as the cumem backend runs it: every tensor a cuMem record mapped just
+    before its pieces are queued (the driver's calls between them), the decodes into those
+    fresh mappings, the staging slots made anew, the product's HostBuffer, optionally right
+    after a large release (a sleep's) and after the GPU idled; each profiled per piece."""
+    from worker_ext.cudriver import Driver
+    from worker_ext.rawmem import raw_bytes
+
+    drv = Driver(torch.cuda.current_device(), exportable=True)
+    gran = drv.granularity
+    sizes = [(x.numel() * 2 + gran - 1) // gran * gran for x in tensors]
+    total = sum(sizes)
+    base = drv.reserve(total)
+    offs = [sum(sizes[:i]) for i in range(len(sizes))]
+    vplan = codec.Plan(
+        ranges=[(base + o, x.numel() * 2) for o, x in zip(offs, tensors, strict=True)],
+        pieces=plan.pieces,
+        meta=plan.meta,
+        inv=plan.inv,
+        total=plan.total,
+        raw_total=plan.raw_total,
+    )
+    by_rng: dict[int, list[codec.Piece]] = {}
+    for p in plan.pieces:
+        by_rng.setdefault(p.rng, []).append(p)
+    host = cudart.HostBuffer(S, b.rt, 0)
+    host.pin(4)
+    ctypes.memmove(host.ptr, rp, S)
+    hp = host.ptr
+    raw_total = plan.raw_total
+    raw_host = cudart.HostBuffer(raw_total, b.rt, 0)
+    raw_host.pin(4)
+    pos = 0
+    for x in orig:  # the raw bytes, for the `none` path
+        b.rt.memcpy_async(raw_host.ptr + pos, x.data_ptr(), x.numel() * 2, 0)
+        pos += x.numel() * 2
+    torch.cuda.synchronize()
+
+    def copy(off: int, dev: int, n: int, to_host: bool, stream: int) -> None:
+        q = 0
+        while q < n:
+            o = off + q
+            m = min(n - q, (o // cudart.REGISTER_BYTES + 1) * cudart.REGISTER_BYTES - o)
+            b.rt.memcpy_async(dev + q, hp + o, m, stream)
+            q += m
+
+    handles: list[int] = []
+
+    def unmap_all() -> None:
+        torch.cuda.synchronize()
+        for o, sz, h in zip(offs, sizes, handles, strict=True):
+            drv.unmap(base + o, sz)
+            drv.release(h)
+        handles.clear()
+
+    def release_big(gib: float) -> float:
+        """Map and touch `gib` GiB, then release it (what a sleep hands back)."""
+        if gib <= 0:
+            return 0.0
+        n = int(gib * (1 << 30)) // gran * gran
+        va = drv.reserve(n)
+        h = drv.create(n)
+        drv.map(va, n, h)
+        drv.set_access(va, n)
+        raw_bytes(va, n, torch.device("cuda")).fill_(1)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        drv.unmap(va, n)
+        drv.release(h)
+        drv.lib.cuMemAddressFree(ctypes.c_uint64(va), ctypes.c_size_t(n))
+        return time.perf_counter() - t
+
+    def one(coded: bool, fresh_slots: bool, free: float, idle: float) -> dict[str, Any]:
+        rel = release_big(free)
+        if idle:
+            time.sleep(idle)
+        if fresh_slots:
+            gc.release()
+            torch.cuda.empty_cache()
+        s0, s1, s2 = b.s
+        cur = torch.cuda.current_stream()
+        for st in b.s:
+            st.wait_stream(cur)
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(s0)
+        t = time.perf_counter()
+        wq = codec.WakeQueue(gc, vplan, copy, s0, s2, profile=True) if coded else None
+        k = 0
+        for r, (o, sz) in enumerate(zip(offs, sizes, strict=True)):
+            h = drv.create(sz)
+            drv.map(base + o, sz, h)
+            drv.set_access(base + o, sz)
+            handles.append(h)
+            if wq is not None:
+                for p in by_rng.get(r, []):
+                    wq.queue(p)
+            else:  # the raw path: 64 MiB copies round-robin on two streams
+                n = tensors[r].numel() * 2
+                src = raw_host.ptr + sum(x.numel() * 2 for x in tensors[:r])
+                for q in range(0, n, 64 * MiB):
+                    m = min(64 * MiB, n - q)
+                    b.rt.memcpy_async(base + o + q, src + q, m, (s0, s1)[k % 2].cuda_stream)
+                    k += 1
+        queued = time.perf_counter() - t
+        ends = [st.record_event(torch.cuda.Event(enable_timing=True)) for st in b.s]
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+        gpu = max(start.elapsed_time(e) for e in ends) / 1000.0
+        nbytes = S if coded else raw_total
+        res: dict[str, Any] = {
+            "gpu_s": round(gpu, 5),
+            "gbps": round(nbytes / gpu / GB, 2),
+            "wall_s": round(wall, 5),
+            "queue_s": round(queued, 5),
+            "release_s": round(rel, 4),
+            "map_s": {k2: round(v, 4) for k2, v in drv.take_spent().items()},
+        }
+        if wq is not None:
+            summ = wq.profile_summary() or {}
+            res.update(
+                {
+                    k2: summ.get(k2)
+                    for k2 in ("wire_gbps", "slot_wait_s", "dma_idle_cpu_s", "decode_gbps_raw")
+                }
+            )
+            res.update(_quarters(wq))
+        res["exact"] = all(
+            torch.equal(
+                raw_bytes(base + o, x.numel() * 2, torch.device("cuda")),
+                y.view(torch.uint8).view(-1),
+            )
+            for o, x, y in zip(offs, tensors, orig, strict=True)
+        )
+        unmap_all()
+        return res
+
+    out: dict[str, Any] = {"records": len(sizes), "pieces": len(plan.pieces)}
+    gc.n_slots = 2
+    variants = (
+        ("coded_warm_slots", True, False, 0.0, 0.0),
+        ("coded_fresh_slots", True, True, 0.0, 0.0),
+        ("coded_after_release", True, True, free_gib, 0.0),
+        ("coded_after_release_idle2", True, True, free_gib, 2.0),
+        ("raw_after_release", False, True, free_gib, 0.0),
+        ("coded_warm_slots_again", True, False, 0.0, 0.0),
+        ("raw_fresh", False, False, 0.0, 0.0),
+    )
+    for name, coded, fresh, free, idle in variants:
+        if left() < 8 + idle:
+            out[name] = {"skipped": "budget"}
+            continue
+        try:
+            out[name] = [one(coded, fresh, free, idle) for _ in range(2)]
+        except Exception:
+            out[name] = {"error": traceback.format_exc()[-800:]}
+            handles.clear()
+        b.put("engine", out)
+    host.free()
+    raw_host.free()
+
+
+def big_host(b: Bench, n: int, bigp: int, S: int) -> None:
+    """A HostBuffer as large as an 8B model's coded copy: its copy rate by 1 GiB segment."""
+    host = cudart.HostBuffer(n, b.rt, 0)
+    t = time.perf_counter()
+    host.pin(4)
+    pin_s = time.perf_counter() - t
+    s0 = b.s[0]
+    evs = [s0.record_event(torch.cuda.Event(enable_timing=True))]
+    seg = 1 << 30
+    for off in range(0, n, seg):
+        m = min(seg, n - off)
+        for q in range(0, m, 64 * MiB):
+            mm = min(64 * MiB, m - q)
+            b.rt.memcpy_async(
+                bigp + (off + q) % (S - 64 * MiB), host.ptr + off + q, mm, s0.cuda_stream
+            )
+        evs.append(s0.record_event(torch.cuda.Event(enable_timing=True)))
+    torch.cuda.synchronize()
+    rates = [
+        round(min(seg, n - i * seg) / (evs[i].elapsed_time(evs[i + 1]) / 1000.0) / GB, 1)
+        for i in range(len(evs) - 1)
+    ]
+    b.put("big_host", {"bytes": n, "pin_s": round(pin_s, 2), "gbps_by_gib": rates})
+    host.free()
 
 
 def disk(b: Bench, d: Path, ref: Any, S: int, bigp: int, left: Callable[[], float]) -> None:
