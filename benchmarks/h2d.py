@@ -44,6 +44,7 @@ from worker_ext import codec, cudart
 
 GB = 1e9
 MiB = 1 << 20
+CHUNK = cudart.CHUNK_BYTES  # divides REGISTER_BYTES: a copy cut at it spans no registration
 _HOST_ALLOC_PORTABLE = 1
 _HOST_ALLOC_WRITE_COMBINED = 4
 _REGISTER_READ_ONLY = 8
@@ -229,6 +230,7 @@ def main() -> None:
     ap.add_argument("--engine", type=int, default=0, help="1: the engine-like wakes")
     ap.add_argument("--engine-free-gib", type=float, default=40.0)
     ap.add_argument("--big-host-gib", type=float, default=0.0)
+    ap.add_argument("--pieces64", type=int, default=1, help="1: the 64-chunk pieces' wake")
     ap.add_argument("--budget-s", type=float, default=120.0)
     a = ap.parse_args()
     t_start = time.perf_counter()
@@ -451,7 +453,7 @@ def main() -> None:
             b.put(f"host:{name}", {"error": traceback.format_exc()[-800:]})
 
     # larger pieces (64 chunks = 128 MiB raw) through the product's HostBuffer
-    if left() > 20:
+    if a.pieces64 and left() > 20:
         try:
             gc64 = codec.GpuCodec("cuda", piece_chunks=64, slots=2)
             plan64 = gc64.plan(ranges)
@@ -585,10 +587,17 @@ def engine_like(
     raw_total = plan.raw_total
     raw_host = cudart.HostBuffer(raw_total, b.rt, 0)
     raw_host.pin(4)
+    raw_offs = []
     pos = 0
-    for x in orig:  # the raw bytes, for the `none` path
-        b.rt.memcpy_async(raw_host.ptr + pos, x.data_ptr(), x.numel() * 2, 0)
-        pos += x.numel() * 2
+    for x in orig:  # the raw bytes, for the `none` path (no copy spans two registrations)
+        raw_offs.append(pos)
+        n = x.numel() * 2
+        q = 0
+        while q < n:
+            m = min(n - q, ((pos + q) // CHUNK + 1) * CHUNK - (pos + q))
+            b.rt.memcpy_async(raw_host.ptr + pos + q, x.data_ptr() + q, m, 0)
+            q += m
+        pos += n
     torch.cuda.synchronize()
 
     def copy(off: int, dev: int, n: int, to_host: bool, stream: int) -> None:
@@ -603,7 +612,7 @@ def engine_like(
 
     def unmap_all() -> None:
         torch.cuda.synchronize()
-        for o, sz, h in zip(offs, sizes, handles, strict=True):
+        for o, sz, h in zip(offs, sizes, handles, strict=False):  # those mapped so far
             drv.unmap(base + o, sz)
             drv.release(h)
         handles.clear()
@@ -625,8 +634,23 @@ def engine_like(
         drv.lib.cuMemAddressFree(ctypes.c_uint64(va), ctypes.c_size_t(n))
         return time.perf_counter() - t
 
-    def one(coded: bool, fresh_slots: bool, free: float, idle: float) -> dict[str, Any]:
+    def map_one(r: int) -> None:
+        o, sz = offs[r], sizes[r]
+        h = drv.create(sz)
+        drv.map(base + o, sz, h)
+        drv.set_access(base + o, sz)
+        handles.append(h)
+
+    def one(coded: bool, fresh_slots: bool, free: float, idle: float, pre: int) -> dict[str, Any]:
+        """pre 1: every record mapped before the clock starts; 2: and each touched once."""
         rel = release_big(free)
+        if pre:
+            for r in range(len(sizes)):
+                map_one(r)
+            if pre == 2:
+                for o, sz in zip(offs, sizes, strict=True):
+                    raw_bytes(base + o, sz, torch.device("cuda")).zero_()
+            torch.cuda.synchronize()
         if idle:
             time.sleep(idle)
         if fresh_slots:
@@ -641,20 +665,22 @@ def engine_like(
         t = time.perf_counter()
         wq = codec.WakeQueue(gc, vplan, copy, s0, s2, profile=True) if coded else None
         k = 0
-        for r, (o, sz) in enumerate(zip(offs, sizes, strict=True)):
-            h = drv.create(sz)
-            drv.map(base + o, sz, h)
-            drv.set_access(base + o, sz)
-            handles.append(h)
+        for r, o in enumerate(offs):
+            if not pre:
+                map_one(r)
             if wq is not None:
                 for p in by_rng.get(r, []):
                     wq.queue(p)
-            else:  # the raw path: 64 MiB copies round-robin on two streams
+            else:  # the raw path (cumem _queue): CHUNK copies cut at host-offset multiples
                 n = tensors[r].numel() * 2
-                src = raw_host.ptr + sum(x.numel() * 2 for x in tensors[:r])
-                for q in range(0, n, 64 * MiB):
-                    m = min(64 * MiB, n - q)
-                    b.rt.memcpy_async(base + o + q, src + q, m, (s0, s1)[k % 2].cuda_stream)
+                hoff = raw_offs[r]
+                q = 0
+                while q < n:
+                    m = min(n - q, ((hoff + q) // CHUNK + 1) * CHUNK - (hoff + q))
+                    b.rt.memcpy_async(
+                        base + o + q, raw_host.ptr + hoff + q, m, (s0, s1)[k % 2].cuda_stream
+                    )
+                    q += m
                     k += 1
         queued = time.perf_counter() - t
         ends = [st.record_event(torch.cuda.Event(enable_timing=True)) for st in b.s]
@@ -692,23 +718,27 @@ def engine_like(
     out: dict[str, Any] = {"records": len(sizes), "pieces": len(plan.pieces)}
     gc.n_slots = 2
     variants = (
-        ("coded_warm_slots", True, False, 0.0, 0.0),
-        ("coded_fresh_slots", True, True, 0.0, 0.0),
-        ("coded_after_release", True, True, free_gib, 0.0),
-        ("coded_after_release_idle2", True, True, free_gib, 2.0),
-        ("raw_after_release", False, True, free_gib, 0.0),
-        ("coded_warm_slots_again", True, False, 0.0, 0.0),
-        ("raw_fresh", False, False, 0.0, 0.0),
+        ("coded_warm_slots", True, False, 0.0, 0.0, 0),
+        ("coded_fresh_slots", True, True, 0.0, 0.0, 0),
+        ("coded_premapped", True, False, 0.0, 0.0, 1),
+        ("coded_premapped_touched", True, False, 0.0, 0.0, 2),
+        ("coded_after_release", True, True, free_gib, 0.0, 0),
+        ("raw_after_release", False, True, free_gib, 0.0, 0),
+        ("raw_fresh", False, False, 0.0, 0.0, 0),
+        ("coded_after_release_idle2", True, True, free_gib, 2.0, 0),
     )
-    for name, coded, fresh, free, idle in variants:
-        if left() < 8 + idle:
+    for name, coded, fresh, free, idle, pre in variants:
+        if left() < 8 + 2 * idle:
             out[name] = {"skipped": "budget"}
             continue
         try:
-            out[name] = [one(coded, fresh, free, idle) for _ in range(2)]
+            out[name] = [one(coded, fresh, free, idle, pre) for _ in range(2)]
         except Exception:
             out[name] = {"error": traceback.format_exc()[-800:]}
-            handles.clear()
+            try:
+                unmap_all()
+            except Exception:
+                handles.clear()
         b.put("engine", out)
     host.free()
     raw_host.free()
