@@ -564,6 +564,7 @@ def engine_like(
     from worker_ext.rawmem import raw_bytes
 
     drv = Driver(torch.cuda.current_device(), exportable=True)
+    cuda = torch.device("cuda", torch.cuda.current_device())  # a raw view names its index
     gran = drv.granularity
     sizes = [(x.numel() * 2 + gran - 1) // gran * gran for x in tensors]
     total = sum(sizes)
@@ -626,7 +627,7 @@ def engine_like(
         h = drv.create(n)
         drv.map(va, n, h)
         drv.set_access(va, n)
-        raw_bytes(va, n, torch.device("cuda")).fill_(1)
+        raw_bytes(va, n, cuda).fill_(1)
         torch.cuda.synchronize()
         t = time.perf_counter()
         drv.unmap(va, n)
@@ -649,7 +650,7 @@ def engine_like(
                 map_one(r)
             if pre == 2:
                 for o, sz in zip(offs, sizes, strict=True):
-                    raw_bytes(base + o, sz, torch.device("cuda")).zero_()
+                    raw_bytes(base + o, sz, cuda).zero_()
             torch.cuda.synchronize()
         if idle:
             time.sleep(idle)
@@ -707,7 +708,7 @@ def engine_like(
             res.update(_quarters(wq))
         res["exact"] = all(
             torch.equal(
-                raw_bytes(base + o, x.numel() * 2, torch.device("cuda")),
+                raw_bytes(base + o, x.numel() * 2, cuda),
                 y.view(torch.uint8).view(-1),
             )
             for o, x, y in zip(offs, tensors, orig, strict=True)
@@ -720,7 +721,6 @@ def engine_like(
     variants = (
         ("coded_warm_slots", True, False, 0.0, 0.0, 0),
         ("coded_fresh_slots", True, True, 0.0, 0.0, 0),
-        ("coded_premapped", True, False, 0.0, 0.0, 1),
         ("coded_premapped_touched", True, False, 0.0, 0.0, 2),
         ("coded_after_release", True, True, free_gib, 0.0, 0),
         ("raw_after_release", False, True, free_gib, 0.0, 0),
@@ -732,7 +732,7 @@ def engine_like(
             out[name] = {"skipped": "budget"}
             continue
         try:
-            out[name] = [one(coded, fresh, free, idle, pre) for _ in range(2)]
+            out[name] = [one(coded, fresh, free, idle, pre) for _ in range(1 if idle else 2)]
         except Exception:
             out[name] = {"error": traceback.format_exc()[-800:]}
             try:

@@ -34,3 +34,23 @@ class RealWeightsExtension(HotSwapExtension):
             warm(wait=True)  # joins a pinning already running for the old size
             described = warm(wait=True)  # pins anew if the coded copy grew
         return {"filled_bytes": n, "host": described}
+
+    @rpc
+    def hotswap_bench_codec(self, codec: str) -> dict[str, Any]:
+        """Awake: this worker's HOTSWAP_HOST_CODEC becomes `codec` (exp | none), and the
+        host buffer is pinned again for that copy's size (a raw copy needs a bigger one),
+        so one engine is measured with both in one run."""
+        import dataclasses
+
+        st = self._hotswap_state()
+        if st.backend.suspended():
+            raise RuntimeError("asleep: switch the codec while awake")
+        if codec not in ("exp", "none"):
+            raise ValueError(f"codec {codec!r}: expected exp or none")
+        st.use_settings(dataclasses.replace(st.settings, host_codec=codec))
+        warm = getattr(st.backend, "warm_host", None)
+        described: dict[str, Any] = {}
+        if callable(warm):
+            warm(wait=True)
+            described = warm(wait=True)
+        return {"codec": st.settings.host_codec, "host": described}

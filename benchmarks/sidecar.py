@@ -99,6 +99,19 @@ def start_vllm(
     return launch(spec, f"vllm-{port}")
 
 
+def switch_codec(url: str, codec: str) -> dict[str, Any]:
+    """The engine's host codec becomes `codec` (benchmarks/realext.py's RPC), awake."""
+    with httpx.Client(base_url=url, timeout=120.0) as e:
+        r = e.post(
+            "/collective_rpc", json={"method": "hotswap_bench_codec", "kwargs": {"codec": codec}}
+        )
+        r.raise_for_status()
+        res = (r.json().get("results") or [{}])[0]
+    if not res.get("ok"):
+        raise RuntimeError(f"switch codec: {res}")
+    return {"codec": res.get("codec"), "elapsed_s": res.get("elapsed_s")}
+
+
 def realistic(url: str, seed: int = 1) -> dict[str, Any]:
     """Redraw the engine's weights like a trained model's (benchmarks/realext.py's RPC;
     the dummy loader's uniform values code smaller than trained weights do)."""
@@ -229,7 +242,17 @@ def ours(server: EngineProcess, args: argparse.Namespace, deadline: float) -> di
             if args.wait_pinned and "engine_info" not in res:
                 res["engine_info"] = wait_pinned(server.base_url, time.monotonic() + 60)
                 log("engine info before the first sleep", json.dumps(res["engine_info"]))
-            cycles(side, server, args, deadline, fused, res)
+            for j, codec in enumerate(args.codec_list or [None]):
+                try:  # a failed codec's run leaves the others' cycles in res
+                    if codec is not None and j:
+                        switched = switch_codec(server.base_url, codec)
+                        res.setdefault("switched", []).append(switched)
+                        log("codec switched", json.dumps(switched))
+                    cycles(side, server, args, deadline, fused, res, codec)
+                except Exception as exc:
+                    res.setdefault("errors", []).append(f"{codec}: {type(exc).__name__}: {exc}")
+                    log("ours failed:", res["errors"][-1][-3000:])
+                    break
             side.stop(20.0)
             side = None
     finally:
@@ -250,6 +273,7 @@ def cycles(
     deadline: float,
     fused: bool,
     res: dict[str, Any],
+    codec: str | None = None,
 ) -> None:
     base = side.base_url
     with (
@@ -297,6 +321,7 @@ def cycles(
                 "ttft_after_wake_s": ttft,
                 "ttft_second_s": ttft2,
                 "fused": fused,
+                "codec": codec,
             }
             res["cycles"].append(cyc)
             log(f"ours cycle {i + 1} (fused_wake {fused})", json.dumps(cyc))
@@ -475,8 +500,9 @@ def main() -> int:
     ap.add_argument(
         "--codecs",
         default="",
-        help="HOTSWAP_HOST_CODEC per run of ours, comma-separated (e.g. exp,none): one engine"
-        " each, booted one after the other; empty: one run, the environment's setting",
+        help="HOTSWAP_HOST_CODEC per run of ours' cycles, comma-separated (e.g. exp,none): one"
+        " engine, the codec switched while awake (benchmarks/realext.py; needs --weights"
+        " realistic's extension); empty: the environment's setting",
     )
     args = ap.parse_args()
     args.graphs = bool(args.graphs)
@@ -501,28 +527,25 @@ def main() -> int:
     # while the other idles, and raw vLLM's sleep never meets our backend on one engine.
     util = args.util if args.util is not None else UTIL[args.shape]
     out["util"] = util
-    runs = codecs or [None]
-    ours_server = start_vllm(model, free_port(), util, args.graphs, ext, runs[0])
+    args.codec_list = codecs
+    # one engine for every codec (HOTSWAP_HOST_CODEC switched between them while awake)
+    ours_server = start_vllm(model, free_port(), util, args.graphs, ext, (codecs or [None])[0])
     raw_server = None
     if args.raw and not args.serial_boot:
         raw_server = start_vllm(model, free_port(), util, args.graphs, ext)
     try:
-        for j, codec in enumerate(runs):
-            if j:  # the last run's engine has stopped: the next boots alone
-                ours_server = start_vllm(model, free_port(), util, args.graphs, ext, codec)
-            try:
-                got = ours(ours_server, args, deadline)
-                if codec is None:
-                    out["ours"] = got
-                else:
-                    out.setdefault("ours_by_codec", {})[codec] = got
-                    out.setdefault("ours", got)
-            except Exception as exc:
-                out["ours_error"] = f"{codec}: {type(exc).__name__}: {exc}"
-                log("ours failed:", out["ours_error"][-3000:])
-                rc = 1
-            finally:
-                ours_server.stop(20.0)
+        try:
+            out["ours"] = ours(ours_server, args, deadline)
+        except Exception as exc:
+            out["ours_error"] = f"{type(exc).__name__}: {exc}"
+            log("ours failed:", out["ours_error"][-3000:])
+            rc = 1
+        if codecs and out.get("ours"):
+            got = out["ours"]
+            out["ours_by_codec"] = {
+                c: {**got, "cycles": [cy for cy in got["cycles"] if cy.get("codec") == c]}
+                for c in codecs
+            }
         if args.raw and args.serial_boot:  # ours has stopped: raw boots alone
             raw_server = start_vllm(model, free_port(), util, args.graphs, ext)
         if raw_server is not None:
