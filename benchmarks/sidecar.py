@@ -291,7 +291,8 @@ def cycles(
                 raise RuntimeError(f"sleep {r.status_code}: {r.text[:2000]}")
             sleep_tr = r.json().get("transition") or {}
             health_503 = c.get("/health").status_code
-            time.sleep(ASLEEP_S)
+            asleep = args.asleep[i % len(args.asleep)]
+            time.sleep(asleep)
             box = timed_wake(base, lambda w: w.post("/models/llama/wake"))
             body = box.get("body") or {}
             if box.get("status") != 200:
@@ -322,6 +323,7 @@ def cycles(
                 "ttft_second_s": ttft2,
                 "fused": fused,
                 "codec": codec,
+                "asleep_s": asleep,
             }
             res["cycles"].append(cyc)
             log(f"ours cycle {i + 1} (fused_wake {fused})", json.dumps(cyc))
@@ -425,9 +427,23 @@ def report_ours(out: dict[str, Any], run: dict[str, Any], label: str) -> None:
         ph = " | ".join(f4(c["wake_phases"].get(p)) for p in PHASES)
         h = c["post_to_health_200_s"]
         print(
-            f"| cycle {i + 1} | {int(c.get('fused', False))} | {f3(c['wake_post_s'])} | {f3(h)}"
+            f"| cycle {i + 1} ({c.get('asleep_s', ASLEEP_S):g} s asleep)"
+            f" | {int(c.get('fused', False))} | {f3(c['wake_post_s'])} | {f3(h)}"
             f" | {x(h, h2d)} | {ph} | {f4(c['ttft_after_wake_s'])} | {f4(c['ttft_second_s'])} |"
         )
+    for i, c in enumerate(cyc):  # the ranks' own figures: the copies' GPU time, by phase
+        ranks = {
+            name: {
+                "elapsed_s": r.get("elapsed_s"),
+                **{
+                    k: v
+                    for k, v in (r.get("timings") or {}).items()
+                    if k in ("copies_gpu_s", "wait_copies_s", "weights_s", "kv_cache_s")
+                },
+            }
+            for name, r in (c.get("wake_ranks") or {}).items()
+        }
+        print(f"cycle {i + 1} ranks: {json.dumps(ranks)}")
     print(
         f"\n| {shape}{label}: sleep through the sidecar | POST | transition | x D2H"
         f" | {' | '.join(SLEEP_PHASES)} |"
@@ -491,6 +507,12 @@ def main() -> int:
         "pinned (hotswap_info), so the first sleep's prepare is not measured beside the pinning",
     )
     ap.add_argument(
+        "--asleep-s",
+        default=str(ASLEEP_S),
+        help="seconds asleep before each wake of ours, comma-separated, taken in turn by the"
+        " cycles (e.g. 1,0,2: the driver scrubs released memory for a while after a sleep)",
+    )
+    ap.add_argument(
         "--weights",
         choices=("realistic", "dummy"),
         default="realistic",
@@ -507,6 +529,7 @@ def main() -> int:
     args = ap.parse_args()
     args.graphs = bool(args.graphs)
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
+    args.asleep = [float(x) for x in args.asleep_s.split(",") if x.strip()] or [ASLEEP_S]
     args.fused = [f.strip() not in ("0", "false") for f in args.fused.split(",") if f.strip()]
     args.serial_boot, args.wait_pinned = bool(args.serial_boot), bool(args.wait_pinned)
     deadline = T0 + args.budget_s
