@@ -27,7 +27,8 @@ class RealWeightsExtension(HotSwapExtension):
             raise RuntimeError("asleep: the weights are not mapped")
         model = self._hotswap_model()
         n = realweights.fill_model_(model.named_parameters(), seed=int(seed))
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         warm = getattr(st.backend, "warm_host", None)
         described: dict[str, Any] = {}
         if callable(warm):
