@@ -49,7 +49,9 @@ FORMAT_VERSION = 2  # 2: every piece starts on ALIGN in the file (1: pieces back
 ALIGN = 4096
 SUFFIX = ".hswt"
 _FIXED = struct.Struct("<8sIIII")
-READ_BYTES = 64 << 20  # one pread
+# one pread: with 16 threads (HOTSWAP_DISK_THREADS) a warm file read at 45.2 GB/s on an H200
+# (16 x 64 MiB 41.0, 8 x 64 MiB 28.9, 16 x 256 MiB 33.8 GB/s: docs/benchmarks.md)
+READ_BYTES = 16 << 20
 
 
 class TierRefused(Exception):
@@ -342,7 +344,7 @@ class _Reader:
 
 
 def read_payload(
-    path: Path, header: Header, dst: Any, threads: int = 8, read_bytes: int = READ_BYTES
+    path: Path, header: Header, dst: Any, threads: int = 16, read_bytes: int = READ_BYTES
 ) -> float:
     """Read every piece into `dst` (a writable buffer of header.payload_bytes(), e.g. a
     pinned host buffer's memoryview) with `threads` parallel preads; seconds taken."""
@@ -393,7 +395,7 @@ def restore(
     queue: Callable[[Header, int, Any], None],
     drain: Callable[[], None],
     digest: Callable[[], Any],
-    threads: int = 8,
+    threads: int = 16,
     read_bytes: int = READ_BYTES,
 ) -> dict[str, Any]:
     """Read `key`'s file into `alloc(n)` (a uint8 CPU tensor of n bytes, e.g. over a pinned

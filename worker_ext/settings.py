@@ -59,7 +59,9 @@ class WorkerSettings:
     disk_dir: str = ""
     # HOTSWAP_DISK_BUDGET_GB: bytes the tier's files may take in that directory (oldest go)
     disk_budget_bytes: int = 64 * 10**9
-    disk_threads: int = 8  # HOTSWAP_DISK_THREADS: parallel reads of a tier file
+    # HOTSWAP_DISK_THREADS: parallel reads of a tier file (disktier.READ_BYTES each); on an
+    # H200 a warm file read at 45.2 GB/s with 16 x 16 MiB, 28.9 with 8 x 64 MiB
+    disk_threads: int = 16
     # HOTSWAP_WARM_PREPARE: 1 (the first hotswap_info of an awake rank runs a sleep's prepare
     # once and drops it, so the first real sleep does not pay its first-call costs) | 0
     warm_prepare: bool = True
@@ -97,9 +99,9 @@ class WorkerSettings:
         except ValueError:
             budget = 64 * 10**9
         try:
-            disk_threads = max(1, int(env.get("HOTSWAP_DISK_THREADS", "8")))
+            disk_threads = max(1, int(env.get("HOTSWAP_DISK_THREADS", "16")))
         except ValueError:
-            disk_threads = 8
+            disk_threads = 16
         return cls(
             keep_host_backup=keep,
             pin_mode=_choice(env, "HOTSWAP_PIN_HOST_BACKUP", ("early", "lazy"), pin_default),
