@@ -534,11 +534,10 @@ def _quarters(wq: codec.WakeQueue) -> dict[str, Any]:
     sizes = wq._sizes
     wire = [ev[1].elapsed_time(ev[2]) / 1000.0 for ev in prof]
     n = len(wire)
-    out: dict[str, Any] = {}
-    for qi in range(4):
-        lo, hi = qi * n // 4, (qi + 1) * n // 4
-        w = sum(wire[lo:hi])
-        out[f"q{qi + 1}_gbps"] = round(sum(c for c, _ in sizes[lo:hi]) / w / GB, 2) if w else None
+    quarters = codec.rates_by_part(wire, [c for c, _ in sizes])
+    out: dict[str, Any] = {
+        f"q{i + 1}_gbps": round(r, 2) if r is not None else None for i, r in enumerate(quarters)
+    }
     rates = sorted((sizes[j][0] / wire[j] / GB, j) for j in range(n) if wire[j] > 0)
     out["slowest"] = [(round(r, 1), j, sizes[j][0]) for r, j in rates[:5]]
     out["fastest"] = [(round(r, 1), j, sizes[j][0]) for r, j in rates[-3:]]

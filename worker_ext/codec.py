@@ -787,6 +787,21 @@ class SleepQueue:
         return encoded
 
 
+def rates_by_part(seconds: list[float], nbytes: list[int], parts: int = 4) -> list[float | None]:
+    """GB/s of each of `parts` consecutive runs of pieces (piece j took seconds[j] for
+    nbytes[j]); None for a run with no time. A wake profiled right after a large release
+    shows the driver's scrub as slow first parts (docs/benchmarks.md, 18:03 UTC)."""
+    if len(seconds) != len(nbytes):
+        raise ValueError(f"{len(seconds)} times for {len(nbytes)} sizes")
+    n = len(seconds)
+    out: list[float | None] = []
+    for q in range(parts):
+        lo, hi = q * n // parts, (q + 1) * n // parts
+        t = sum(seconds[lo:hi])
+        out.append(sum(nbytes[lo:hi]) / t / 1e9 if t > 0 else None)
+    return out
+
+
 class WakeQueue:
     """Copy pieces from the host into the staging slots on `dma` and decode each into its
     final place on `dec`, piece j + 1 on the wire while piece j decodes.
@@ -887,6 +902,10 @@ class WakeQueue:
             "decode_lag_s": sum(m[2] for m in ms) / 1000.0,
             "decode_slower_than_wire": len(slow),
             "wire_gbps": coded / (sum(wire) / 1000.0) / 1e9 if sum(wire) else None,
+            # the wire's rate by quarter of the pieces, in queue order
+            "wire_gbps_by_quarter": rates_by_part(
+                [w / 1000.0 for w in wire], [c for c, _ in self._sizes]
+            ),
             "decode_gbps_raw": raw / (sum(dec) / 1000.0) / 1e9 if sum(dec) else None,
             "largest_cpu_gaps_ms": sorted(((round(g, 3), j + 1) for j, g in enumerate(gaps)))[-5:],
         }

@@ -337,3 +337,16 @@ def test_wake_queue_stages_every_slot_then_decodes_in_order(
         staged_ev = next(e for e in log[c:] if e.startswith(f"{on(j)} records")).split()[-1]
         dj = log.index(f"decode p{j} from slot {j % 3}")
         assert f"dec waits {staged_ev}" in log[c:dj]
+
+
+def test_rates_by_part_splits_pieces_in_order() -> None:
+    # 8 pieces of 1 GB: the first two slow (as right after a large release), the rest fast
+    secs = [1 / 28, 1 / 28] + [1 / 55] * 6
+    rates = codec.rates_by_part(secs, [10**9] * 8)
+    assert [round(r or 0, 6) for r in rates] == [28.0, 55.0, 55.0, 55.0]
+    odd = codec.rates_by_part([0.5, 0.5, 0.5], [10**9, 2 * 10**9, 10**9], parts=2)
+    assert [round(r or 0, 6) for r in odd] == [2.0, 3.0]  # [0:1] and [1:3]
+    assert codec.rates_by_part([], [], parts=2) == [None, None]
+    assert codec.rates_by_part([0.0, 0.0], [5, 5]) == [None, None, None, None]
+    with pytest.raises(ValueError, match="3 times for 2 sizes"):
+        codec.rates_by_part([1.0, 1.0, 1.0], [1, 1])
