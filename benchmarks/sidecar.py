@@ -543,7 +543,8 @@ def main() -> int:
         "bandwidth": bandwidth(),
         "weights": args.weights,
     }
-    ext = REAL_EXT if args.weights == "realistic" else "worker_ext.HotSwapExtension"
+    # the bench's RPCs (redraw the weights, switch the codec) live in benchmarks/realext.py
+    ext = REAL_EXT if args.weights == "realistic" or codecs else "worker_ext.HotSwapExtension"
     model = write_config(args.shape, tempfile.mkdtemp(prefix=f"{args.shape}-"))
     rc = 0
     # Both servers boot at once (each takes the shape's share of the GPU); each is measured
