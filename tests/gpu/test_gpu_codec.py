@@ -111,6 +111,9 @@ def test_queues_roundtrip_through_pinned_memory_within_scratch() -> None:
         assert prof["pieces"] == len(plan.pieces), prof
         assert 0 < prof["wire_s"] <= prof["total_s"], prof
         assert prof["decode_s"] > 0, prof
+        quarters = prof["wire_gbps_by_quarter"]  # the wire's rate over the queue's order
+        assert len(quarters) == 4, prof
+        assert all(q is None or q > 0 for q in quarters), prof
         print(f"[codec] wake profile, {decoder}: {prof}")
     bound = 2 * gc.slot_bytes + 2 * gc.piece_chunks * codec.CHUNK_BLOCKS * 4
     assert gc.peak_scratch <= bound
