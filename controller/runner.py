@@ -11,6 +11,7 @@ mismatched tensors -> VerificationFailed); `fail` turns it into FAILED with the 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -83,6 +84,25 @@ class Run:
     # The params the next steps are built from: `run` sets them; an engine step that
     # decides from an earlier step's reports may replace them (the kv decision).
     params: protocol.Params | None = None
+    # Requests an engine step sent ahead for a later step, by that step's phase (the
+    # warm-up, sent with /resume); the later step awaits its own, `run` cancels the rest.
+    ahead: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
+
+    def send_ahead(self, phase: str, request: Callable[[], Awaitable[Any]]) -> None:
+        """Start `request()` now for the step `phase` (which takes it with `taken`)."""
+        if phase not in self.ahead:
+            self.ahead[phase] = asyncio.ensure_future(request())
+
+    def taken(self, phase: str) -> asyncio.Task[Any] | None:
+        return self.ahead.pop(phase, None)
+
+    def cancel_ahead(self) -> None:
+        """Cancel what was sent ahead and not taken (the step it was for never ran)."""
+        for task in self.ahead.values():
+            task.cancel()
+            # read the outcome so that an error there is not reported as never retrieved
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self.ahead.clear()
 
 
 def _reason(exc: HotswapError) -> str:
@@ -174,6 +194,7 @@ class Runner:
             for step in steps:
                 run.reports[step.phase] = await self.step(run, step, run.params)
         finally:
+            run.cancel_ahead()
             self.current = None
         return run.reports
 

@@ -77,6 +77,9 @@ class FakeVllm:
     # What a prepare answers as `demotable` (None: the key is left out, as older ranks do);
     # a demotion after a prepare that answered False is refused (CUDA, HOTSWAP_DEMOTABLE=0).
     demotable: bool | None = None
+    # Completions that reached the engine while it was paused (they wait for /resume).
+    held_while_paused: int = 0
+    _resumed_event: asyncio.Event | None = None
 
     def __post_init__(self) -> None:
         if not self.ranks:
@@ -120,6 +123,12 @@ class FakeVllm:
 
     requests: list[httpx.Request] = field(default_factory=list)
 
+    def _resumed(self) -> asyncio.Event:
+        """Set by the next /resume (what a completion sent to the paused engine waits for)."""
+        if self._resumed_event is None:
+            self._resumed_event = asyncio.Event()
+        return self._resumed_event
+
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
 
@@ -150,6 +159,10 @@ class FakeVllm:
             method = f"/pause?{request.url.params.get('mode', 'wait')}"
         self.calls.append(method)
         self.requests.append(request)
+        held = path == "/v1/completions" and self.paused and not self.suspended
+        if held:  # as measured: a request that reaches a paused engine waits for /resume
+            self.held_while_paused += 1
+            await self._resumed().wait()
         # The fused wake (hotswap_wake) is its parts in one call: what a test sets on a
         # part (cost, block, override, failure) applies to it unless set on it by name.
         names = [method, *(WAKE_PARTS if method == "hotswap_wake" else ())]
@@ -206,6 +219,8 @@ class FakeVllm:
             return self._pause(request)
         if path == "/resume":
             self.paused = False
+            self._resumed().set()
+            self._resumed_event = None
             return httpx.Response(200, json={"status": "resumed"})
         if path == "/reset_prefix_cache":
             self.prefix_resets += 1

@@ -130,10 +130,10 @@ WAKE_CALLS_1 = [
     "hotswap_resume",
     "hotswap_resume",
     "hotswap_restore_and_verify",
+    "/v1/models",  # the first wake learns the served model's name
+    "/v1/completions",  # the warm-up, sent before /resume: the paused engine holds it
     "/resume",
     "/is_paused",
-    "/v1/models",
-    "/v1/completions",
 ]
 # The default (fused_wake): the resumes and the verify in one hotswap_wake.
 WAKE_CALLS_FUSED = ["hotswap_wake", *WAKE_CALLS_1[3:]]
@@ -299,13 +299,13 @@ async def test_level_2_wake_reloads_between_the_resumes_with_the_reload_timeout(
     rig.world.calls.clear()
     rig.world.requests.clear()
     out = await rig.m.wake()
-    assert rig.world.calls[:5] == [
+    assert rig.world.calls[:4] == [
         "hotswap_resume",
         "hotswap_reload",
         "hotswap_resume",
         "hotswap_restore_and_verify",
-        "/resume",
     ]
+    assert rig.world.calls[4:] == WAKE_CALLS_1[3:]
     assert rig.world.requests[1].extensions["timeout"]["read"] == 321.0
     assert out.transition is not None
     assert out.transition.level == 2
@@ -398,6 +398,47 @@ async def test_a_failed_fused_wake_is_failed_and_never_resent(failure: str) -> N
         )
         == 1
     )
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_the_warm_up_goes_out_before_resume_and_the_model_is_ready_after_its_answer() -> None:
+    """The warm-up is sent as /resume is (the paused engine holds it): it reaches the
+    engine while it is still paused, and RUNNING comes only after it answered."""
+    rig = await started()
+    for _ in range(2):  # the second wake knows the served model already
+        await rig.m.sleep(1)
+        rig.world.calls.clear()
+        held = rig.world.held_while_paused
+        gate = rig.world.block("/v1/completions")
+        wake = asyncio.create_task(rig.m.wake())
+        await rig.world.entered["/v1/completions"].wait()
+        await asyncio.sleep(0.01)  # /resume and /is_paused answer meanwhile
+        assert rig.world.held_while_paused == held + 1
+        assert "/resume" in rig.world.calls
+        assert rig.m.snapshot().state is State.RESUMING
+        gate.set()
+        out = await wake
+        assert (out.snapshot.state, out.snapshot.verified) == (State.RUNNING, True)
+        assert out.transition is not None
+        assert [p.name for p in out.transition.phases][-2:] == ["resume_engine", "warmup"]
+        del rig.world.gates["/v1/completions"]
+    assert rig.world.calls[1:] == ["/v1/completions", "/resume", "/is_paused"]
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_a_failed_resume_cancels_the_warm_up_sent_with_it() -> None:
+    rig = await started()
+    await rig.m.sleep(1)
+    rig.world.fail["/resume"] = "http500"
+    with pytest.raises(HotswapError):
+        await rig.m.wake()
+    await asyncio.sleep(0)
+    assert rig.world.held_while_paused >= 1  # it went out (and again with each retry)
+    pending = [t for t in asyncio.all_tasks() if "warmup" in repr(t.get_coro())]
+    assert pending == []  # cancelled, not left waiting on the paused engine
+    assert rig.m.snapshot().state is State.FAILED
     await rig.manager.stop()
 
 
