@@ -79,10 +79,13 @@ class HostMemory:
 
     def woke(self, name: str, outcome: Outcome) -> bool:
         """After a wake: the host bytes it keeps (its backup, as its resumes said); True when
-        that may put the fleet over the host budget (then `enforce()`)."""
+        the fleet is now over the host budget (then `enforce()`; within it, nothing to plan)."""
         rec = self.fleet[name]
         rec.host_bytes = _backup_held(outcome)
-        return self.budget().bytes is not None and rec.host_bytes > 0
+        cap = self.budget().bytes
+        if cap is None or rec.host_bytes == 0:
+            return False
+        return sum(self.fleet[n].host_bytes for n in self.fleet) > cap
 
     async def enforce(self) -> HostPlan | None:
         """Holding the host lock: the fleet as it is within the host budget (backups

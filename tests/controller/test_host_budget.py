@@ -155,6 +155,18 @@ def test_a_wake_that_keeps_a_backup_over_the_budget_drops_it() -> None:
     run(body)
 
 
+def test_a_wake_whose_backup_fits_the_budget_plans_nothing() -> None:
+    async def body() -> None:
+        async with world(("a", "b"), swap={"host_budget": 10 * W, "max_awake": 2}) as w:
+            w.engines["b"].fake.host_backup = W  # kept, and the fleet stays within 10 W
+            await w.coordinator.wake("b")
+            assert w.coordinator.fleet["b"].host_bytes == W
+            assert w.coordinator.fleet["b"].host_task is None
+            assert "hotswap_drop_backup" not in w.engines["b"].fake.rpc_calls()
+
+    run(body)
+
+
 def test_a_wake_that_keeps_nothing_plans_nothing() -> None:
     async def body() -> None:
         async with world(("a", "b"), swap={"host_budget": W, "max_awake": 2}) as w:
