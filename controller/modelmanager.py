@@ -212,8 +212,7 @@ class ModelManager:
         self.record.asleep = None  # every pool the level releases
         # what the last suspend's ranks say they left on their devices
         last = protocol.SUSPEND_WEIGHTS if kv_released is not None else protocol.SUSPEND
-        self.record.wake_scratch = wake_scratch_bytes(reports.get(last.phase, ()))
-        self.record.codec_scratch = max(self.record.codec_scratch, self.record.wake_scratch)
+        self.record.learn_wake_scratch(wake_scratch_bytes(reports.get(last.phase, ())))
         rec = self.runner.finish(
             run,
             Event.SLEEP_DONE,

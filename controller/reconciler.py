@@ -141,8 +141,7 @@ class Reconciler:
         rec.boot_ids = v.boot_ids
         if v.rule == "suspended":  # read from the ranks (a cache-fits verdict says nothing)
             rec.asleep = v.tags or None
-            rec.wake_scratch = v.wake_scratch_bytes  # what its wake will decode through
-            rec.codec_scratch = max(rec.codec_scratch, rec.wake_scratch)
+            rec.learn_wake_scratch(v.wake_scratch_bytes)  # what its wake will decode through
         elif v.state in (State.RUNNING, State.RESUMING):
             rec.asleep = None
         if v.rule in ("suspended", "running") and v.host_backup_bytes:

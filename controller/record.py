@@ -237,6 +237,12 @@ class ModelRecord:
             log.info("%s: pools %s (%s)", self.name, known, source, extra={"model": self.name})
             self.pools = known
 
+    def learn_wake_scratch(self, nbytes: int) -> None:
+        """What its next wake decodes through, as a suspend (or a rank read back) said; the
+        largest such figure is kept as its coder's staging."""
+        self.wake_scratch = nbytes
+        self.codec_scratch = max(self.codec_scratch, nbytes)
+
     def in_flight_task(self) -> asyncio.Task[Any] | None:
         t = self.transition
         return t if t is not None and not t.done() else None
