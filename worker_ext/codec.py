@@ -31,6 +31,7 @@ each part ALIGN-aligned; k = 0: the n words as they are.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
@@ -376,9 +377,30 @@ def _k_exceptions(src, out, meta, inv, boff, CHUNK: tl.constexpr, BLOCK: tl.cons
         esc = ((code == (1 << k) - 1) & valid).to(tl.int32)
         base = tl.load(boff + c * 256 + b)
         rank = tl.cumsum(esc, axis=0) - esc + base
-        tl.store(out + off + tl.load(row + 6) + rank, e.to(tl.uint8), mask=esc != 0)
+        # never past the escapes the plan laid out (a reused plan whose bytes changed: its
+        # check refuses it before anything is released; this keeps the writes inside)
+        inside = (esc != 0) & (rank < tl.load(row + 3))
+        tl.store(out + off + tl.load(row + 6) + rank, e.to(tl.uint8), mask=inside)
         slot = (out + off + tl.load(row + 5)).to(tl.pointer_type(tl.int32))
         tl.store(slot + b, base)
+
+
+def _k_check(tab, meta, inv, escapes, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    """escapes[i] += the escapes block b of chunk i (word address and count tab[i]) has
+    under the plan's map of that chunk (its meta row and inv row i); raw chunks count 0."""
+    i = tl.program_id(0)
+    b = tl.program_id(1)
+    k = tl.load(meta + i * 16)
+    n = tl.load(tab + 2 * i + 1)
+    if k != 0 and b * BLOCK < n:
+        base = tl.load(tab + 2 * i).to(tl.pointer_type(tl.int16))
+        offs = b * BLOCK + tl.arange(0, BLOCK)
+        valid = offs < n
+        w = tl.load(base + offs, mask=valid, other=0).to(tl.int32) & 0xFFFF
+        e = (w >> 7) & 0xFF
+        code = tl.load(inv + i * 256 + e, mask=valid, other=0).to(tl.int32)
+        esc = ((code == (1 << k) - 1) & valid).to(tl.int32)
+        tl.atomic_add(escapes + i, tl.sum(esc, axis=0))
 
 
 def _k_decode(piece, dst, CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
@@ -487,6 +509,7 @@ def kernels() -> dict[str, Any]:
         "hist_table": triton.jit(_k_hist_table),
         "encode": triton.jit(_k_encode),
         "exceptions": triton.jit(_k_exceptions),
+        "check": triton.jit(_k_check),
         "decode": triton.jit(_k_decode),
         "decode_groups": triton.jit(_k_decode_groups),
     }
@@ -537,9 +560,20 @@ class Plan:
     raw_total: int
     plan_s: float = 0.0
     by_k: dict[int, int] = field(default_factory=dict)  # chunks per code width
+    # Host copies of what a later sleep of the same ranges reuses (GpuCodec.reuse): the
+    # meta rows (OFF set), the maps, and the chunk table (address, words) of the ranges.
+    meta_h: Any = None
+    inv_h: Any = None
+    tab_h: Any = None
 
     def ratio(self) -> float:
         return self.total / self.raw_total if self.raw_total else 1.0
+
+    def keep_on_host(self) -> None:
+        """Copy the maps to host memory (the rows are there already), so that the device's
+        copies can be dropped and a later sleep can still reuse this plan."""
+        if self.inv_h is None and self.inv is not None:
+            self.inv_h = self.inv.cpu()
 
 
 class GpuCodec:
@@ -632,9 +666,9 @@ class GpuCodec:
                 words.append(nbytes // 2 - (c - 1) * CHUNK_WORDS)
         counts = torch.tensor(words or [0], dtype=torch.int64)
         table = self.plan_impl == "table"
+        tab = torch.tensor([addrs, words], dtype=torch.int64).t().contiguous()
         if table and total_chunks:
             try:
-                tab = torch.tensor([addrs, words], dtype=torch.int64).t().contiguous()
                 _launch2(self._k["hist_table"], (total_chunks, CHUNK_BLOCKS), self.device,
                          tab.to(self.device), hist)  # fmt: skip
             except Exception:  # the first implementation, per range
@@ -666,7 +700,43 @@ class GpuCodec:
             raw_total=sum(n for _, n in ranges),
             plan_s=time.perf_counter() - t0,
             by_k=by_k,
+            meta_h=meta_h,
+            tab_h=tab,
         )
+
+    def reuse(self, template: Plan) -> Plan:
+        """A plan for the same ranges as `template` from its host copies (no pass over the
+        bytes). Not proven for the bytes there now: `check` says whether every chunk's
+        escapes fit what it laid out, and only then may its encoding be trusted."""
+        t0 = time.perf_counter()
+        if template.meta_h is None or template.inv_h is None or template.tab_h is None:
+            raise ValueError("the plan kept no host copies to reuse")
+        return Plan(
+            ranges=list(template.ranges),
+            pieces=[dataclasses.replace(p) for p in template.pieces],
+            meta=template.meta_h.to(self.device),
+            inv=template.inv_h.to(self.device),
+            total=template.total,
+            raw_total=template.raw_total,
+            plan_s=time.perf_counter() - t0,
+            by_k=dict(template.by_k),
+            meta_h=template.meta_h,
+            inv_h=template.inv_h,
+            tab_h=template.tab_h,
+        )
+
+    def check(self, plan: Plan) -> Any:
+        """Whether the bytes now in `plan`'s ranges have, in some chunk, more escapes under
+        its maps than it laid out (a 0-d bool on the device, queued on the current stream:
+        True means its encoding would not fit, so the plan must not be used). One launch
+        over every chunk, one pass over the bytes, no host sync."""
+        c = int(plan.meta.shape[0])
+        escapes = torch.zeros(max(1, c), dtype=torch.int32, device=self.device)
+        if c:
+            tab = plan.tab_h.to(self.device, non_blocking=False)
+            _launch2(self._k["check"], (c, CHUNK_BLOCKS), self.device, tab, plan.meta,
+                     plan.inv, escapes)  # fmt: skip
+        return torch.gt(escapes[:c], plan.meta[:, NEXC]).any()
 
     def _layout_ranges(
         self, ranges: list[tuple[int, int]], per: list[int], meta_h: Any

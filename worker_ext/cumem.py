@@ -54,7 +54,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +117,8 @@ class CuMemBackend:
 
     name = "cumem"
     in_place = True
+    # suspend(..., during=) runs a prepare while the offload copies are on the link
+    overlaps_prepare = True
 
     def __init__(self, worker: Any, settings: WorkerSettings | None = None) -> None:
         import torch
@@ -164,6 +166,11 @@ class CuMemBackend:
         self._codec_warm: dict[str, Any] | None = None  # the kernels' proof, once made
         self._coded: dict[int, list[codec.Piece]] = {}  # ptr -> its pieces in the host copy
         self._codec_plan: codec.Plan | None = None
+        # The plan a later coded sleep of the same records reuses (HOTSWAP_CODEC_PLAN_REUSE):
+        # made ahead of time while awake (_host_need), then each coded sleep's own; kept on
+        # the host (its rows and maps), checked against the bytes before it is trusted.
+        self._plan_keep: codec.Plan | None = None
+        self._check_stream: Any = None
         self._codec_scratch = False  # the codec's staging buffers are held
         self._codec_report: dict[str, Any] | None = None
         # benchmarks.wake sets codec_profile: timing events around every piece of a coded
@@ -353,9 +360,12 @@ class CuMemBackend:
             return need
         try:
             plan = gc.plan([(p, int(d.handle[1])) for p, d in recs])
+            plan.keep_on_host()
+            plan.meta = plan.inv = None  # the device's copies: a reuse makes its own
         except Exception as exc:  # the suspend plans again and reports
             log.warning("hotswap: planning the coded host copy failed: %s", exc)
             return need
+        self._plan_keep = plan
         return plan.total
 
     def _get_codec(self) -> codec.GpuCodec | None:
@@ -964,7 +974,11 @@ class CuMemBackend:
         tags: list[str],
         keep_kv: bool = False,
         rewritten: Sequence[tuple[int, int]] = (),
+        during: Callable[[], Sequence[tuple[int, int]]] | None = None,
     ) -> dict[str, Any]:
+        """`during` (hotswap_sleep): called once the offload copies are queued and before
+        anything is released; its answer replaces `rewritten`. If it raises, every queued
+        copy is waited for, nothing is released, and the error is raised again."""
         torch = self._torch
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, not {level!r}")
@@ -994,13 +1008,21 @@ class CuMemBackend:
         weights_off = offload.get(WEIGHTS, [])
         gc = self._get_codec() if weights_off else None
         coded: codec.Plan | None = None
+        stale: Any = None  # a reused plan's check: (pinned flag, event after it)
+        how = "fresh"
+        before_plan = self._codec_plan
         if gc is not None:
             t = time.perf_counter()
+            ranges = [(p, int(d.handle[1])) for p, d in weights_off]
             try:
-                coded = gc.plan([(p, int(d.handle[1])) for p, d in weights_off])
+                coded, stale = self._reused_plan(gc, ranges)
+                how = "reused" if coded is not None else how
+                if coded is None:
+                    coded = gc.plan(ranges)
             except Exception as exc:  # nothing queued yet: this sleep copies raw bytes
                 log.warning("hotswap: host codec plan failed, raw copy: %s", exc)
                 self._codec_report = {"error": f"{type(exc).__name__}: {exc}"}
+                coded, stale = None, None
             timings["codec_plan_s"] = time.perf_counter() - t
         raw = dict(offload)
         if gc is not None and coded is not None:
@@ -1030,6 +1052,28 @@ class CuMemBackend:
                     events.append((ptr, data, done))
                     off += size
             timings["queue_s"] = timings.get("queue_s", 0.0) + time.perf_counter() - t
+        overlapped = bool(events)
+        if during is not None:
+            t = time.perf_counter()
+            try:
+                rewritten = during()
+            except BaseException:
+                self._abandon_copies(weights_off, before_plan)
+                raise
+            timings["prepare_under_copies_s"] = time.perf_counter() - t
+        why = None
+        if stale is not None and gc is not None and coded is not None:
+            t = time.perf_counter()
+            why = self._plan_refused(stale)
+            timings["codec_check_s"] = time.perf_counter() - t
+            if why is not None:  # nothing released yet: wait, then code it all again, fresh
+                log.warning("hotswap: the reused codec plan does not fit (%s): planning anew", why)
+                how = "stale"
+                self._abandon_copies(weights_off, before_plan)
+                t = time.perf_counter()
+                coded = gc.plan([(p, int(d.handle[1])) for p, d in weights_off])
+                timings["codec_replan_s"] = time.perf_counter() - t
+                events = self._suspend_coded(gc, coded, weights_off, timings)
         if level == 2 and WEIGHTS in tags and plan[WEIGHTS] == DISCARDED:
             self._tier_put_away(recs[WEIGHTS], timings, rewritten)
         # Discarded pools need no copy: release them while the offload copies run.
@@ -1053,10 +1097,16 @@ class CuMemBackend:
             self._get_streams()[1].synchronize()  # the last piece is on the host
             timings["codec_drain_s"] = time.perf_counter() - t
             if self._codec_plan is not None:  # decoding reads the pieces' own rows
+                t = time.perf_counter()
+                self._codec_plan.keep_on_host()  # the next sleep of these records reuses it
+                self._plan_keep = self._codec_plan
                 self._codec_plan.meta = self._codec_plan.inv = None
+                timings["codec_keep_s"] = time.perf_counter() - t
             timings["codec_release_s"] = self._release_codec_scratch()
             if self._codec_report is not None:
                 self._codec_report["timings"] = dict(timings)
+                self._codec_report["plan"] = how
+                self._codec_report["plan_check"] = why
         self._offloaded_layout.update(layout)
         self._suspended.update(plan)
         self._level = level
@@ -1071,9 +1121,57 @@ class CuMemBackend:
             "memory_after": after,
             "backend_s": time.perf_counter() - t0,
             "timings": timings,
+            "overlapped": overlapped and during is not None,
             "host_backup_bytes": self._host.nbytes if self._host is not None else 0,
             "kv_host_backup_bytes": self._kv_host.nbytes if self._kv_host is not None else 0,
         }
+
+    def _reused_plan(
+        self, gc: codec.GpuCodec, ranges: list[tuple[int, int]]
+    ) -> tuple[codec.Plan | None, Any]:
+        """The kept plan for exactly these ranges (HOTSWAP_CODEC_PLAN_REUSE), with its check
+        queued on a stream of its own: (plan, (pinned flag, event)); (None, None) when there
+        is none to reuse. The check reads the bytes beside the encodes (nothing writes them)."""
+        keep = self._plan_keep
+        if not self.settings.codec_plan_reuse or keep is None or keep.ranges != ranges:
+            return None, None
+        try:
+            plan = gc.reuse(keep)
+        except ValueError:
+            return None, None
+        torch = self._torch
+        if self._check_stream is None:
+            self._check_stream = torch.cuda.Stream(self._device)
+        cs = self._check_stream
+        cs.wait_stream(torch.cuda.current_stream(self._device))
+        flag = torch.ones(1, dtype=torch.bool, pin_memory=True)  # stale until proven
+        with torch.cuda.stream(cs):
+            bad = gc.check(plan)
+            flag.copy_(bad.view(1), non_blocking=True)
+            done = cs.record_event()
+        return plan, (flag, done, bad)
+
+    @staticmethod
+    def _plan_refused(stale: Any) -> str | None:
+        """Why the reused plan must not be trusted (None: every chunk's escapes fit)."""
+        flag, done, _bad = stale
+        try:
+            done.synchronize()
+            if bool(flag[0]):
+                return "a chunk's bytes have more escapes than the plan laid out"
+        except Exception as exc:  # a check that did not run proves nothing
+            return f"the check failed: {type(exc).__name__}: {exc}"
+        return None
+
+    def _abandon_copies(self, weights_off: list[tuple[int, Any]], plan: codec.Plan | None) -> None:
+        """Every copy and encode queued so far waited for, this suspend's coded pieces
+        forgotten and the codec's staging given back: nothing was released."""
+        for st in self._all_streams():
+            st.synchronize()
+        for ptr, _data in weights_off:
+            self._coded.pop(ptr, None)
+        self._codec_plan = plan
+        self._release_codec_scratch()
 
     def resume(self, tags: list[str]) -> dict[str, Any]:
         torch = self._torch

@@ -131,6 +131,16 @@ def _kv_word(kv: Any) -> str:
     return word
 
 
+class _PrepareFailed(RuntimeError):
+    """hotswap_sleep's prepare failed: nothing was released (the backend re-raises it once
+    its queued copies are done)."""
+
+
+def _rewritten(snap: snapshot.Snapshot) -> list[tuple[int, int]]:
+    """The ranges a snapshot writes back after the wake (its protection by range)."""
+    return [(s, e) for s, e, _tag in snap.protection.protect] if snap.protection else []
+
+
 class HotSwapExtension:
     """Mixed into vLLM's Worker; `self` is the Worker (model_runner, rank, reload_weights)."""
 
@@ -351,6 +361,20 @@ class HotSwapExtension:
             st.backend.prepare_kv_keep()  # CUDA: the KV cache's host buffer, pinned meanwhile
         snap, cover, at_risk, timings = self._hotswap_take_snapshot(level, keep)
         st.snap = snap
+        return self._hotswap_prepared(level, keep, refusal, snap, cover, at_risk, timings)
+
+    def _hotswap_prepared(
+        self,
+        level: int,
+        keep: bool,
+        refusal: str | None,
+        snap: snapshot.Snapshot,
+        cover: protect.Protection | None,
+        at_risk: set[str],
+        timings: dict[str, float],
+    ) -> dict[str, Any]:
+        """A prepare's answer (hotswap_prepare's keys; hotswap_sleep's prepare part)."""
+        st = self._hotswap_state()
         return {
             "level": level,
             "kv": "keep" if keep else "discard",
@@ -459,12 +483,16 @@ class HotSwapExtension:
         before = st.backend.memory()
         self._hotswap_fault("suspend")
         with self._hotswap_step("suspend") as ph:
-            rewritten = (
-                [(s, e) for s, e, _tag in snap.protection.protect] if snap.protection else []
-            )
-            res = st.backend.suspend(level, chosen, keep_kv=keep, rewritten=rewritten)
+            res = st.backend.suspend(level, chosen, keep_kv=keep, rewritten=_rewritten(snap))
         st.level = level
         ph.suspended(level, st.backend.suspended())
+        return self._hotswap_suspended(level, chosen, kv, res, before)
+
+    def _hotswap_suspended(
+        self, level: int, chosen: list[str], kv: str, res: dict[str, Any], before: dict[str, int]
+    ) -> dict[str, Any]:
+        """A suspend's answer (hotswap_suspend's keys; hotswap_sleep's suspend part)."""
+        st = self._hotswap_state()
         after = st.backend.memory()
         resident = st.backend.resident()
         return {
@@ -481,6 +509,83 @@ class HotSwapExtension:
             "memory_before": _mem_value(before),
             "memory_after": _mem_value(after),
         }
+
+    @rpc
+    def hotswap_sleep(self, level: int) -> dict[str, Any]:
+        """The sleep's prepare and suspend fused (docs/contracts.md §1): every pool
+        suspended, the KV cache discarded, in one round trip. Where the backend offloads
+        with copies (CUDA, level 1) the prepare runs under them: the backend queues the
+        copies, calls the prepare, and releases nothing before the prepare's device work and
+        each record's own copy are done. A failed prepare leaves every pool mapped."""
+        level = int(level)
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level}")
+        st = self._hotswap_state()
+        if st.backend.suspended():
+            raise RuntimeError(f"pools already suspended: {st.backend.suspended()}")
+        st.snap = None  # a failed prepare must not leave an older snapshot to verify against
+        chosen = sorted(ALL_TAGS, key=lambda t: (t != WEIGHTS, t))
+        prepared: dict[str, Any] = {}
+        began = time.perf_counter()
+
+        def prepare() -> list[tuple[int, int]]:
+            t = time.perf_counter()
+            try:
+                self._hotswap_fault("prepare")
+                snap, cover, at_risk, timings = self._hotswap_take_snapshot(level, keep=False)
+            except BaseException as e:
+                raise _PrepareFailed(f"{type(e).__name__}: {e}") from e
+            st.snap = snap
+            prepared.update(
+                self._hotswap_prepared(level, False, None, snap, cover, at_risk, timings)
+            )
+            prepared["prepare_s"] = time.perf_counter() - t
+            return _rewritten(snap)
+
+        overlap = bool(getattr(st.backend, "overlaps_prepare", False))
+        if not overlap:  # nothing to run it under: the prepare first, as hotswap_prepare
+            try:
+                rewritten = prepare()
+            except _PrepareFailed as e:
+                log.error("hotswap: hotswap_sleep's prepare failed on rank %s: %s",
+                          _rank_of(self), e)  # fmt: skip
+                return {"ok": False, "error": str(e), "failed_step": "prepare"}
+        before = st.backend.memory()
+        t_suspend = time.perf_counter()
+        try:
+            self._hotswap_fault("suspend")  # before any memory step, as hotswap_suspend's
+        except Exception as e:
+            log.exception("hotswap: hotswap_sleep refused on rank %s", _rank_of(self))
+            return {"ok": False, "error": f"{type(e).__name__}: {e}", "failed_step": "suspend"}
+        try:
+            if overlap:
+                res = st.backend.suspend(level, chosen, keep_kv=False, during=prepare)
+            else:
+                res = st.backend.suspend(level, chosen, keep_kv=False, rewritten=rewritten)
+        except _PrepareFailed as e:  # the backend waited for its copies and released nothing
+            st.snap = None
+            log.error("hotswap: hotswap_sleep's prepare failed on rank %s: %s", _rank_of(self), e)
+            return {"ok": False, "error": str(e), "failed_step": "prepare"}
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # a memory step failed: the rank is failed (§1.1)
+            log.exception("hotswap: hotswap_sleep's suspend failed on rank %s", _rank_of(self))
+            st.phase.failed(f"suspend: {type(e).__name__}: {e}")
+            return {"ok": False, "error": f"{type(e).__name__}: {e}", "failed_step": "suspend"}
+        suspend_s = time.perf_counter() - t_suspend
+        st.level = level
+        st.phase.suspended(level, st.backend.suspended())
+        out = {**prepared, **self._hotswap_suspended(level, chosen, "discard", res, before)}
+        timings = {**prepared.get("timings", {}), **out.get("timings", {})}
+        timings.update(
+            prepare_s=prepared.pop("prepare_s", 0.0),
+            suspend_s=suspend_s,
+            sleep_s=time.perf_counter() - began,
+        )
+        out.pop("prepare_s", None)
+        out["timings"] = timings
+        out["overlapped"] = overlap
+        return out
 
     @rpc
     def hotswap_resume(self, tags: list[str] | None = None) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import bisect
 import ctypes
 import ctypes.util
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -203,12 +203,15 @@ class HostBackend:
         tags: list[str],
         keep_kv: bool = False,
         rewritten: Sequence[tuple[int, int]] = (),  # no disk tier here: nothing keys by it
+        during: Callable[[], Sequence[tuple[int, int]]] | None = None,
     ) -> dict[str, Any]:
         for tag in tags:
             if tag not in (WEIGHTS, KV_CACHE):
                 raise ValueError(f"unknown pool {tag!r}")
             if tag in self._asleep:
                 raise RuntimeError(f"pool {tag!r} is already suspended")
+        if during is not None:  # no copies to run it under: before anything is released
+            during()
         if not self._asleep:
             self._scan()
         self._ranges = None

@@ -69,6 +69,10 @@ class WorkerSettings:
     # wake needs, so hotswap_demote can release the host copy while asleep; it costs every
     # level-1 sleep, so the sidecar sets it for its managed engines under a host budget) | 0
     demotable: bool = False
+    # HOTSWAP_CODEC_PLAN_REUSE: 1 (a coded sleep reuses the plan made ahead of time or the
+    # previous sleep's for the same records, proven by a check over every chunk before any
+    # record is released, else planned anew) | 0 (planned in every sleep, before its copies)
+    codec_plan_reuse: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerSettings:
@@ -122,4 +126,5 @@ class WorkerSettings:
             disk_threads=disk_threads,
             warm_prepare=_word(env, "HOTSWAP_WARM_PREPARE", "1") not in _OFF,
             demotable=_word(env, "HOTSWAP_DEMOTABLE", "0") in _ON,
+            codec_plan_reuse=_word(env, "HOTSWAP_CODEC_PLAN_REUSE", "1") not in _OFF,
         )

@@ -136,7 +136,9 @@ def prepare(
     snap.plan = plan
     snap.baseline = base
     if pin and torch.cuda.is_available():
-        torch.cuda.synchronize()
+        # This stream only (the fingerprints and the protected copies are queued on it): a
+        # fused sleep's weight copies run on the backend's own streams meanwhile.
+        torch.cuda.current_stream(device).synchronize()
     return snap
 
 

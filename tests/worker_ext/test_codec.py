@@ -242,6 +242,130 @@ def test_plan_table_kernel_equals_the_ranges_plan() -> None:
         assert torch.equal(rows[:, : codec.SIZE + 1], head[:, : codec.SIZE + 1])
 
 
+def _encode_all(gc: codec.GpuCodec, plan: codec.Plan, guard: int = 4096) -> list[torch.Tensor]:
+    """Each piece encoded into a slot full of 0xEE, checked untouched past the piece (and
+    `guard` bytes of the slot further on); the pieces' bytes."""
+    out = []
+    slot = gc.slots()[0]
+    for piece in plan.pieces:
+        slot.fill_(0xEE)
+        gc.encode_into(plan, piece, slot)
+        tail = slot[piece.size : piece.size + guard]
+        assert bool((tail == 0xEE).all()), "the encoder wrote past its piece"
+        out.append(slot[: piece.size].clone())
+    return out
+
+
+def _decoded(gc: codec.GpuCodec, plan: codec.Plan, pieces: list[torch.Tensor]) -> torch.Tensor:
+    (_ptr, n) = plan.ranges[0]
+    dst = torch.full((n,), 0xA5, dtype=torch.uint8)
+    for piece, got in zip(plan.pieces, pieces, strict=True):
+        at = int(dst.data_ptr()) + piece.dev_off
+        gc.decode_to(got, piece.n_chunks, at, piece.raw_bytes)
+    return dst
+
+
+def _change(data: torch.Tensor, how: str, seed: int) -> None:
+    """Change `data` in place: "mantissa" (signs and mantissas only: every exponent kept),
+    "fewer" (some words zeroed: exponents the table holds), "more" (a run of random bits:
+    exponents the table does not hold, more escapes than laid out)."""
+    g = torch.Generator().manual_seed(seed)
+    w = data.view(torch.int16)
+    n = int(w.numel())
+    at = torch.randint(0, n, (max(1, n // 50),), generator=g)
+    if how == "mantissa":
+        flip = torch.randint(0, 0x80, (int(at.numel()),), generator=g, dtype=torch.int32)
+        w[at] = (w[at].to(torch.int32) ^ flip ^ 0x8000).to(torch.int16)
+    elif how == "fewer":  # each word set to its chunk's most common exponent
+        c = at // codec.CHUNK_WORDS
+        e = (codec._words(data) >> 7) & 0xFF
+        modes = torch.stack(
+            [torch.mode(e[j * codec.CHUNK_WORDS : (j + 1) * codec.CHUNK_WORDS]).values
+             for j in range(int(c.max()) + 1)]
+        )  # fmt: skip
+        w[at] = (modes[c] << 7).to(torch.int16)
+    else:
+        start = int(torch.randint(0, max(1, n - 3000), (1,), generator=g))
+        w[start : start + 3000] = torch.randint(
+            -32768, 32768, (min(3000, n - start),), generator=g, dtype=torch.int32
+        ).to(torch.int16)
+
+
+@needs_interp
+@pytest.mark.parametrize(
+    ("how", "seed"), [("same", 0), ("mantissa", 0), ("fewer", 0), ("more", 0), ("more", 1)]
+)
+def test_reused_plan_kernel_check_and_exact_bytes(how: str, seed: int) -> None:
+    """A plan reused for bytes that changed since (HOTSWAP_CODEC_PLAN_REUSE): its check
+    passes exactly when every chunk's escapes fit what it laid out, and then the reused
+    plan's pieces decode to the bytes there now, bit for bit; where the check refuses it,
+    the encoder still never writes past a piece. A stale plan never yields a wrong byte:
+    either the check refuses it or its bytes are exact."""
+    data = torch.cat(
+        [
+            _bf16_words("normal", codec.CHUNK_WORDS, 10 + seed, 0.02),
+            _bf16_words("normal", 3 * codec.BLOCK + 7, 20 + seed, 0.05),
+        ]
+    )
+    gc = codec.GpuCodec("cpu", piece_chunks=1)
+    first = gc.plan([(int(data.data_ptr()), int(data.numel()))])
+    first.keep_on_host()
+    assert first.by_k.get(0, 0) == 0  # both chunks coded: escapes are laid out
+    if how != "same":
+        _change(data, how, seed)
+    plan = gc.reuse(first)
+    assert plan.ranges == first.ranges
+    assert plan.pieces == first.pieces
+    assert plan.pieces[0] is not first.pieces[0]
+    refused = bool(gc.check(plan))
+    fresh = gc.plan(plan.ranges)
+    fits = bool((fresh.meta[:, codec.NEXC] <= 0).all()) or all(
+        # the escapes the bytes have now, under the old maps, against the old layout
+        int(n_now) <= int(n_laid)
+        for n_now, n_laid in zip(_escapes(data, first), first.meta_h[:, codec.NEXC], strict=True)
+    )
+    assert refused == (not fits)
+    if how in ("same", "mantissa", "fewer"):
+        assert not refused, how
+    if how == "more":
+        assert refused
+    pieces = _encode_all(gc, plan)
+    if not refused:
+        assert torch.equal(_decoded(gc, plan, pieces), data), how
+
+
+def _escapes(data: torch.Tensor, plan: codec.Plan) -> list[int]:
+    """Per chunk: the words whose exponent the plan's map of that chunk escapes (torch)."""
+    words = codec._words(data)
+    e = (words >> 7) & 0xFF
+    out = []
+    inv = plan.inv_h.to(torch.int64)
+    for c in range(int(plan.meta_h.shape[0])):
+        k = int(plan.meta_h[c, codec.K])
+        part = e[c * codec.CHUNK_WORDS : (c + 1) * codec.CHUNK_WORDS]
+        out.append(int((inv[c][part] == (1 << k) - 1).sum()) if k else 0)
+    return out
+
+
+@needs_interp
+def test_reuse_kernel_needs_the_kept_host_copies() -> None:
+    """A plan whose maps were never kept on the host cannot be reused (the backend plans
+    anew); keep_on_host makes it reusable, and its rows are the plan's own."""
+    data = _bf16_words("normal", 2 * codec.BLOCK, 3, 0.02)
+    gc = codec.GpuCodec("cpu", piece_chunks=1)
+    plan = gc.plan([(int(data.data_ptr()), int(data.numel()))])
+    assert plan.inv_h is None
+    assert plan.meta_h is not None
+    assert plan.tab_h is not None
+    with pytest.raises(ValueError, match="host copies"):
+        gc.reuse(plan)
+    plan.keep_on_host()
+    again = gc.reuse(plan)
+    assert torch.equal(again.meta, plan.meta)
+    assert torch.equal(again.inv, plan.inv)
+    assert not bool(gc.check(again))
+
+
 # -- the wake queue's order, with recording fakes for CUDA streams and events -------------
 
 

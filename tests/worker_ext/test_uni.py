@@ -181,6 +181,36 @@ def test_the_fused_wake_maps_back_and_verifies_in_one_rpc(llm: Any, baseline: An
     assert generate(llm) == baseline
 
 
+def test_the_fused_sleep_prepares_and_suspends_in_one_rpc(llm: Any, baseline: Any) -> None:
+    """hotswap_sleep on the host backend: the prepare then the suspend in one call (nothing
+    to run the prepare under: `overlapped` false), both parts' keys and times, one memory
+    step; the fused wake verifies what its prepare fingerprinted, the same tokens."""
+    start = _phase(llm)
+    n = start["transitions"]
+    llm.reset_prefix_cache()
+    ok(llm, "hotswap_quiesce", 10.0)
+    (s,) = ok(llm, "hotswap_sleep", 1)
+    assert s["overlapped"] is False
+    assert s["kv"] == "discard"
+    assert sorted(s["tags"]) == ["kv_cache", "weights"]
+    assert s["freed_bytes"]["kv_cache"] >= KV_BYTES
+    assert s["offloaded_bytes"]["weights"] > 0
+    assert s["fingerprinted"] > 0
+    assert isinstance(s["at_risk"], list)
+    assert {"prepare_s", "suspend_s", "records_s", "snapshot_s"} <= set(s["timings"])
+    asleep = _phase(llm)
+    assert (asleep["phase"], asleep["transitions"], asleep["snapshot_held"]) == (
+        "suspended",
+        n + 1,
+        True,
+    )
+    (w,) = ok(llm, "hotswap_wake")
+    assert w["verified"] == s["fingerprinted"]
+    assert w["mismatched"] == []
+    assert _phase(llm)["phase"] == "awake_verified"
+    assert generate(llm) == baseline
+
+
 def test_the_fused_wake_refuses_before_memory_without_a_snapshot_or_before_a_reload(
     llm: Any, baseline: Any
 ) -> None:

@@ -20,6 +20,7 @@ def test_defaults() -> None:
     # the tier's warm read measured fastest at 16 threads of 16 MiB preads (H200, 18:03 UTC)
     assert WorkerSettings.from_env({"HOTSWAP_DISK_THREADS": "x"}).disk_threads == 16
     assert s.disk_threads == 16
+    assert s.codec_plan_reuse is True
 
 
 def test_every_variable_is_read() -> None:
@@ -44,6 +45,7 @@ def test_every_variable_is_read() -> None:
             "HOTSWAP_DISK_THREADS": "3",
             "HOTSWAP_WARM_PREPARE": "0",
             "HOTSWAP_DEMOTABLE": "on",
+            "HOTSWAP_CODEC_PLAN_REUSE": "Off",
         }
     )
     assert s == WorkerSettings(
@@ -66,6 +68,7 @@ def test_every_variable_is_read() -> None:
         3,
         False,
         True,
+        False,
     )
 
 

@@ -1,0 +1,194 @@
+"""hotswap_sleep, the sleep's prepare and suspend in one RPC (docs/contracts.md §1), end to
+end through the extension over test_demote_in_place's in-place pools on host memory (no
+engine, no GPU): where the backend offloads with copies (CUDA's shape, `overlaps_prepare`)
+the prepare runs after the copies are queued and before anything is released; a prepare
+that fails releases nothing; where the backend cannot overlap, the prepare runs first."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+from test_demote_in_place import JUNK, InPlacePools, Worker
+
+from worker_ext.pools import DISCARDED, KV_CACHE, OFFLOADED, WEIGHTS, policy
+
+
+class OverlappingPools(InPlacePools):
+    """In-place pools that, like CuMemBackend, queue the offload copies first, then call
+    `during` (the prepare), then release; a log says in which order."""
+
+    overlaps_prepare = True
+
+    def __init__(self, base: InPlacePools) -> None:
+        super().__init__(base.buf, base.records())
+        self.settings = base.settings
+        self.log: list[str] = []
+        self.release_fails = False
+
+    def suspend(
+        self,
+        level: int,
+        tags: list[str],
+        keep_kv: bool = False,
+        rewritten: Sequence[tuple[int, int]] = (),
+        during: Callable[[], Sequence[tuple[int, int]]] | None = None,
+    ) -> dict[str, Any]:
+        how = {t: policy(level, t, keep_kv) for t in tags}
+        queued = []
+        for tag in tags:
+            if how[tag] == OFFLOADED:
+                self.host[tag] = self._view(tag).clone()  # the copy, "on the link"
+                queued.append(tag)
+                self.log.append(f"copy {tag}")
+        if during is not None:
+            try:
+                during()
+            except BaseException:
+                self.log.append("wait copies, release nothing")
+                for tag in queued:
+                    del self.host[tag]
+                raise
+            self.log.append("prepared")
+        if self.release_fails:
+            raise RuntimeError("unmap failed")
+        freed, offloaded = {}, {}
+        for tag in tags:
+            view = self._view(tag)
+            view.fill_(JUNK)
+            self.log.append(f"release {tag}")
+            freed[tag] = int(view.numel())
+            offloaded[tag] = freed[tag] if how[tag] == OFFLOADED else 0
+            self._asleep[tag] = how[tag]
+        self._level = level
+        return {"freed_bytes": freed, "offloaded_bytes": offloaded, "overlapped": bool(queued)}
+
+
+class FusedWorker(Worker):
+    def __init__(self, overlap: bool = True, fail_at: str | None = None) -> None:
+        super().__init__(demotable=False)
+        if overlap:
+            self.pools = OverlappingPools(self.pools)
+            self._hotswap_st.backend = self.pools
+        self.fail_at = fail_at
+        self.seen: list[str] = []
+
+    def _hotswap_fault(self, point: str) -> None:
+        self.seen.append(point)
+        if point == self.fail_at:
+            self.fail_at = None  # once
+            raise RuntimeError(f"injected at {point}")
+
+
+def _truth(w: Worker) -> dict[str, Any]:
+    info = w.hotswap_info()
+    keys = ("phase", "phase_level", "transitions", "suspended", "snapshot_held", "level")
+    return {k: info[k] for k in keys}
+
+
+def test_the_prepare_runs_under_the_copies_and_nothing_is_released_before_it() -> None:
+    w = FusedWorker()
+    before = w.weights_bytes()
+    out = w.hotswap_sleep(1)
+    assert out["ok"], out
+    assert w.pools.log == ["copy weights", "prepared", "release weights", "release kv_cache"]
+    assert w.seen == ["suspend", "prepare"]  # the prepare's point inside the backend's call
+    assert out["overlapped"] is True
+    assert out["kv"] == "discard"
+    assert out["tags"] == [WEIGHTS, KV_CACHE]
+    assert out["freed_bytes"] == {WEIGHTS: 32 * 1024, KV_CACHE: 32 * 1024}
+    assert out["fingerprinted"] > 0
+    assert out["protection"] == "ranges"
+    assert "failed_step" not in out
+    assert {"prepare_s", "suspend_s", "sleep_s", "records_s", "snapshot_s"} <= set(out["timings"])
+    truth = _truth(w)
+    assert (truth["phase"], truth["phase_level"], truth["level"]) == ("suspended", 1, 1)
+    assert truth["suspended"] == {WEIGHTS: OFFLOADED, KV_CACHE: DISCARDED}
+    assert truth["snapshot_held"] is True
+    v = w.hotswap_wake()
+    assert v["ok"], v
+    assert v["verified"] == out["fingerprinted"]
+    assert torch.equal(w.weights_bytes(), before)
+    assert w.hotswap_info()["phase"] == "awake_verified"
+
+
+def test_the_snapshot_is_taken_of_the_bytes_before_any_release() -> None:
+    """A byte the sleep loses (the KV pool's block table, protected by range) comes back:
+    the prepare inside the fused sleep copied it before the KV cache was released."""
+    w = FusedWorker()
+    table = w.model_runner.block_table.clone()
+    assert w.hotswap_sleep(1)["ok"]
+    assert not torch.equal(w.model_runner.block_table, table)  # released: junk now
+    assert w.hotswap_wake()["ok"]
+    assert torch.equal(w.model_runner.block_table, table)
+
+
+def test_a_failed_prepare_releases_nothing_and_moves_no_phase() -> None:
+    w = FusedWorker(fail_at="prepare")
+    before = w.buf.clone()
+    truth = _truth(w)
+    out = w.hotswap_sleep(1)
+    assert out["ok"] is False
+    assert out["failed_step"] == "prepare"
+    assert "injected at prepare" in out["error"]
+    assert w.pools.log == ["copy weights", "wait copies, release nothing"]
+    assert torch.equal(w.buf, before)  # every pool still mapped, every byte in place
+    assert w.pools.host == {}  # the queued copy given up
+    assert _truth(w) == truth  # no memory step, no snapshot held
+    again = w.hotswap_sleep(1)  # a new sleep (the controller's would be after a restart)
+    assert again["ok"], again
+    assert w.hotswap_wake()["ok"]
+
+
+def test_a_failed_release_leaves_the_rank_failed() -> None:
+    w = FusedWorker()
+    w.pools.release_fails = True
+    out = w.hotswap_sleep(1)
+    assert out["ok"] is False
+    assert out["failed_step"] == "suspend"
+    assert "unmap failed" in out["error"]
+    assert w.hotswap_info()["phase"] == "failed"
+
+
+def test_a_refusal_at_the_suspend_point_moves_nothing() -> None:
+    w = FusedWorker(fail_at="suspend")
+    truth = _truth(w)
+    out = w.hotswap_sleep(1)
+    assert out["ok"] is False
+    assert out["failed_step"] == "suspend"
+    assert w.pools.log == []  # nothing queued
+    assert _truth(w)["phase"] == truth["phase"] == "awake_verified"
+    assert _truth(w)["transitions"] == truth["transitions"]
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_without_overlap_the_prepare_runs_first_and_the_wake_verifies(level: int) -> None:
+    w = FusedWorker(overlap=False)
+    before = w.weights_bytes()
+    out = w.hotswap_sleep(level)
+    assert out["ok"], out
+    assert w.seen == ["prepare", "suspend"]
+    assert out["overlapped"] is False
+    assert w.hotswap_info()["phase_level"] == level
+    if level == 1:
+        assert w.hotswap_wake()["ok"]
+    else:
+        v = w.wake(2)
+        assert v["ok"], v
+        assert w.reloads == 1
+    assert torch.equal(w.weights_bytes(), before)
+
+
+def test_a_fused_sleep_is_refused_asleep_or_at_a_bad_level() -> None:
+    w = FusedWorker()
+    bad = w.hotswap_sleep(3)
+    assert bad["ok"] is False
+    assert "level" in bad["error"]
+    assert w.hotswap_sleep(1)["ok"]
+    truth = _truth(w)
+    again = w.hotswap_sleep(1)
+    assert again["ok"] is False
+    assert "already suspended" in again["error"]
+    assert _truth(w) == truth
