@@ -197,7 +197,7 @@ def _demotable(outcome: Outcome) -> bool | None:
     if t is None or t.kind != "sleep" or t.result != "ok":
         return None
     for phase in t.phases:
-        if phase.name == protocol.PREPARE.phase and phase.ranks:
+        if phase.name in (protocol.PREPARE.phase, protocol.PREPARE_SUSPEND.phase) and phase.ranks:
             return all(r.get("demotable", True) is not False for r in phase.ranks)
     return None
 

@@ -203,7 +203,9 @@ class ModelManager:
         params = protocol.Params(
             level=level, quiesce_timeout_s=self.timeouts.quiesce_s, keep_kv=keep_kv and level == 1
         )
-        sequence = steps.sleep_sequence(level, drain, grace, kv_released, keep_kv=keep_kv)
+        sequence = steps.sleep_sequence(
+            level, drain, grace, kv_released, keep_kv=keep_kv, fused=self.settings.fused_sleep
+        )
         reports = await self._guarded(run, sequence, params)
         self.runner.count_bytes(run)
         sent = [r for rs in run.reports.values() for r in rs]
@@ -211,7 +213,9 @@ class ModelManager:
         self.record.copied_bytes = copied_weights(sent)
         self.record.asleep = None  # every pool the level releases
         # what the last suspend's ranks say they left on their devices
-        last = protocol.SUSPEND_WEIGHTS if kv_released is not None else protocol.SUSPEND
+        last = next(  # the sequence's last suspend (the fused sleep's one RPC, or the weights')
+            s for s in reversed(sequence) if isinstance(s, protocol.Step) and s.suspends
+        )
         self.record.learn_wake_scratch(wake_scratch_bytes(reports.get(last.phase, ())))
         rec = self.runner.finish(
             run,

@@ -101,6 +101,14 @@ class ModelSettings(BaseModel):
         "restore_and_verify as three RPCs (an extension without hotswap_wake).",
     )
 
+    fused_sleep: bool = Field(
+        True,
+        description="A sleep's prepare and suspend are one RPC (hotswap_sleep; on CUDA the "
+        "prepare runs under the weights' copies), unless the sleep keeps the KV cache or is "
+        "split by pool for an overlapped swap. False: hotswap_prepare then hotswap_suspend "
+        "(an extension without hotswap_sleep).",
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _socket_url(cls, data: Any) -> Any:

@@ -12,6 +12,7 @@ failure of this step means (`fault`). `sleep_steps(level)` and `wake_steps(level
 only places the order is written:
 
     sleep:  hotswap_quiesce(timeout_s) -> hotswap_prepare(level) -> hotswap_suspend(level)
+    fused:  hotswap_quiesce(timeout_s) -> hotswap_sleep(level)   (prepare + suspend, one RPC)
     wake:   hotswap_resume(["weights"]) -> [level 2: hotswap_reload()]
             -> hotswap_resume(["kv_cache"]) -> hotswap_restore_and_verify()
     fused:  [level 2 or split: hotswap_resume(["weights"]) -> [level 2: hotswap_reload()]]
@@ -43,6 +44,7 @@ from controller.reports import (
     QuiesceReport,
     RankReport,
     ResumeReport,
+    SleepReport,
     SuspendReport,
     VerifyReport,
     WakeReport,
@@ -111,6 +113,12 @@ class Step:
     def call_args(self, params: Params) -> tuple[Any, ...]:
         return self.args(params)
 
+    @property
+    def suspends(self) -> bool:
+        """Its ranks release pools (a suspend, or the fused sleep): their reports say what
+        they freed and what they left on the device."""
+        return issubclass(self.report, SuspendReport)
+
     def parse(self, ranks: Iterable[Mapping[str, Any]]) -> tuple[RankReport, ...]:
         return parse_all(self.report, ranks)
 
@@ -142,6 +150,11 @@ def _suspend_kv_args(p: Params) -> tuple[Any, ...]:
 
 PREPARE = Step("prepare", "hotswap_prepare", _prepare_args, report=PrepareReport)
 SUSPEND = Step("suspend", "hotswap_suspend", _suspend_args, report=SuspendReport)
+# The sleep's prepare and suspend in one RPC (`sleep_steps(..., fused=True)`): every pool
+# suspended, the KV cache discarded; on CUDA the prepare runs under the weights' copies.
+PREPARE_SUSPEND = Step(
+    "prepare_and_suspend", "hotswap_sleep", lambda p: (p.level,), report=SleepReport
+)
 SUSPEND_KV = Step("suspend_kv_cache", "hotswap_suspend", _suspend_kv_args, report=SuspendReport)
 SUSPEND_WEIGHTS = Step(
     "suspend_weights", "hotswap_suspend", lambda p: (p.level, ["weights"]), report=SuspendReport
@@ -176,12 +189,18 @@ DROP_BACKUP = Step("drop_backup", "hotswap_drop_backup", lambda p: ())
 _POOL_OF = {RESUME_WEIGHTS.phase: "weights", RELOAD.phase: "weights", RESUME_KV.phase: "kv_cache"}
 
 
-def sleep_steps(level: int, *, split: bool = False) -> tuple[Step, ...]:
+def sleep_steps(level: int, *, split: bool = False, fused: bool = False) -> tuple[Step, ...]:
     """The RPCs of a sleep at `level`, in order (after the engine is paused, cache cleared).
-    `split`: the KV cache released alone first, then the weights (an overlapped swap)."""
+    `split`: the KV cache released alone first, then the weights (an overlapped swap).
+    `fused`: the prepare and the suspend are one `hotswap_sleep` (PREPARE_SUSPEND); not with
+    `split`, nor for a sleep that keeps the KV cache (its prepare's answers decide first)."""
     _check_level(level)
+    if split and fused:
+        raise ValueError("a sleep split by pool has its own suspends: it cannot be fused")
     if split:
         return (QUIESCE, PREPARE, SUSPEND_KV, SUSPEND_WEIGHTS)
+    if fused:
+        return (QUIESCE, PREPARE_SUSPEND)
     return (QUIESCE, PREPARE, SUSPEND)
 
 

@@ -108,6 +108,16 @@ class SuspendReport(RankReport):
 
 
 @dataclass(frozen=True)
+class SleepReport(PrepareReport, SuspendReport):
+    """`hotswap_sleep`'s answer: a prepare's and a suspend's report in one (its bytes freed
+    are counted, what it left on the device read, as a suspend's are)."""
+
+    @classmethod
+    def _fields(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
+        return {**PrepareReport._fields(raw), **SuspendReport._fields(raw)}
+
+
+@dataclass(frozen=True)
 class ResumeReport(RankReport):
     restored_bytes: Mapping[str, int] = field(default_factory=dict)
     host_backup_bytes: int | None = None  # host RAM the rank keeps for its next sleep

@@ -1,6 +1,7 @@
 """The controller's own steps around the extension's RPCs, and the full sequences.
 
-A sleep is `drain` followed by `protocol.sleep_steps(level)`; a wake is
+A sleep is `drain` followed by `protocol.sleep_steps(level)` (fused: quiesce, then one
+`hotswap_sleep`); a wake is
 `protocol.wake_steps(level)` followed by `/resume` and a warm-up; the start-up probe is
 `/health` then `hotswap_info`. Each engine-level step returns its phase's detail.
 
@@ -176,16 +177,21 @@ def sleep_sequence(
     grace_s: float,
     kv_released: Callable[[], None] | None = None,
     keep_kv: bool = False,
+    fused: bool = False,
 ) -> tuple[AnyStep, ...]:
     """`kv_released`: split the suspend by pool and call it between the two (the KV cache
     is off the device, the weights not yet). `keep_kv`: the prefix cache is kept across
     the sleep where every rank can keep the KV cache (level 1): the drain does not clear
     it, the kv step decides after the prepare (and clears it if not). At level 2 the kv
-    step only says why it was not kept."""
+    step only says why it was not kept. `fused`: the prepare and the suspend are one
+    `hotswap_sleep` where the sleep is neither split nor keeps the KV cache (those two
+    keep the separate RPCs)."""
     head: tuple[AnyStep, ...] = ()
     if keep_kv and level != 1:
         head, keep_kv = (_kv_not_kept(LEVEL2_KV),), False
     first: tuple[AnyStep, ...] = (drain(mode, grace_s, clear_cache=not keep_kv),)
+    if fused and kv_released is None and not keep_kv:
+        return (*head, *first, *protocol.sleep_steps(level, fused=True))
     if kv_released is None:
         quiesce, prepare, suspend = protocol.sleep_steps(level)
         rest: tuple[AnyStep, ...] = (suspend,)

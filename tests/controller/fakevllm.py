@@ -38,6 +38,8 @@ class Clock(Protocol):
 
 
 WAKE_PARTS = ("hotswap_resume", "hotswap_restore_and_verify")  # what hotswap_wake does
+SLEEP_PARTS = ("hotswap_prepare", "hotswap_suspend")  # what hotswap_sleep does
+_PARTS = {"hotswap_wake": WAKE_PARTS, "hotswap_sleep": SLEEP_PARTS}
 
 
 @dataclass
@@ -163,13 +165,15 @@ class FakeVllm:
         if held:  # as measured: a request that reaches a paused engine waits for /resume
             self.held_while_paused += 1
             await self._resumed().wait()
-        # The fused wake (hotswap_wake) is its parts in one call: what a test sets on a
-        # part (cost, block, override, failure) applies to it unless set on it by name.
-        names = [method, *(WAKE_PARTS if method == "hotswap_wake" else ())]
-        if method in self.costs or method != "hotswap_wake":
+        # The fused wake (hotswap_wake) and sleep (hotswap_sleep) are their parts in one
+        # call: what a test sets on a part (cost, block, override, failure) applies to it
+        # unless set on it by name.
+        parts = _PARTS.get(method, ())
+        names = [method, *parts]
+        if method in self.costs or not parts:
             self._advance(self.costs.get(method, 0.0))
         else:
-            self._advance(sum(self.costs.get(n, 0.0) for n in WAKE_PARTS))
+            self._advance(sum(self.costs.get(n, 0.0) for n in parts))
         for n in names:
             if n in self.entered:
                 self.entered[n].set()
@@ -397,6 +401,13 @@ class FakeVllm:
             out.update(verified)
             if not verified["ok"]:
                 out["failed_step"] = "restore_and_verify"
+        elif method == "hotswap_sleep":
+            level = int(args[0] if args else kwargs.get("level", 1))
+            prepared = self._rank("hotswap_prepare", rank, {"args": [level]}, None)
+            suspended = self._rank("hotswap_suspend", rank, {"args": [level]}, None)
+            out.update({k: v for k, v in prepared.items() if k not in ("ok", "rank")})
+            out.update({k: v for k, v in suspended.items() if k not in ("ok", "rank")})
+            out["overlapped"] = False
         elif method == "hotswap_restore_and_verify":
             mismatched = ["model.embed_scale"] if failure == "mismatch" else []
             out.update(restored=1, rebound=[], verified=2, mismatched=mismatched)

@@ -155,7 +155,7 @@ async def test_sleep_then_wake_report_phases_and_ranks(
     assert suspend, t["phases"]
     assert [r["rank"] for r in suspend[0]["ranks"]] == [0, 1]
     assert f["a"].suspended, "the engine was really asked to suspend"
-    assert "hotswap_suspend" in f["a"].calls
+    assert "hotswap_sleep" in f["a"].calls  # fused_sleep (the default): prepare + suspend
 
     snap = (await client.get("/models/a")).json()
     assert snap["state"] == "SUSPENDED"
@@ -404,7 +404,7 @@ async def test_rank_failure_502_then_failed(
 ) -> None:
     body = assert_error(await client.post("/models/a/sleep", json={"level": 1}), 502)
     assert body["model"] == "a"
-    assert "fake hotswap_suspend failed" in body["message"]
+    assert "fake hotswap_sleep failed" in body["message"]  # its suspend part failed
     snap = (await client.get("/models/a")).json()
     assert snap["state"] == "FAILED"
     assert snap["last_error"]

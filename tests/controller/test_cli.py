@@ -283,7 +283,7 @@ def test_http_errors_exit_non_zero_with_reason(
     assert code == cli.EXIT_HTTP_ERROR
     err = capsys.readouterr().err
     assert "HTTP 502" in err
-    assert "fake hotswap_suspend failed" in err
+    assert "fake hotswap_sleep failed" in err  # the fused sleep's suspend part failed
     code, _ = live.hotswap("wake", "a")
     assert code == cli.EXIT_HTTP_ERROR
     assert "HTTP 409" in capsys.readouterr().err

@@ -109,7 +109,7 @@ async def test_the_request_overrides_the_setting_both_ways() -> None:
     rig = await keep_rig(keep=True)
     out = await rig.m.sleep(1, keep_prefix_cache=False)
     assert pause_params(rig)["clear_cache"] == "true"
-    assert sent(rig, "hotswap_prepare") == [[1]]
+    assert sent(rig, "hotswap_sleep") == [[1]]  # not kept: the fused sleep (fused_sleep)
     assert out.transition is not None
     assert "kv" not in [p.name for p in out.transition.phases]
 
@@ -121,7 +121,7 @@ async def test_level_2_never_keeps() -> None:
     assert rig.world.calls == []
     out = await rig.m.sleep(2)  # the model's setting: said why, cleared as usual
     assert pause_params(rig)["clear_cache"] == "true"
-    assert sent(rig, "hotswap_prepare") == [[2]]
+    assert sent(rig, "hotswap_sleep") == [[2]]  # not kept: the fused sleep (fused_sleep)
     assert out.transition is not None
     kv = out.transition.phases[0]
     assert (kv.name, kv.detail["kv"]) == ("kv", "discard")

@@ -19,6 +19,7 @@ import pytest
 from fakevllm import FakeVllm
 from prometheus_client import CollectorRegistry
 
+from controller import protocol, steps
 from controller.engine import EngineClient, RankError
 from controller.errors import (
     BarrierTimeout,
@@ -86,6 +87,7 @@ def make_rig(
     ranks: int = 2,
     wrap: Callable[[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport] | None = None,
     fused: bool = True,
+    fused_sleep: bool = True,
     **timeouts: float,
 ) -> Rig:
     clock = clock or FakeClock()
@@ -95,7 +97,10 @@ def make_rig(
     )
     settings = Settings(
         # fused=False: the wake as three RPCs (an extension without hotswap_wake)
-        models=[ModelSettings(name="m", url="http://m:8000", fused_wake=fused)],  # type: ignore[call-arg]
+        # fused_sleep=False: the sleep's prepare and suspend as two RPCs
+        models=[
+            ModelSettings(name="m", url="http://m:8000", fused_wake=fused, fused_sleep=fused_sleep)  # type: ignore[call-arg]
+        ],
         timeouts=TimeoutSettings(**timeouts),  # type: ignore[arg-type]
     )
     registry = CollectorRegistry()
@@ -135,6 +140,8 @@ WAKE_CALLS_1 = [
     "/resume",
     "/is_paused",
 ]
+# The default (fused_sleep): the prepare and the suspend in one hotswap_sleep.
+SLEEP_CALLS_FUSED = [*SLEEP_CALLS[:3], "hotswap_sleep"]
 # The default (fused_wake): the resumes and the verify in one hotswap_wake.
 WAKE_CALLS_FUSED = ["hotswap_wake", *WAKE_CALLS_1[3:]]
 
@@ -231,7 +238,7 @@ async def test_start_unreachable_engine_is_failed_with_reason() -> None:
 
 @pytest.mark.anyio
 async def test_sleep_and_wake_level_1_in_sequence_order_with_timed_phases() -> None:
-    rig = await started(quiesce_s=3.0, fused=False)
+    rig = await started(quiesce_s=3.0, fused=False, fused_sleep=False)
     w = rig.world
     w.costs = {"hotswap_quiesce": 0.01, "hotswap_suspend": 0.5, "hotswap_resume": 0.2}
     out = await rig.m.sleep(1)
@@ -377,6 +384,92 @@ async def test_a_fused_wake_whose_verify_mismatches_is_failed_and_never_resumed(
 
 
 @pytest.mark.anyio
+async def test_the_fused_sleep_is_quiesce_then_one_hotswap_sleep() -> None:
+    """fused_sleep (the default): after the drain, the quiesce and one hotswap_sleep(level)
+    (the prepare and the suspend in one RPC); its reports count the bytes freed and what
+    the ranks left on the device, as a suspend's do; the wake after it is verified."""
+    rig = await started(quiesce_s=3.0)
+    w = rig.world
+    w.resident_bytes = 7
+    out = await rig.m.sleep(1)
+    assert out.action is Action.BEGIN
+    assert w.calls == SLEEP_CALLS_FUSED
+    assert json.loads(w.requests[3].content)["args"] == [1]
+    snap = rig.m.snapshot()
+    assert snap.state is State.SUSPENDED
+    assert snap.level == 1
+    t = snap.last_transition
+    assert t is not None
+    assert [p.name for p in t.phases] == ["drain", "quiesce", "prepare_and_suspend"]
+    fused = t.phases[-1]
+    assert [r["rank"] for r in fused.ranks] == [0, 1]
+    assert all(r["freed_bytes"] == {"weights": 1000, "kv_cache": 500} for r in fused.ranks)
+    assert all(r["fingerprinted"] == 2 for r in fused.ranks)  # the prepare's keys too
+    assert snap.resident_bytes == 14  # 7 per rank, read from the fused report
+    freed = rig.sample(
+        "hotswap_bytes_released_total", model="m", pool="weights"
+    )  # fmt: skip
+    assert freed == 2000
+    w.calls.clear()
+    await rig.m.wake()
+    assert w.calls == WAKE_CALLS_FUSED
+    assert rig.m.snapshot().state is State.RUNNING
+    await rig.manager.stop()
+
+
+def test_a_sleep_that_keeps_the_kv_cache_or_is_split_is_never_fused() -> None:
+    """The fused sleep is only the plain one: a sleep that keeps the KV cache needs every
+    rank's prepare answer before its suspend, and an overlapped swap's sleep suspends the
+    KV cache and the weights apart; both keep the separate RPCs."""
+    plain = steps.sleep_sequence(1, "wait", 1.0, fused=True)
+    assert [s.phase for s in plain] == ["drain", "quiesce", "prepare_and_suspend"]
+    keep = steps.sleep_sequence(1, "wait", 1.0, keep_kv=True, fused=True)
+    assert [s.phase for s in keep] == ["drain", "quiesce", "prepare", "kv", "suspend"]
+    split = steps.sleep_sequence(1, "wait", 1.0, kv_released=lambda: None, fused=True)
+    assert "prepare_and_suspend" not in [s.phase for s in split]
+    assert [s.phase for s in split][-1] == "suspend_weights"
+    level2 = steps.sleep_sequence(2, "wait", 1.0, keep_kv=True, fused=True)
+    assert [s.phase for s in level2][-1] == "prepare_and_suspend"  # level 2 never keeps
+    with pytest.raises(ValueError, match="split"):
+        protocol.sleep_steps(1, split=True, fused=True)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("failure", ["http500", "timeout", "rank"])
+@pytest.mark.parametrize("part", ["hotswap_sleep", "hotswap_prepare", "hotswap_suspend"])
+async def test_a_failed_fused_sleep_is_failed_and_never_resent(failure: str, part: str) -> None:
+    """A hotswap_sleep that fails (as a whole or in either part, by HTTP or by a rank) is
+    a failed transition: never sent again, never followed by a separate prepare or
+    suspend, never ready; the ranks' truth read back decides what it left."""
+    rig = await started()
+    rig.world.fail[part] = failure
+    with pytest.raises(HotswapError):
+        await rig.m.sleep(1)
+    calls = rig.world.rpc_calls()
+    assert calls.count("hotswap_sleep") == 1
+    assert "hotswap_suspend" not in calls
+    assert "hotswap_prepare" not in calls
+    snap = rig.m.snapshot()
+    assert not snap.ready
+    assert snap.state in (State.FAILED, State.RUNNING)  # RUNNING: read back, untouched
+    t = snap.last_transition
+    assert t is not None
+    assert t.result == "failed"
+    assert t.failed_phase == "prepare_and_suspend"
+    if failure == "rank":  # rank 0 slept, rank 1 did not: never a model in a state unknown
+        assert snap.state is State.FAILED
+    err = {"model": "m", "method": "hotswap_sleep"}
+    assert (
+        sum(
+            rig.sample("hotswap_engine_rpc_errors_total", **err, reason=r)
+            for r in ("rank_failed", "timeout", "error", "unavailable")
+        )
+        == 1
+    )
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("failure", ["http500", "timeout", "rank"])
 async def test_a_failed_fused_wake_is_failed_and_never_resent(failure: str) -> None:
     rig = await started()
@@ -493,7 +586,7 @@ async def test_opposite_requests_in_flight_conflict_and_same_ones_join() -> None
     gate.set()
     a, b = await asyncio.gather(sleeping, joined)
     assert (a.action, b.action) == (Action.BEGIN, Action.JOIN)
-    assert rig.world.rpc_calls().count("hotswap_suspend") == 1
+    assert rig.world.rpc_calls().count("hotswap_sleep") == 1  # its suspend part was held
 
     gate = rig.world.block("hotswap_restore_and_verify")
     waking = asyncio.create_task(rig.m.wake())
@@ -595,28 +688,35 @@ async def test_pause_that_does_not_hold_fails_before_memory_is_touched() -> None
 
 
 @pytest.mark.anyio
-async def test_slow_engine_rpc_timeout_is_failed_and_never_resent() -> None:
-    rig = await started(rpc_s=7.0)
+@pytest.mark.parametrize(
+    ("fused_sleep", "method", "phase"),
+    [(True, "hotswap_sleep", "prepare_and_suspend"), (False, "hotswap_suspend", "suspend")],
+)
+async def test_slow_engine_rpc_timeout_is_failed_and_never_resent(
+    fused_sleep: bool, method: str, phase: str
+) -> None:
+    rig = await started(rpc_s=7.0, fused_sleep=fused_sleep)
 
     async def slow(r: httpx.Request) -> httpx.Response:
         raise httpx.ReadTimeout("timed out", request=r)
 
-    rig.world.overrides["hotswap_suspend"] = slow
+    rig.world.overrides["hotswap_suspend"] = slow  # the fused sleep's suspend part too
     with pytest.raises(EngineTimeout) as info:
         await rig.m.sleep(1)
     assert info.value.status == 504
     assert info.value.model == "m"
-    assert info.value.phase == "suspend"
-    assert rig.world.rpc_calls().count("hotswap_suspend") == 1
+    assert info.value.phase == phase
+    assert rig.world.rpc_calls().count(method) == 1
+    assert "hotswap_suspend" not in rig.world.rpc_calls()[: -1 if not fused_sleep else None]
     snap = rig.m.snapshot()
     assert snap.state is State.FAILED
     assert not snap.ready
     assert snap.last_transition is not None
     assert snap.last_transition.result == "failed"
-    assert snap.last_transition.failed_phase == "suspend"
+    assert snap.last_transition.failed_phase == phase
     assert snap.last_error is not None
     assert "within 7 s" in snap.last_error
-    err = {"model": "m", "method": "hotswap_suspend", "reason": "timeout"}
+    err = {"model": "m", "method": method, "reason": "timeout"}
     assert rig.sample("hotswap_engine_rpc_errors_total", **err) == 1
     failed = {"model": "m", "kind": "sleep", "from_state": "RUNNING", "to_state": "FAILED"}
     assert rig.sample("hotswap_transitions_total", result="failed", **failed) == 1
@@ -624,7 +724,7 @@ async def test_slow_engine_rpc_timeout_is_failed_and_never_resent() -> None:
     for call in (rig.m.sleep, rig.m.wake):
         with pytest.raises(TransitionConflict, match="restart"):
             await call()
-    assert rig.world.rpc_calls().count("hotswap_suspend") == 1
+    assert rig.world.rpc_calls().count(method) == 1
     await rig.manager.stop()
 
 
@@ -668,8 +768,13 @@ async def test_unreachable_engine_during_wake_is_failed() -> None:
 
 
 @pytest.mark.anyio
-async def test_rank_not_ok_is_failed_with_every_rank_report_kept() -> None:
-    rig = await started()
+@pytest.mark.parametrize(
+    ("fused_sleep", "method"), [(True, "hotswap_sleep"), (False, "hotswap_prepare")]
+)
+async def test_rank_not_ok_is_failed_with_every_rank_report_kept(
+    fused_sleep: bool, method: str
+) -> None:
+    rig = await started(fused_sleep=fused_sleep)
 
     async def rank1_fails(r: httpx.Request) -> httpx.Response:
         return httpx.Response(
@@ -695,7 +800,8 @@ async def test_rank_not_ok_is_failed_with_every_rank_report_kept() -> None:
     assert not rig.world.paused
     assert snap.last_error is not None
     assert "rank 1" in snap.last_error
-    err = {"model": "m", "method": "hotswap_prepare", "reason": "rank_failed"}
+    err = {"model": "m", "method": method, "reason": "rank_failed"}
+    assert "hotswap_suspend" not in rig.world.rpc_calls()  # never a separate suspend after it
     assert rig.sample("hotswap_engine_rpc_errors_total", **err) == 1
     await rig.manager.stop()
 
@@ -862,7 +968,7 @@ async def test_begin_returns_at_once_and_the_outcome_lands_in_the_snapshot() -> 
 async def test_begin_sleep_failure_is_kept_in_the_snapshot() -> None:
     rig = await started()
 
-    rig.world.overrides["hotswap_suspend"] = _fail_500
+    rig.world.overrides["hotswap_suspend"] = _fail_500  # the fused sleep's suspend part
     rig.m.begin_sleep(1)
     task = rig.m.task
     assert task is not None
@@ -870,14 +976,14 @@ async def test_begin_sleep_failure_is_kept_in_the_snapshot() -> None:
     snap = rig.m.snapshot()
     assert snap.state is State.FAILED
     assert snap.last_transition is not None
-    assert snap.last_transition.failed_phase == "suspend"
+    assert snap.last_transition.failed_phase == "prepare_and_suspend"
     await rig.manager.stop()
 
 
 @pytest.mark.anyio
 async def test_stop_cancels_transitions_that_outlast_the_shutdown_timeout() -> None:
     rig = await started(shutdown_s=0.05)
-    rig.world.block("hotswap_suspend")  # never released
+    rig.world.block("hotswap_suspend")  # never released (the fused sleep's suspend part)
     rig.m.begin_sleep(1)
     await asyncio.sleep(0.01)
     await rig.manager.stop()
@@ -886,7 +992,7 @@ async def test_stop_cancels_transitions_that_outlast_the_shutdown_timeout() -> N
     assert snap.last_error is not None
     assert "cancelled" in snap.last_error
     assert snap.last_transition is not None
-    assert snap.last_transition.failed_phase == "suspend"
+    assert snap.last_transition.failed_phase == "prepare_and_suspend"
 
 
 @pytest.mark.anyio

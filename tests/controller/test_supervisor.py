@@ -105,7 +105,10 @@ class Router(httpx.AsyncBaseTransport):
         if proc is None or not proc.alive:
             raise httpx.ConnectError("connection refused", request=request)
         vllm = self.fleet.vllm[name]
-        if request.url.path == "/collective_rpc" and b"hotswap_suspend" in request.content:
+        body = request.content
+        if request.url.path == "/collective_rpc" and (
+            b"hotswap_suspend" in body or b"hotswap_sleep" in body
+        ):
             self.fleet.events.append(("suspend", name))
         return await vllm.handle(request)
 

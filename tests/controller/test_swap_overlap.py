@@ -129,9 +129,10 @@ def test_without_room_for_both_weights_the_swap_runs_one_after_the_other() -> No
             log.log.clear()
             r = await ask(w, "b")
             assert r.status_code == 200, r.text
-            assert log.at("a", "hotswap_suspend", "end") < log.at("b", "hotswap_wake", "start")
+            # the unsplit sleep is one hotswap_sleep (fused_sleep, the default)
+            assert log.at("a", "hotswap_sleep", "end") < log.at("b", "hotswap_wake", "start")
             assert "hotswap_resume[weights]" not in log.calls("b")  # one RPC: not split
-            assert "suspend" in phases(w, "a")
+            assert "prepare_and_suspend" in phases(w, "a")  # not split: fused
             assert "wait_room" not in phases(w, "b")
 
     run(body)

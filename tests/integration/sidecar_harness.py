@@ -148,19 +148,23 @@ class SidecarThread:
             time.sleep(0.05)
 
 
-def attach(name: str, engine: EngineProcess) -> ModelSettings:
-    """The settings of a model served by `engine` (someone else's process, on its socket)."""
+def attach(name: str, engine: EngineProcess, **model: Any) -> ModelSettings:
+    """The settings of a model served by `engine` (someone else's process, on its socket);
+    `model`: more of its ModelSettings (e.g. fused_sleep)."""
     return ModelSettings.model_validate(
-        {"name": name, "uds": str(engine.uds), "served_model_name": name}
+        {"name": name, "uds": str(engine.uds), "served_model_name": name, **model}
     )
 
 
 @contextlib.contextmanager
-def sidecar_over(name: str, engine: EngineProcess, **settings: Any) -> Iterator[Api]:
+def sidecar_over(
+    name: str, engine: EngineProcess, model: dict[str, Any] | None = None, **settings: Any
+) -> Iterator[Api]:
     """The sidecar attached to one running engine that serves `name`, as its API client;
-    `settings` go to the sidecar's Settings (e.g. timeouts)."""
-    model = attach(name, engine)
-    side = SidecarThread(attached([model]), **settings).start()
+    `model`: more of the model's settings; `settings` go to the sidecar's Settings (e.g.
+    timeouts)."""
+    model_settings = attach(name, engine, **(model or {}))
+    side = SidecarThread(attached([model_settings]), **settings).start()
     try:
         yield Api(side.base_url)
     finally:

@@ -60,6 +60,7 @@ MAX_MODEL_LEN = 1024
 LONG_TOKENS = MAX_MODEL_LEN - 48
 FULL = os.environ.get("HOTSWAP_FAULT_MATRIX", "") == "full"
 FUSED = "resume_and_verify"  # the fused wake's phase (hotswap_wake: resume + restore + verify)
+FUSED_SLEEP = "prepare_and_suspend"  # the fused sleep's phase (hotswap_sleep: prepare + suspend)
 SIDECAR_ENV = {
     "HOTSWAP_TIMEOUTS__RPC_S": "60",
     "HOTSWAP_TIMEOUTS__REPROBE_INTERVAL_S": "0.5",
@@ -81,8 +82,8 @@ class Case:
     @property
     def id(self) -> str:
         where = f"{self.kind}-L{self.level}-{self.phase}" if self.kind != "rest" else self.phase
-        if self.phase == FUSED and self.point is not None:
-            where += f"-{self.point}"  # the fused wake: which of its parts the fault lands in
+        if self.phase in (FUSED, FUSED_SLEEP) and self.point is not None:
+            where += f"-{self.point}"  # a fused RPC: which of its parts the fault lands in
         return f"{_PREFIX[self.fault]}-{where}"
 
 
@@ -95,9 +96,11 @@ _PREFIX = {
 SIDECAR_KILLS = [
     Case("sidecar SIGKILL", "sleep", 1, "drain", None, 0, "RUNNING"),
     Case("sidecar SIGKILL", "sleep", 1, "quiesce", "quiesce", 0, "RUNNING"),
-    Case("sidecar SIGKILL", "sleep", 1, "prepare", "prepare", 0, "RUNNING"),
-    Case("sidecar SIGKILL", "sleep", 1, "suspend", "suspend", 0, "SUSPENDED"),
-    Case("sidecar SIGKILL", "sleep", 2, "suspend", "suspend", 0, "SUSPENDED"),
+    # The sleep's prepare and suspend are one RPC (hotswap_sleep, fused_sleep): the engine
+    # finishes it without the sidecar, whichever part it was in: asleep.
+    Case("sidecar SIGKILL", "sleep", 1, FUSED_SLEEP, "prepare", 0, "SUSPENDED"),
+    Case("sidecar SIGKILL", "sleep", 1, FUSED_SLEEP, "suspend", 0, "SUSPENDED"),
+    Case("sidecar SIGKILL", "sleep", 2, FUSED_SLEEP, "suspend", 0, "SUSPENDED"),
     # A level-1 wake is one RPC (hotswap_wake): the engine finishes it without the sidecar,
     # whichever part it was in, and the next sidecar finds it verified and paused.
     Case("sidecar SIGKILL", "wake", 1, FUSED, "resume", 0, "RUNNING"),
@@ -108,8 +111,8 @@ SIDECAR_KILLS = [
 ]
 _ENGINE_PHASES = [
     ("sleep", 1, "quiesce", "quiesce", 0),
-    ("sleep", 1, "prepare", "prepare", 0),
-    ("sleep", 1, "suspend", "suspend", 0),
+    ("sleep", 1, FUSED_SLEEP, "prepare", 0),
+    ("sleep", 1, FUSED_SLEEP, "suspend", 0),
     ("wake", 1, FUSED, "resume", 0),
     ("wake", 2, "reload", "reload", 0),
     ("wake", 2, FUSED, "resume", 1),
@@ -124,7 +127,7 @@ ENGINE_RESTARTS = [
     Case("engine restarted", "rest", 1, "RUNNING", None, 0, "RUNNING"),
     Case("engine restarted", "rest", 1, "SUSPENDED", None, 0, "RUNNING"),
 ]
-HANGS = [Case("engine SIGSTOP", "sleep", 1, "prepare", "prepare", 0, "FAILED")]
+HANGS = [Case("engine SIGSTOP", "sleep", 1, FUSED_SLEEP, "prepare", 0, "FAILED")]
 CASES = SIDECAR_KILLS + ENGINE_KILLS + ENGINE_RESTARTS + HANGS
 
 
@@ -379,7 +382,7 @@ def test_sidecar_sigkill(
     long = _in_drain(sidecar, eng) if case.phase == "drain" else None
     if long is None:
         _begin(sidecar, eng, case)
-    if case.phase == "prepare":
+    if case.point == "prepare":
         # A read-only route never touches a model in transition.
         audit = sidecar.get(f"/models/{NAME}/audit")
         assert audit.status_code == 409, audit.text
@@ -483,7 +486,7 @@ def test_the_reliability_table_lists_every_case() -> None:
         fault, where, end = rows[key][0], rows[key][1], rows[key][2]
         assert fault == case.fault, rows[key]
         phase = case.phase if case.kind == "rest" else f"{case.kind} L{case.level}: {case.phase}"
-        if case.phase == FUSED:
+        if case.phase in (FUSED, FUSED_SLEEP):
             phase += f" ({case.point})"
         assert where == phase, rows[key]
         assert end.startswith(case.end), rows[key]

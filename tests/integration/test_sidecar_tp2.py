@@ -42,7 +42,10 @@ def server(engines: EngineLauncher, tiny_llama: Path) -> EngineProcess:
 
 @pytest.fixture(scope="module")
 def api(server: EngineProcess) -> Iterator[Api]:
-    with sidecar_over(NAME, server, timeouts={"quiesce_s": QUIESCE_S}) as api:
+    # fused_sleep off: a prepare refused on one rank leaves every rank awake only when the
+    # prepare is its own RPC (fused, rank 0 would sleep on alone: FAILED, a restart)
+    model = {"fused_sleep": False}
+    with sidecar_over(NAME, server, model, timeouts={"quiesce_s": QUIESCE_S}) as api:
         yield api
 
 
