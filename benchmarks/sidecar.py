@@ -189,10 +189,12 @@ def timed_wake(base: str, post: Any) -> dict[str, Any]:
     return box
 
 
-def attached(url: str, port: int, fused: bool) -> EngineSpec:
-    """`hotswap serve --config FILE` with one attached engine, `fused_wake` as given."""
+def attached(url: str, port: int, fused: bool, fused_sleep: bool = True) -> EngineSpec:
+    """`hotswap serve --config FILE` with one attached engine, `fused_wake` and
+    `fused_sleep` as given."""
     cfg = Path(tempfile.mkdtemp(prefix="bench-sidecar-")) / "sidecar.yaml"
-    cfg.write_text(yaml.safe_dump({"models": [{"name": "llama", "url": url, "fused_wake": fused}]}))
+    model = {"name": "llama", "url": url, "fused_wake": fused, "fused_sleep": fused_sleep}
+    cfg.write_text(yaml.safe_dump({"models": [model]}))
     argv = [sys.executable, "-m", "controller", "serve", "--config", str(cfg)]
     return EngineSpec.from_command("sidecar", argv, port, {})
 
@@ -235,13 +237,18 @@ def ours(server: EngineProcess, args: argparse.Namespace, deadline: float) -> di
         time.sleep(max(0.0, 3.0 - (time.monotonic() - T0)))  # the host buffer pins early
         # One sidecar per --fused value, one after the other, attached to the same engine
         # (each finds it RUNNING and verified at its start).
-        for fused in args.fused:
-            side = launch(attached(server.base_url, free_port(), fused), f"sidecar-f{int(fused)}")
+        for fused, fsleep in [(f, s) for f in args.fused for s in args.fused_sleeps]:
+            spec = attached(server.base_url, free_port(), fused, fsleep)
+            side = launch(spec, f"sidecar-f{int(fused)}{int(fsleep)}")
             res["sidecar_start_s"].append(wait_up(side, deadline))
-            log(f"sidecar (fused_wake {fused}) ready after {res['sidecar_start_s'][-1]:.1f} s")
+            log(
+                f"sidecar (fused_wake {fused}, fused_sleep {fsleep}) ready after"
+                f" {res['sidecar_start_s'][-1]:.1f} s"
+            )
             if args.wait_pinned and "engine_info" not in res:
                 res["engine_info"] = wait_pinned(server.base_url, time.monotonic() + 60)
                 log("engine info before the first sleep", json.dumps(res["engine_info"]))
+            n = len(res["cycles"])
             for j, codec in enumerate(args.codec_list or [None]):
                 try:  # a failed codec's run leaves the others' cycles in res
                     if codec is not None and j:
@@ -253,6 +260,8 @@ def ours(server: EngineProcess, args: argparse.Namespace, deadline: float) -> di
                     res.setdefault("errors", []).append(f"{codec}: {type(exc).__name__}: {exc}")
                     log("ours failed:", res["errors"][-1][-3000:])
                     break
+            for cyc in res["cycles"][n:]:
+                cyc["fused_sleep"] = fsleep
             side.stop(20.0)
             side = None
     finally:
@@ -380,7 +389,7 @@ PHASES = (
     "resume_engine",
     "warmup",
 )
-SLEEP_PHASES = ("drain", "quiesce", "prepare", "suspend")
+SLEEP_PHASES = ("drain", "quiesce", "prepare", "suspend", "prepare_and_suspend")
 
 
 def f3(v: Any) -> str:
@@ -493,6 +502,11 @@ def main() -> int:
         "--fused", default="1", help="fused_wake per sidecar run, comma-separated (e.g. 0,1)"
     )
     ap.add_argument(
+        "--fused-sleeps",
+        default="1",
+        help="fused_sleep per sidecar run (each --fused value with each), comma-separated",
+    )
+    ap.add_argument(
         "--serial-boot",
         type=int,
         default=0,
@@ -531,6 +545,9 @@ def main() -> int:
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
     args.asleep = [float(x) for x in args.asleep_s.split(",") if x.strip()] or [ASLEEP_S]
     args.fused = [f.strip() not in ("0", "false") for f in args.fused.split(",") if f.strip()]
+    args.fused_sleeps = [
+        f.strip() not in ("0", "false") for f in args.fused_sleeps.split(",") if f.strip()
+    ]
     args.serial_boot, args.wait_pinned = bool(args.serial_boot), bool(args.wait_pinned)
     deadline = T0 + args.budget_s
     from benchmarks.wake import bandwidth

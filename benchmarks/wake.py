@@ -174,14 +174,26 @@ class ViaExtension:
         s = WorkerSettings.from_env()
         self.llm.collective_rpc(lambda w: w.worker._hotswap_state().use_settings(s))
 
-    def sleep(self, prepare_level: int = 1, level: int = 1) -> tuple[dict[str, Any], float]:
+    def sleep(
+        self, prepare_level: int = 1, level: int = 1, fused: bool = False
+    ) -> tuple[dict[str, Any], float]:
         """controller.protocol's sleep steps at `level`; each report and its seconds.
         `prepare_level` 2: the prepare protects what a level-2 sleep would (its cost, on
-        the same level-1 wake)."""
+        the same level-1 wake). `fused`: the quiesce, then one hotswap_sleep (its report
+        is both "prepare" and "suspend"; the seconds returned are its RPC's)."""
         self.llm.reset_prefix_cache()
         params = protocol.Params(level=level, quiesce_timeout_s=30.0)
         prep = protocol.Params(level=max(level, prepare_level), quiesce_timeout_s=30.0)
         out: dict[str, Any] = {}
+        if fused:
+            for step in protocol.sleep_steps(level, fused=True):
+                out[step.phase], out[f"{step.phase}_s"] = timed(
+                    self.rpc, step.method, *step.call_args(params)
+                )
+            fused_phase = protocol.PREPARE_SUSPEND.phase
+            out["prepare"] = out["suspend"] = out[fused_phase]
+            out["prepare_s"] = 0.0  # inside the fused RPC's seconds
+            return out, out.pop(f"{fused_phase}_s")
         for step in protocol.sleep_steps(level):
             args = step.call_args(prep if step is protocol.PREPARE else params)
             out[step.phase], out[f"{step.phase}_s"] = timed(self.rpc, step.method, *args)
@@ -407,6 +419,17 @@ def main() -> int:
         help="realistic: every parameter redrawn like a trained model's after the dummy load"
         " (benchmarks/realweights.py); dummy: vLLM's uniform dummy values",
     )
+    ap.add_argument(
+        "--fused-sleeps",
+        default="1",
+        help="0: the prepare and the suspend as two RPCs; 1: one hotswap_sleep (the prepare"
+        " under the weights' copies); comma-separated, each run for --cycles cycles",
+    )
+    ap.add_argument(
+        "--plan-reuse",
+        default="1",
+        help="HOTSWAP_CODEC_PLAN_REUSE values for the exp codec (1, 0), comma-separated",
+    )
     args = ap.parse_args()
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
     os.environ["HOTSWAP_HOST_CODEC"] = codecs[0]  # what the backend is made with
@@ -484,9 +507,13 @@ def main() -> int:
     plevels = [int(p) for p in args.prepare_levels.split(",") if p.strip()]
     cmaps = [c.strip() for c in args.codec_maps.split(",") if c.strip()]
     coded_variants = [f"exp/{m}" for m in cmaps]
+    fsleeps = [f.strip() not in ("0", "false") for f in args.fused_sleeps.split(",") if f]
+    reuses = [r.strip() for r in args.plan_reuse.split(",") if r.strip()]
     variants = [
-        (c, m, i, k, a, pr, pl)
+        (c, m, i, k, a, pr, pl, fs, ru)
         for c in [v for hc in codecs for v in (coded_variants if hc == "exp" else [hc])]
+        for fs in fsleeps
+        for ru in (reuses if c.startswith("exp") else reuses[:1])
         for m in modes
         for i in impls
         for k in kernels
@@ -494,7 +521,8 @@ def main() -> int:
         for pl in plevels
         for a in asleeps
     ]
-    for variant, mode, impl, vk, asleep, protect, plevel in variants:
+    first_sleep = True
+    for variant, mode, impl, vk, asleep, protect, plevel, fsleep, reuse in variants:
         hc, _, cvar = variant.partition("/")
         cmap, _, tune = cvar.partition(":")
         decoder, _, tune = tune.partition(":")
@@ -508,6 +536,7 @@ def main() -> int:
         os.environ.update(map_env(impl))
         os.environ["HOTSWAP_VERIFY_KERNEL"] = vk
         os.environ["HOTSWAP_PROTECT"] = protect
+        os.environ["HOTSWAP_CODEC_PLAN_REUSE"] = reuse
         drv.use_env()  # the worker reads its settings once: hand it these
         if switched:  # a raw copy needs a bigger buffer: pin it now, not inside a sleep
             drv.warm()
@@ -524,8 +553,36 @@ def main() -> int:
                         int(align) if align else None,
                     ),
                 )[0]
-            s, ts = drv.sleep(plevel) if plevel != 1 else drv.sleep()
+            if args.via == "extension":
+                s, ts = drv.sleep(plevel, fused=fsleep)
+            else:
+                s, ts = drv.sleep()
             r_asleep = rss()
+            sus = s.get("suspend") or {}
+            cs = (sus.get("timings") or {}) if isinstance(sus, dict) else {}
+            prep_t = ((s.get("prepare") or {}).get("timings") or {}) if not fsleep else cs
+            total = ts + s.get("quiesce_s", 0.0) + s.get("prepare_s", 0.0)
+            log(
+                "sleep",
+                json.dumps(
+                    {
+                        "codec": variant,
+                        "fused": fsleep,
+                        "reuse": reuse,
+                        "first": first_sleep,
+                        "quiesce_s": s.get("quiesce_s"),
+                        "prepare_rpc_s": s.get("prepare_s"),
+                        "suspend_rpc_s": ts,
+                        "total_s": total,
+                        "prepare": {k: prep_t.get(k) for k in (
+                            "records_s", "audit_s", "protect_plan_s", "snapshot_s", "prepare_s")},
+                        "suspend": {k: v for k, v in cs.items() if k not in (
+                            "records_s", "audit_s", "protect_plan_s", "snapshot_s")},
+                        "overlapped": sus.get("overlapped"),
+                    }
+                ),
+            )  # fmt: skip
+            first_sleep = False
             time.sleep(asleep)
             n_checks = len(CHECKS)
             w, tw, tv = drv.wake()
@@ -535,6 +592,9 @@ def main() -> int:
             ours.append(
                 {
                     "codec": variant + (" (profiled)" if profiled else ""),
+                    "fused_sleep": fsleep,
+                    "plan_reuse": reuse,
+                    "first_sleep": first_sleep,
                     "codec_tuned": tuned if hc == "exp" else None,
                     "codec_suspend": coded.get("last_suspend") if hc == "exp" else None,
                     "codec_wake": coded.get("last_wake") if profiled else None,
@@ -639,7 +699,8 @@ def main() -> int:
         )
     for i, r in enumerate(ours):
         check = "kernel" if r["kernel_used"] else "eager"
-        tag = f"codec {r['codec']}, {check}, asleep {r['asleep_s']:g} s, #{i + 1}"
+        fz = f"fused_sleep {int(r['fused_sleep'])}, reuse {r['plan_reuse']}"
+        tag = f"codec {r['codec']}, {fz}, {check}, asleep {r['asleep_s']:g} s, #{i + 1}"
         tag = tag if r["verify_s"] else f"codec {r['codec']}, asleep {r['asleep_s']:g} s, #{i + 1}"
         rows.append(
             (

@@ -1073,7 +1073,8 @@ class CuMemBackend:
                 t = time.perf_counter()
                 coded = gc.plan([(p, int(d.handle[1])) for p, d in weights_off])
                 timings["codec_replan_s"] = time.perf_counter() - t
-                events = self._suspend_coded(gc, coded, weights_off, timings)
+                raw_events = [e for e in events if e[0] in layout]  # a kept KV cache's copies
+                events = [*self._suspend_coded(gc, coded, weights_off, timings), *raw_events]
         if level == 2 and WEIGHTS in tags and plan[WEIGHTS] == DISCARDED:
             self._tier_put_away(recs[WEIGHTS], timings, rewritten)
         # Discarded pools need no copy: release them while the offload copies run.
