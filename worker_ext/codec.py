@@ -1011,6 +1011,13 @@ def warm(
             raise Unavailable("decode(encode(x)) != x on the device")
         if not torch.equal(decode_piece(slot[: piece.size].cpu(), piece.n_chunks), host):
             raise Unavailable("the reference decoder disagrees with the device's bytes")
+        # a reused plan's check (compiled now, not in the first sleep): its own bytes fit
+        plan.keep_on_host()
+        if bool(gc.check(gc.reuse(plan))):
+            raise Unavailable("the plan's check refused the bytes it was made for")
+        data.view(torch.int16)[::7] = 0x7F7F  # an exponent the table does not hold
+        if not bool(gc.check(gc.reuse(plan))):
+            raise Unavailable("the plan's check passed bytes with more escapes")
         gc.release()
         gc.n_slots = max(2, slots)  # a wake's slots, made when it runs
     except Exception as e:

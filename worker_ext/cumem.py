@@ -112,6 +112,25 @@ def _nvml_process_bytes(pid: int) -> int | None:
         return None
 
 
+# hotswap_sleep: the share of the weights' bytes whose copies are queued before the prepare
+# starts (its protected copies queue behind only these; the rest follow them); the link
+# moves it in about as long as the prepare's host work before those copies takes (8B, H200).
+STAGE_SHARE = 0.3
+
+
+def _cut(share: float, sizes: list[int]) -> int:
+    """How many of `sizes`, in order, hold the first `share` of their sum (at least one
+    when there are any; all of them at a share of 1 or more)."""
+    if share >= 1.0 or not sizes:
+        return len(sizes)
+    want, seen = share * sum(sizes), 0
+    for i, n in enumerate(sizes):
+        seen += n
+        if seen >= want:
+            return i + 1
+    return len(sizes)
+
+
 class CuMemBackend:
     """pools.PoolBackend over vLLM's CuMemAllocator records, with the fast copy path."""
 
@@ -433,9 +452,12 @@ class CuMemBackend:
         plan: codec.Plan,
         offload: list[tuple[int, Any]],
         timings: dict[str, float],
-    ) -> list[tuple[int, Any, Any]]:
+        share: float = 1.0,
+    ) -> tuple[list[tuple[int, Any, Any]], Callable[[], list[tuple[int, Any, Any]]]]:
         """Encode each piece into a staging slot and copy it to the host while the next
-        encodes; returns (ptr, record, [event after its last encode]) per record."""
+        encodes; (ptr, record, [event after its last encode]) per record queued now: the
+        records holding the first `share` of the bytes; and the function that queues the
+        rest (the same for them)."""
         t = time.perf_counter()
         host = self._host_for(plan.total)
         timings["host_wait_s"] = time.perf_counter() - t
@@ -446,14 +468,22 @@ class CuMemBackend:
         dma.wait_stream(current)
         self._codec_scratch = True
         q = codec.SleepQueue(gc, plan, self._copier(host.ptr), enc, dma)
-        last: dict[int, Any] = {}
-        coded: dict[int, list[codec.Piece]] = {}
-        for piece in plan.pieces:
-            last[piece.rng] = q.queue(piece)
-            coded.setdefault(offload[piece.rng][0], []).append(piece)
-        self._coded.update(coded)
+        cut = _cut(share, [int(d.handle[1]) for _p, d in offload])
+
+        def queue(pieces: list[codec.Piece]) -> list[tuple[int, Any, Any]]:
+            t = time.perf_counter()
+            last: dict[int, Any] = {}
+            coded: dict[int, list[codec.Piece]] = {}
+            for piece in pieces:
+                last[piece.rng] = q.queue(piece)
+                coded.setdefault(offload[piece.rng][0], []).append(piece)
+            self._coded.update(coded)
+            timings["queue_s"] = timings.get("queue_s", 0.0) + time.perf_counter() - t
+            return [(p, d, [last[r]]) for r, (p, d) in enumerate(offload) if r in last]
+
         self._codec_plan = plan
-        timings["queue_s"] = time.perf_counter() - t
+        timings["queue_s"] = timings.get("queue_s", 0.0) + time.perf_counter() - t
+        first = queue([p for p in plan.pieces if p.rng < cut])
         self._codec_report = {
             "raw_bytes": plan.raw_total,
             "coded_bytes": plan.total,
@@ -462,7 +492,7 @@ class CuMemBackend:
             "pieces": len(plan.pieces),
             "scratch_bytes": gc.scratch_bytes(plan, slots=codec.SLEEP_SLOTS),
         }
-        return [(p, d, [last[r]]) for r, (p, d) in enumerate(offload) if r in last]
+        return first, lambda: queue([p for p in plan.pieces if p.rng >= cut])
 
     # -- the level-2 disk tier -------------------------------------------------------------
 
@@ -974,11 +1004,14 @@ class CuMemBackend:
         tags: list[str],
         keep_kv: bool = False,
         rewritten: Sequence[tuple[int, int]] = (),
-        during: Callable[[], Sequence[tuple[int, int]]] | None = None,
+        during: Callable[[Callable[[], None]], Sequence[tuple[int, int]]] | None = None,
     ) -> dict[str, Any]:
-        """`during` (hotswap_sleep): called once the offload copies are queued and before
-        anything is released; its answer replaces `rewritten`. If it raises, every queued
-        copy is waited for, nothing is released, and the error is raised again."""
+        """`during` (hotswap_sleep): called once the copies of the first STAGE_SHARE of the
+        weights' bytes are queued and before anything is released, with the function that
+        queues the rest (the prepare calls it once its protected copies are queued: they
+        then wait behind the first copies only; called after it otherwise); its answer
+        replaces `rewritten`. If it raises, every queued copy is waited for, nothing is
+        released, and the error is raised again."""
         torch = self._torch
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, not {level!r}")
@@ -1025,8 +1058,11 @@ class CuMemBackend:
                 coded, stale = None, None
             timings["codec_plan_s"] = time.perf_counter() - t
         raw = dict(offload)
+        share = STAGE_SHARE if during is not None else 1.0
+        rest: list[Callable[[], list[tuple[int, Any, Any]]]] = []
         if gc is not None and coded is not None:
-            events = self._suspend_coded(gc, coded, weights_off, timings)
+            events, more = self._suspend_coded(gc, coded, weights_off, timings, share)
+            rest.append(more)
             del raw[WEIGHTS]
         if raw:
             t = time.perf_counter()
@@ -1041,26 +1077,47 @@ class CuMemBackend:
             current = torch.cuda.current_stream(self._device)
             for s in self._get_streams():
                 s.wait_stream(current)
-            k = 0
-            for tag, rs in raw.items():
-                host, off = hosts[tag], 0
-                for ptr, data in rs:
-                    size = int(data.handle[1])
-                    k = self._queue(ptr, host.ptr, off, size, True, k)
+            pos = {"k": 0}  # the copies' round-robin position, across the two stages
+
+            def queue_raw(items: list[tuple[str, int, Any, int]]) -> list[tuple[int, Any, Any]]:
+                t = time.perf_counter()
+                out = []
+                for tag, ptr, data, off in items:
+                    size, host = int(data.handle[1]), hosts[tag]
+                    pos["k"] = self._queue(ptr, host.ptr, off, size, True, pos["k"])
                     layout[ptr] = (host.ptr, off, size)
-                    done = [s.record_event() for s in self._get_streams()]
-                    events.append((ptr, data, done))
-                    off += size
-            timings["queue_s"] = timings.get("queue_s", 0.0) + time.perf_counter() - t
+                    out.append((ptr, data, [s.record_event() for s in self._get_streams()]))
+                timings["queue_s"] = timings.get("queue_s", 0.0) + time.perf_counter() - t
+                return out
+
+            items: list[tuple[str, int, Any, int]] = []
+            for tag, rs in raw.items():
+                off = 0
+                for ptr, data in rs:
+                    items.append((tag, ptr, data, off))
+                    off += int(data.handle[1])
+            cut = _cut(share, [int(it[2].handle[1]) for it in items])
+            events.extend(queue_raw(items[:cut]))
+            rest.append(lambda: queue_raw(items[cut:]))
         overlapped = bool(events)
+        queued_all = {"done": False}
+
+        def go_on() -> None:
+            """Queue the copies of the rest (once)."""
+            if not queued_all["done"]:
+                queued_all["done"] = True
+                for fn in rest:
+                    events.extend(fn())
+
         if during is not None:
             t = time.perf_counter()
             try:
-                rewritten = during()
+                rewritten = during(go_on)
             except BaseException:
                 self._abandon_copies(weights_off, before_plan)
                 raise
             timings["prepare_under_copies_s"] = time.perf_counter() - t
+        go_on()
         why = None
         if stale is not None and gc is not None and coded is not None:
             t = time.perf_counter()
@@ -1074,7 +1131,8 @@ class CuMemBackend:
                 coded = gc.plan([(p, int(d.handle[1])) for p, d in weights_off])
                 timings["codec_replan_s"] = time.perf_counter() - t
                 raw_events = [e for e in events if e[0] in layout]  # a kept KV cache's copies
-                events = [*self._suspend_coded(gc, coded, weights_off, timings), *raw_events]
+                again, more = self._suspend_coded(gc, coded, weights_off, timings)
+                events = [*again, *more(), *raw_events]
         if level == 2 and WEIGHTS in tags and plan[WEIGHTS] == DISCARDED:
             self._tier_put_away(recs[WEIGHTS], timings, rewritten)
         # Discarded pools need no copy: release them while the offload copies run.

@@ -309,7 +309,7 @@ class HotSwapExtension:
         return ownership.judge(recs, level, st.backend.tag_of)
 
     def _hotswap_take_snapshot(
-        self, level: int, keep: bool
+        self, level: int, keep: bool, copied: Callable[[], None] | None = None
     ) -> tuple[snapshot.Snapshot, protect.Protection | None, set[str], dict[str, float]]:
         """What a prepare at `level` takes (hotswap_prepare, and once ahead of time the warm
         prepare, which drops it): the walk's records, the audit, the protection plan and
@@ -337,6 +337,7 @@ class HotSwapExtension:
             st.backend.device,
             st.settings.verify_kernel,
             keep_kv=keep,
+            copied=copied,
         )
         timings = {
             "records_s": t1 - t0,
@@ -528,11 +529,15 @@ class HotSwapExtension:
         prepared: dict[str, Any] = {}
         began = time.perf_counter()
 
-        def prepare() -> list[tuple[int, int]]:
+        def prepare(go_on: Callable[[], None] | None = None) -> list[tuple[int, int]]:
+            """The prepare; `go_on` (the backend's): queue the rest of the weights' copies,
+            called once the protected ranges' copies are queued ahead of them."""
             t = time.perf_counter()
             try:
                 self._hotswap_fault("prepare")
-                snap, cover, at_risk, timings = self._hotswap_take_snapshot(level, keep=False)
+                snap, cover, at_risk, timings = self._hotswap_take_snapshot(
+                    level, keep=False, copied=go_on
+                )
             except BaseException as e:
                 raise _PrepareFailed(f"{type(e).__name__}: {e}") from e
             st.snap = snap

@@ -203,7 +203,7 @@ class HostBackend:
         tags: list[str],
         keep_kv: bool = False,
         rewritten: Sequence[tuple[int, int]] = (),  # no disk tier here: nothing keys by it
-        during: Callable[[], Sequence[tuple[int, int]]] | None = None,
+        during: Callable[[Callable[[], None]], Sequence[tuple[int, int]]] | None = None,
     ) -> dict[str, Any]:
         for tag in tags:
             if tag not in (WEIGHTS, KV_CACHE):
@@ -211,7 +211,7 @@ class HostBackend:
             if tag in self._asleep:
                 raise RuntimeError(f"pool {tag!r} is already suspended")
         if during is not None:  # no copies to run it under: before anything is released
-            during()
+            during(lambda: None)
         if not self._asleep:
             self._scan()
         self._ranges = None

@@ -68,14 +68,16 @@ class PoolBackend(Protocol):
         tags: list[str],
         keep_kv: bool = False,
         rewritten: Sequence[tuple[int, int]] = (),
-        during: Callable[[], Sequence[tuple[int, int]]] | None = None,
+        during: Callable[[Callable[[], None]], Sequence[tuple[int, int]]] | None = None,
     ) -> dict[str, Any]:
         """Release the given pools per `policy` (`keep_kv`: the KV pool kept, level 1).
         `rewritten`: (start, end) ranges the snapshot writes back after the wake (level 2:
         the weights records' protected bytes), which a disk tier's key leaves out.
         `during` (hotswap_sleep's prepare): called before anything is released (a backend
-        with `overlaps_prepare` calls it once its offload copies are queued); its answer
-        replaces `rewritten`; if it raises, nothing is released and the error propagates.
+        with `overlaps_prepare` calls it once its first offload copies are queued) with a
+        function that queues the rest (the prepare calls it once its own small copies are
+        queued ahead of them; the backend calls it after, if not); its answer replaces
+        `rewritten`; if it raises, nothing is released and the error propagates.
         Returns {"freed_bytes": {tag: n}, "offloaded_bytes": {tag: n}}. Suspending a pool
         that is already asleep is an error."""
         ...

@@ -15,6 +15,7 @@ span each and names the differing tensors (or ranges) only on a mismatch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,12 +88,28 @@ def prepare(
     device: Any = None,
     kernel: str | None = None,
     keep_kv: bool = False,
+    copied: Callable[[], None] | None = None,
 ) -> Snapshot:
     """Fingerprint every record but the KV cache; copy the at-risk ones to host memory, or
     with a `protection`, every protected range (on `device`) and fingerprint its unnamed
     ones. `kernel`: the fingerprint check's mode (fingerprint.Plan; None: its default).
-    `keep_kv`: the KV cache's storages are fingerprinted too, in a plan of their own."""
+    `keep_kv`: the KV cache's storages are fingerprinted too, in a plan of their own.
+    `copied`: called once the protected ranges' copies are queued, before the fingerprints
+    (hotswap_sleep queues the rest of the weights' copies then, behind these small ones)."""
     snap = Snapshot(level, protection=protection)
+    # The protected ranges first: their copies go to the copy engine before anything else
+    # the caller queues there; nothing writes these bytes, so the order is free.
+    if protection is not None and protection.protect:
+        host = torch.empty(protection.protected_bytes, dtype=torch.uint8, pin_memory=pin)
+        off = 0
+        for s, e, pool in protection.protect:
+            r = _Range(s, e, pool, raw_bytes(s, e - s, device), host[off : off + e - s])
+            r.backup.copy_(r.view, non_blocking=pin)
+            snap.ranges.append(r)
+            off += e - s
+        snap.host = host
+    if copied is not None:
+        copied()
     if keep_kv:
         kv = [rec for rec in records if rec.is_kv and rec.nbytes]
         snap.kv_names = [rec.name for rec in kv]
@@ -124,15 +141,6 @@ def prepare(
             backup.copy_(raw, non_blocking=pin)
             entry.backup = backup
         snap.entries.append(entry)
-    if protection is not None and protection.protect:
-        host = torch.empty(protection.protected_bytes, dtype=torch.uint8, pin_memory=pin)
-        off = 0
-        for s, e, pool in protection.protect:
-            r = _Range(s, e, pool, raw_bytes(s, e - s, device), host[off : off + e - s])
-            r.backup.copy_(r.view, non_blocking=pin)
-            snap.ranges.append(r)
-            off += e - s
-        snap.host = host
     snap.plan = plan
     snap.baseline = base
     if pin and torch.cuda.is_available():

@@ -474,3 +474,12 @@ def test_rates_by_part_splits_pieces_in_order() -> None:
     assert codec.rates_by_part([0.0, 0.0], [5, 5]) == [None, None, None, None]
     with pytest.raises(ValueError, match="3 times for 2 sizes"):
         codec.rates_by_part([1.0, 1.0, 1.0], [1, 1])
+
+
+@needs_interp
+def test_warm_kernel_proves_the_codec_and_its_reuse_check() -> None:
+    """codec.warm (the backend's proof before it trusts the kernels): encode, decode and a
+    reused plan's check, which passes its own bytes and refuses bytes with more escapes."""
+    gc, report = codec.warm("cpu")
+    assert report["ok"], report
+    assert gc is not None

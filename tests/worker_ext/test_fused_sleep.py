@@ -34,7 +34,7 @@ class OverlappingPools(InPlacePools):
         tags: list[str],
         keep_kv: bool = False,
         rewritten: Sequence[tuple[int, int]] = (),
-        during: Callable[[], Sequence[tuple[int, int]]] | None = None,
+        during: Callable[[Callable[[], None]], Sequence[tuple[int, int]]] | None = None,
     ) -> dict[str, Any]:
         how = {t: policy(level, t, keep_kv) for t in tags}
         queued = []
@@ -43,9 +43,13 @@ class OverlappingPools(InPlacePools):
                 self.host[tag] = self._view(tag).clone()  # the copy, "on the link"
                 queued.append(tag)
                 self.log.append(f"copy {tag}")
+
+        def go_on() -> None:  # the rest of the copies, behind the prepare's own
+            self.log.append("copy the rest")
+
         if during is not None:
             try:
-                during()
+                during(go_on)
             except BaseException:
                 self.log.append("wait copies, release nothing")
                 for tag in queued:
@@ -93,7 +97,13 @@ def test_the_prepare_runs_under_the_copies_and_nothing_is_released_before_it() -
     before = w.weights_bytes()
     out = w.hotswap_sleep(1)
     assert out["ok"], out
-    assert w.pools.log == ["copy weights", "prepared", "release weights", "release kv_cache"]
+    assert w.pools.log == [
+        "copy weights",
+        "copy the rest",  # called by the prepare, once its protected copies are queued
+        "prepared",
+        "release weights",
+        "release kv_cache",
+    ]
     assert w.seen == ["suspend", "prepare"]  # the prepare's point inside the backend's call
     assert out["overlapped"] is True
     assert out["kv"] == "discard"
@@ -133,7 +143,7 @@ def test_a_failed_prepare_releases_nothing_and_moves_no_phase() -> None:
     assert out["ok"] is False
     assert out["failed_step"] == "prepare"
     assert "injected at prepare" in out["error"]
-    assert w.pools.log == ["copy weights", "wait copies, release nothing"]
+    assert w.pools.log == ["copy weights", "wait copies, release nothing"]  # never the rest
     assert torch.equal(w.buf, before)  # every pool still mapped, every byte in place
     assert w.pools.host == {}  # the queued copy given up
     assert _truth(w) == truth  # no memory step, no snapshot held
