@@ -191,16 +191,19 @@ class Engine:
             assert r.get("ok"), f"{method}{args}: {json.dumps(r)[:2000]}"
         return r
 
-    def sleep(self, level: int, tags: list[str] | None = None) -> dict[str, Any]:
+    def sleep(
+        self, level: int, tags: list[str] | None = None, fused: bool = False
+    ) -> dict[str, Any]:
         """controller.protocol's sleep steps, in-process: cache cleared (the controller's
-        pause does that), quiesce, prepare, suspend (only `tags`' pools, when given)."""
+        pause does that), quiesce, prepare, suspend (only `tags`' pools, when given);
+        `fused`: the controller's default, quiesce then one hotswap_sleep (its report
+        under "prepare_and_suspend")."""
         self.llm.reset_prefix_cache()
         params = protocol.Params(
             level=level, quiesce_timeout_s=30.0, tags=tuple(tags) if tags is not None else None
         )
-        return {
-            s.phase: self.rpc(s.method, *s.call_args(params)) for s in protocol.sleep_steps(level)
-        }
+        steps = protocol.sleep_steps(level, fused=fused)
+        return {s.phase: self.rpc(s.method, *s.call_args(params)) for s in steps}
 
     def wake(
         self,

@@ -188,6 +188,36 @@ def test_the_fused_wake_maps_back_and_verifies_in_one_rpc(llama: Engine, level: 
     assert llama.gen() == base
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_the_fused_sleep_prepares_under_the_copies_and_the_wake_verifies(
+    llama: Engine, level: int
+) -> None:
+    """The controller's default sleep (`fused_sleep`): one hotswap_sleep; at level 1 the
+    prepare runs while the weights' copies are on the link (staged: its protected copies
+    ahead of most of them). The wake verifies every byte it fingerprinted; tokens and
+    logprobs equal. A second coded sleep of the same weights reuses the codec's plan."""
+    base = llama.gen()
+    s = llama.sleep(level, fused=True)["prepare_and_suspend"]
+    assert "failed_step" not in s, s
+    assert s["overlapped"] is (level == 1), s
+    assert s["fingerprinted"] > 0
+    assert s["protected_bytes"] > 0
+    assert set(s["tags"]) == {"weights", "kv_cache"}
+    assert {"prepare_s", "suspend_s", "prepare_under_copies_s"} <= set(s["timings"]), s
+    w = llama.wake(level, fused=True)
+    assert w["verify"]["mismatched"] == [], w["verify"]
+    assert w["verify"]["verified"] == s["fingerprinted"]
+    assert llama.gen() == base
+    if level == 1:
+        again = llama.sleep(1, fused=True)["prepare_and_suspend"]
+        codec = llama.rpc("hotswap_info")["backend_detail"]["codec"]
+        if codec["setting"] == "exp" and codec["warm"] and codec["warm"]["ok"]:
+            assert codec["last_suspend"]["plan"] == "reused", codec["last_suspend"]
+            assert again["timings"]["codec_plan_s"] < 0.05, again["timings"]
+        assert llama.wake(1, fused=True)["verify"]["mismatched"] == []
+        assert llama.gen() == base
+
+
 def test_a_flipped_bit_fails_the_fused_wake(llama: Engine) -> None:
     """A weight flipped after the weights are back and before the fused call verifies: the
     call maps the KV cache back, then names the tensor and fails; undone, the next fused
