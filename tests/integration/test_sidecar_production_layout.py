@@ -71,7 +71,9 @@ def test_cycle_in_the_multiprocess_layout(
     assert api.get("/health").status_code == 200
     assert complete(server, NAME) == baseline
     # The worker is its own process here: its reports come back over vLLM's RPC queues.
-    suspend = next(p for p in slept.json()["transition"]["phases"] if p["name"] == "suspend")
+    # the fused sleep's one RPC (fused_sleep, the default) reports as the suspend did
+    names = ("suspend", "prepare_and_suspend")
+    suspend = next(p for p in slept.json()["transition"]["phases"] if p["name"] in names)
     assert [r["rank"] for r in suspend["ranks"]] == [0]
     cycle_report("mp", slept.json()["transition"])
     cycle_report("mp", woke.json()["transition"])
