@@ -184,13 +184,14 @@ def sleep_sequence(
     the sleep where every rank can keep the KV cache (level 1): the drain does not clear
     it, the kv step decides after the prepare (and clears it if not). At level 2 the kv
     step only says why it was not kept. `fused`: the prepare and the suspend are one
-    `hotswap_sleep` where the sleep is neither split nor keeps the KV cache (those two
-    keep the separate RPCs)."""
+    `hotswap_sleep` where the sleep is at level 1, neither split nor keeping the KV cache
+    (the others keep the separate RPCs: a level-2 sleep copies nothing for the prepare to
+    run under, and its fused form has not been verified on a GPU)."""
     head: tuple[AnyStep, ...] = ()
     if keep_kv and level != 1:
         head, keep_kv = (_kv_not_kept(LEVEL2_KV),), False
     first: tuple[AnyStep, ...] = (drain(mode, grace_s, clear_cache=not keep_kv),)
-    if fused and kv_released is None and not keep_kv:
+    if fused and level == 1 and kv_released is None and not keep_kv:
         return (*head, *first, *protocol.sleep_steps(level, fused=True))
     if kv_released is None:
         quiesce, prepare, suspend = protocol.sleep_steps(level)

@@ -589,7 +589,7 @@ class HotSwapExtension:
         )
         out.pop("prepare_s", None)
         out["timings"] = timings
-        out["overlapped"] = overlap
+        out["overlapped"] = overlap and bool(res.get("overlapped"))  # copies were under it
         return out
 
     @rpc

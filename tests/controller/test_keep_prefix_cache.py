@@ -121,7 +121,7 @@ async def test_level_2_never_keeps() -> None:
     assert rig.world.calls == []
     out = await rig.m.sleep(2)  # the model's setting: said why, cleared as usual
     assert pause_params(rig)["clear_cache"] == "true"
-    assert sent(rig, "hotswap_sleep") == [[2]]  # not kept: the fused sleep (fused_sleep)
+    assert sent(rig, "hotswap_suspend") == [[2]]  # not kept; level 2 is never fused
     assert out.transition is not None
     kv = out.transition.phases[0]
     assert (kv.name, kv.detail["kv"]) == ("kv", "discard")

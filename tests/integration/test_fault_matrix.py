@@ -100,7 +100,8 @@ SIDECAR_KILLS = [
     # finishes it without the sidecar, whichever part it was in: asleep.
     Case("sidecar SIGKILL", "sleep", 1, FUSED_SLEEP, "prepare", 0, "SUSPENDED"),
     Case("sidecar SIGKILL", "sleep", 1, FUSED_SLEEP, "suspend", 0, "SUSPENDED"),
-    Case("sidecar SIGKILL", "sleep", 2, FUSED_SLEEP, "suspend", 0, "SUSPENDED"),
+    # A level-2 sleep keeps the two RPCs (never fused): killed in its suspend, asleep.
+    Case("sidecar SIGKILL", "sleep", 2, "suspend", "suspend", 0, "SUSPENDED"),
     # A level-1 wake is one RPC (hotswap_wake): the engine finishes it without the sidecar,
     # whichever part it was in, and the next sidecar finds it verified and paused.
     Case("sidecar SIGKILL", "wake", 1, FUSED, "resume", 0, "RUNNING"),

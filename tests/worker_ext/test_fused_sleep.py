@@ -92,6 +92,17 @@ def _truth(w: Worker) -> dict[str, Any]:
     return {k: info[k] for k in keys}
 
 
+def test_at_level_2_nothing_is_copied_and_the_prepare_is_not_reported_as_under_copies() -> None:
+    """`overlapped` says the prepare ran under copies (the backend's answer), not that the
+    backend could: at level 2 nothing is offloaded, so it ran alone before the release."""
+    w = FusedWorker()
+    out = w.hotswap_sleep(2)
+    assert out["ok"], out
+    assert not [e for e in w.pools.log if e.startswith("copy ") and e != "copy the rest"]
+    assert out["overlapped"] is False
+    assert out["offloaded_bytes"] == {WEIGHTS: 0, KV_CACHE: 0}
+
+
 def test_the_prepare_runs_under_the_copies_and_nothing_is_released_before_it() -> None:
     w = FusedWorker()
     before = w.weights_bytes()
