@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 BLOCK = 4096  # words per Triton program (and per exception prefix count)
@@ -83,18 +84,20 @@ def _align_t(x: Any, a: int) -> Any:
 
 
 def payload_sizes(k: Any, n: Any, n_exc: Any) -> Any:
-    """`payload_size` over int64 tensors of chunks: [C, 4] (packed, boff, exc, total)."""
+    """`payload_size` over int64 tensors (or numpy arrays: the disk tier's host-side
+    check) of chunks: [C, 4] (packed, boff, exc, total)."""
+    xp: Any = np if isinstance(n, np.ndarray) else torch
     coded = k > 0
     packed = _align_t(n, ALIGN)
     boff = _align_t(packed + (n + 7) // 8 * k, ALIGN)
     exc = boff + 4 * ((n + BLOCK - 1) // BLOCK)
-    total = torch.where(coded, _align_t(exc + n_exc, ALIGN), _align_t(2 * n, ALIGN))
-    zero = torch.zeros_like(n)
-    return torch.stack(
+    total = xp.where(coded, _align_t(exc + n_exc, ALIGN), _align_t(2 * n, ALIGN))
+    zero = xp.zeros_like(n)
+    return xp.stack(
         [
-            torch.where(coded, packed, zero),
-            torch.where(coded, boff, zero),
-            torch.where(coded, exc, zero),
+            xp.where(coded, packed, zero),
+            xp.where(coded, boff, zero),
+            xp.where(coded, exc, zero),
             total,
         ],
         1,

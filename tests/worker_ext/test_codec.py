@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -144,6 +145,9 @@ def test_payload_sizes_is_payload_size_over_tensors(k: int, n: int, frac: float)
     n_exc = int(n * frac) if k else 0
     t = codec.payload_sizes(torch.tensor([k]), torch.tensor([n]), torch.tensor([n_exc]))
     assert tuple(t[0].tolist()) == codec.payload_size(k, n, n_exc)
+    a = codec.payload_sizes(np.array([k]), np.array([n]), np.array([n_exc]))  # the tier's check
+    assert isinstance(a, np.ndarray)
+    assert tuple(a[0].tolist()) == codec.payload_size(k, n, n_exc)
 
 
 # -- the Triton kernels, under the CPU interpreter (a child pytest) ----------------------
