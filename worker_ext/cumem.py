@@ -62,7 +62,16 @@ from worker_ext import codec, disktier, fpkernel
 from worker_ext import ranges as byteranges
 from worker_ext.cudart import CHUNK_BYTES, REGISTER_BYTES, CudaRT, HostBuffer
 from worker_ext.cudriver import Driver
-from worker_ext.pools import ALL_TAGS, DISCARDED, KV_CACHE, OFFLOADED, UNPOOLED, WEIGHTS, policy
+from worker_ext.pools import (
+    ALL_TAGS,
+    DISCARDED,
+    KV_CACHE,
+    OFFLOADED,
+    UNPOOLED,
+    WEIGHTS,
+    During,
+    policy,
+)
 from worker_ext.rawmem import raw_bytes
 from worker_ext.settings import WorkerSettings
 
@@ -1004,7 +1013,7 @@ class CuMemBackend:
         tags: list[str],
         keep_kv: bool = False,
         rewritten: Sequence[tuple[int, int]] = (),
-        during: Callable[[Callable[[], None]], Sequence[tuple[int, int]]] | None = None,
+        during: During | None = None,
     ) -> dict[str, Any]:
         """`during` (hotswap_sleep): called once the copies of the first STAGE_SHARE of the
         weights' bytes are queued and before anything is released, with the function that

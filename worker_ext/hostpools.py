@@ -19,13 +19,13 @@ import bisect
 import ctypes
 import ctypes.util
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from worker_ext import ownership
-from worker_ext.pools import DISCARDED, KV_CACHE, OFFLOADED, UNPOOLED, WEIGHTS, policy
+from worker_ext.pools import DISCARDED, KV_CACHE, OFFLOADED, UNPOOLED, WEIGHTS, During, policy
 from worker_ext.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ class HostBackend:
         tags: list[str],
         keep_kv: bool = False,
         rewritten: Sequence[tuple[int, int]] = (),  # no disk tier here: nothing keys by it
-        during: Callable[[Callable[[], None]], Sequence[tuple[int, int]]] | None = None,
+        during: During | None = None,
     ) -> dict[str, Any]:
         for tag in tags:
             if tag not in (WEIGHTS, KV_CACHE):

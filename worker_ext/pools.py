@@ -36,6 +36,11 @@ def policy(level: int, tag: str, keep_kv: bool = False) -> str:
     return DISCARDED
 
 
+# hotswap_sleep's prepare, as a backend's suspend calls it: given the function that queues
+# the rest of the offload copies, it returns the ranges the snapshot writes back.
+During = Callable[[Callable[[], None]], Sequence[tuple[int, int]]]
+
+
 class PoolBackend(Protocol):
     name: str
     # True when resume maps every pool back at its old addresses (CUDA): then a sleep can
@@ -68,7 +73,7 @@ class PoolBackend(Protocol):
         tags: list[str],
         keep_kv: bool = False,
         rewritten: Sequence[tuple[int, int]] = (),
-        during: Callable[[Callable[[], None]], Sequence[tuple[int, int]]] | None = None,
+        during: During | None = None,
     ) -> dict[str, Any]:
         """Release the given pools per `policy` (`keep_kv`: the KV pool kept, level 1).
         `rewritten`: (start, end) ranges the snapshot writes back after the wake (level 2:

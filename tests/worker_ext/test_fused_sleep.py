@@ -6,14 +6,14 @@ that fails releases nothing; where the backend cannot overlap, the prepare runs 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import torch
 from test_demote_in_place import JUNK, InPlacePools, Worker
 
-from worker_ext.pools import DISCARDED, KV_CACHE, OFFLOADED, WEIGHTS, policy
+from worker_ext.pools import DISCARDED, KV_CACHE, OFFLOADED, WEIGHTS, During, policy
 
 
 class OverlappingPools(InPlacePools):
@@ -34,7 +34,7 @@ class OverlappingPools(InPlacePools):
         tags: list[str],
         keep_kv: bool = False,
         rewritten: Sequence[tuple[int, int]] = (),
-        during: Callable[[Callable[[], None]], Sequence[tuple[int, int]]] | None = None,
+        during: During | None = None,
     ) -> dict[str, Any]:
         how = {t: policy(level, t, keep_kv) for t in tags}
         queued = []
