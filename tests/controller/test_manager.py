@@ -124,6 +124,15 @@ async def started(**kw: Any) -> Rig:
     return rig
 
 
+def _rpc_errors(rig: Rig, method: str) -> float:
+    """hotswap_engine_rpc_errors_total of model m's `method`, over every reason."""
+    reasons = ("rank_failed", "timeout", "error", "unavailable")
+    return sum(
+        rig.sample("hotswap_engine_rpc_errors_total", model="m", method=method, reason=r)
+        for r in reasons
+    )
+
+
 SLEEP_CALLS = [
     "/pause?wait",
     "/is_paused",
@@ -459,14 +468,7 @@ async def test_a_failed_fused_sleep_is_failed_and_never_resent(failure: str, par
     assert t.failed_phase == "prepare_and_suspend"
     if failure == "rank":  # rank 0 slept, rank 1 did not: never a model in a state unknown
         assert snap.state is State.FAILED
-    err = {"model": "m", "method": "hotswap_sleep"}
-    assert (
-        sum(
-            rig.sample("hotswap_engine_rpc_errors_total", **err, reason=r)
-            for r in ("rank_failed", "timeout", "error", "unavailable")
-        )
-        == 1
-    )
+    assert _rpc_errors(rig, "hotswap_sleep") == 1
     await rig.manager.stop()
 
 
@@ -484,14 +486,7 @@ async def test_a_failed_fused_wake_is_failed_and_never_resent(failure: str) -> N
     snap = rig.m.snapshot()
     assert not snap.ready
     assert snap.state in (State.FAILED, State.SUSPENDED)  # SUSPENDED: read back, untouched
-    err = {"model": "m", "method": "hotswap_wake"}
-    assert (
-        sum(
-            rig.sample("hotswap_engine_rpc_errors_total", **err, reason=r)
-            for r in ("rank_failed", "timeout", "error", "unavailable")
-        )
-        == 1
-    )
+    assert _rpc_errors(rig, "hotswap_wake") == 1
     await rig.manager.stop()
 
 
