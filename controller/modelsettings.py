@@ -103,10 +103,10 @@ class ModelSettings(BaseModel):
 
     fused_sleep: bool = Field(
         True,
-        description="A sleep's prepare and suspend are one RPC (hotswap_sleep; on CUDA the "
-        "prepare runs under the weights' copies), unless the sleep keeps the KV cache or is "
-        "split by pool for an overlapped swap. False: hotswap_prepare then hotswap_suspend "
-        "(an extension without hotswap_sleep).",
+        description="A level-1 sleep's prepare and suspend are one RPC (hotswap_sleep; on "
+        "CUDA the prepare runs under the weights' copies), unless the sleep keeps the KV cache "
+        "or is split by pool for an overlapped swap. False: hotswap_prepare then "
+        "hotswap_suspend (an extension without hotswap_sleep).",
     )
 
     @model_validator(mode="before")
