@@ -276,7 +276,7 @@ class Bench:
 
         self.time("dma only, kv released just before" + suffix, kv_released_then_w_up, dma, reps)
 
-        def wait_mode() -> dict[str, float]:  # what cumem.py does now (`wait`)
+        def wait_mode() -> dict[str, float]:  # what worker_ext/cumem does now (`wait`)
             self.copy_all(w.up)
             t_q = time.perf_counter()
             self.sync()

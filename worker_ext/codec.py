@@ -26,7 +26,7 @@ each part ALIGN-aligned; k = 0: the n words as they are.
 
 `encode_piece` / `decode_piece` are the torch reference (any device, tests on CPU);
 `GpuCodec` runs the same format with Triton kernels and pipelines it with the copies
-(worker_ext/cumem.py). The GPU encoder's output is byte-identical to the reference's.
+(worker_ext/cumem/). The GPU encoder's output is byte-identical to the reference's.
 """
 
 from __future__ import annotations

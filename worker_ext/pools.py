@@ -1,6 +1,6 @@
 """Tagged memory pools: the interface the extension drives, one backend per platform.
 
-- `cumem` (CUDA, worker_ext/cumem.py): vLLM's CuMemAllocator records, engine started with
+- `cumem` (CUDA, worker_ext/cumem/): vLLM's CuMemAllocator records, engine started with
   --enable-sleep-mode. Pools are the allocator's tags (`weights`, `kv_cache`).
 - `host` (CPU, worker_ext/hostpools.py): vLLM's CPU worker ignores sleep, so the backend
   frees tensor storage itself and re-makes it on resume.
