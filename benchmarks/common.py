@@ -1,7 +1,7 @@
 """What the benchmarks share: the model shapes, their configs, greedy generation, timing,
 and how an engine (and the sidecar) is launched on the device.
 
-Engines start through controller.launcher's one process-group launcher (`EngineSpec`,
+Engines start through controller.engines.launcher's one process-group launcher (`EngineSpec`,
 `EngineProcess`): its GPU flags (sleep mode, memory utilization, dtype, dummy weights)
 replace the argv the benches used to build by hand.
 """
@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from controller.enginespec import EngineSpec
-from controller.sockets import free_port
+from controller.engines.enginespec import EngineSpec
+from controller.engines.sockets import free_port
 
 __all__ = ["GB", "SHAPES", "UTIL", "GiB", "free_port", "gen", "rss", "timed", "write_config"]
 

@@ -52,8 +52,8 @@ import httpx
 import yaml
 
 from benchmarks.common import GB, UTIL, free_port, gpu_engine, logger, write_config
-from controller.enginespec import EngineSpec
-from controller.launcher import EngineProcess
+from controller.engines.enginespec import EngineSpec
+from controller.engines.launcher import EngineProcess
 
 T0 = time.monotonic()
 log = logger("sidecar")

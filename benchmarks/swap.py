@@ -49,8 +49,8 @@ import httpx
 import yaml
 
 from benchmarks.common import free_port, gpu_engine, logger, write_config
-from controller.enginespec import EngineSpec, managed_argv
-from controller.launcher import EngineProcess
+from controller.engines.enginespec import EngineSpec, managed_argv
+from controller.engines.launcher import EngineProcess
 
 T0 = time.monotonic()
 log = logger("swap")

@@ -44,9 +44,9 @@ from typing import Any
 import httpx
 
 from benchmarks.common import gpu_engine, logger, sidecar
-from controller.enginespec import EngineSpec
-from controller.launcher import EngineProcess
-from controller.sockets import free_port
+from controller.engines.enginespec import EngineSpec
+from controller.engines.launcher import EngineProcess
+from controller.engines.sockets import free_port
 
 ROOT = str(Path(__file__).resolve().parents[1])  # the repository: the test extension's home
 

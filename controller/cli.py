@@ -29,6 +29,8 @@ from controller.client import (
     cmd_status,
     cmd_transition,
 )
+from controller.config.modelsettings import ModelSettings
+from controller.config.settings import LogFormat, Settings, load_settings
 from controller.errors import (
     EXIT_HTTP_ERROR,
     EXIT_OK,
@@ -38,10 +40,8 @@ from controller.errors import (
     CliError,
     HotswapError,
 )
-from controller.logs import configure_logging
-from controller.modelsettings import ModelSettings
+from controller.observe.logs import configure_logging
 from controller.server import serve
-from controller.settings import LogFormat, Settings, load_settings
 
 __all__ = ["EXIT_OK", "CliError", "build_parser", "main", "parse_engine", "settings_from_args"]
 

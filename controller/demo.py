@@ -15,11 +15,11 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from controller.enginespec import EngineSpec, managed_argv
+from controller.config.modelsettings import ModelSettings
+from controller.engines.enginespec import EngineSpec, managed_argv
+from controller.engines.launcher import EngineProcess
+from controller.engines.sockets import private_dir, socket_path
 from controller.errors import EngineStartError
-from controller.launcher import EngineProcess
-from controller.modelsettings import ModelSettings
-from controller.sockets import private_dir, socket_path
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The sidecar's error tree, in one module. Library errors are translated into these in one
-place (the engine adapter, controller.engine._send), rank failures in one place (the step
-runner, controller.runner), and errors are mapped to HTTP status codes in one place
+place (the engine adapter, controller.engines.engine._send), rank failures in one place (the step
+runner, controller.models.runner), and errors are mapped to HTTP status codes in one place
 (`http_status`). The gateway answers OpenAI-shaped bodies from the same classes.
 
     HotswapError                      502 unless a child says otherwise
@@ -10,11 +10,11 @@ runner, controller.runner), and errors are mapped to HTTP status codes in one pl
      ├── Unauthorized                 401
      ├── DrainTimeout                 504  drain=wait gave up; still RUNNING, nothing touched
      ├── Refusal                      4xx/5xx  the gateway answers a /v1 request itself
-     ├── EngineStartError             502  an engine process would not start (controller.launcher)
+     ├── EngineStartError             502  an engine process would not start (engines.launcher)
      └── EngineError                  502  the engine answered wrongly: FAILED
           ├── EngineUnavailable       502  not reachable
           ├── EngineTimeout           504  no answer in time; for an RPC the ranks are unknown
-          ├── RankError               502  a rank said ok: false (controller.engine; reports kept)
+          ├── RankError               502  a rank said ok: false (engines.engine; reports kept)
           ├── VerificationFailed      502  tensors differ after a wake (named)
           └── BarrierTimeout          504  quiesce: ranks missed the barrier (named)
 

@@ -1,7 +1,7 @@
 """The sleep and wake RPC sequences as data (their typed rank reports: controller.reports).
 
 Written once, read by everyone who drives a worker extension: the controller's runner
-(`controller.runner`), the worker-extension tests (in-process `LLM.collective_rpc`), the
+(`controller.models.runner`), the worker-extension tests (in-process `LLM.collective_rpc`), the
 GPU tests and the benchmarks. Dependency-free on purpose (stdlib only), so a GPU host that
 has only `worker_ext` and vLLM can import it without the controller's packages.
 
@@ -56,7 +56,7 @@ Fault = Literal["rank", "barrier", "verify"]
 
 
 class Timeouts(Protocol):
-    """The HTTP timeouts a step's call is bounded by (controller.settings.TimeoutSettings)."""
+    """The HTTP timeouts a step's call is bounded by (config.settings.TimeoutSettings)."""
 
     @property
     def rpc_s(self) -> float: ...

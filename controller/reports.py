@@ -3,7 +3,7 @@
 Each report keeps the plain dict the extension sent (`raw`) and the fields the controller
 acts on, with anything missing or of the wrong type read as unknown; the `Step`s of
 `controller.protocol` name which report type their method returns. `RankView` is a rank's
-`hotswap_info` as reconciliation reads it (`controller.reconcile`). Stdlib only, like
+`hotswap_info` as reconciliation reads it (`controller.models.reconcile`). Stdlib only, like
 `controller.protocol`: a GPU host imports both without the controller's packages.
 """
 

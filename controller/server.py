@@ -1,6 +1,6 @@
 """`hotswap serve`'s runtime: the Sidecar's two apps on uvicorn, signals, the demo directory.
 
-uvicorn's split is the model: settings (controller.settings) are the config, this module
+uvicorn's split is the model: settings (controller.config.settings) are the config, this module
 the server, controller.cli the command line. The control API's lifespan starts and stops
 the Sidecar; the gateway, when enabled, is served next to it on its own port and follows it.
 """
@@ -21,9 +21,9 @@ from types import FrameType
 
 import uvicorn
 
+from controller.config.modelsettings import ModelSettings
+from controller.config.settings import Settings
 from controller.errors import EXIT_OK, EXIT_STARTUP, CliError
-from controller.modelsettings import ModelSettings
-from controller.settings import Settings
 from controller.sidecar import Sidecar
 
 log = logging.getLogger("hotswap.server")

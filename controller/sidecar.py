@@ -2,7 +2,7 @@
 
     Settings ──> Sidecar
                   ├── registry, Metrics, SwapMetrics     (Prometheus, injected everywhere)
-                  ├── Fleet: one ModelRecord per model   (controller.record)
+                  ├── Fleet: one ModelRecord per model   (controller.models.record)
                   ├── Tasks: every background task       (controller.tasks)
                   ├── Manager: a ModelManager per model  (requests, sequences, runner)
                   ├── SwapCoordinator                    (hot swap: policy wakes, draining sleeps)
@@ -27,16 +27,16 @@ import httpx
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from controller import api, gateway
-from controller.idle import IdleSleeper
-from controller.manager import EngineFactory, Manager, default_engine_factory
-from controller.metrics import Metrics
-from controller.record import Fleet
-from controller.settings import Settings
-from controller.supervisor import EngineFactory as ProcessFactory
-from controller.supervisor import Supervisor, place_engine_sockets, with_demotable_engines
-from controller.swap import SwapCoordinator
-from controller.swapmetrics import SwapMetrics
+from controller.config.settings import Settings
+from controller.fleet.idle import IdleSleeper
+from controller.fleet.supervisor import EngineFactory as ProcessFactory
+from controller.fleet.supervisor import Supervisor, place_engine_sockets, with_demotable_engines
+from controller.fleet.swap import SwapCoordinator
+from controller.http import api, gateway
+from controller.models.manager import EngineFactory, Manager, default_engine_factory
+from controller.models.record import Fleet
+from controller.observe.metrics import Metrics
+from controller.observe.swapmetrics import SwapMetrics
 from controller.tasks import Tasks
 
 log = logging.getLogger("hotswap.sidecar")

@@ -36,7 +36,7 @@ class Event(enum.StrEnum):
     STARTED = "started"
     STOP = "stop"
     # Reconciliation found a sleep stopped before it suspended anything, or a wake stopped
-    # before its verify: finish it (controller.reconcile).
+    # before its verify: finish it (controller.models.reconcile).
     PROBED_UNFINISHED = "probed_unfinished"
 
 

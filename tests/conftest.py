@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from controller.enginespec import MANDATORY_ENV, EngineSpec
-from controller.launcher import EngineProcess
-from controller.sockets import private_dir, socket_path
+from controller.engines.enginespec import MANDATORY_ENV, EngineSpec
+from controller.engines.launcher import EngineProcess
+from controller.engines.sockets import private_dir, socket_path
 
 for _key, _value in MANDATORY_ENV.items():
     os.environ[_key] = _value

@@ -21,11 +21,11 @@ from typing import Any, Literal, Protocol
 import httpx
 from prometheus_client import CollectorRegistry
 
-from controller.engine import EngineClient
-from controller.modelsettings import ModelSettings
-from controller.settings import Settings, TimeoutSettings
+from controller.config.modelsettings import ModelSettings
+from controller.config.settings import Settings, TimeoutSettings
+from controller.engines.engine import EngineClient
+from controller.fleet.supervisor import EngineFactory as ProcessFactory
 from controller.sidecar import Sidecar
-from controller.supervisor import EngineFactory as ProcessFactory
 
 Failure = Literal["rank", "http500", "timeout", "unreachable", "mismatch"]
 

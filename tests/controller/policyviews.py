@@ -3,7 +3,7 @@ test_policy_fleet.py): a compact constructor in MiB, with the fleet fields."""
 
 from __future__ import annotations
 
-from controller.policy import ModelView
+from controller.fleet.policy import ModelView
 from controller.state import State
 
 S = State

@@ -16,11 +16,11 @@ import pytest
 from fakevllm import FakeVllm
 from prometheus_client import CollectorRegistry
 
-from controller.engine import EngineClient
-from controller.modelsettings import ModelSettings
-from controller.settings import Settings, TimeoutSettings
+from controller.config.modelsettings import ModelSettings
+from controller.config.settings import Settings, TimeoutSettings
+from controller.engines.engine import EngineClient
+from controller.engines.sockets import free_port
 from controller.sidecar import Sidecar
-from controller.sockets import free_port
 from controller.state import Gate
 
 TOKEN = "s3cret-token"

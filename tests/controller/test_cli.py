@@ -24,12 +24,12 @@ from fakevllm import FakeVllm
 from prometheus_client import CollectorRegistry
 
 from controller import cli, server
-from controller.engine import EngineClient
+from controller.config.modelsettings import ModelSettings
+from controller.config.settings import LogFormat, Settings, TimeoutSettings
+from controller.engines.engine import EngineClient
+from controller.engines.sockets import free_port
 from controller.errors import EngineStartError
-from controller.modelsettings import ModelSettings
-from controller.settings import LogFormat, Settings, TimeoutSettings
 from controller.sidecar import Sidecar
-from controller.sockets import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

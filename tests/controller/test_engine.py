@@ -9,9 +9,9 @@ from typing import Any
 import httpx
 import pytest
 
-from controller.engine import EngineClient, RankError
+from controller.config.settings import TimeoutSettings
+from controller.engines.engine import EngineClient, RankError
 from controller.errors import EngineError, EngineTimeout, EngineUnavailable
-from controller.settings import TimeoutSettings
 
 Handler = Callable[[httpx.Request], httpx.Response]
 

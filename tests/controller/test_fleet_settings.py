@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from controller.cli import settings_errors
-from controller.settings import Settings
+from controller.config.settings import Settings
 
 
 def managed(name: str, *extra: str, **fields: Any) -> dict[str, Any]:

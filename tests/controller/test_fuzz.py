@@ -36,8 +36,8 @@ from schemathesis.specs.openapi.checks import (
 from starlette.types import Receive, Scope, Send
 from test_gateway import Chunks, Engine, Router
 
-from controller.modelsettings import ModelSettings
-from controller.settings import Settings
+from controller.config.modelsettings import ModelSettings
+from controller.config.settings import Settings
 
 TOKEN = "fuzz-token"
 NAMES = ("a", "b")

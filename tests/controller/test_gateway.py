@@ -20,12 +20,12 @@ from fakevllm import FakeVllm, wire
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
+from controller.config.modelsettings import ModelSettings
+from controller.config.settings import Settings, TimeoutSettings
 from controller.errors import DrainTimeout, WakeRefused
-from controller.manager import Manager
-from controller.modelsettings import ModelSettings
-from controller.settings import Settings, TimeoutSettings
+from controller.fleet.swap import SwapCoordinator
+from controller.models.manager import Manager
 from controller.state import State
-from controller.swap import SwapCoordinator
 
 TOKEN = "gw-token"
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from controller.guard import bearer_ok, json_too_deep
+from controller.http.guard import bearer_ok, json_too_deep
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,8 @@ from __future__ import annotations
 from fakevllm import POOL_BYTES
 from test_gateway import run, world
 
+from controller.http.views import fleet_dict
 from controller.state import State
-from controller.views import fleet_dict
 
 W = POOL_BYTES["weights"]  # what one level-1 sleeper holds in host memory (one rank)
 BUDGET = {"host_budget": W + W // 2, "max_awake": 3}

@@ -28,7 +28,7 @@ from test_api import make_settings, make_sidecar
 from test_gateway import completion, world
 
 from controller import cli
-from controller.settings import Settings
+from controller.config.settings import Settings
 from controller.state import State
 
 TOKEN = "hostile-test-token"

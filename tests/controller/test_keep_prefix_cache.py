@@ -19,10 +19,11 @@ from pydantic import ValidationError
 from test_api import scenario
 from test_manager import FakeClock, Rig, make_rig
 
-from controller import protocol, steps
+from controller import protocol
+from controller.config.settings import ModelSettings, Settings
 from controller.errors import EngineError
+from controller.models import steps
 from controller.reports import PrepareReport, SuspendReport, kv_decision, resident_bytes
-from controller.settings import ModelSettings, Settings
 from controller.state import State
 
 pytestmark = pytest.mark.anyio

@@ -20,11 +20,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from controller import reaper
-from controller.enginespec import WORKER_ENV, EngineSpec
+from controller.engines import reaper
+from controller.engines.enginespec import WORKER_ENV, EngineSpec
+from controller.engines.launcher import EngineProcess
+from controller.engines.sockets import private_dir, process_group, socket_path, socket_peer_pid
 from controller.errors import EngineStartError
-from controller.launcher import EngineProcess
-from controller.sockets import private_dir, process_group, socket_path, socket_peer_pid
 
 # A stand-in engine: answers GET /health on its Unix socket (stdlib only, starts in ~50 ms),
 # and forks a child that sleeps, like vLLM's EngineCore beside its API server. It writes its
@@ -219,8 +219,8 @@ SIDECAR = textwrap.dedent(
     """
     import sys, threading, time
     from pathlib import Path
-    from controller.enginespec import EngineSpec
-    from controller.launcher import EngineProcess
+    from controller.engines.enginespec import EngineSpec
+    from controller.engines.launcher import EngineProcess
     uds, pids, log = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     spec = EngineSpec(model=Path(), uds=uds, served_model_name="m",
                       command=(sys.executable, "-c", sys.argv[4], str(uds), pids))
@@ -291,7 +291,16 @@ def test_the_keeper_exits_with_the_engines_code_and_ends_the_group(tmp_path: Pat
         f"open({str(pids)!r}, 'w').write(str(c)); sys.exit(3)\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "controller.reaper", "2", "--", sys.executable, "-c", script],
+        [
+            sys.executable,
+            "-m",
+            "controller.engines.reaper",
+            "2",
+            "--",
+            sys.executable,
+            "-c",
+            script,
+        ],
         start_new_session=True,
         timeout=30,
     )

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from controller.logs import configure_logging
-from controller.settings import LogFormat, LogSettings
+from controller.config.settings import LogFormat, LogSettings
+from controller.observe.logs import configure_logging
 
 
 @pytest.fixture

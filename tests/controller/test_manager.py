@@ -19,8 +19,10 @@ import pytest
 from fakevllm import FakeVllm
 from prometheus_client import CollectorRegistry
 
-from controller import protocol, steps
-from controller.engine import EngineClient, RankError
+from controller import protocol
+from controller.config.modelsettings import ModelSettings
+from controller.config.settings import Settings, TimeoutSettings
+from controller.engines.engine import EngineClient, RankError
 from controller.errors import (
     BarrierTimeout,
     DrainTimeout,
@@ -32,11 +34,10 @@ from controller.errors import (
     TransitionConflict,
     VerificationFailed,
 )
-from controller.manager import Manager
-from controller.metrics import Metrics
-from controller.modelmanager import ModelManager
-from controller.modelsettings import ModelSettings
-from controller.settings import Settings, TimeoutSettings
+from controller.models import steps
+from controller.models.manager import Manager
+from controller.models.modelmanager import ModelManager
+from controller.observe.metrics import Metrics
 from controller.state import Action, State
 
 

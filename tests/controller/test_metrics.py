@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from controller.metrics import Metrics
+from controller.observe.metrics import Metrics
+from controller.observe.swapmetrics import SwapMetrics
 from controller.state import ModelSnapshot, State
-from controller.swapmetrics import SwapMetrics
 
 
 def test_state_gauges_follow_the_snapshots_at_scrape_time() -> None:

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import pytest
 from policyviews import MIB, NOW, S, v
 
-from controller.footprints import budget_from_info, footprint_from_info, footprint_from_sleep
-from controller.policy import Budget, Decision, ModelView, plan_wake, restart_delay
+from controller.fleet.policy import Budget, Decision, ModelView, plan_wake, restart_delay
+from controller.models.footprints import budget_from_info, footprint_from_info, footprint_from_sleep
 from controller.state import PhaseRecord, State, TransitionRecord
 
 

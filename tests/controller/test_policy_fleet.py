@@ -10,9 +10,16 @@ from dataclasses import dataclass
 import pytest
 from policyviews import MIB, NOW, S, v
 
-from controller.hostpolicy import HostBudget, host_budget_bytes, plan_host
-from controller.placement import Want, place
-from controller.policy import Budget, Decision, ModelView, measured_budget, plan_idle, plan_wake
+from controller.config.placement import Want, place
+from controller.fleet.hostpolicy import HostBudget, host_budget_bytes, plan_host
+from controller.fleet.policy import (
+    Budget,
+    Decision,
+    ModelView,
+    measured_budget,
+    plan_idle,
+    plan_wake,
+)
 
 # ---------------------------------------------------------------------------- per device
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.reconcile import (
+from controller.models.reconcile import (
     RULES,
     Do,
     Memory,
@@ -359,7 +359,9 @@ def test_from_info_reads_the_extension_dict() -> None:
 
 def test_the_docs_hold_the_same_table() -> None:
     text = DOCS.read_text()
-    assert rules_table() in text, "docs/contracts.md §2.1 differs from controller.reconcile.RULES"
+    assert rules_table() in text, (
+        "docs/contracts.md §2.1 differs from controller.models.reconcile.RULES"
+    )
 
 
 # ----------------------------------------------------------------------------- every combination

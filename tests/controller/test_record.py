@@ -1,4 +1,4 @@
-"""The per-model record's awaitable changes (controller.record): waiters are told, not
+"""The per-model record's awaitable changes (controller.models.record): waiters are told, not
 polling, and a cancelled waiter always ends."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from controller.modelsettings import ModelSettings
-from controller.record import Changes, Fleet
+from controller.config.modelsettings import ModelSettings
+from controller.models.record import Changes, Fleet
 from controller.state import State
 
 

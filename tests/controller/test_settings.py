@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from controller.modelsettings import ModelSettings, flag_value
-from controller.settings import Settings, load_settings
+from controller.config.modelsettings import ModelSettings, flag_value
+from controller.config.settings import Settings, load_settings
 from controller.state import Gate
 
 

@@ -17,13 +17,13 @@ import pytest
 from fakevllm import POOL_BYTES, FakeVllm, wire
 from prometheus_client import CollectorRegistry
 
+from controller.config.modelsettings import ModelSettings
+from controller.config.settings import Settings, TimeoutSettings
 from controller.errors import EngineStartError, WakeRefused
-from controller.manager import Manager
-from controller.modelsettings import ModelSettings
-from controller.settings import Settings, TimeoutSettings
+from controller.fleet.supervisor import Supervisor, with_demotable_engines
+from controller.fleet.swap import SwapCoordinator
+from controller.models.manager import Manager
 from controller.state import Gate, State
-from controller.supervisor import Supervisor, with_demotable_engines
-from controller.swap import SwapCoordinator
 
 
 @dataclass

@@ -17,8 +17,8 @@ import httpx
 import pytest
 from test_gateway import Engine, Router, World, ask, run, world
 
-from controller.overlap import Overlap, plan_overlap
-from controller.policy import Decision, WakePlan
+from controller.fleet.overlap import Overlap, plan_overlap
+from controller.fleet.policy import Decision, WakePlan
 from controller.state import State
 
 SLOW_OFFLOAD_S = 0.3

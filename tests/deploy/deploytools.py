@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
-from controller.sockets import free_port
+from controller.engines.sockets import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

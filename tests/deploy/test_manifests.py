@@ -16,7 +16,7 @@ import yaml
 from deploytools import K8S, SERVICEMONITOR_CRD, kustomize_dirs, labels_match, one, render
 
 from controller.cli import build_parser
-from controller.settings import Settings
+from controller.config.settings import Settings
 
 # The Kubernetes version the manifests are checked against.
 K8S_VERSION = "1.30.0"

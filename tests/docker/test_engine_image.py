@@ -13,7 +13,7 @@ import httpx
 import imagetools
 import pytest
 
-from controller.sockets import free_port
+from controller.engines.sockets import free_port
 
 if TYPE_CHECKING:
     from conftest import Images

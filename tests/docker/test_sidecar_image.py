@@ -14,8 +14,8 @@ import httpx
 import imagetools
 import pytest
 
-from controller.launcher import EngineProcess
-from controller.sockets import free_port
+from controller.engines.launcher import EngineProcess
+from controller.engines.sockets import free_port
 
 if TYPE_CHECKING:
     from conftest import EngineLauncher, Images, ModelFactory

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.sockets import free_port
+from controller.engines.sockets import free_port
 
 IN_FLIGHT = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 ENDED = ("RUNNING", "SUSPENDED", "FAILED")

@@ -21,9 +21,9 @@ import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.launcher import EngineProcess
-from controller.modelsettings import ModelSettings
-from controller.settings import Settings
+from controller.config.modelsettings import ModelSettings
+from controller.config.settings import Settings
+from controller.engines.launcher import EngineProcess
 from controller.sidecar import Sidecar
 
 ModelsSource = Callable[[], AbstractAsyncContextManager[list[ModelSettings]]]

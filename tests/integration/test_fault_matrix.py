@@ -42,7 +42,7 @@ from fault_harness import (
     stopped,
 )
 
-from controller.launcher import EngineProcess
+from controller.engines.launcher import EngineProcess
 
 if TYPE_CHECKING:
     from conftest import EngineLauncher

@@ -15,9 +15,9 @@ import httpx
 import pytest
 from sidecar_harness import Api, SidecarThread, attached
 
-from controller.enginespec import EngineSpec, managed_argv
-from controller.launcher import EngineProcess
-from controller.settings import ModelSettings
+from controller.config.settings import ModelSettings
+from controller.engines.enginespec import EngineSpec, managed_argv
+from controller.engines.launcher import EngineProcess
 
 pytestmark = pytest.mark.vllm
 

@@ -21,8 +21,8 @@ import httpx
 import pytest
 from sidecar_harness import Api, SidecarThread, attached, post
 
-from controller.enginespec import EngineSpec, managed_argv
-from controller.modelsettings import ModelSettings
+from controller.config.modelsettings import ModelSettings
+from controller.engines.enginespec import EngineSpec, managed_argv
 
 pytestmark = pytest.mark.vllm
 
@@ -54,7 +54,7 @@ def _settings(models: dict[str, Path], logs: Path) -> dict[str, Any]:
         "gateway": {"queue_size": 3, "hold_timeout_s": 120.0},
         # One awake by count; the byte budget is far above both tiny models and the overlap
         # forced (on CPU a sleep copies nothing, so `auto` would not overlap), so a swap
-        # runs the overlapped sequence on real engines (controller.swap).
+        # runs the overlapped sequence on real engines (controller.fleet.swap).
         "swap": {"max_awake": 1, "min_awake_s": 0.0, "budget_bytes": 64 << 30, "overlap": "always"},
         "supervisor": {"log_dir": logs, "restart_backoff_s": 0.5, "boot_timeout_s": 300.0},
     }
@@ -230,7 +230,7 @@ def test_swap_latency_over_many_swaps(
 ) -> None:
     """Each request names the model that is asleep: one swap (sleep the other + wake) each.
     The swap's own duration is the evicted model's sleep start to the woken model's wake
-    end (the two overlap: controller.swap); the request's end-to-end time (held +
+    end (the two overlap: controller.fleet.swap); the request's end-to-end time (held +
     generation) is measured here."""
     _text(_ask(sidecar, A), False)
     assert sidecar.ctx is not None

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from sidecar_harness import Api, Completion, HealthPoller, SidecarThread, complete
 
+from controller.config.modelsettings import ModelSettings
 from controller.demo import demo_engines
-from controller.modelsettings import ModelSettings
 
 pytestmark = pytest.mark.vllm
 

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sidecar_harness import Api, http, sidecar_over
 
-from controller.launcher import EngineProcess
+from controller.engines.launcher import EngineProcess
 
 if TYPE_CHECKING:
     from conftest import EngineLauncher

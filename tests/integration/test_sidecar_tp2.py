@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from sidecar_harness import Api, complete, post, sidecar_over
 
-from controller.launcher import EngineProcess
+from controller.engines.launcher import EngineProcess
 
 if TYPE_CHECKING:
     from conftest import EngineLauncher

@@ -38,7 +38,7 @@ import httpx
 import pytest
 import yaml
 
-from controller.enginespec import EngineSpec, managed_argv
+from controller.engines.enginespec import EngineSpec, managed_argv
 
 pytestmark = pytest.mark.vllm
 
@@ -168,7 +168,7 @@ class Sidecar:
         """The engine (API server) under the keeper the sidecar started for `name`."""
         for keeper in children(self.proc.pid):
             argv = cmdline(keeper)
-            if "controller.reaper" in argv and name in argv:
+            if "controller.engines.reaper" in argv and name in argv:
                 kids = children(keeper)
                 return kids[0] if kids else None
         return None

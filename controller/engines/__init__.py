@@ -1,0 +1,1 @@
+"""One vLLM server: the HTTP adapter, its argv and environment, launching, the keeper, sockets."""

@@ -1,0 +1,325 @@
+"""Managed mode: the sidecar starts its vLLM servers itself and keeps them running.
+
+Boot is staggered per device: start one engine, wait until it answers /health, probe it
+(STARTING -> RUNNING), put it to sleep, then start the next, because vLLM sizes its KV
+cache from the memory it sees free at start. Pinned models stay awake. A background task
+watches every model and is told of both causes of a restart, nothing polls: a model left
+FAILED by a transition changes its record, and each engine process has a task awaiting its
+exit (`EngineProcess.exited`, a pidfd the event loop watches) that changes the record when
+it ends. Either is restarted after a bounded exponential backoff, logged with the model's
+name. Each model's process, start time and restart count live in its record. Engines in
+the models file without a `command` are attached: someone else runs them, and this module
+leaves them alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from controller.config.modelsettings import ModelSettings
+from controller.config.settings import Settings
+from controller.engines.enginespec import EngineSpec
+from controller.engines.launcher import EngineProcess
+from controller.engines.sockets import private_dir, with_engine_sockets
+from controller.errors import HotswapError
+from controller.fleet.policy import measured_budget, restart_delay
+from controller.fleet.swap import SwapCoordinator
+from controller.models.footprints import budget_from_info, footprint_from_info
+from controller.models.manager import Manager
+from controller.models.record import EngineProcess as Engine
+from controller.models.record import ModelRecord
+from controller.observe.swapmetrics import SwapMetrics
+from controller.state import ModelSnapshot, State
+
+log = logging.getLogger("hotswap.supervisor")
+DEMOTABLE_ENV = "HOTSWAP_DEMOTABLE"
+
+
+EngineFactory = Callable[[ModelSettings], Engine]
+
+
+def process_factory(log_dir: Path, stop_grace_s: float = 15.0) -> EngineFactory:
+    """Real engines: the model's argv and env on its Unix socket, one log per model."""
+
+    def make(model: ModelSettings) -> Engine:
+        if model.command is None or model.uds is None:
+            raise ValueError(f"{model.name}: a managed model needs a command and a socket")
+        spec = EngineSpec.from_command(model.name, model.command, Path(model.uds), model.env)
+        return EngineProcess(spec, log_dir / f"{model.name}.log", stop_grace_s=stop_grace_s)
+
+    return make
+
+
+def place_engine_sockets(settings: Settings) -> tuple[Settings, Path | None]:
+    """Give every managed model without one a socket in the private folder (0700), before
+    anything is built from the settings. Returns the new settings and the folder when this
+    made a temporary one (the supervisor removes it at stop), else None."""
+    if not any(m.managed and m.uds is None for m in settings.models):
+        return settings, None
+    configured = settings.supervisor.socket_dir
+    folder = private_dir(configured)
+    return with_engine_sockets(settings, folder), folder if configured is None else None
+
+
+def with_demotable_engines(
+    settings: Settings, inherited: Mapping[str, str] = os.environ
+) -> Settings:
+    """Under a host budget, the managed engines this sidecar starts are told to make their
+    level-1 sleeps demotable (`HOTSWAP_DEMOTABLE=1`: a CUDA rank's prepare then protects
+    what a level-2 wake needs, so the budget can release a sleeper's host copy), unless a
+    model's own `env` names the variable, or the sidecar's environment does (`inherited`:
+    the engines inherit it). Without a budget nobody demotes, and the default (off) spares
+    every sleep that cost. Attached engines are started by someone else."""
+    if settings.swap.host_budget is None or DEMOTABLE_ENV in inherited:
+        return settings
+    models = [
+        m.model_copy(update={"env": {**m.env, DEMOTABLE_ENV: "1"}})
+        if m.managed and DEMOTABLE_ENV not in m.env
+        else m
+        for m in settings.models
+    ]
+    return settings.model_copy(update={"models": models})
+
+
+def _info_ranks(snap: ModelSnapshot) -> list[dict[str, object]]:
+    """The `hotswap_info` reports of the start probe, kept in its transition record."""
+    if snap.last_transition is None:
+        return []
+    for phase in snap.last_transition.phases:
+        if phase.name == "info":
+            return [dict(r) for r in phase.ranks]
+    return []
+
+
+class Supervisor:
+    def __init__(
+        self,
+        manager: Manager,
+        coordinator: SwapCoordinator,
+        settings: Settings,
+        metrics: SwapMetrics,
+        *,
+        engine_factory: EngineFactory | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+        socket_folder: Path | None = None,
+    ) -> None:
+        self.manager = manager
+        self.fleet = manager.fleet
+        self.tasks = manager.tasks
+        self.coordinator = coordinator
+        self.settings = settings
+        self.cfg = settings.supervisor
+        self.metrics = metrics
+        self._mono = monotonic
+        self.models = [m for m in settings.models if m.managed]
+        self._socket_folder = socket_folder  # made for this run: removed at stop
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if engine_factory is None:
+            log_dir = self.cfg.log_dir
+            if log_dir is None:
+                self._tmp = tempfile.TemporaryDirectory(prefix="hotswap-engines-")
+                log_dir = Path(self._tmp.name)
+            engine_factory = process_factory(log_dir, self.cfg.stop_grace_s)
+        self._factory = engine_factory
+        self._task: asyncio.Task[None] | None = None
+        self._restarts: list[asyncio.Task[None]] = []
+        self._exits: dict[str, asyncio.Task[None]] = {}  # each engine's exit, awaited
+        self.booted = asyncio.Event()
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Boot, then watch, in one named background task (the API serves meanwhile)."""
+        self._task = self.tasks.spawn(self._run(), name="hotswap-supervisor")
+
+    async def _run(self) -> None:
+        await self.boot()
+        await self.watch()
+
+    async def stop(self) -> None:
+        """Stop watching and restarting, then stop every engine (SIGTERM, then SIGKILL)."""
+        await self.tasks.cancel(self._task, *self._restarts, *self._exits.values())
+        engines = [r.engine for r in self.fleet.values() if r.engine is not None]
+        await asyncio.gather(
+            *(asyncio.to_thread(e.stop, self.cfg.stop_grace_s) for e in engines),
+            return_exceptions=True,
+        )
+        if self._tmp is not None:
+            self._tmp.cleanup()
+        if self._socket_folder is not None:
+            shutil.rmtree(self._socket_folder, ignore_errors=True)
+
+    # ---- boot ----------------------------------------------------------------------------
+
+    async def boot(self) -> None:
+        """Start every managed engine, one at a time per device, each asleep before the next."""
+        for m in self.models:
+            # The lock covers the plan only: once STARTING, the policy counts the model at its
+            # footprint, so wakes on the device go on (or wait with a reason) during the boot.
+            async with self.coordinator.device_lock(m.name):
+                self.manager.get(m.name).mark_starting()
+            await self._start(m)
+        await self._measure_budgets()
+        self.booted.set()
+        log.info("managed engines booted: %s", self._states())
+
+    def _states(self) -> str:
+        snaps = self.manager.snapshots()
+        return ", ".join(f"{m.name}={snaps[m.name].state.value}" for m in self.models)
+
+    async def _start(self, m: ModelSettings) -> bool:
+        """Start one engine of a model marked STARTING, holding no lock (a boot may take
+        `boot_timeout_s`); True when it serves or sleeps."""
+        mm = self.manager.get(m.name)
+        rec = self.fleet[m.name]
+        fields = {"model": m.name, "phase": "start"}
+        engine = self._factory(m)
+        rec.engine = engine
+        t0 = self._mono()
+        try:
+            # On the loop's thread: the keeper's parent-death signal follows the thread that
+            # started it, and this one lives as long as the sidecar.
+            engine.start()
+            self._watch_exit(rec, engine)
+            await asyncio.to_thread(engine.wait_ready, self.cfg.boot_timeout_s)
+        except (HotswapError, OSError) as exc:
+            reason = f"engine did not start: {exc}"
+            log.error("%s: %s", m.name, reason, extra=fields)
+            await asyncio.to_thread(engine.kill)
+            mm.mark_failed(reason)
+            return False
+        rec.started_at = self._mono()
+        snap = await mm.probe()
+        if snap.state is not State.RUNNING:
+            log.error("%s: started but the probe failed: %s", m.name, snap.last_error, extra=fields)
+            return False
+        self.coordinator.learn_footprint(
+            m.name, footprint_from_info(_info_ranks(snap)), "hotswap_info pools at start"
+        )
+        log.info("%s: engine ready after %.1f s", m.name, self._mono() - t0, extra=fields)
+        if m.pinned:
+            return True
+        try:
+            await self.coordinator.sleep(m.name, reason="boot")
+        except HotswapError as exc:
+            log.error("%s: could not put it to sleep after start: %s", m.name, exc, extra=fields)
+            return False
+        return True
+
+    def _watch_exit(self, rec: ModelRecord, engine: Engine) -> None:
+        """Await the engine's exit and tell the model's record (the watch loop wakes)."""
+
+        async def exited() -> None:
+            await engine.exited()
+            rec.changed()
+
+        self._exits[rec.name] = self.tasks.spawn(exited(), name=f"hotswap-exit-{rec.name}")
+
+    async def _measure_budgets(self) -> None:
+        """No configured byte budget: measure one per device with everything asleep (CUDA
+        reports free memory), plus what the policy counts for the models on it then: the
+        pinned ones' footprint, and every live engine's leftover besides its pools (so the
+        policy, which counts those, counts nothing twice)."""
+        if self.settings.swap.budget_bytes is not None:
+            return
+        seen: set[str] = set()
+        for m in self.models:
+            if set(m.placement) <= seen or self.fleet[m.name].state not in (
+                State.SUSPENDED,
+                State.RUNNING,
+            ):
+                continue
+            seen.update(m.placement)
+            try:
+                ranks = await self.manager.get(m.name).info()
+            except HotswapError as exc:
+                log.warning("%s: could not measure the budget: %s", m.name, exc)
+                continue
+            free = budget_from_info(ranks)
+            if free is None:
+                continue
+            for d in m.placement:  # the tightest rank's free memory, for each of its devices
+                views = [self.coordinator.view(p.name) for p in self.models]
+                self.coordinator.set_measured_budget(d, measured_budget(free, d, views))
+
+    # ---- watch and restart ---------------------------------------------------------------
+
+    async def watch(self) -> None:
+        """Restart engines whose model a transition left FAILED or whose process exited;
+        both change the model's record, which this awaits."""
+        records = [self.fleet[m.name] for m in self.models]
+        restarting: dict[str, asyncio.Task[None]] = {}
+        while True:
+            for m, rec in zip(self.models, records, strict=True):
+                if (t := restarting.get(m.name)) is not None and not t.done():
+                    continue
+                why = self._why_restart(rec)
+                if why is not None:
+                    task = self.tasks.spawn(self._restart(m, why), name=f"hotswap-restart-{m.name}")
+                    restarting[m.name] = task
+                    self._restarts = [t for t in restarting.values() if not t.done()]
+            await self.fleet.wait_for(
+                lambda: any(
+                    self._why_restart(r) is not None
+                    and (restarting.get(r.name) is None or restarting[r.name].done())
+                    for r in records
+                )
+            )
+
+    @staticmethod
+    def _why_restart(rec: ModelRecord) -> str | None:
+        if rec.state is State.STARTING:
+            return None
+        if rec.state is State.FAILED:
+            return f"FAILED: {rec.snapshot.last_error}"
+        if rec.engine is not None and not rec.engine.is_alive():
+            return f"engine exited with code {rec.engine.returncode}"
+        return None
+
+    async def _restart(self, m: ModelSettings, why: str) -> None:
+        try:
+            await self._restart_once(m, why)
+        finally:
+            self.fleet[m.name].changed()  # the watch loop looks again (a restart that failed)
+
+    async def _restart_once(self, m: ModelSettings, why: str) -> None:
+        mm = self.manager.get(m.name)
+        rec = self.fleet[m.name]
+        fields = {"model": m.name, "phase": "restart"}
+        started = rec.started_at if rec.started_at is not None else self._mono()
+        if self._mono() - started >= self.cfg.stable_s:
+            rec.restarts = 0  # it ran long enough: a fresh crash starts the backoff over
+        rec.restarts = n = rec.restarts + 1
+        delay = restart_delay(n, self.cfg.restart_backoff_s, self.cfg.restart_backoff_max_s)
+        log.warning("%s: %s; restart #%d in %g s", m.name, why, n, delay, extra=fields)
+        in_flight = mm.task
+        if in_flight is not None:
+            # The transition fails by itself on a dead engine: let it record its own reason.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(in_flight), self.settings.timeouts.rpc_s)
+        mm.mark_failed(why)
+        engine = rec.engine
+        if engine is not None and engine.is_alive():
+            await asyncio.to_thread(engine.stop, self.cfg.stop_grace_s)
+        await asyncio.sleep(delay)
+        async with self.coordinator.device_lock(m.name):
+            await self.coordinator.make_room(m.name)
+            mm.mark_starting()  # counted at its footprint from here: the lock can go
+        self.metrics.restart(m.name)
+        ok = await self._start(m)
+        log.info(
+            "%s: restart #%d %s (%s)",
+            m.name,
+            n,
+            "done" if ok else "failed",
+            mm.snapshot().state.value,
+            extra=fields,
+        )

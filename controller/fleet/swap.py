@@ -1,0 +1,404 @@
+"""Wakes with the swap policy, and sleeps that drain the gateway's traffic first.
+
+`SwapCoordinator` is the one place that decides "wake X, putting Y to sleep first": it
+reads the policy's view from the fleet's records (`controller.fleet.swapview`), runs
+`policy.plan_wake` under one lock per device (plans never race), logs the decision with
+its reason, and runs the evictions and the wake through the manager.
+
+A sleep through the coordinator closes the model's admission lane first (its record's
+`lane`), so a drain=wait sleep waits for the gateway's requests in flight and nothing new
+slips in between (the gateway holds those for the next wake).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from controller.config.settings import Settings
+from controller.errors import DrainTimeout, EngineError, HotswapError, WakeRefused
+from controller.fleet.hostswap import HostMemory
+from controller.fleet.overlap import Overlap, plan_overlap
+from controller.fleet.policy import Decision, WakePlan, estimate, plan_wake
+from controller.fleet.swapview import SwapView
+from controller.models.footprints import footprint_from_sleep
+from controller.models.manager import Manager
+from controller.models.modelmanager import Outcome
+from controller.models.steps import DrainMode
+from controller.observe.swapmetrics import SwapMetrics
+from controller.state import State
+
+log = logging.getLogger("hotswap.swap")
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class SwapResult:
+    """What a policy wake did: the plan (decision and reason), the wake, and timings."""
+
+    plan: WakePlan
+    outcome: Outcome | None
+    evicted: tuple[str, ...] = ()
+    evict_s: float = 0.0
+    wake_s: float = 0.0  # overlapped: from the evicted model's KV release to the end
+    overlapped: bool = False  # the evicted model's offload ran beside this wake's load
+    total_s: float | None = None  # first eviction's start to the wake's end
+
+    def to_dict(self) -> dict[str, Any]:
+        swap = self.total_s if self.total_s is not None else self.evict_s + self.wake_s
+        return {
+            "policy": self.plan.to_dict(),
+            "evicted": list(self.evicted),
+            "evict_s": self.evict_s,
+            "wake_s": self.wake_s,
+            "overlapped": self.overlapped,
+            "swap_s": swap,
+        }
+
+
+class SwapCoordinator(SwapView):
+    """Policy wakes and traffic-draining sleeps over the manager's models; what the policy
+    sees of them (views, budgets, footprints, device locks) is the `SwapView` below."""
+
+    def __init__(
+        self,
+        manager: Manager,
+        settings: Settings,
+        metrics: SwapMetrics,
+        *,
+        clock: Clock = time.time,
+        monotonic: Clock = time.monotonic,
+    ) -> None:
+        self.manager = manager
+        self._mono = monotonic
+        super().__init__(manager.fleet, settings, metrics, clock=clock)
+        self.host = HostMemory(self, manager)
+
+    # ---- wake ----------------------------------------------------------------------------
+
+    async def wake(self, name: str, *, evict: bool = True) -> SwapResult:
+        """Wake `name` within the budget; evicts LRU models first unless `evict` is False.
+
+        Raises WakeRefused (409) when the policy says no, the manager's errors otherwise.
+        Concurrent evicting wakes of one model share one run.
+        """
+        mm = self.manager.get(name)
+        snap = mm.snapshot()
+        if snap.state is State.RUNNING:
+            return SwapResult(WakePlan(name, Decision.NOOP, "already RUNNING"), None)
+        if not evict:
+            return await self._wake(name, evict=False)
+        rec = self.fleet[name]
+        task = rec.swap
+        if task is None or task.done():
+            task = self.manager.tasks.spawn(self._wake(name, evict=True), f"hotswap-swap-{name}")
+            rec.swap = task
+        # shield: one caller giving up (a client gone) does not stop the swap for the others.
+        result: SwapResult = await asyncio.shield(task)
+        return result
+
+    async def _wake(self, name: str, *, evict: bool) -> SwapResult:
+        mm = self.manager.get(name)
+        async with self._device_locks(name):
+            await self._settle(name)
+            plan = self.plan(name, allow_evict=evict)
+            fields = {"model": name, "phase": "policy"}
+            log.info(
+                "%s: wake plan %s: %s",
+                name,
+                plan.decision.value,
+                plan.reason,
+                extra=fields,
+            )
+            if plan.decision is Decision.NOOP:
+                outcome = await mm.wake() if mm.snapshot().state is State.RESUMING else None
+                if mm.snapshot().state is State.RUNNING:
+                    self.fleet[name].lane.hand_over()
+                return SwapResult(plan, outcome)
+            if plan.decision is Decision.REFUSE:
+                self.metrics.swap(name, "refused")
+                raise WakeRefused(
+                    f"cannot wake {name}: {plan.reason}",
+                    plan=plan.to_dict(),
+                    retry_after_s=plan.retry_after_s,
+                    model=name,
+                )
+            overlap = self.overlap(name, plan)
+            if plan.decision is Decision.EVICT:
+                log.info(
+                    "%s: swap %s: %s",
+                    name,
+                    "overlapped" if overlap.ok else "one after the other",
+                    overlap.reason,
+                    extra=fields,
+                )
+            t0 = self._mono()
+            evicted: list[str] = []
+            try:
+                if overlap.ok:
+                    outcome, t1, evict_s = await self._overlapped(name, plan.evict[0], overlap)
+                    evicted.append(plan.evict[0])
+                else:
+                    for victim in plan.evict:
+                        await self.sleep(victim, drain="wait", reason="evict")
+                        evicted.append(victim)
+                        self.metrics.eviction(victim, "lru")
+                    t1 = self._mono()
+                    evict_s = t1 - t0
+                    outcome = await mm.wake()
+            except HotswapError:
+                self.metrics.swap(name, "failed", self._mono() - t0)
+                raise
+            t2 = self._mono()
+            # Awake: its host copy is back on the device; what it keeps there (a CUDA
+            # engine's pinned backup) is what its resumes said.
+            self.fleet[name].host_bytes = 0
+            if mm.snapshot().state is State.RUNNING:
+                self.fleet[
+                    name
+                ].lane.hand_over()  # before the lock goes: no eviction overtakes them
+                self._host_after_wake(name, outcome)
+            self.metrics.swap(name, "ok", t2 - t0)
+            result = SwapResult(
+                plan,
+                outcome,
+                tuple(evicted),
+                evict_s,
+                t2 - t1,
+                overlapped=overlap.ok,
+                total_s=t2 - t0,
+            )
+            log.info(
+                "%s: swapped in after %.3f s (evicted %s in %.3f s, wake %.3f s%s)",
+                name,
+                t2 - t0,
+                ", ".join(evicted) or "none",
+                evict_s,
+                t2 - t1,
+                ", overlapped" if overlap.ok else "",
+                extra=fields,
+            )
+            return result
+
+    def _host_after_wake(self, name: str, outcome: Outcome) -> None:
+        """The host bytes a woken model keeps, and (in a named task: the wake's answer does
+        not wait) the host budget enforced over the fleet if they put it over."""
+        if self.host.woke(name, outcome):
+            task = self.manager.tasks.spawn(self.host.enforce(), f"hotswap-host-{name}")
+            self.fleet[name].host_task = task
+
+    def overlap(self, name: str, plan: WakePlan) -> Overlap:
+        """Whether this evicting wake may overlap the evicted model's offload with the
+        target's load (controller.fleet.overlap.plan_overlap over the records' measured pools)."""
+        if plan.decision is not Decision.EVICT or len(plan.evict) != 1:
+            return Overlap(False, "not a one-model eviction")
+        mode = self.settings.swap.overlap
+        if mode == "never":
+            return Overlap(False, "swap.overlap is never")
+        copied = self.fleet[plan.evict[0]].copied_bytes
+        if mode == "auto" and not copied:
+            why = "not seen to copy" if copied is None else "copies"
+            return Overlap(
+                False,
+                f"{plan.evict[0]}'s sleep {why} no weights off the device: nothing to overlap",
+            )
+        views = self.views()
+        victim = next(v for v in views if v.name == plan.evict[0])
+        peers = [v for v in views if set(v.placement) & set(victim.placement)]
+        counted = estimate(victim, peers, self.budget(victim.device))
+        pools = self.fleet[victim.name].pools
+        scratch = self.fleet[victim.name].codec_scratch  # its encode, beside the wake's
+        ov = plan_overlap(plan, pools, self.fleet[name].pools, counted, scratch)
+        if ov.early and self.fleet[victim.name].lane.in_flight:
+            # Its drain may give up and leave it RUNNING: the target then starts once the
+            # victim's KV cache is gone, not before (its weights would come in for nothing
+            # and its wake fail in wait_room, in place of the drain's own answer).
+            ov = dataclasses.replace(ov, early=False)
+        return ov
+
+    async def _overlapped(
+        self, name: str, victim: str, overlap: Overlap
+    ) -> tuple[Outcome, float, float]:
+        """Put `victim` to sleep split by pool and start waking `name` the moment the
+        victim's KV cache is off the device (or at once, `overlap.early`): `name`'s weights
+        come in while the victim's go out (the link is full duplex); `name`'s KV cache is
+        mapped only once the victim is SUSPENDED (or its process gone), or once the victim's
+        KV cache is gone (`overlap.kv_early`). Returns the wake's outcome, when it started,
+        and how long the victim's sleep took."""
+        mm = self.manager.get(name)
+        released = asyncio.Event()
+        t0 = self._mono()
+        sleep = self.manager.tasks.spawn(
+            self.sleep(victim, drain="wait", reason="evict", kv_released=released.set),
+            name=f"hotswap-evict-{victim}",
+        )
+
+        async def kv_gone() -> bool:
+            """Until the victim's KV cache is off the device (True) or its sleep ended
+            without that (False)."""
+            signal = asyncio.ensure_future(released.wait())
+            try:
+                await asyncio.wait({sleep, signal}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                signal.cancel()
+            return released.is_set()
+
+        if not overlap.early and not await kv_gone():
+            await sleep  # it ended before its KV cache went: its error (drain gave up, ...)
+        t1 = self._mono()
+        sleep_end: list[float] = []
+        sleep.add_done_callback(lambda _: sleep_end.append(self._mono()))
+
+        async def room() -> None:
+            if overlap.early and not await kv_gone():
+                raise EngineError(
+                    f"{victim}, evicted for {name}, ended its sleep before its KV cache "
+                    f"was released: the KV cache of {name} is not mapped",
+                    model=name,
+                    phase="wait_room",
+                )
+            if overlap.kv_early:
+                return  # the victim's KV cache is gone: this one fits beside its weights
+            await asyncio.wait({sleep})
+            rec = self.fleet[victim]
+            # SUSPENDED with its weights among the pools asleep (a reconciliation after a
+            # failed step may find only the KV cache asleep), or its process gone.
+            gone = await rec.wait_for(
+                lambda r: (
+                    self.engine_gone(victim)
+                    or (r.state is State.SUSPENDED and (r.asleep is None or "weights" in r.asleep))
+                ),
+                self.settings.timeouts.rpc_s,
+            )
+            if not gone:
+                raise EngineError(
+                    f"{victim}, evicted for {name}, did not release its weights "
+                    f"(state {rec.state.value}): the KV cache of {name} is not mapped",
+                    model=name,
+                    phase="wait_room",
+                )
+
+        try:
+            outcome = await mm.wake(room=room)
+        finally:
+            if not sleep.done():
+                await asyncio.wait({sleep})
+        await sleep  # the eviction's own error, if it failed after its KV cache went
+        self.metrics.eviction(victim, "lru")
+        return outcome, t1, (sleep_end[0] if sleep_end else self._mono()) - t0
+
+    async def make_room(self, name: str) -> tuple[str, ...]:
+        """Holding the device lock: put to sleep what a wake of `name` would evict, so its
+        engine (re)starts with its footprint free. A refusal is logged, not raised."""
+        # A boot maps no host copy back: no wake scratch.
+        views = [
+            dataclasses.replace(v, state=State.SUSPENDED, wake_scratch_bytes=0)
+            if v.name == name
+            else v
+            for v in self.views()
+        ]
+        plan = plan_wake(name, views, self.budgets(name), self._clock())
+        fields = {"model": name, "phase": "policy"}
+        log.info("%s: start plan %s: %s", name, plan.decision.value, plan.reason, extra=fields)
+        evicted = []
+        if plan.decision is Decision.EVICT:
+            for victim in plan.evict:
+                await self.sleep(victim, drain="wait", reason="evict")
+                self.metrics.eviction(victim, "restart")
+                evicted.append(victim)
+        return tuple(evicted)
+
+    async def _settle(self, name: str) -> None:
+        """Wait (bounded) for transitions in flight on `name`'s devices, so the plan sees
+        where they end. Timeouts: a drain, then an RPC, at most."""
+        # Not STARTING: a boot may take many minutes, and the policy counts it as holding.
+        moving = (State.SUSPENDING,)
+        mine = set(self.devices(name))
+        on_device = [r for r in self.fleet.values() if mine & set(r.settings.placement)]
+        await self.fleet.wait_for(
+            lambda: not any(r.state in moving for r in on_device),
+            self.settings.timeouts.drain_s + self.settings.timeouts.rpc_s,
+        )
+
+    # ---- sleep ---------------------------------------------------------------------------
+
+    async def sleep(
+        self,
+        name: str,
+        level: int | None = None,
+        drain: DrainMode = "wait",
+        drain_timeout_s: float | None = None,
+        *,
+        reason: str = "request",
+        kv_released: Callable[[], None] | None = None,
+        keep_prefix_cache: bool | None = None,
+    ) -> Outcome:
+        """Close the model's gateway admission, drain the gateway's requests per `drain`,
+        then run the manager's sleep (which drains the engine itself); `kv_released`: the
+        sleep split by pool, called once its KV cache is off the device."""
+        mm = self.manager.get(name)
+        if mm.snapshot().state is not State.RUNNING:
+            # noop, join or 409 as usual
+            return await mm.sleep(
+                level, drain, drain_timeout_s, keep_prefix_cache=keep_prefix_cache
+            )
+        if drain_timeout_s is None:
+            if reason == "evict":
+                grace = self.settings.swap.evict_drain_timeout_s
+            else:
+                grace = self.settings.timeouts.drain_s if drain == "wait" else 0.0
+        else:
+            grace = drain_timeout_s
+        lane = self.fleet[name].lane
+        lane.close()
+        fields = {"model": name, "phase": "drain"}
+        try:
+            t0 = self._mono()
+            if lane.in_flight:
+                log.info(
+                    "%s: waiting up to %g s for %d gateway request(s) in flight (drain=%s)",
+                    name,
+                    grace,
+                    lane.in_flight,
+                    drain,
+                    extra=fields,
+                )
+                idle = await self.fleet[name].wait_for(lambda r: r.lane.in_flight == 0, grace)
+                if not idle and drain == "wait":
+                    raise DrainTimeout(
+                        f"drain=wait: {lane.in_flight} gateway request(s) still in flight "
+                        f"after {grace:g} s; {name} stays RUNNING",
+                        model=name,
+                        phase="drain",
+                    ) from None
+                    # drain=abort: the engine's /pause?mode=abort ends them; they see "abort".
+            left = max(0.0, grace - (self._mono() - t0))
+            # With a host budget, host plans and the sleeps they admit never race.
+            budgeted = self.settings.swap.host_budget is not None
+            async with self.host.lock if budgeted else contextlib.nullcontext():
+                level = await self.host.room(name, level)
+                outcome = await mm.sleep(
+                    level,
+                    drain,
+                    left,
+                    kv_released=kv_released,
+                    keep_prefix_cache=keep_prefix_cache,
+                )
+                self.host.slept(name, outcome)
+        finally:
+            lane.close(False)
+            if mm.snapshot().state is State.RUNNING:
+                self.fleet[name].lane.hand_over()  # the sleep gave up: serve what was held
+        self.learn_footprint(name, footprint_from_sleep(outcome.transition), "bytes freed at sleep")
+        if outcome.transition is not None and outcome.transition.result == "ok":
+            self.metrics.slept(name, reason)
+        if outcome.snapshot.resident_bytes is not None:
+            self.fleet[name].asleep_bytes = outcome.snapshot.resident_bytes
+        return outcome

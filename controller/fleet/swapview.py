@@ -1,0 +1,158 @@
+"""What the swap policy sees: the fleet's records read as `policy.ModelView`s, each
+device's budget (configured, or measured at boot), the measured awake footprints, and one
+lock per device under which plans run.
+
+`SwapView` is the read side of `controller.fleet.swap.SwapCoordinator`, which adds the actions
+(policy wakes, evictions, draining sleeps). Nothing here talks to an engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from controller.config.settings import Settings
+from controller.fleet.policy import Budget, ModelView, WakePlan, plan_wake
+from controller.models.footprints import footprint_from_info
+from controller.models.record import Fleet
+from controller.observe.swapmetrics import FleetRow, SwapMetrics
+from controller.state import State
+
+log = logging.getLogger("hotswap.swap")
+
+Clock = Callable[[], float]
+
+
+class SwapView:
+    """The policy's inputs over the fleet's records, and the device locks."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        settings: Settings,
+        metrics: SwapMetrics,
+        *,
+        clock: Clock = time.time,
+    ) -> None:
+        self.fleet = fleet
+        self.settings = settings
+        self.metrics = metrics
+        self._clock = clock  # the manager's clock: snapshots' `since` is on it
+        # Per device, not per model: what the policy plans against.
+        self._measured_budget: dict[str, int] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        # Whether a model's engine process is known to be gone: by default, for a managed model
+        # whose record holds no live process (a FAILED attached engine may hold its memory).
+        self.engine_gone: Callable[[str], bool] = self._engine_gone
+        for m in settings.models:
+            metrics.register_model(m.name)
+        metrics.read_fleet(self.fleet_rows)
+
+    def fleet_rows(self) -> list[FleetRow]:
+        return [
+            FleetRow(r.name, r.settings.placement, r.host_bytes, r.leftover_bytes)
+            for r in self.fleet.values()
+        ]
+
+    def device(self, name: str) -> str:
+        rec = self.fleet.get(name)
+        return rec.settings.device if rec is not None else "0"
+
+    def devices(self, name: str) -> tuple[str, ...]:
+        """Every device of `name`'s engine (its placement)."""
+        rec = self.fleet.get(name)
+        return rec.settings.placement if rec is not None else ("0",)
+
+    def budgets(self, name: str) -> dict[str, Budget]:
+        return {d: self.budget(d) for d in self.devices(name)}
+
+    def budget(self, device: str) -> Budget:
+        cfg = self.settings.swap
+        measured = self._measured_budget.get(device)
+        return Budget(
+            bytes=cfg.budget_bytes if cfg.budget_bytes is not None else measured,
+            max_awake=cfg.max_awake,
+            min_awake_s=cfg.min_awake_s,
+        )
+
+    def set_measured_budget(self, device: str, n: int | None) -> None:
+        if n is not None:
+            self._measured_budget[device] = n
+            log.info("measured budget of device %s: %d bytes", device, n)
+
+    def touch(self, name: str) -> None:
+        """A request for `name` arrived: it is the most recently used now."""
+        self.fleet[name].last_used = self._clock()
+
+    def footprint(self, name: str) -> int | None:
+        return self.fleet[name].footprint
+
+    def learn_footprint(self, name: str, n: int | None, source: str) -> None:
+        """Record a measured awake footprint (a configured one is never overwritten)."""
+        rec = self.fleet[name]
+        if n is None or rec.footprint_configured:
+            return
+        if rec.footprint != n:
+            log.info("%s: awake footprint %d bytes (%s)", name, n, source, extra={"model": name})
+        rec.footprint = n
+
+    def learn_from_info(self, name: str, ranks: list[dict[str, Any]]) -> None:
+        self.learn_footprint(name, footprint_from_info(ranks), "hotswap_info pools")
+
+    def views(self) -> list[ModelView]:
+        return [self.view(name) for name in self.fleet]
+
+    def view(self, name: str) -> ModelView:
+        """What the policy knows of one model, read from its record now."""
+        rec = self.fleet[name]
+        swap = rec.swap
+        return ModelView(
+            name=rec.name,
+            state=rec.state,
+            footprint_bytes=rec.footprint,
+            last_used=rec.last_used,
+            awake_since=rec.snapshot.since if rec.state is State.RUNNING else None,
+            pinned=rec.settings.pinned,
+            device=rec.settings.device,
+            devices=rec.settings.placement,
+            process_gone=self.engine_gone(rec.name),
+            # What it leaves on its devices asleep: the last suspend's report (kept awake:
+            # an eviction counts what the model will leave behind).
+            asleep_bytes=rec.leftover_bytes,
+            wake_scratch_bytes=rec.wake_scratch,
+            host_bytes=rec.host_bytes,
+            host_weights_bytes=rec.host_weights or rec.pools.get("weights"),
+            level=rec.snapshot.level if rec.state is State.SUSPENDED else None,
+            demotable=rec.demotable,
+            in_flight=rec.lane.in_flight,
+            queued=rec.lane.held,
+            busy=rec.in_flight_task() is not None or (swap is not None and not swap.done()),
+        )
+
+    def _engine_gone(self, name: str) -> bool:
+        rec = self.fleet[name]
+        return rec.settings.managed and (rec.engine is None or not rec.engine.is_alive())
+
+    def plan(self, name: str, *, allow_evict: bool = True) -> WakePlan:
+        return plan_wake(
+            name, self.views(), self.budgets(name), self._clock(), allow_evict=allow_evict
+        )
+
+    def _lock(self, device: str) -> asyncio.Lock:
+        return self._locks.setdefault(device, asyncio.Lock())
+
+    @contextlib.asynccontextmanager
+    async def _device_locks(self, name: str) -> AsyncIterator[None]:
+        """Every lock of `name`'s devices, taken in one order (no two plans deadlock)."""
+        async with contextlib.AsyncExitStack() as stack:
+            for d in sorted(self.devices(name)):
+                await stack.enter_async_context(self._lock(d))
+            yield
+
+    def device_lock(self, name: str) -> contextlib.AbstractAsyncContextManager[None]:
+        """The locks every wake plan of `name`'s devices runs under (boots take them too)."""
+        return self._device_locks(name)

@@ -1,0 +1,344 @@
+"""The HTTP surface: app factory, thin routes, bearer auth; its error answers: apierrors.
+
+Routes only translate HTTP to manager calls and snapshots to JSON; every decision lives in
+the manager and the state machine. Readiness (/health) reads snapshots from memory and never
+calls an engine. Nothing here answers 500: anything unexpected becomes a 502 with a reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Coroutine
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from fastapi import Body, Depends, FastAPI, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from controller.config.bounds import HOUR_S
+from controller.config.settings import Settings
+from controller.errors import (
+    HotswapError,
+    TransitionConflict,
+    Unauthorized,
+    WakeRefused,
+)
+from controller.fleet.policy import Decision
+from controller.fleet.supervisor import Supervisor
+from controller.fleet.swap import SwapCoordinator
+from controller.http.apierrors import (
+    NeverFiveHundred,
+    guard_refusal,
+    hotswap_error,
+    http_error,
+    validation_error,
+)
+from controller.http.guard import Guard, bearer_ok
+from controller.http.openapi import control_table, document
+from controller.http.views import fleet_summary, health_entry, model_dict, outcome_dict, plain
+from controller.models.manager import Manager
+from controller.models.modelmanager import ModelManager, Outcome
+from controller.state import Action, State, decide, overall_ready
+from controller.state import Request as Transition
+
+log = logging.getLogger("hotswap.api")
+
+
+# ----------------------------------------------------------------------------- dependencies
+
+
+@dataclass(frozen=True)
+class AppContext:
+    """What the routes need (built by the Sidecar), read by the routes' dependencies."""
+
+    settings: Settings
+    manager: Manager
+    registry: CollectorRegistry
+    coordinator: SwapCoordinator | None = None  # hot-swap mode: wakes go through the policy
+    supervisor: Supervisor | None = None  # managed mode: the sidecar runs the engines
+
+
+def get_context(request: Request) -> AppContext:
+    ctx: AppContext = request.app.state.hotswap
+    return ctx
+
+
+ContextDep = Annotated[AppContext, Depends(get_context)]
+
+
+def get_manager(ctx: ContextDep) -> Manager:
+    return ctx.manager
+
+
+ManagerDep = Annotated[Manager, Depends(get_manager)]
+
+
+def get_model(name: str, manager: ManagerDep) -> ModelManager:
+    """The named model's manager; ModelNotFound (404) for a name the sidecar does not know."""
+    return manager.get(name)
+
+
+ModelDep = Annotated[ModelManager, Depends(get_model)]
+
+
+def require_token(request: Request, ctx: ContextDep) -> None:
+    """Bearer auth for control endpoints; a no-op when no token is configured."""
+    token = ctx.settings.auth.token
+    if token is None:
+        return
+    if not bearer_ok(request.headers.get("authorization"), token.get_secret_value().encode()):
+        raise Unauthorized("a valid bearer token is required")
+
+
+# ----------------------------------------------------------------------------- request bodies
+
+Level = Annotated[int, Field(ge=1, le=2, strict=True, description="Sleep level: 1 or 2.")]
+
+
+class SleepBody(BaseModel):
+    """POST /models/{name}/sleep; every field optional (defaults from the settings)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    level: Level | None = None
+    drain: Literal["wait", "abort"] = "wait"
+    drain_timeout_s: float | None = Field(
+        None,
+        ge=0,
+        le=HOUR_S,
+        allow_inf_nan=False,
+        description="Seconds, at most an hour; default drain_s (wait) or 0 (abort).",
+    )
+    keep_prefix_cache: bool | None = Field(
+        None,
+        strict=True,
+        description="Keep the KV cache, so vLLM's prefix cache hits after the wake (level 1 "
+        "only); null: the model's setting.",
+    )
+
+    @model_validator(mode="after")
+    def _kept_at_level_1(self) -> SleepBody:
+        if self.keep_prefix_cache and self.level == 2:
+            raise ValueError(
+                "keep_prefix_cache applies to level 1 only: level 2 discards the weights "
+                "and the KV cache"
+            )
+        return self
+
+
+# ----------------------------------------------------------------------------- routes
+
+
+async def sleep_model(
+    name: str,
+    model: ModelDep,
+    ctx: ContextDep,
+    body: Annotated[SleepBody | None, Body()] = None,
+    wait: bool = True,
+) -> Response:
+    req = body if body is not None else SleepBody.model_validate({})
+    if req.keep_prefix_cache and (req.level or model.settings.default_level) != 1:
+        message = (
+            "keep_prefix_cache applies to level 1 only, and this model sleeps at level "
+            f"{model.settings.default_level} by default: send level 1 with it"
+        )
+        body_ = {"error": "ValidationError", "message": message, "model": name}
+        return JSONResponse(body_, status_code=422)
+    swap = ctx.coordinator
+    # None: the manager applies the model's default level and the drain timeout's default.
+    if not wait:
+        if swap is None:
+            started = model.begin_sleep(
+                req.level, req.drain, req.drain_timeout_s, keep_prefix_cache=req.keep_prefix_cache
+            )
+            return _accepted(name, started)
+        now = _decide_now(model, Transition.SLEEP)
+        sleep = swap.sleep(
+            name,
+            req.level,
+            req.drain,
+            req.drain_timeout_s,
+            keep_prefix_cache=req.keep_prefix_cache,
+        )
+        _background(ctx, sleep, f"sleep-{name}")
+        return _accepted(name, now)
+    if swap is None:
+        outcome = await model.sleep(
+            req.level, req.drain, req.drain_timeout_s, keep_prefix_cache=req.keep_prefix_cache
+        )
+    else:
+        # Hot-swap mode: the gateway's requests in flight are drained too.
+        outcome = await swap.sleep(
+            name,
+            req.level,
+            req.drain,
+            req.drain_timeout_s,
+            keep_prefix_cache=req.keep_prefix_cache,
+        )
+    return JSONResponse(outcome_dict(name, outcome))
+
+
+async def wake_model(
+    name: str, model: ModelDep, ctx: ContextDep, wait: bool = True, evict: bool = True
+) -> Response:
+    """Hot-swap mode: the swap policy decides (evicting LRU models unless evict=false, which
+    answers 409 with the reason instead); its decision is in the answer's `policy`."""
+    swap = ctx.coordinator
+    if not wait:
+        if swap is None:
+            return _accepted(name, model.begin_wake())
+        now = _decide_now(model, Transition.WAKE)
+        if not evict and now.action is Action.BEGIN:
+            plan = swap.plan(name, allow_evict=False)  # no room and no eviction: say so now
+            if plan.decision is Decision.REFUSE:
+                raise WakeRefused(
+                    f"cannot wake {name}: {plan.reason}",
+                    plan=plan.to_dict(),
+                    retry_after_s=plan.retry_after_s,
+                    model=name,
+                )
+        _background(ctx, swap.wake(name, evict=evict), f"wake-{name}")
+        return _accepted(name, now)
+    if swap is None:
+        return JSONResponse(outcome_dict(name, await model.wake()))
+    result = await swap.wake(name, evict=evict)
+    outcome = result.outcome or Outcome(Action.NOOP, model.snapshot())
+    body = outcome_dict(name, outcome)
+    body["policy"] = result.to_dict()
+    return JSONResponse(body)
+
+
+def _decide_now(model: ModelManager, req: Transition) -> Outcome:
+    """?wait=false through the coordinator: a request the state forbids is answered 409 now,
+    in the reply, not only in the background task's log line; else what will happen."""
+    snap = model.snapshot()
+    action = decide(snap.state, req)
+    if action is Action.CONFLICT:
+        if snap.state is State.FAILED:
+            why = f"the model is FAILED ({snap.last_error}); restart its engine"
+        else:
+            why = f"the model is {snap.state.value}"
+        raise TransitionConflict(f"cannot {req.value} {model.name}: {why}", model=model.name)
+    return Outcome(action, snap)
+
+
+def _background(ctx: AppContext, coro: Coroutine[Any, Any, Any], name: str) -> None:
+    """A ?wait=false transition through the coordinator: its outcome lands in the snapshot;
+    the task is the sidecar's (cancelled at shutdown like every other)."""
+    ctx.manager.tasks.spawn(coro, name=f"hotswap-api-{name}")
+
+
+def _accepted(name: str, started: Outcome) -> Response:
+    """202 for ?wait=false: the transition runs on; GET the Location to follow it."""
+    body = outcome_dict(name, started)
+    body["location"] = f"/models/{name}"
+    return JSONResponse(body, status_code=202, headers={"Location": f"/models/{name}"})
+
+
+async def list_models(manager: ManagerDep, ctx: ContextDep) -> dict[str, Any]:
+    host = ctx.coordinator.host.budget().bytes if ctx.coordinator is not None else None
+    return {
+        "models": [model_dict(r, manager.settings) for r in manager.fleet.values()],
+        "fleet": fleet_summary(manager.fleet, manager.settings, host),
+    }
+
+
+async def get_model_state(model: ModelDep, manager: ManagerDep) -> dict[str, Any]:
+    return model_dict(model.record, manager.settings)
+
+
+async def audit_model(
+    name: str,
+    model: ModelDep,
+    level: Annotated[int | None, Query(ge=1, le=2)] = None,
+) -> dict[str, Any]:
+    lvl = level if level is not None else model.settings.default_level
+    ranks = await model.audit(lvl)
+    return {"model": name, "level": lvl, "ranks": plain(ranks)}
+
+
+async def health(manager: ManagerDep) -> Response:
+    snaps = manager.snapshots()
+    ready = overall_ready(snaps)
+    body = {
+        "ready": ready,
+        "models": {n: health_entry(s, s.counts_ready) for n, s in snaps.items()},
+    }
+    return JSONResponse(body, status_code=200 if ready else 503)
+
+
+async def model_health(name: str, model: ModelDep) -> Response:
+    snap = model.snapshot()
+    body = {"ready": snap.ready, "models": {name: health_entry(snap, snap.ready)}}
+    return JSONResponse(body, status_code=200 if snap.ready else 503)
+
+
+async def livez() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+async def metrics(ctx: ContextDep) -> Response:
+    return Response(generate_latest(ctx.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _open_path(path: str) -> bool:
+    """Probes and scrapes need no token; every other path does (an unknown one too)."""
+    if path in ("/livez", "/health", "/metrics"):
+        return True
+    parts = path.split("/")
+    return len(parts) == 4 and parts[1] == "models" and bool(parts[2]) and parts[3] == "health"
+
+
+# ----------------------------------------------------------------------------- factory
+
+
+def create_app(
+    ctx: AppContext, lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None
+) -> FastAPI:
+    """The control API over the sidecar's parts; `lifespan` starts and stops them."""
+    settings = ctx.settings
+    token = settings.auth.token
+    docs = settings.server.docs  # off by default: the schema maps every route for a caller
+    app = FastAPI(
+        title="vllm-hotswap",
+        version="0.1.0",
+        lifespan=lifespan,
+        openapi_url="/openapi.json" if docs else None,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        redirect_slashes=False,  # a redirect would answer before auth, to any Host
+    )
+    app.state.hotswap = ctx  # read by get_context, the routes' one dependency
+
+    app.add_exception_handler(HotswapError, hotswap_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_middleware(
+        Guard,
+        render=guard_refusal,
+        token=token.get_secret_value().encode() if token is not None else None,
+        is_open=_open_path,
+        max_body_bytes=settings.server.max_body_bytes,
+        max_json_depth=settings.server.max_json_depth,
+    )
+    app.add_middleware(NeverFiveHundred)
+
+    # Open: probes and scrapes must work without the token.
+    app.add_api_route("/livez", livez, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/models/{name}/health", model_health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+
+    auth = [Depends(require_token)]
+    app.add_api_route("/models", list_models, methods=["GET"], dependencies=auth)
+    app.add_api_route("/models/{name}", get_model_state, methods=["GET"], dependencies=auth)
+    app.add_api_route("/models/{name}/audit", audit_model, methods=["GET"], dependencies=auth)
+    app.add_api_route("/models/{name}/sleep", sleep_model, methods=["POST"], dependencies=auth)
+    app.add_api_route("/models/{name}/wake", wake_model, methods=["POST"], dependencies=auth)
+    document(app, control_table(auth=token is not None))
+    return app

@@ -1,0 +1,128 @@
+"""The JSON shapes of the control API: snapshots, transitions, phases and outcomes as plain
+dicts (what GET /models, /health and the sleep and wake answers carry)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from controller.config.settings import Settings
+from controller.models.modelmanager import Outcome
+from controller.models.record import ModelRecord
+from controller.state import ModelSnapshot, PhaseRecord, TransitionRecord
+
+
+def plain(value: Any) -> Any:
+    """A JSON-safe copy of a rank report: NaN/inf would make the response itself fail."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [plain(v) for v in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)
+
+
+def phase_dict(p: PhaseRecord) -> dict[str, Any]:
+    return {
+        "name": p.name,
+        "duration_s": p.duration_s,
+        "ok": p.ok,
+        "ranks": plain(p.ranks),
+        "detail": plain(p.detail),
+    }
+
+
+def transition_dict(t: TransitionRecord | None) -> dict[str, Any] | None:
+    if t is None:
+        return None
+    return {
+        "kind": t.kind,
+        "from_state": t.from_state.value,
+        "to_state": t.to_state.value,
+        "result": t.result,
+        "level": t.level,
+        "started_at": t.started_at,
+        "ended_at": t.ended_at,
+        "duration_s": t.duration_s,
+        "error": t.error,
+        "failed_phase": t.failed_phase,
+        "phases": [phase_dict(p) for p in t.phases],
+    }
+
+
+def snapshot_dict(s: ModelSnapshot) -> dict[str, Any]:
+    return {
+        "name": s.name,
+        "state": s.state.value,
+        "since": s.since,
+        "gate": s.gate.value,
+        "verified": s.verified,
+        "ready": s.ready,
+        "level": s.level,
+        "last_transition": transition_dict(s.last_transition),
+        "last_error": s.last_error,
+        "phase": s.phase,
+        "keep_prefix_cache": s.keep_prefix_cache,
+        "resident_bytes": s.resident_bytes,
+        "extra": {"phase": s.phase} if s.phase is not None else {},  # the old place of `phase`
+    }
+
+
+def outcome_dict(name: str, outcome: Outcome) -> dict[str, Any]:
+    snap = outcome.snapshot
+    return {
+        "model": name,
+        "action": outcome.action.value,
+        "state": snap.state.value,
+        "verified": snap.verified,
+        "level": snap.level,
+        "transition": transition_dict(outcome.transition),
+    }
+
+
+def health_entry(s: ModelSnapshot, ready: bool) -> dict[str, Any]:
+    return {"state": s.state.value, "verified": s.verified, "gate": s.gate.value, "ready": ready}
+
+
+def fleet_dict(rec: ModelRecord, settings: Settings) -> dict[str, Any]:
+    """Where a model runs and what the fleet policy counts for it (GET /models' `fleet`)."""
+    m = rec.settings
+    idle_s, idle_level = settings.idle_sleep(m)
+    return {
+        "devices": list(m.placement),
+        "visible_devices": m.env.get("CUDA_VISIBLE_DEVICES"),
+        "pinned": m.pinned,
+        "footprint_bytes": rec.footprint,
+        "asleep_bytes": rec.leftover_bytes,
+        "host_bytes": rec.host_bytes,
+        "host_weights_bytes": rec.host_weights,
+        "demotable": rec.demotable,
+        "wake_scratch_bytes": rec.wake_scratch,
+        "idle_sleep_s": idle_s,
+        "idle_sleep_level": idle_level,
+        "idle_slept_at": rec.idle_slept_at,
+    }
+
+
+def model_dict(rec: ModelRecord, settings: Settings) -> dict[str, Any]:
+    """One model of GET /models: its snapshot and its `fleet` entry."""
+    return {**snapshot_dict(rec.snapshot), "fleet": fleet_dict(rec, settings)}
+
+
+def fleet_summary(
+    fleet: Mapping[str, ModelRecord], settings: Settings, host_budget_bytes: int | None
+) -> dict[str, Any]:
+    """GET /models' `fleet`: the pod's devices, the host budget and what the models hold."""
+    swap = settings.swap
+    return {
+        "devices": swap.devices,
+        "host_budget": swap.host_budget,
+        "host_budget_bytes": host_budget_bytes,
+        "host_bytes": sum(r.host_bytes for r in fleet.values()),
+        "idle_sleep_s": swap.idle_sleep_s,
+        "idle_sleep_level": swap.idle_sleep_level,
+    }

@@ -1,0 +1,1 @@
+"""One model: its record, its manager and runner, the steps, reconciliation, its footprint."""

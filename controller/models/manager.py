@@ -1,0 +1,112 @@
+"""The fleet of models: one `ModelManager` (controller.models.modelmanager) per configured model,
+over the fleet's records; probing at start, the periodic reconcile of attached engines,
+and a bounded stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from controller.config.modelsettings import ModelSettings
+from controller.config.settings import Settings, TimeoutSettings
+from controller.engines.engine import EngineClient
+from controller.errors import ModelNotFound
+from controller.models.modelmanager import ModelManager
+from controller.models.record import Fleet
+from controller.observe.metrics import Metrics
+from controller.state import (
+    ModelSnapshot,
+)
+from controller.tasks import Tasks
+
+log = logging.getLogger("hotswap.manager")
+
+EngineFactory = Callable[[ModelSettings, TimeoutSettings], EngineClient]
+Clock = Callable[[], float]
+
+
+def default_engine_factory(model: ModelSettings, timeouts: TimeoutSettings) -> EngineClient:
+    return EngineClient(model.url, uds=model.uds, timeouts=timeouts)
+
+
+class Manager:
+    """The fleet: one ModelManager per configured model, over the fleet's records."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        engine_factory: EngineFactory = default_engine_factory,
+        clock: Clock = time.time,
+        *,
+        monotonic: Clock = time.monotonic,
+        fleet: Fleet | None = None,
+        tasks: Tasks | None = None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.fleet = fleet if fleet is not None else Fleet(settings.models, clock=clock)
+        self.tasks = tasks if tasks is not None else Tasks()
+        self._models: dict[str, ModelManager] = {
+            m.name: ModelManager(
+                self.fleet[m.name],
+                settings.timeouts,
+                engine_factory(m, settings.timeouts),
+                metrics,
+                self.tasks,
+                clock=clock,
+                monotonic=monotonic,
+            )
+            for m in settings.models
+        }
+        for name in self._models:
+            metrics.register_model(name)
+        if not metrics.bound:
+            metrics.read_from(self.snapshots)
+        self._watcher: asyncio.Task[None] | None = None
+
+    def get(self, name: str) -> ModelManager:
+        try:
+            return self._models[name]
+        except KeyError:
+            raise ModelNotFound(f"no model named {name!r}", model=name) from None
+
+    def snapshots(self) -> dict[str, ModelSnapshot]:
+        return self.fleet.snapshots()
+
+    async def start(self) -> None:
+        """Probe every engine at once; an unreachable one is FAILED, not fatal to the sidecar.
+        Managed engines are left UNKNOWN: the supervisor starts and probes them. Attached
+        engines are then reconciled every `reprobe_interval_s` in every state but a
+        transition in flight (`check_recovered`): someone else's process, restarted or
+        replaced without a word to us, whose truth is read back (docs/ARCHITECTURE.md)."""
+        attached = [m for m in self._models.values() if not m.settings.managed]
+        await asyncio.gather(*(m.probe() for m in attached))
+        if attached:
+            self._watcher = self.tasks.spawn(self._watch(attached), name="watch-attached")
+
+    async def _watch(self, models: list[ModelManager]) -> None:
+        # A resync with external truth, not parts polling each other: vLLM tells nothing.
+        interval = self.settings.timeouts.reprobe_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            await asyncio.gather(*(m.check_recovered() for m in models), return_exceptions=True)
+
+    async def stop(self) -> None:
+        """Wait up to timeouts.shutdown_s for transitions in flight, cancel the rest, close."""
+        await self.tasks.cancel(self._watcher)
+        running = [t for m in self._models.values() if (t := m.task) is not None]
+        if running:
+            log.info(
+                "waiting up to %g s for %d transitions",
+                self.settings.timeouts.shutdown_s,
+                len(running),
+            )
+            _, pending = await asyncio.wait(running, timeout=self.settings.timeouts.shutdown_s)
+            await self.tasks.cancel(*pending)
+        await asyncio.gather(
+            *(m.engine.aclose() for m in self._models.values()), return_exceptions=True
+        )

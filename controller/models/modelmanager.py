@@ -1,0 +1,404 @@
+"""One model's requests and sequences, run by its `Runner`.
+
+A `ModelManager` decides what a sleep or wake request does (state.decide: begin, join, no-op
+or refuse), and runs the sequence it begins through its `Runner`, which times, records and
+maps errors: a sleep is `steps.sleep_sequence` (drain + the protocol's RPCs), a wake is
+`steps.wake_sequence` (the protocol's RPCs + /resume + warm-up). Each transition runs in one
+named task of the sidecar's task group, under one lock per model, so a cancelled HTTP
+request never stops an engine sequence halfway and two sequences never interleave. Any
+failure after the drain is FAILED: the engine must be restarted, nothing is retried or
+resent. Reading the engine back (start-up, after a failed step, periodically) is the
+`Reconciler`'s; the read-only pass-through RPCs (audit, info) run under the same lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from controller import protocol
+from controller.config.settings import TimeoutSettings
+from controller.engines.engine import EngineClient
+from controller.errors import DrainTimeout, EngineError, TransitionConflict
+from controller.models import steps
+from controller.models.footprints import copied_weights, freed_by_pool, pools_from_info
+from controller.models.reconciler import Reconciler
+from controller.models.record import ModelRecord
+from controller.models.runner import AnyStep, PhaseFailed, Run, Runner
+from controller.models.steps import DrainMode
+from controller.observe.metrics import Metrics
+from controller.reports import InfoReport, RankReport, resident_bytes, wake_scratch_bytes
+from controller.state import (
+    Action,
+    Event,
+    ModelSnapshot,
+    Request,
+    State,
+    TransitionRecord,
+    decide,
+    refusal_reason,
+)
+from controller.tasks import Tasks
+
+log = logging.getLogger("hotswap.manager")
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a sleep or wake request did: the action taken, the model now, the transition run."""
+
+    action: Action
+    snapshot: ModelSnapshot
+    transition: TransitionRecord | None = None
+
+
+class ModelManager:
+    """One model: its requests, its sequences and its one transition at a time."""
+
+    def __init__(
+        self,
+        record: ModelRecord,
+        timeouts: TimeoutSettings,
+        engine: EngineClient,
+        metrics: Metrics,
+        tasks: Tasks,
+        *,
+        clock: Clock = time.time,
+        monotonic: Clock = time.monotonic,
+    ) -> None:
+        self.name = record.name
+        self.record = record
+        self.settings = record.settings
+        self.timeouts = timeouts
+        self.engine = engine
+        self.metrics = metrics
+        self.tasks = tasks
+        self.runner = Runner(record, engine, timeouts, metrics, clock=clock, monotonic=monotonic)
+        self.reconciler = Reconciler(record, engine, self.runner, timeouts)
+        self._lock = asyncio.Lock()
+
+    def snapshot(self) -> ModelSnapshot:
+        return self.record.snapshot
+
+    @property
+    def task(self) -> asyncio.Task[Outcome] | None:
+        """The transition in flight, if any."""
+        return self.record.in_flight_task()
+
+    def _refuse(self, req: Request) -> TransitionConflict:
+        why = refusal_reason(self.record.snapshot, req)
+        return TransitionConflict(f"cannot {req.value} {self.name}: {why}", model=self.name)
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def _begin(
+        self, req: Request, make: Callable[[], Coroutine[Any, Any, Outcome]]
+    ) -> tuple[Action, asyncio.Task[Outcome] | None]:
+        """Decide, and for BEGIN change state and start the task; no await in between."""
+        rec = self.record
+        action = decide(rec.state, req)
+        if action is Action.CONFLICT:
+            raise self._refuse(req)
+        if action is Action.NOOP:
+            return action, None
+        if action is Action.JOIN:
+            if rec.transition is None or rec.transition_kind is not req:
+                raise self._refuse(req)  # a transition not started by this manager: refuse
+            return action, rec.transition
+        self.runner.apply(Event.SLEEP if req is Request.SLEEP else Event.WAKE, verified=False)
+        task = self.tasks.spawn(make(), name=f"hotswap-{req.value}-{self.name}")
+        rec.transition, rec.transition_kind = task, req
+        rec.changed()
+        return action, task
+
+    async def _await(self, action: Action, task: asyncio.Task[Outcome] | None) -> Outcome:
+        if task is None:
+            return Outcome(action, self.record.snapshot, None)
+        # shield: a caller that goes away does not cancel the engine sequence.
+        outcome = await asyncio.shield(task)
+        return Outcome(action, self.record.snapshot, outcome.transition)
+
+    def begin_sleep(
+        self,
+        level: int | None = None,
+        drain: DrainMode = "wait",
+        drain_timeout_s: float | None = None,
+        *,
+        keep_prefix_cache: bool | None = None,
+    ) -> Outcome:
+        """Start a sleep in the background and return at once (the API's ?wait=false)."""
+        action, _ = self._sleep_task(
+            level, drain, drain_timeout_s, keep_prefix_cache=keep_prefix_cache
+        )
+        return Outcome(action, self.record.snapshot, None)
+
+    def begin_wake(self) -> Outcome:
+        action, _ = self._begin(Request.WAKE, self._wake)
+        return Outcome(action, self.record.snapshot, None)
+
+    async def sleep(
+        self,
+        level: int | None = None,
+        drain: DrainMode = "wait",
+        drain_timeout_s: float | None = None,
+        *,
+        kv_released: Callable[[], None] | None = None,
+        keep_prefix_cache: bool | None = None,
+    ) -> Outcome:
+        """`kv_released`: suspend the KV cache alone first and call it then, before the
+        weights are suspended (an overlapped swap, controller.fleet.swap). `keep_prefix_cache`
+        None: the model's setting (docs/contracts.md §1.3)."""
+        action, task = self._sleep_task(
+            level, drain, drain_timeout_s, kv_released, keep_prefix_cache
+        )
+        return await self._await(action, task)
+
+    async def wake(self, *, room: Callable[[], Awaitable[None]] | None = None) -> Outcome:
+        """`room`: awaited after the weights are back and before the KV cache is mapped
+        (an overlapped swap: the evicted model's weights are still leaving the device)."""
+        action, task = self._begin(Request.WAKE, lambda: self._wake(room))
+        return await self._await(action, task)
+
+    def _sleep_task(
+        self,
+        level: int | None,
+        drain: DrainMode,
+        drain_timeout_s: float | None,
+        kv_released: Callable[[], None] | None = None,
+        keep_prefix_cache: bool | None = None,
+    ) -> tuple[Action, asyncio.Task[Outcome] | None]:
+        lvl = self.settings.default_level if level is None else level
+        if lvl not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, not {lvl}")
+        if keep_prefix_cache and lvl != 1:
+            raise ValueError(f"keep_prefix_cache applies to level 1 only ({steps.LEVEL2_KV})")
+        keep = self.settings.keep_prefix_cache if keep_prefix_cache is None else keep_prefix_cache
+        if drain not in ("wait", "abort"):
+            raise ValueError(f"drain must be 'wait' or 'abort', not {drain!r}")
+        if drain_timeout_s is None:
+            grace = self.timeouts.drain_s if drain == "wait" else 0.0
+        else:
+            grace = drain_timeout_s
+        if grace < 0:
+            raise ValueError("drain_timeout_s must be >= 0")
+        return self._begin(Request.SLEEP, lambda: self._sleep(lvl, drain, grace, kv_released, keep))
+
+    # ---- the sequences -------------------------------------------------------------------
+
+    async def _sleep(
+        self,
+        level: int,
+        drain: DrainMode,
+        grace: float,
+        kv_released: Callable[[], None] | None = None,
+        keep_kv: bool = False,
+    ) -> Outcome:
+        run = self.runner.begin("sleep", level, State.RUNNING)
+        params = protocol.Params(
+            level=level, quiesce_timeout_s=self.timeouts.quiesce_s, keep_kv=keep_kv and level == 1
+        )
+        sequence = steps.sleep_sequence(
+            level, drain, grace, kv_released, keep_kv=keep_kv, fused=self.settings.fused_sleep
+        )
+        reports = await self._guarded(run, sequence, params)
+        self.runner.count_bytes(run)
+        sent = [r for rs in run.reports.values() for r in rs]
+        self.record.learn_pools(freed_by_pool(sent), "bytes freed at sleep")
+        self.record.copied_bytes = copied_weights(sent)
+        self.record.asleep = None  # every pool the level releases
+        # what the last suspend's ranks say they left on their devices
+        last = next(  # the sequence's last suspend (the fused sleep's one RPC, or the weights')
+            s for s in reversed(sequence) if isinstance(s, protocol.Step) and s.suspends
+        )
+        self.record.learn_wake_scratch(wake_scratch_bytes(reports.get(last.phase, ())))
+        rec = self.runner.finish(
+            run,
+            Event.SLEEP_DONE,
+            State.SUSPENDED,
+            level=level,
+            last_error=None,
+            resident_bytes=resident_bytes(reports.get(last.phase, ())),
+        )
+        return Outcome(Action.BEGIN, self.record.snapshot, rec)
+
+    def _gave_up(self, run: Run, exc: DrainTimeout) -> DrainTimeout:
+        # Nothing was touched: the model is as verified as before the sleep was asked for.
+        self.runner.finish(
+            run, Event.SLEEP_GAVE_UP, State.RUNNING, "gave_up", error=exc.message,
+            failed_phase="drain", verified=True,
+        )  # fmt: skip
+        return exc
+
+    async def _wake(self, room: Callable[[], Awaitable[None]] | None = None) -> Outcome:
+        level = self.record.snapshot.level or 1
+        run = self.runner.begin("wake", level, State.SUSPENDED)
+        params = protocol.Params(level=level, quiesce_timeout_s=self.timeouts.quiesce_s)
+        sequence = steps.wake_sequence(
+            level, self.record.asleep, room, fused=self.settings.fused_wake
+        )
+        await self._guarded(run, sequence, params)
+        self.record.asleep = None
+        self.record.wake_scratch = 0
+        # What it held asleep it holds awake too (beside its pools): kept for the policy,
+        # also when reconciliation found it asleep and no sleep of ours measured it.
+        self.record.asleep_bytes = self.record.leftover_bytes
+        self.runner.count_bytes(run)
+        rec = self.runner.finish(
+            run,
+            Event.WAKE_DONE,
+            State.RUNNING,
+            verified=True,
+            level=None,
+            last_error=None,
+            resident_bytes=None,
+        )
+        return Outcome(Action.BEGIN, self.record.snapshot, rec)
+
+    async def _guarded(
+        self, run: Run, sequence: tuple[AnyStep, ...], params: protocol.Params
+    ) -> dict[str, tuple[RankReport, ...]]:
+        """Run a sequence under the model's lock; every failure but a drain that gave up
+        (DrainTimeout: still RUNNING, nothing touched) ends in FAILED."""
+        async with self._lock:
+            try:
+                return await self.runner.run(run, sequence, params)
+            except PhaseFailed as failed:
+                if isinstance(failed.error, DrainTimeout):
+                    raise self._gave_up(run, failed.error) from None
+                self.reconciler.note_failure(failed)
+                err = self.runner.fail(run, failed)
+                # The ranks say what the failed step left: read it back (never an RPC to an
+                # engine whose queues may be out of step).
+                await self.reconciler.run(
+                    "after a failed step", failure=self.record.snapshot.last_error
+                )
+                raise err from failed.error
+            except asyncio.CancelledError:
+                err = EngineError("cancelled at shutdown: the engine is in an unknown state")
+                self.runner.fail(run, PhaseFailed(self.record.phase or run.kind, "cancelled", err))
+                raise
+            except TransitionConflict:
+                raise
+            except Exception as exc:  # a bug must not leave the model SUSPENDING forever
+                err = EngineError(f"internal error: {type(exc).__name__}: {exc}")
+                phase = self.record.phase or run.kind
+                raise self.runner.fail(run, PhaseFailed(phase, "internal", err)) from exc
+
+    # ---- probe and pass-through ----------------------------------------------------------
+
+    async def probe(self) -> ModelSnapshot:
+        """Start-up (and a managed engine once it answers): read the engine back and
+        reconcile; -> RUNNING, SUSPENDED, FAILED, or a finished interrupted sequence."""
+        async with self._lock:
+            fresh = self.record.state is State.STARTING
+            await self.reconciler.run("start-up", kind="start", fresh=fresh)
+            pools = pools_from_info(self.record.snapshot.last_transition)
+            self.record.learn_pools(pools, "hotswap_info pools")
+            return self.record.snapshot
+
+    def mark_starting(self) -> None:
+        """Managed engine: its process is being (re)started; `probe` then makes it RUNNING.
+        The sidecar starts that process itself: whatever an RPC to the old one left out of
+        step does not concern it."""
+        rec = self.record
+        rec.desynced, rec.process_sign, rec.boot_ids, rec.asleep = False, None, None, None
+        self.runner.apply(Event.START, verified=False, level=None)
+
+    def mark_failed(self, reason: str) -> None:
+        """Managed engine: its process died, or it is restarted after a FAILED transition."""
+        if self.record.state is not State.FAILED:
+            self.runner.apply(Event.FAIL, verified=False, last_error=reason)
+
+    async def check_recovered(self) -> bool:
+        """Attached engine, every `reprobe_interval_s`, in every state but a transition in
+        flight: read it back and reconcile (a new process is judged afresh; one whose
+        queues may be out of step is sent nothing). True when the state changed or an
+        action (resume, finish a wake) ran."""
+        rec = self.record
+        resting = (State.RUNNING, State.SUSPENDED, State.FAILED, State.UNKNOWN)
+        if self._lock.locked() or rec.in_flight_task() is not None or rec.state not in resting:
+            return False
+        async with self._lock:
+            if rec.in_flight_task() is not None or rec.state not in resting:
+                return False  # a request began meanwhile: its own sequence goes next
+            before = (rec.state, rec.snapshot.verified)
+            verdict = await self.reconciler.run("periodic")
+            return verdict.sends_rpc or (rec.state, rec.snapshot.verified) != before
+
+    async def _passthrough(
+        self, step: protocol.Step, params: protocol.Params
+    ) -> list[dict[str, Any]]:
+        """A read-only RPC outside a transition. It never changes the model's state, except
+        that a call which may have left the reply queues out of step (a timeout, a broken
+        connection, a 5xx) makes it FAILED: nothing can be sent to that process again."""
+        rec = self.record
+        if rec.desynced:
+            raise TransitionConflict(
+                f"cannot call {step.method} on {self.name}: an earlier RPC may have left its "
+                "reply queues out of step; nothing is sent until a new process answers",
+                model=self.name,
+            )
+        busy = self._lock.locked() or rec.in_flight_task() is not None
+        if busy or rec.state not in (State.RUNNING, State.SUSPENDED):
+            raise TransitionConflict(
+                f"cannot call {step.method} on {self.name} now: state {rec.state.value}"
+                + (", a transition or reconciliation in flight" if busy else ""),
+                model=self.name,
+            )
+        async with self._lock:
+            run = self.runner.begin(step.method)
+            try:
+                reports = await self.runner.step(run, step, params)
+            except PhaseFailed as failed:
+                if failed.error.may_desync:
+                    self.reconciler.note_failure(failed)
+                    raise self.runner.fail(run, failed) from failed.error
+                self.runner.discard()
+                raise failed.error from None
+            self.runner.discard()
+            return [dict(r.raw) for r in reports]
+
+    async def demote(self) -> ModelSnapshot:
+        """Asleep at level 1: release the host copy (`hotswap_demote`); the model stays
+        SUSPENDED, now at level 2 (its next wake reloads). Refused (409) in any other
+        state or level; a failure leaves it as it was unless the call may have left the
+        queues out of step (then FAILED), like info and audit."""
+        snap = self.record.snapshot
+        if snap.state is not State.SUSPENDED or snap.level != 1:
+            raise TransitionConflict(
+                f"cannot demote {self.name}: {snap.state.value} at level {snap.level}",
+                model=self.name,
+            )
+        await self._passthrough(protocol.DEMOTE, protocol.Params(level=2))
+        rec = self.record
+        rec.snapshot = dataclasses.replace(rec.snapshot, level=2)
+        return rec.snapshot
+
+    async def drop_backup(self) -> list[dict[str, Any]]:
+        """Awake: release the host copies its ranks keep for the next sleep
+        (`hotswap_drop_backup`); the model stays RUNNING. Refused (409) in any other state;
+        a failure leaves it as it was unless the queues may be out of step (then FAILED)."""
+        snap = self.record.snapshot
+        if snap.state is not State.RUNNING:
+            raise TransitionConflict(
+                f"cannot drop the host backup of {self.name}: {snap.state.value}",
+                model=self.name,
+            )
+        return await self._passthrough(protocol.DROP_BACKUP, protocol.Params())
+
+    async def audit(self, level: int) -> list[dict[str, Any]]:
+        return await self._passthrough(protocol.AUDIT, protocol.Params(level=level))
+
+    async def info(self) -> list[dict[str, Any]]:
+        return await self._passthrough(_INFO_PASSTHROUGH, protocol.Params())
+
+
+# Outside a transition, an info call is recorded under its method's name, as audit is.
+_INFO_PASSTHROUGH = protocol.Step("hotswap_info", "hotswap_info", lambda p: (), report=InfoReport)

@@ -1,0 +1,89 @@
+"""Logging set-up: one handler on the root logger, JSON or text as the settings say.
+
+Code logs with the standard library and passes the context as `extra`, e.g.
+`log.info("suspended %d bytes", n, extra={"model": name, "phase": "suspend", "rank": 0})`;
+both formats show `model`, `phase` and `rank` whenever a record carries them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from datetime import UTC, datetime
+from typing import IO, Any
+
+from controller.config.settings import LogFormat, LogSettings
+
+CONTEXT_FIELDS = ("model", "phase", "rank")
+
+# Marks the handler this module installed, so a second call replaces it instead of doubling.
+_OURS = "_hotswap_handler"
+
+
+def _timestamp(record: logging.LogRecord) -> str:
+    return datetime.fromtimestamp(record.created, tz=UTC).isoformat(timespec="milliseconds")
+
+
+def _context(record: logging.LogRecord) -> dict[str, Any]:
+    return {k: v for k in CONTEXT_FIELDS if (v := getattr(record, k, None)) is not None}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg, then model/phase/rank when present."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": _timestamp(record),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        out.update(_context(record))
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            out["stack"] = self.formatStack(record.stack_info)
+        # default=str: an odd extra value must never make a log line raise.
+        return json.dumps(out, default=str, ensure_ascii=False)
+
+
+class TextFormatter(logging.Formatter):
+    """`<ts> <LEVEL> <logger> [model=.. phase=.. rank=..] <msg>` for humans."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        ctx = _context(record)
+        tags = " [" + " ".join(f"{k}={v}" for k, v in ctx.items()) + "]" if ctx else ""
+        line = (
+            f"{_timestamp(record)} {record.levelname:<7} {record.name}{tags} {record.getMessage()}"
+        )
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        if record.stack_info:
+            line += "\n" + self.formatStack(record.stack_info)
+        return line
+
+
+def make_formatter(fmt: LogFormat) -> logging.Formatter:
+    return JsonFormatter() if fmt is LogFormat.JSON else TextFormatter()
+
+
+def configure_logging(settings: LogSettings, stream: IO[str] | None = None) -> logging.Handler:
+    """Install (or replace) the sidecar's handler on the root logger; returns it.
+
+    Other loggers (uvicorn's included, when it is run with `log_config=None`) propagate here,
+    so every line of the process has the same shape.
+    """
+    level = settings.level.upper()
+    if not isinstance(logging.getLevelName(level), int):
+        raise ValueError(f"unknown log level {settings.level!r}")
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if getattr(h, _OURS, False)]:
+        root.removeHandler(old)
+        old.close()
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(make_formatter(settings.format))
+    setattr(handler, _OURS, True)
+    root.addHandler(handler)
+    root.setLevel(level)
+    return handler
