@@ -4,6 +4,7 @@
 #                                 CPU vLLM servers, gateway in front (hotswap serve --demo ARGS)
 #   scripts/dev.sh test [ARGS]    every check and every test (scripts/check.sh; ARGS go to pytest)
 #   scripts/dev.sh fix            ruff format + ruff check --fix
+#   scripts/dev.sh docs           rewrite the docs' generated tables from the code (docs/settings.md)
 #   scripts/dev.sh soak [ARGS]    the full soak (tests/integration/test_soak.py): 100 swap cycles through
 #                                 the gateway, an engine killed every 20; figures printed (docs/reliability.md)
 #   scripts/dev.sh models OUTDIR  write the tiny test models (llama seeds 0 and 1, tokenizers)
@@ -57,6 +58,10 @@ case "$cmd" in
     "$v/bin/ruff" format .
     "$v/bin/ruff" check --fix .
     ;;
+  docs)
+    v=$(venv)
+    "$v/bin/python" scripts/docgen.py
+    ;;
   models)
     [ $# -ge 1 ] || { echo "usage: scripts/dev.sh models OUTDIR" >&2; exit 2; }
     v=$(venv)
@@ -67,11 +72,11 @@ case "$cmd" in
     venv
     ;;
   help | -h | --help)
-    sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
     ;;
   *)
     echo "unknown command: $cmd" >&2
-    sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
     ;;
 esac

@@ -33,7 +33,11 @@ def flag_value(argv: Sequence[str], flag: str) -> str | None:
 class ModelSettings(BaseModel):
     """One vLLM OpenAI server the sidecar knows by name."""
 
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$",
+        description="The model's name in the API's paths and the gateway's `model` field "
+        "(letters, digits, `.`, `_`, `-`; at most 63).",
+    )
     url: str = Field(
         description="Base URL of the engine, e.g. http://127.0.0.1:8001 (dev endpoints on); "
         "with `uds` (and for managed engines) http://NAME, whose host only names it in logs.",

@@ -12,6 +12,8 @@ from controller.config.bounds import DAY_S, HOUR_S, MiB
 
 
 class ServerSettings(BaseModel):
+    """The control API (sleep, wake, state, audit, probes, metrics): its bind and limits."""
+
     host: str = Field(
         "127.0.0.1", description="Bind address of the control API; loopback by default."
     )
@@ -53,6 +55,8 @@ def clean_token(raw: str, source: str) -> str:
 
 
 class AuthSettings(BaseModel):
+    """The bearer token of the control routes (and, by default, the gateway's /v1 routes)."""
+
     # Never echo a rejected value: it may be the token.
     model_config = ConfigDict(hide_input_in_errors=True)
 

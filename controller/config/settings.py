@@ -77,6 +77,8 @@ class TimeoutSettings(BaseModel):
 
 
 class LogSettings(BaseModel):
+    """The sidecar's own log (engine logs go to `supervisor.log_dir`)."""
+
     format: LogFormat = Field(
         LogFormat.TEXT, description="text for humans, json for log pipelines."
     )
