@@ -290,21 +290,32 @@ class Supervisor:
         finally:
             self.fleet[m.name].changed()  # the watch loop looks again (a restart that failed)
 
-    async def _restart_once(self, m: ModelSettings, why: str) -> None:
+    async def _restart_once(self, m: ModelSettings, seen: str) -> None:
         mm = self.manager.get(m.name)
         rec = self.fleet[m.name]
         fields = {"model": m.name, "phase": "restart"}
+        # The transition fails by itself on a dead engine, and a failed step is reconciled
+        # inside it: let both finish, then judge by what the reconciliation says. A step
+        # refused by every rank (ok: false) leaves the engine RUNNING or SUSPENDED, and an
+        # engine that can be trusted is never replaced (on a GPU a restart is a cold boot).
+        with contextlib.suppress(Exception, TimeoutError):
+            await asyncio.wait_for(mm.settled(), self.settings.timeouts.rpc_s)
+        why = self._why_restart(rec)
+        if why is None:
+            log.info(
+                "%s: %s; reconciled to %s: no restart",
+                m.name,
+                seen,
+                rec.state.value,
+                extra=fields,
+            )
+            return
         started = rec.started_at if rec.started_at is not None else self._mono()
         if self._mono() - started >= self.cfg.stable_s:
             rec.restarts = 0  # it ran long enough: a fresh crash starts the backoff over
         rec.restarts = n = rec.restarts + 1
         delay = restart_delay(n, self.cfg.restart_backoff_s, self.cfg.restart_backoff_max_s)
         log.warning("%s: %s; restart #%d in %g s", m.name, why, n, delay, extra=fields)
-        in_flight = mm.task
-        if in_flight is not None:
-            # The transition fails by itself on a dead engine: let it record its own reason.
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(in_flight), self.settings.timeouts.rpc_s)
         mm.mark_failed(why)
         engine = rec.engine
         if engine is not None and engine.is_alive():

@@ -311,6 +311,18 @@ class ModelManager:
         rec.desynced, rec.process_sign, rec.boot_ids, rec.asleep = False, None, None, None
         self.runner.apply(Event.START, verified=False, level=None)
 
+    async def settled(self) -> ModelSnapshot:
+        """Wait until no transition and no reconciliation is in flight (a failed step's
+        reconciliation runs inside its transition, under the model's lock), then the model
+        as the reconciliation left it: what the supervisor judges a restart by."""
+        while (task := self.record.in_flight_task()) is not None or self._lock.locked():
+            if task is not None:
+                await asyncio.wait({task})
+            else:
+                async with self._lock:
+                    pass
+        return self.record.snapshot
+
     def mark_failed(self, reason: str) -> None:
         """Managed engine: its process died, or it is restarted after a FAILED transition."""
         if self.record.state is not State.FAILED:

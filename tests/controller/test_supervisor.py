@@ -378,3 +378,50 @@ def test_a_host_budget_makes_the_managed_engines_demotable_unless_their_env_says
     assert env["a"]["HOTSWAP_DEMOTABLE"] == "1"
     assert env["b"]["HOTSWAP_DEMOTABLE"] == "0"  # the model's own word
     assert "HOTSWAP_DEMOTABLE" not in env["c"]  # attached: started by someone else
+
+
+@pytest.mark.parametrize(
+    ("method", "settled"),
+    [("hotswap_wake", State.SUSPENDED), ("hotswap_sleep", State.RUNNING)],
+)
+def test_a_recoverable_failure_is_left_to_the_reconciliation(method: str, settled: State) -> None:
+    """A step every rank refuses before touching memory (`ok: false`) fails the request,
+    and the reconciliation finds the engine as it was (asleep, or awake and resumed): the
+    supervisor leaves that engine alone. It used to see the FAILED of the failed step, mark
+    the model FAILED again after the reconciliation and replace the engine (on a GPU: the
+    host copy lost, a cold boot)."""
+
+    async def body() -> None:
+        async with world(("a", "b")) as w:
+            w.supervisor.start()
+            await asyncio.wait_for(w.supervisor.booted.wait(), 5)
+            if method == "hotswap_sleep":
+                await w.coordinator.wake("a")
+            vllm = w.fleet.vllm["a"]
+            vllm.fail[method] = "rank"
+            # The reconciliation after the failed step reads the engine back: held at its
+            # /health while the model is FAILED, the watch loop has its turn meanwhile.
+            health = vllm.block("/health")
+            step = w.coordinator.sleep("a") if method == "hotswap_sleep" else w.coordinator.wake("a")
+            request = asyncio.ensure_future(step)
+            await asyncio.wait_for(vllm.entered["/health"].wait(), 5)
+            assert w.state("a") is State.FAILED
+            await asyncio.sleep(0.1)
+            health.set()
+            with pytest.raises(Exception, match="fake"):
+                await request
+            del vllm.fail[method]
+            assert w.state("a") is settled
+            for _ in range(20):  # the watch loop's turn, and a restart's backoff
+                await asyncio.sleep(0.02)
+                assert w.state("a") is settled
+            assert w.fleet.events.count(("start", "a")) == 1
+            assert w.registry.get_sample_value("hotswap_engine_restarts_total", {"model": "a"}) in (
+                None,
+                0,
+            )
+            if settled is State.SUSPENDED:
+                await w.coordinator.wake("a")
+            assert w.state("a") is State.RUNNING
+
+    run(body())
