@@ -237,13 +237,16 @@ class ModelManager:
         return exc
 
     async def _wake(self, room: Callable[[], Awaitable[None]] | None = None) -> Outcome:
-        level = self.record.snapshot.level or 1
-        run = self.runner.begin("wake", level, State.SUSPENDED)
-        params = protocol.Params(level=level, quiesce_timeout_s=self.timeouts.quiesce_s)
-        sequence = steps.wake_sequence(
-            level, self.record.asleep, room, fused=self.settings.fused_wake
-        )
-        await self._guarded(run, sequence, params)
+        async with self._lock:
+            # The level and the pools asleep are read under the lock: a demotion in flight
+            # (it holds the lock) turns a level-1 sleeper into a level-2 one first.
+            level = self.record.snapshot.level or 1
+            run = self.runner.begin("wake", level, State.SUSPENDED)
+            params = protocol.Params(level=level, quiesce_timeout_s=self.timeouts.quiesce_s)
+            sequence = steps.wake_sequence(
+                level, self.record.asleep, room, fused=self.settings.fused_wake
+            )
+            await self._run_guarded(run, sequence, params)
         self.record.asleep = None
         self.record.wake_scratch = 0
         # What it held asleep it holds awake too (beside its pools): kept for the policy,
@@ -267,29 +270,33 @@ class ModelManager:
         """Run a sequence under the model's lock; every failure but a drain that gave up
         (DrainTimeout: still RUNNING, nothing touched) ends in FAILED."""
         async with self._lock:
-            try:
-                return await self.runner.run(run, sequence, params)
-            except PhaseFailed as failed:
-                if isinstance(failed.error, DrainTimeout):
-                    raise self._gave_up(run, failed.error) from None
-                self.reconciler.note_failure(failed)
-                err = self.runner.fail(run, failed)
-                # The ranks say what the failed step left: read it back (never an RPC to an
-                # engine whose queues may be out of step).
-                await self.reconciler.run(
-                    "after a failed step", failure=self.record.snapshot.last_error
-                )
-                raise err from failed.error
-            except asyncio.CancelledError:
-                err = EngineError("cancelled at shutdown: the engine is in an unknown state")
-                self.runner.fail(run, PhaseFailed(self.record.phase or run.kind, "cancelled", err))
-                raise
-            except TransitionConflict:
-                raise
-            except Exception as exc:  # a bug must not leave the model SUSPENDING forever
-                err = EngineError(f"internal error: {type(exc).__name__}: {exc}")
-                phase = self.record.phase or run.kind
-                raise self.runner.fail(run, PhaseFailed(phase, "internal", err)) from exc
+            return await self._run_guarded(run, sequence, params)
+
+    async def _run_guarded(
+        self, run: Run, sequence: tuple[AnyStep, ...], params: protocol.Params
+    ) -> dict[str, tuple[RankReport, ...]]:
+        """`_guarded`'s body, for a caller that holds the model's lock."""
+        try:
+            return await self.runner.run(run, sequence, params)
+        except PhaseFailed as failed:
+            if isinstance(failed.error, DrainTimeout):
+                raise self._gave_up(run, failed.error) from None
+            self.reconciler.note_failure(failed)
+            err = self.runner.fail(run, failed)
+            # The ranks say what the failed step left: read it back (never an RPC to an
+            # engine whose queues may be out of step).
+            await self.reconciler.run("after a failed step", failure=self.record.snapshot.last_error)
+            raise err from failed.error
+        except asyncio.CancelledError:
+            err = EngineError("cancelled at shutdown: the engine is in an unknown state")
+            self.runner.fail(run, PhaseFailed(self.record.phase or run.kind, "cancelled", err))
+            raise
+        except TransitionConflict:
+            raise
+        except Exception as exc:  # a bug must not leave the model SUSPENDING forever
+            err = EngineError(f"internal error: {type(exc).__name__}: {exc}")
+            phase = self.record.phase or run.kind
+            raise self.runner.fail(run, PhaseFailed(phase, "internal", err)) from exc
 
     # ---- probe and pass-through ----------------------------------------------------------
 
@@ -345,7 +352,10 @@ class ModelManager:
             return verdict.sends_rpc or (rec.state, rec.snapshot.verified) != before
 
     async def _passthrough(
-        self, step: protocol.Step, params: protocol.Params
+        self,
+        step: protocol.Step,
+        params: protocol.Params,
+        done: Callable[[], None] | None = None,
     ) -> list[dict[str, Any]]:
         """A read-only RPC outside a transition. It never changes the model's state, except
         that a call which may have left the reply queues out of step (a timeout, a broken
@@ -375,6 +385,8 @@ class ModelManager:
                 self.runner.discard()
                 raise failed.error from None
             self.runner.discard()
+            if done is not None:
+                done()
             return [dict(r.raw) for r in reports]
 
     async def demote(self) -> ModelSnapshot:
@@ -388,9 +400,12 @@ class ModelManager:
                 f"cannot demote {self.name}: {snap.state.value} at level {snap.level}",
                 model=self.name,
             )
-        await self._passthrough(protocol.DEMOTE, protocol.Params(level=2))
         rec = self.record
-        rec.snapshot = dataclasses.replace(rec.snapshot, level=2)
+
+        def demoted() -> None:  # under the lock: a wake waiting for it reads level 2
+            rec.snapshot = dataclasses.replace(rec.snapshot, level=2)
+
+        await self._passthrough(protocol.DEMOTE, protocol.Params(level=2), done=demoted)
         return rec.snapshot
 
     async def drop_backup(self) -> list[dict[str, Any]]:

@@ -376,6 +376,28 @@ async def test_a_fused_level_2_wake_reloads_before_one_hotswap_wake() -> None:
 
 
 @pytest.mark.anyio
+async def test_a_wake_that_races_a_demotion_wakes_at_the_level_the_demotion_left() -> None:
+    """A wake asked while `hotswap_demote` is in flight waits for the model's lock and only
+    then reads the level: the level-2 sequence (the weights reloaded). It read level 1
+    before the lock and sent a level-1 wake to a level-2 sleeper (refused: FAILED)."""
+    rig = await started()
+    await rig.m.sleep(1)
+    gate = rig.world.block("hotswap_demote")
+    demotion = asyncio.ensure_future(rig.m.demote())
+    await asyncio.wait_for(rig.world.entered["hotswap_demote"].wait(), 5)
+    wake = asyncio.ensure_future(rig.m.wake())
+    await asyncio.sleep(0.05)  # the wake's task is waiting for the lock
+    rig.world.calls.clear()
+    gate.set()
+    assert (await demotion).level == 2
+    await asyncio.wait_for(wake, 5)
+    assert rig.world.rpc_calls() == ["hotswap_resume", "hotswap_reload", "hotswap_wake"]
+    assert rig.m.snapshot().state is State.RUNNING
+    assert rig.m.snapshot().verified
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
 async def test_a_fused_wake_whose_verify_mismatches_is_failed_and_never_resumed() -> None:
     """A mismatch inside hotswap_wake fails the wake as the verify's own RPC would: FAILED,
     the tensors named, /resume never sent, the RPC never sent again."""
