@@ -285,7 +285,9 @@ class ModelManager:
             err = self.runner.fail(run, failed)
             # The ranks say what the failed step left: read it back (never an RPC to an
             # engine whose queues may be out of step).
-            await self.reconciler.run("after a failed step", failure=self.record.snapshot.last_error)
+            await self.reconciler.run(
+                "after a failed step", failure=self.record.snapshot.last_error
+            )
             raise err from failed.error
         except asyncio.CancelledError:
             err = EngineError("cancelled at shutdown: the engine is in an unknown state")

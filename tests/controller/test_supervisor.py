@@ -402,7 +402,9 @@ def test_a_recoverable_failure_is_left_to_the_reconciliation(method: str, settle
             # The reconciliation after the failed step reads the engine back: held at its
             # /health while the model is FAILED, the watch loop has its turn meanwhile.
             health = vllm.block("/health")
-            step = w.coordinator.sleep("a") if method == "hotswap_sleep" else w.coordinator.wake("a")
+            step = (
+                w.coordinator.sleep("a") if method == "hotswap_sleep" else w.coordinator.wake("a")
+            )
             request = asyncio.ensure_future(step)
             await asyncio.wait_for(vllm.entered["/health"].wait(), 5)
             assert w.state("a") is State.FAILED
