@@ -134,7 +134,8 @@ class SwapSettings(BaseModel):
         ge=0,
         le=MAX_BYTES,
         description="Host RAM the models may hold (level-1 sleepers' weights, awake models' "
-        "kept backups): bytes, or a fraction in (0, 1] of the machine's RAM. Over it, LRU "
+        "kept backups): bytes, or a fraction in (0, 1] of the RAM this container may use (the "
+        "machine's, or its cgroup's memory limit where lower). Over it, LRU "
         "level-1 sleepers are demoted to level 2 (their host copy released; CPU, and CUDA "
         "with HOTSWAP_DEMOTABLE on), else the sleep is "
         "made at level 2. None = no host budget.",

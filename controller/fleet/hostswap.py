@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 
 from controller import protocol
 from controller.errors import EngineError, HotswapError
@@ -22,6 +21,7 @@ from controller.fleet.policy import ModelView
 from controller.fleet.swapview import SwapView
 from controller.models.manager import Manager
 from controller.models.modelmanager import Outcome
+from controller.observe import hostmem
 
 log = logging.getLogger("hotswap.swap")
 
@@ -36,7 +36,16 @@ class HostMemory:
         self.metrics = view.metrics
         self.manager = manager
         self.lock = asyncio.Lock()
-        self._ram = _machine_ram()
+        ram = hostmem.read()
+        self._ram = ram.total
+        if self.settings.swap.host_budget is not None:
+            log.info(
+                "host budget %s of %d bytes (%s)",
+                self.settings.swap.host_budget,
+                ram.total,
+                ram.source,
+                extra={"model": "-", "phase": "host"},
+            )
 
     def budget(self) -> HostBudget:
         return HostBudget(host_budget_bytes(self.settings.swap.host_budget, self._ram))
@@ -155,14 +164,6 @@ class HostMemory:
             rec.demotable = said
         if outcome.snapshot.level == 1 and rec.host_bytes:
             rec.host_weights = rec.host_bytes  # what its next level-1 sleep holds
-
-
-def _machine_ram() -> int:
-    """The machine's RAM in bytes (what a fractional host budget is a fraction of)."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-    except (OSError, ValueError):
-        return 0
 
 
 def _backup_held(outcome: Outcome) -> int:
