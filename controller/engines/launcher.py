@@ -26,6 +26,7 @@ from typing import IO
 import httpx
 
 from controller.engines.enginespec import EngineSpec
+from controller.engines.reaper import members
 from controller.engines.sockets import http_status_over, process_group, socket_peer_pid
 from controller.errors import EngineStartError
 
@@ -68,7 +69,14 @@ class EngineProcess:
 
     def argv(self) -> list[str]:
         """The keeper's argv around the engine's."""
-        keeper = [sys.executable, "-m", "controller.engines.reaper", f"{self.stop_grace_s:g}", "--"]
+        keeper = [
+            sys.executable,
+            "-m",
+            "controller.engines.reaper",
+            f"{self.stop_grace_s:g}",
+            str(os.getpid()),  # the keeper checks it is still this process's child
+            "--",
+        ]
         return keeper + self.spec.argv()
 
     def start(self) -> None:
@@ -200,10 +208,18 @@ class EngineProcess:
         return True
 
     def _group_alive(self) -> bool:
-        return self._signal_group(0)
+        """Whether a live process of the group is left (zombies are not: nothing to end)."""
+        return self._proc is not None and bool(members(self._proc.pid))
+
+    def group_left(self) -> list[int]:
+        """The live processes of this engine's group: after the keeper was killed outright
+        (SIGKILL, the OOM killer), the engine's children (EngineCore, workers) live on in
+        it, holding their memory, until someone ends the group."""
+        return members(self._proc.pid) if self._proc is not None else []
 
     def stop(self, grace_s: float | None = None) -> int | None:
-        """SIGTERM the group, wait up to `grace_s` for it to empty, then SIGKILL what is left."""
+        """SIGTERM the group, wait up to `grace_s` for it to empty, then SIGKILL what is left;
+        a keeper already gone included (its orphans are ended the same way)."""
         if self._proc is None:
             return None
         grace = self.stop_grace_s if grace_s is None else grace_s

@@ -1,4 +1,4 @@
-"""The keeper of one managed engine: `python -m controller.engines.reaper GRACE_S -- ARGV...`.
+"""The keeper of one managed engine: `python -m controller.engines.reaper GRACE_S PARENT -- ARGV`.
 
 The sidecar starts this, not the engine: it leads its own process group, asks the kernel
 for SIGTERM when the thread that started it dies (PR_SET_PDEATHSIG), becomes the child
@@ -9,6 +9,11 @@ SIGKILL as the engine's own parent-death signal. When the sidecar goes, however 
 sidecar, and the sidecar's process group check (`launcher.EngineProcess`) knows every
 process that may answer for the engine. Standard library only: it runs inside the vLLM
 image too. Its exit code is the engine's (128 + N when a signal N ended it).
+
+PARENT is the sidecar's pid, as the sidecar knew it before the fork. The death signal is
+asked for only once this interpreter runs, a while after the fork: a sidecar that died in
+between is seen by comparing PARENT with the parent the keeper has by then (read at that
+moment, the new parent would pass for the sidecar and the keeper would never be told).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from types import FrameType
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
-USAGE = "usage: python -m controller.engines.reaper GRACE_S -- ARGV..."
+USAGE = "usage: python -m controller.engines.reaper GRACE_S [PARENT] -- ARGV..."
 
 
 def _prctl(option: int, value: int) -> None:
@@ -90,12 +95,17 @@ def members(pgid: int, me: int | None = None) -> list[int]:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 3 or argv[1] != "--":
+    try:
+        sep = argv.index("--")
+    except ValueError:
+        sep = -1
+    if sep not in (1, 2) or len(argv) <= sep + 1:
         print(USAGE, file=sys.stderr)
         return 2
     grace_s = float(argv[0])
-    command = argv[2:]
-    parent = os.getppid()
+    command = argv[sep + 1 :]
+    # Without PARENT (started by hand) the parent is whoever it is now.
+    parent = int(argv[1]) if sep == 2 else os.getppid()
     pgid = os.getpgid(0)
     stop = False
 

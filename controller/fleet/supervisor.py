@@ -284,6 +284,25 @@ class Supervisor:
             return f"engine exited with code {rec.engine.returncode}"
         return None
 
+    async def _end_old(self, m: ModelSettings, rec: ModelRecord) -> bool:
+        """End the old engine's whole process group, its keeper alive or not: a keeper killed
+        outright (SIGKILL, the OOM killer) leaves the engine's children (EngineCore, workers)
+        alive and holding their memory. A new engine starts only once none is left (False:
+        some survived the SIGKILL; the model stays FAILED with their pids, and the next
+        restart tries again)."""
+        engine = rec.engine
+        if engine is None:
+            return True
+        if engine.is_alive() or engine.group_left():
+            await asyncio.to_thread(engine.stop, self.cfg.stop_grace_s)
+        left = engine.group_left()
+        if left:
+            reason = f"the old engine's processes {left} outlived SIGKILL: no new start"
+            log.error("%s: %s", m.name, reason, extra={"model": m.name, "phase": "restart"})
+            self.manager.get(m.name).mark_failed(reason)
+            return False
+        return True
+
     async def _restart(self, m: ModelSettings, why: str) -> None:
         try:
             await self._restart_once(m, why)
@@ -317,10 +336,10 @@ class Supervisor:
         delay = restart_delay(n, self.cfg.restart_backoff_s, self.cfg.restart_backoff_max_s)
         log.warning("%s: %s; restart #%d in %g s", m.name, why, n, delay, extra=fields)
         mm.mark_failed(why)
-        engine = rec.engine
-        if engine is not None and engine.is_alive():
-            await asyncio.to_thread(engine.stop, self.cfg.stop_grace_s)
+        ended = await self._end_old(m, rec)
         await asyncio.sleep(delay)
+        if not ended:
+            return
         async with self.coordinator.device_lock(m.name):
             await self.coordinator.make_room(m.name)
             mm.mark_starting()  # counted at its footprint from here: the lock can go

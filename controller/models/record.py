@@ -88,6 +88,10 @@ class EngineProcess(Protocol):
 
     def kill(self) -> int | None: ...
 
+    def group_left(self) -> list[int]:
+        """The live processes of its process group (its keeper's orphans included)."""
+        ...
+
 
 @dataclass
 class Lane:

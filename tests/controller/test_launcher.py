@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -257,6 +258,81 @@ def test_a_sigkilled_sidecar_leaves_no_engine_behind(folder: Path, tmp_path: Pat
         sidecar.wait()
 
 
+SIDECAR_GONE_AT_ONCE = textwrap.dedent(
+    """
+    import os, sys
+    from pathlib import Path
+    from controller.engines.enginespec import EngineSpec
+    from controller.engines.launcher import EngineProcess
+    uds, pids, log = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    spec = EngineSpec(model=Path(), uds=uds, served_model_name="m",
+                      command=(sys.executable, "-c", sys.argv[4], str(uds), pids))
+    engine = EngineProcess(spec, log, stop_grace_s=2.0)
+    engine.start()
+    print(engine.pid, flush=True)
+    os._exit(0)  # before the keeper's interpreter has even asked for its death signal
+    """
+)
+
+
+def test_a_sidecar_gone_before_the_keeper_asked_for_its_death_signal_leaves_nothing(
+    folder: Path, tmp_path: Path
+) -> None:
+    """The start-up race: the sidecar dies between the fork and the keeper's prctl. The
+    keeper compares the parent it has then with the sidecar's pid it was given; it used to
+    take whoever was its parent by then for the sidecar, and it and the engine lived on."""
+    uds = socket_path(folder, "m")
+    pids = folder / "m.pids"
+    sidecar = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            SIDECAR_GONE_AT_ONCE,
+            str(uds),
+            str(pids),
+            str(tmp_path / "m.log"),
+            FAKE_ENGINE,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    keeper = int(sidecar.stdout.split()[0])
+    time.sleep(2.0)  # time for a keeper that missed the race to start its engine
+    left = wait_gone([keeper], timeout_s=20.0)
+    found = [int(p) for p in pids.read_text().split()] if pids.exists() else []
+    try:
+        assert left == []
+        assert wait_gone(found, timeout_s=10.0) == []
+    finally:
+        for pid in [keeper, *found]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_keeper_killed_outright_leaves_its_group_to_be_ended(
+    folder: Path, tmp_path: Path
+) -> None:
+    """SIGKILL of the keeper alone: the engine (its child) gets its own death signal, the
+    engine's child (EngineCore's place) lives on in the group. `group_left` names it and
+    `stop` ends it although the keeper is gone (the supervisor does both before a new
+    start)."""
+    engine = EngineProcess(fake_spec(folder), tmp_path / "m.log", stop_grace_s=2.0)
+    engine.start()
+    try:
+        engine.wait_ready(timeout_s=20.0, interval_s=0.05)
+        server, child = map(int, (folder / "m.pids").read_text().split())
+        assert engine.pid is not None
+        os.kill(engine.pid, signal.SIGKILL)
+        assert wait_gone([engine.pid, server]) == []
+        assert engine.group_left() == [child]
+        engine.stop(grace_s=2.0)
+        assert wait_gone([child]) == []
+        assert engine.group_left() == []
+    finally:
+        engine.kill()
+
+
 def test_the_keeper_dies_with_the_thread_that_started_it(folder: Path, tmp_path: Path) -> None:
     """PR_SET_PDEATHSIG follows the starting thread: started from a short-lived thread, the
     engine goes when that thread ends (why the supervisor starts engines on the loop's)."""
@@ -296,6 +372,7 @@ def test_the_keeper_exits_with_the_engines_code_and_ends_the_group(tmp_path: Pat
             "-m",
             "controller.engines.reaper",
             "2",
+            str(os.getpid()),
             "--",
             sys.executable,
             "-c",

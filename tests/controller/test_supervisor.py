@@ -49,6 +49,7 @@ class FakeProcess:
         self.fleet = fleet
         self.alive = False
         self.rc: int | None = None
+        self.orphans = False  # the keeper was SIGKILLed: the engine's children live on
         self._loop: asyncio.AbstractEventLoop | None = None
         self._gone: asyncio.Event | None = None
 
@@ -87,12 +88,23 @@ class FakeProcess:
         return 0.0
 
     def stop(self, grace_s: float = 0.0) -> int | None:
+        self.fleet.events.append(("stop", self.name))
+        self.orphans = False
         self._end(0)
         return 0
 
     def kill(self) -> int | None:
+        self.orphans = False
         self._end(-9)
         return -9
+
+    def kill_keeper(self) -> None:
+        """SIGKILL of the keeper alone: it exits, the engine's children stay in its group."""
+        self.orphans = True
+        self._end(-9)
+
+    def group_left(self) -> list[int]:
+        return [4242] if self.orphans or self.alive else []
 
 
 class Router(httpx.AsyncBaseTransport):
@@ -425,5 +437,28 @@ def test_a_recoverable_failure_is_left_to_the_reconciliation(method: str, settle
             if settled is State.SUSPENDED:
                 await w.coordinator.wake("a")
             assert w.state("a") is State.RUNNING
+
+    run(body())
+
+
+def test_a_lost_keepers_group_is_ended_before_a_new_engine_starts() -> None:
+    """A keeper SIGKILLed leaves the engine's children in its process group (on a GPU they
+    keep its memory). The restart ends that group first; it used to stop only a keeper
+    still alive, and started a second engine beside the orphans."""
+
+    async def body() -> None:
+        async with world(("a", "b")) as w:
+            w.supervisor.start()
+            await asyncio.wait_for(w.supervisor.booted.wait(), 5)
+            old = w.fleet.procs["a"]
+            w.fleet.events.clear()
+            old.kill_keeper()
+            for _ in range(500):
+                if ("start", "a") in w.fleet.events:
+                    break
+                await asyncio.sleep(0.01)
+            await w.until("a", State.SUSPENDED)  # restarted, asleep again
+            assert w.fleet.events.index(("stop", "a")) < w.fleet.events.index(("start", "a"))
+            assert old.group_left() == []
 
     run(body())
