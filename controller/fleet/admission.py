@@ -47,15 +47,14 @@ class Admission:
 
     async def aclose(self) -> None:
         """Cancel the wakes started for held requests."""
-        await self.tasks.cancel(*(r.gateway_wake for r in self.fleet.values()))
+        await self.tasks.cancel(*(r.lane.gateway_wake for r in self.fleet.values()))
 
     @staticmethod
     def _admissible(rec: ModelRecord) -> bool:
         return rec.snapshot.ready and not rec.lane.closed  # RUNNING and verified only
 
     def _set_held(self, rec: ModelRecord, delta: int) -> None:
-        rec.lane.held += delta
-        self.metrics.queue_depth(rec.name, rec.lane.held)
+        self.metrics.queue_depth(rec.name, rec.lane.hold(delta))
 
     async def admit(self, name: str, receive: Receive | None = None) -> float:
         """Count the request in flight once its model is RUNNING; returns seconds held.
@@ -134,22 +133,22 @@ class Admission:
                     f"{name} is {snap.state.value}: {snap.last_error or 'engine not running'}",
                     retry_after_s=self.cfg.retry_after_s,
                 )
-            task = rec.gateway_wake
+            task = rec.lane.gateway_wake
             if task is not None and task.done():
-                rec.gateway_wake = None
+                rec.lane.gateway_woke(None)
                 if task in seen:  # an older request's wake that ended before: not ours to judge
                     self._judge(rec, task)
                 task = None
             wakeable = snap.state is State.SUSPENDED and not rec.lane.closed
             until = deadline
             if task is None and wakeable:
-                if now >= rec.retry_at:
+                if now >= rec.lane.retry_at:
                     task = self.tasks.spawn(
                         self.coordinator.wake(name), name=f"gateway-wake-{name}"
                     )
-                    rec.gateway_wake = task
+                    rec.lane.gateway_woke(task)
                 else:
-                    until = min(deadline, rec.retry_at)  # a refusal said when to ask again
+                    until = min(deadline, rec.lane.retry_at)  # a refusal said when to ask again
             if task is not None:
                 seen.add(task)
             # Our wake in flight hands the ticket over itself (before any eviction can plan):
@@ -173,7 +172,7 @@ class Admission:
         if exc is None:
             return
         if isinstance(exc, WakeRefused) and exc.retry_after_s is not None:
-            rec.retry_at = self._mono() + exc.retry_after_s
+            rec.lane.retry_after(self._mono() + exc.retry_after_s)
             return
         message = exc.message if isinstance(exc, HotswapError) else str(exc)
         detail = {"plan": exc.plan} if isinstance(exc, WakeRefused) else {}

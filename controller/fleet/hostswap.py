@@ -89,12 +89,12 @@ class HostMemory:
     def woke(self, name: str, outcome: Outcome) -> bool:
         """After a wake: the host bytes it keeps (its backup, as its resumes said); True when
         the fleet is now over the host budget (then `enforce()`; within it, nothing to plan)."""
-        rec = self.fleet[name]
-        rec.host_bytes = _backup_held(outcome)
+        held = self.fleet[name].holdings
+        held.hold_host(_backup_held(outcome))
         cap = self.budget().bytes
-        if cap is None or rec.host_bytes == 0:
+        if cap is None or held.host_bytes == 0:
             return False
-        return sum(self.fleet[n].host_bytes for n in self.fleet) > cap
+        return sum(r.holdings.host_bytes for r in self.fleet.values()) > cap
 
     async def enforce(self) -> HostPlan | None:
         """Holding the host lock: the fleet as it is within the host budget (backups
@@ -108,14 +108,14 @@ class HostMemory:
     async def drop_backup(self, name: str) -> bool:
         """Release an awake model's kept host backup; False, logged, when it could not be
         (it is no longer RUNNING, or its engine answered no)."""
-        rec = self.fleet[name]
+        held = self.fleet[name].holdings
         fields = {"model": name, "phase": protocol.DROP_BACKUP.phase}
         try:
             reports = await self.manager.get(name).drop_backup()
         except HotswapError as exc:
             log.warning("%s: kept host backup not dropped: %s", name, exc, extra=fields)
             return False
-        freed, rec.host_bytes = rec.host_bytes, 0
+        freed = held.release_host()
         said = sum(
             int(v)
             for r in reports
@@ -137,19 +137,19 @@ class HostMemory:
         """Demote a level-1 sleeper to level 2 (its host copy released); False, logged, when
         it cannot be (a wake came first, or every rank refused: then not asked again until
         a sleep's prepare says it can)."""
-        rec = self.fleet[name]
+        held = self.fleet[name].holdings
         fields = {"model": name, "phase": "demote"}
         try:
             await self.manager.get(name).demote()
         except EngineError as exc:
             if not exc.may_desync:
-                rec.demotable = False  # every rank answered no: not until the next sleep
+                held.set_demotable(False)  # every rank answered no: not until the next sleep
             log.warning("%s: not demoted: %s", name, exc, extra=fields)
             return False
         except HotswapError as exc:
             log.info("%s: not demoted: %s", name, exc, extra=fields)
             return False
-        freed, rec.host_bytes = rec.host_bytes, 0
+        freed = held.release_host()
         self.metrics.demotion(name, "host_budget")
         log.info("%s: demoted to level 2 (%d host bytes released)", name, freed, extra=fields)
         return True
@@ -157,13 +157,13 @@ class HostMemory:
     def slept(self, name: str, outcome: Outcome) -> None:
         """After a sleep: the host bytes it holds (and, at level 1, its weights' share), and
         whether a demotion may follow it (its prepare's `demotable`, every rank)."""
-        rec = self.fleet[name]
-        rec.host_bytes = _host_held(outcome)
+        held = self.fleet[name].holdings
+        held.hold_host(_host_held(outcome))
         said = _demotable(outcome)
         if said is not None:
-            rec.demotable = said
-        if outcome.snapshot.level == 1 and rec.host_bytes:
-            rec.host_weights = rec.host_bytes  # what its next level-1 sleep holds
+            held.set_demotable(said)
+        if outcome.snapshot.level == 1 and held.host_bytes:
+            held.hold_host_weights(held.host_bytes)  # what its next level-1 sleep holds
 
 
 def _backup_held(outcome: Outcome) -> int:

@@ -56,7 +56,7 @@ class IdleSleeper:
                 await self._next_change(rec, plan.due_in_s)
                 continue
             log.info("%s: idle sleep at level %d: %s", name, level, plan.reason, extra=fields)
-            rec.idle_slept_at = self._clock()
+            rec.swapping.idle_slept(self._clock())
             try:
                 await self.coordinator.sleep(name, level, drain="wait", reason="idle")
             except HotswapError as exc:
@@ -70,7 +70,7 @@ class IdleSleeper:
         """The record's next change, the end of its transition or swap in flight (a task's
         end changes nothing in the record), or `timeout_s` (the model's one timer), first."""
         fut = rec.changes.next()
-        moving = {t for t in (rec.in_flight_task(), rec.swap) if t is not None and not t.done()}
+        moving = {t for t in (rec.in_flight_task(), rec.swapping.in_flight()) if t is not None}
         try:
             await asyncio.wait(
                 {fut, *moving}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED

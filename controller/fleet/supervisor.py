@@ -32,9 +32,9 @@ from controller.engines.sockets import private_dir, with_engine_sockets
 from controller.errors import HotswapError
 from controller.fleet.policy import measured_budget, restart_delay
 from controller.fleet.swap import SwapCoordinator
+from controller.models.fleetparts import EngineProcess as Engine
 from controller.models.footprints import budget_from_info, footprint_from_info
 from controller.models.manager import Manager
-from controller.models.record import EngineProcess as Engine
 from controller.models.record import ModelRecord
 from controller.observe.swapmetrics import SwapMetrics
 from controller.state import ModelSnapshot, State
@@ -130,8 +130,6 @@ class Supervisor:
             engine_factory = process_factory(log_dir, self.cfg.stop_grace_s)
         self._factory = engine_factory
         self._task: asyncio.Task[None] | None = None
-        self._restarts: list[asyncio.Task[None]] = []
-        self._exits: dict[str, asyncio.Task[None]] = {}  # each engine's exit, awaited
         self.booted = asyncio.Event()
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -146,8 +144,11 @@ class Supervisor:
 
     async def stop(self) -> None:
         """Stop watching and restarting, then stop every engine (SIGTERM, then SIGKILL)."""
-        await self.tasks.cancel(self._task, *self._restarts, *self._exits.values())
-        engines = [r.engine for r in self.fleet.values() if r.engine is not None]
+        procs = [r.process for r in self.fleet.values()]
+        await self.tasks.cancel(
+            self._task, *(p.restart for p in procs), *(p.exit_watch for p in procs)
+        )
+        engines = [p.engine for p in procs if p.engine is not None]
         await asyncio.gather(
             *(asyncio.to_thread(e.stop, self.cfg.stop_grace_s) for e in engines),
             return_exceptions=True,
@@ -182,13 +183,12 @@ class Supervisor:
         rec = self.fleet[m.name]
         fields = {"model": m.name, "phase": "start"}
         engine = self._factory(m)
-        rec.engine = engine
         t0 = self._mono()
         try:
             # On the loop's thread: the keeper's parent-death signal follows the thread that
             # started it, and this one lives as long as the sidecar.
             engine.start()
-            self._watch_exit(rec, engine)
+            rec.process.launched(engine, self._watch_exit(rec, engine))
             await asyncio.to_thread(engine.wait_ready, self.cfg.boot_timeout_s)
         except (HotswapError, OSError) as exc:
             reason = f"engine did not start: {exc}"
@@ -196,7 +196,7 @@ class Supervisor:
             await asyncio.to_thread(engine.kill)
             mm.mark_failed(reason)
             return False
-        rec.started_at = self._mono()
+        rec.process.ready(self._mono())
         snap = await mm.probe()
         if snap.state is not State.RUNNING:
             log.error("%s: started but the probe failed: %s", m.name, snap.last_error, extra=fields)
@@ -214,14 +214,15 @@ class Supervisor:
             return False
         return True
 
-    def _watch_exit(self, rec: ModelRecord, engine: Engine) -> None:
-        """Await the engine's exit and tell the model's record (the watch loop wakes)."""
+    def _watch_exit(self, rec: ModelRecord, engine: Engine) -> asyncio.Task[None]:
+        """A task that awaits the engine's exit and tells the model's record (the watch loop
+        wakes)."""
 
         async def exited() -> None:
             await engine.exited()
             rec.changed()
 
-        self._exits[rec.name] = self.tasks.spawn(exited(), name=f"hotswap-exit-{rec.name}")
+        return self.tasks.spawn(exited(), name=f"hotswap-exit-{rec.name}")
 
     async def _measure_budgets(self) -> None:
         """No configured byte budget: measure one per device with everything asleep (CUDA
@@ -256,21 +257,17 @@ class Supervisor:
         """Restart engines whose model a transition left FAILED or whose process exited;
         both change the model's record, which this awaits."""
         records = [self.fleet[m.name] for m in self.models]
-        restarting: dict[str, asyncio.Task[None]] = {}
         while True:
             for m, rec in zip(self.models, records, strict=True):
-                if (t := restarting.get(m.name)) is not None and not t.done():
+                if rec.process.restarting():
                     continue
                 why = self._why_restart(rec)
                 if why is not None:
                     task = self.tasks.spawn(self._restart(m, why), name=f"hotswap-restart-{m.name}")
-                    restarting[m.name] = task
-                    self._restarts = [t for t in restarting.values() if not t.done()]
+                    rec.process.restart_begun(task)
             await self.fleet.wait_for(
                 lambda: any(
-                    self._why_restart(r) is not None
-                    and (restarting.get(r.name) is None or restarting[r.name].done())
-                    for r in records
+                    self._why_restart(r) is not None and not r.process.restarting() for r in records
                 )
             )
 
@@ -280,8 +277,9 @@ class Supervisor:
             return None
         if rec.state is State.FAILED:
             return f"FAILED: {rec.snapshot.last_error}"
-        if rec.engine is not None and not rec.engine.is_alive():
-            return f"engine exited with code {rec.engine.returncode}"
+        engine = rec.process.engine
+        if engine is not None and not engine.is_alive():
+            return f"engine exited with code {engine.returncode}"
         return None
 
     async def _end_old(self, m: ModelSettings, rec: ModelRecord) -> bool:
@@ -290,7 +288,7 @@ class Supervisor:
         alive and holding their memory. A new engine starts only once none is left (False:
         some survived the SIGKILL; the model stays FAILED with their pids, and the next
         restart tries again)."""
-        engine = rec.engine
+        engine = rec.process.engine
         if engine is None:
             return True
         if engine.is_alive() or engine.group_left():
@@ -329,10 +327,10 @@ class Supervisor:
                 extra=fields,
             )
             return
-        started = rec.started_at if rec.started_at is not None else self._mono()
-        if self._mono() - started >= self.cfg.stable_s:
-            rec.restarts = 0  # it ran long enough: a fresh crash starts the backoff over
-        rec.restarts = n = rec.restarts + 1
+        started = rec.process.started_at
+        stable = started is not None and self._mono() - started >= self.cfg.stable_s
+        # it ran long enough: a fresh crash starts the backoff over
+        n = rec.process.count_restart(stable=stable)
         delay = restart_delay(n, self.cfg.restart_backoff_s, self.cfg.restart_backoff_max_s)
         log.warning("%s: %s; restart #%d in %g s", m.name, why, n, delay, extra=fields)
         mm.mark_failed(why)

@@ -96,10 +96,10 @@ class SwapCoordinator(SwapView):
         if not evict:
             return await self._wake(name, evict=False)
         rec = self.fleet[name]
-        task = rec.swap
-        if task is None or task.done():
+        task = rec.swapping.in_flight()
+        if task is None:
             task = self.manager.tasks.spawn(self._wake(name, evict=True), f"hotswap-swap-{name}")
-            rec.swap = task
+            rec.swapping.swapping(task)
         # shield: one caller giving up (a client gone) does not stop the swap for the others.
         result: SwapResult = await asyncio.shield(task)
         return result
@@ -159,7 +159,7 @@ class SwapCoordinator(SwapView):
             t2 = self._mono()
             # Awake: its host copy is back on the device; what it keeps there (a CUDA
             # engine's pinned backup) is what its resumes said.
-            self.fleet[name].host_bytes = 0
+            self.fleet[name].holdings.release_host()
             if mm.snapshot().state is State.RUNNING:
                 self.fleet[
                     name
@@ -192,7 +192,7 @@ class SwapCoordinator(SwapView):
         not wait) the host budget enforced over the fleet if they put it over."""
         if self.host.woke(name, outcome):
             task = self.manager.tasks.spawn(self.host.enforce(), f"hotswap-host-{name}")
-            self.fleet[name].host_task = task
+            self.fleet[name].swapping.enforcing_host(task)
 
     def overlap(self, name: str, plan: WakePlan) -> Overlap:
         """Whether this evicting wake may overlap the evicted model's offload with the
@@ -202,7 +202,7 @@ class SwapCoordinator(SwapView):
         mode = self.settings.swap.overlap
         if mode == "never":
             return Overlap(False, "swap.overlap is never")
-        copied = self.fleet[plan.evict[0]].copied_bytes
+        copied = self.fleet[plan.evict[0]].holdings.copied_bytes
         if mode == "auto" and not copied:
             why = "not seen to copy" if copied is None else "copies"
             return Overlap(
@@ -213,9 +213,9 @@ class SwapCoordinator(SwapView):
         victim = next(v for v in views if v.name == plan.evict[0])
         peers = [v for v in views if set(v.placement) & set(victim.placement)]
         counted = estimate(victim, peers, self.budget(victim.device))
-        pools = self.fleet[victim.name].pools
-        scratch = self.fleet[victim.name].codec_scratch  # its encode, beside the wake's
-        ov = plan_overlap(plan, pools, self.fleet[name].pools, counted, scratch)
+        held = self.fleet[victim.name].holdings
+        scratch = held.codec_scratch  # its encode, beside the wake's
+        ov = plan_overlap(plan, held.pools, self.fleet[name].holdings.pools, counted, scratch)
         if ov.early and self.fleet[victim.name].lane.in_flight:
             # Its drain may give up and leave it RUNNING: the target then starts once the
             # victim's KV cache is gone, not before (its weights would come in for nothing
@@ -273,7 +273,10 @@ class SwapCoordinator(SwapView):
             gone = await rec.wait_for(
                 lambda r: (
                     self.engine_gone(victim)
-                    or (r.state is State.SUSPENDED and (r.asleep is None or "weights" in r.asleep))
+                    or (
+                        r.state is State.SUSPENDED
+                        and (r.facts.asleep is None or "weights" in r.facts.asleep)
+                    )
                 ),
                 self.settings.timeouts.rpc_s,
             )
@@ -400,5 +403,5 @@ class SwapCoordinator(SwapView):
         if outcome.transition is not None and outcome.transition.result == "ok":
             self.metrics.slept(name, reason)
         if outcome.snapshot.resident_bytes is not None:
-            self.fleet[name].asleep_bytes = outcome.snapshot.resident_bytes
+            self.fleet[name].holdings.left_on_device(outcome.snapshot.resident_bytes)
         return outcome

@@ -54,7 +54,7 @@ class SwapView:
 
     def fleet_rows(self) -> list[FleetRow]:
         return [
-            FleetRow(r.name, r.settings.placement, r.host_bytes, r.leftover_bytes)
+            FleetRow(r.name, r.settings.placement, r.holdings.host_bytes, r.leftover_bytes)
             for r in self.fleet.values()
         ]
 
@@ -86,19 +86,15 @@ class SwapView:
 
     def touch(self, name: str) -> None:
         """A request for `name` arrived: it is the most recently used now."""
-        self.fleet[name].last_used = self._clock()
+        self.fleet[name].lane.touch()
 
     def footprint(self, name: str) -> int | None:
-        return self.fleet[name].footprint
+        return self.fleet[name].holdings.footprint
 
     def learn_footprint(self, name: str, n: int | None, source: str) -> None:
         """Record a measured awake footprint (a configured one is never overwritten)."""
-        rec = self.fleet[name]
-        if n is None or rec.footprint_configured:
-            return
-        if rec.footprint != n:
+        if self.fleet[name].holdings.learn_footprint(n):
             log.info("%s: awake footprint %d bytes (%s)", name, n, source, extra={"model": name})
-        rec.footprint = n
 
     def learn_from_info(self, name: str, ranks: list[dict[str, Any]]) -> None:
         self.learn_footprint(name, footprint_from_info(ranks), "hotswap_info pools")
@@ -109,12 +105,12 @@ class SwapView:
     def view(self, name: str) -> ModelView:
         """What the policy knows of one model, read from its record now."""
         rec = self.fleet[name]
-        swap = rec.swap
+        held = rec.holdings
         return ModelView(
             name=rec.name,
             state=rec.state,
-            footprint_bytes=rec.footprint,
-            last_used=rec.last_used,
+            footprint_bytes=held.footprint,
+            last_used=rec.lane.last_used,
             awake_since=rec.snapshot.since if rec.state is State.RUNNING else None,
             pinned=rec.settings.pinned,
             device=rec.settings.device,
@@ -123,19 +119,19 @@ class SwapView:
             # What it leaves on its devices asleep: the last suspend's report (kept awake:
             # an eviction counts what the model will leave behind).
             asleep_bytes=rec.leftover_bytes,
-            wake_scratch_bytes=rec.wake_scratch,
-            host_bytes=rec.host_bytes,
-            host_weights_bytes=rec.host_weights or rec.pools.get("weights"),
+            wake_scratch_bytes=held.wake_scratch,
+            host_bytes=held.host_bytes,
+            host_weights_bytes=held.host_weights or held.pools.get("weights"),
             level=rec.snapshot.level if rec.state is State.SUSPENDED else None,
-            demotable=rec.demotable,
+            demotable=held.demotable,
             in_flight=rec.lane.in_flight,
             queued=rec.lane.held,
-            busy=rec.in_flight_task() is not None or (swap is not None and not swap.done()),
+            busy=rec.in_flight_task() is not None or rec.swapping.in_flight() is not None,
         )
 
     def _engine_gone(self, name: str) -> bool:
         rec = self.fleet[name]
-        return rec.settings.managed and (rec.engine is None or not rec.engine.is_alive())
+        return rec.settings.managed and not rec.process.alive()
 
     def plan(self, name: str, *, allow_evict: bool = True) -> WakePlan:
         return plan_wake(

@@ -96,15 +96,15 @@ def fleet_dict(rec: ModelRecord, settings: Settings) -> dict[str, Any]:
         "devices": list(m.placement),
         "visible_devices": m.env.get("CUDA_VISIBLE_DEVICES"),
         "pinned": m.pinned,
-        "footprint_bytes": rec.footprint,
+        "footprint_bytes": rec.holdings.footprint,
         "asleep_bytes": rec.leftover_bytes,
-        "host_bytes": rec.host_bytes,
-        "host_weights_bytes": rec.host_weights,
-        "demotable": rec.demotable,
-        "wake_scratch_bytes": rec.wake_scratch,
+        "host_bytes": rec.holdings.host_bytes,
+        "host_weights_bytes": rec.holdings.host_weights,
+        "demotable": rec.holdings.demotable,
+        "wake_scratch_bytes": rec.holdings.wake_scratch,
         "idle_sleep_s": idle_s,
         "idle_sleep_level": idle_level,
-        "idle_slept_at": rec.idle_slept_at,
+        "idle_slept_at": rec.swapping.idle_slept_at,
     }
 
 
@@ -122,7 +122,7 @@ def fleet_summary(
         "devices": swap.devices,
         "host_budget": swap.host_budget,
         "host_budget_bytes": host_budget_bytes,
-        "host_bytes": sum(r.host_bytes for r in fleet.values()),
+        "host_bytes": sum(r.holdings.host_bytes for r in fleet.values()),
         "idle_sleep_s": swap.idle_sleep_s,
         "idle_sleep_level": swap.idle_sleep_level,
     }

@@ -14,7 +14,6 @@ resent. Reading the engine back (start-up, after a failed step, periodically) is
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -114,8 +113,7 @@ class ModelManager:
             return action, rec.transition
         self.runner.apply(Event.SLEEP if req is Request.SLEEP else Event.WAKE, verified=False)
         task = self.tasks.spawn(make(), name=f"hotswap-{req.value}-{self.name}")
-        rec.transition, rec.transition_kind = task, req
-        rec.changed()
+        rec.begin(task, req)
         return action, task
 
     async def _await(self, action: Action, task: asyncio.Task[Outcome] | None) -> Outcome:
@@ -210,14 +208,14 @@ class ModelManager:
         reports = await self._guarded(run, sequence, params)
         self.runner.count_bytes(run)
         sent = [r for rs in run.reports.values() for r in rs]
-        self.record.learn_pools(freed_by_pool(sent), "bytes freed at sleep")
-        self.record.copied_bytes = copied_weights(sent)
-        self.record.asleep = None  # every pool the level releases
+        self._learn_pools(freed_by_pool(sent), "bytes freed at sleep")
+        self.record.facts.all_pools_moved()  # every pool the level releases
         # what the last suspend's ranks say they left on their devices
         last = next(  # the sequence's last suspend (the fused sleep's one RPC, or the weights')
             s for s in reversed(sequence) if isinstance(s, protocol.Step) and s.suspends
         )
-        self.record.learn_wake_scratch(wake_scratch_bytes(reports.get(last.phase, ())))
+        scratch = wake_scratch_bytes(reports.get(last.phase, ()))
+        self.record.holdings.slept(copied_weights(sent), scratch)
         rec = self.runner.finish(
             run,
             Event.SLEEP_DONE,
@@ -244,14 +242,11 @@ class ModelManager:
             run = self.runner.begin("wake", level, State.SUSPENDED)
             params = protocol.Params(level=level, quiesce_timeout_s=self.timeouts.quiesce_s)
             sequence = steps.wake_sequence(
-                level, self.record.asleep, room, fused=self.settings.fused_wake
+                level, self.record.facts.asleep, room, fused=self.settings.fused_wake
             )
             await self._run_guarded(run, sequence, params)
-        self.record.asleep = None
-        self.record.wake_scratch = 0
-        # What it held asleep it holds awake too (beside its pools): kept for the policy,
-        # also when reconciliation found it asleep and no sleep of ours measured it.
-        self.record.asleep_bytes = self.record.leftover_bytes
+        self.record.facts.all_pools_moved()
+        self.record.holdings.woke(self.record.leftover_bytes)
         self.runner.count_bytes(run)
         rec = self.runner.finish(
             run,
@@ -291,14 +286,21 @@ class ModelManager:
             raise err from failed.error
         except asyncio.CancelledError:
             err = EngineError("cancelled at shutdown: the engine is in an unknown state")
-            self.runner.fail(run, PhaseFailed(self.record.phase or run.kind, "cancelled", err))
+            phase = self.record.snapshot.phase or run.kind
+            self.runner.fail(run, PhaseFailed(phase, "cancelled", err))
             raise
         except TransitionConflict:
             raise
         except Exception as exc:  # a bug must not leave the model SUSPENDING forever
             err = EngineError(f"internal error: {type(exc).__name__}: {exc}")
-            phase = self.record.phase or run.kind
+            phase = self.record.snapshot.phase or run.kind
             raise self.runner.fail(run, PhaseFailed(phase, "internal", err)) from exc
+
+    def _learn_pools(self, pools: dict[str, int], source: str) -> None:
+        """Record the pools' measured bytes (nothing measured: kept as they were)."""
+        known = self.record.holdings.learn_pools(pools)
+        if known is not None:
+            log.info("%s: pools %s (%s)", self.name, known, source, extra={"model": self.name})
 
     # ---- probe and pass-through ----------------------------------------------------------
 
@@ -309,15 +311,14 @@ class ModelManager:
             fresh = self.record.state is State.STARTING
             await self.reconciler.run("start-up", kind="start", fresh=fresh)
             pools = pools_from_info(self.record.snapshot.last_transition)
-            self.record.learn_pools(pools, "hotswap_info pools")
+            self._learn_pools(pools, "hotswap_info pools")
             return self.record.snapshot
 
     def mark_starting(self) -> None:
         """Managed engine: its process is being (re)started; `probe` then makes it RUNNING.
         The sidecar starts that process itself: whatever an RPC to the old one left out of
         step does not concern it."""
-        rec = self.record
-        rec.desynced, rec.process_sign, rec.boot_ids, rec.asleep = False, None, None, None
+        self.record.facts.new_process()
         self.runner.apply(Event.START, verified=False, level=None)
 
     async def settled(self) -> ModelSnapshot:
@@ -363,7 +364,7 @@ class ModelManager:
         that a call which may have left the reply queues out of step (a timeout, a broken
         connection, a 5xx) makes it FAILED: nothing can be sent to that process again."""
         rec = self.record
-        if rec.desynced:
+        if rec.facts.desynced:
             raise TransitionConflict(
                 f"cannot call {step.method} on {self.name}: an earlier RPC may have left its "
                 "reply queues out of step; nothing is sent until a new process answers",
@@ -405,7 +406,7 @@ class ModelManager:
         rec = self.record
 
         def demoted() -> None:  # under the lock: a wake waiting for it reads level 2
-            rec.snapshot = dataclasses.replace(rec.snapshot, level=2)
+            rec.update(level=2)
 
         await self._passthrough(protocol.DEMOTE, protocol.Params(level=2), done=demoted)
         return rec.snapshot

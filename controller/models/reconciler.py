@@ -63,14 +63,7 @@ class Reconciler:
 
     def memory(self, fresh: bool = False) -> Memory:
         rec = self.record
-        return Memory(
-            state=rec.state,
-            verified=rec.snapshot.verified,
-            desynced=rec.desynced,
-            process=rec.process_sign,
-            boot_ids=rec.boot_ids,
-            fresh=fresh,
-        )
+        return rec.facts.memory(rec.state, rec.snapshot.verified, fresh)
 
     async def run(
         self,
@@ -137,18 +130,13 @@ class Reconciler:
                 self.name,
                 extra={"model": self.name, "phase": "reconcile", "rank": None},
             )
-        rec.desynced = v.desynced
-        rec.process_sign = v.process
-        rec.boot_ids = v.boot_ids
+        rec.facts.remember(v)
         if v.rule == "suspended":  # read from the ranks (a cache-fits verdict says nothing)
-            rec.asleep = v.tags or None
-            rec.learn_wake_scratch(v.wake_scratch_bytes)  # what its wake will decode through
-        elif v.state in (State.RUNNING, State.RESUMING):
-            rec.asleep = None
+            rec.holdings.learn_wake_scratch(v.wake_scratch_bytes)  # what its wake decodes through
         if v.rule in ("suspended", "running") and v.host_backup_bytes:
             # pinned host copies the ranks keep (CUDA pins its backup at start): the host
             # budget counts them; 0 says nothing (the host backend keeps weights in place)
-            rec.host_bytes = v.host_backup_bytes
+            rec.holdings.hold_host(v.host_backup_bytes)
 
     # ---- applying ------------------------------------------------------------------------
 
@@ -240,4 +228,4 @@ class Reconciler:
         """A failed step: an RPC that may have left the reply queues out of step marks the
         process; nothing is sent to it again until a new process answers."""
         if failed.method.startswith("hotswap_") and failed.error.may_desync:
-            self.record.desynced = True
+            self.record.facts.desync()

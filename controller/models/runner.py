@@ -12,7 +12,6 @@ mismatched tensors -> VerificationFailed); `fail` turns it into FAILED with the 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -160,8 +159,8 @@ class Runner:
         """The one place a state changes."""
         snap = self.record.snapshot
         new = next_state(snap.state, event)
-        self.record.snapshot = dataclasses.replace(
-            snap, state=new, since=self.clock() if new is not snap.state else snap.since, **changes
+        self.record.update(
+            state=new, since=self.clock() if new is not snap.state else snap.since, **changes
         )
         log.info(
             "%s: %s -> %s (%s)",
@@ -174,8 +173,7 @@ class Runner:
         return self.record.snapshot
 
     def _set_phase(self, phase: str | None) -> None:
-        self.record.phase = phase
-        self.record.snapshot = dataclasses.replace(self.record.snapshot, phase=phase)
+        self.record.update(phase=phase)
 
     # ---- steps ---------------------------------------------------------------------------
 
@@ -325,15 +323,13 @@ class Runner:
         state = self.record.state
         rec = self._transition(run, state, "ok", error=error)
         self._set_phase(None)
-        self.record.snapshot = dataclasses.replace(
-            self.record.snapshot, last_transition=rec, **changes
-        )
+        self.record.update(last_transition=rec, **changes)
         return rec
 
     def discard(self) -> None:
         """End a run that changed nothing (a reconciliation that found the cache right):
         no transition is recorded, only the phase shown is cleared."""
-        if self.record.phase is not None:
+        if self.record.snapshot.phase is not None:
             self._set_phase(None)
 
     def fail(self, run: Run, failed: PhaseFailed) -> HotswapError:

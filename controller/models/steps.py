@@ -94,9 +94,10 @@ async def _resume_engine(r: Runner) -> Mapping[str, Any]:
 
 
 async def _served_model(r: Runner) -> str:
-    if r.record.served_model is None:
-        r.record.served_model = await r.engine.served_model()
-    return r.record.served_model
+    facts = r.record.facts
+    if facts.served_model is None:
+        facts.learn_served_model(await r.engine.served_model())
+    return facts.served_model or ""
 
 
 async def _warmup(r: Runner) -> Mapping[str, Any]:

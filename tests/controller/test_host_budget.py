@@ -22,8 +22,8 @@ def test_the_lru_level1_sleeper_is_demoted_first() -> None:
             b, c = (w.manager.get(n).snapshot() for n in ("b", "c"))
             assert (b.state, b.level) == (State.SUSPENDED, 2)
             assert (c.state, c.level) == (State.SUSPENDED, 1)
-            assert w.coordinator.fleet["b"].host_bytes == 0
-            assert w.coordinator.fleet["c"].host_bytes == W
+            assert w.coordinator.fleet["b"].holdings.host_bytes == 0
+            assert w.coordinator.fleet["c"].holdings.host_bytes == W
             assert w.sample("hotswap_demotions_total", model="b", reason="host_budget") == 1
             assert w.sample("hotswap_model_host_bytes", model="c") == W
             assert "hotswap_demote" in w.engines["b"].fake.rpc_calls()
@@ -38,9 +38,9 @@ def test_a_sleeper_that_cannot_demote_makes_the_next_sleep_level_2() -> None:
             b, c = (w.manager.get(n).snapshot() for n in ("b", "c"))
             assert (b.state, b.level) == (State.SUSPENDED, 1)  # as it was
             assert (c.state, c.level) == (State.SUSPENDED, 2)  # the sleep fell back
-            assert w.coordinator.fleet["b"].demotable is False  # not asked again
+            assert w.coordinator.fleet["b"].holdings.demotable is False  # not asked again
             assert w.sample("hotswap_demotions_total", model="b", reason="host_budget") == 0
-            assert w.coordinator.fleet["c"].host_bytes == 0
+            assert w.coordinator.fleet["c"].holdings.host_bytes == 0
 
     run(body)
 
@@ -56,8 +56,10 @@ def test_a_cuda_sleeper_is_demoted_and_its_pinned_copy_released() -> None:
             assert (b.state, b.level) == (State.SUSPENDED, 2)
             assert (c.state, c.level) == (State.SUSPENDED, 1)
             assert w.engines["b"].fake.backup_held == 0  # its rank released the copy
-            assert w.coordinator.fleet["b"].host_bytes == 0
-            assert w.coordinator.fleet["c"].host_bytes == W  # what its suspend said it pins
+            assert w.coordinator.fleet["b"].holdings.host_bytes == 0
+            assert (
+                w.coordinator.fleet["c"].holdings.host_bytes == W
+            )  # what its suspend said it pins
             assert w.sample("hotswap_demotions_total", model="b", reason="host_budget") == 1
             await w.coordinator.wake("b")  # the level-2 wake: reload and verify
             assert w.manager.get("b").snapshot().state is State.RUNNING
@@ -74,7 +76,7 @@ def test_a_prepare_that_cannot_demote_is_not_asked_to() -> None:
             b, c = (w.manager.get(n).snapshot() for n in ("b", "c"))
             assert (b.state, b.level) == (State.SUSPENDED, 1)
             assert (c.state, c.level) == (State.SUSPENDED, 2)  # the sleep fell back
-            assert w.coordinator.fleet["b"].demotable is False
+            assert w.coordinator.fleet["b"].holdings.demotable is False
             assert (
                 fleet_dict(w.coordinator.fleet["b"], w.coordinator.settings)["demotable"] is False
             )
@@ -83,7 +85,7 @@ def test_a_prepare_that_cannot_demote_is_not_asked_to() -> None:
             w.engines["b"].fake.demotable = True
             await w.coordinator.wake("b")
             await w.coordinator.sleep("b")
-            assert w.coordinator.fleet["b"].demotable is True
+            assert w.coordinator.fleet["b"].holdings.demotable is True
 
     run(body)
 
@@ -106,14 +108,16 @@ def test_an_awake_models_backup_is_dropped_before_a_sleeper_is_demoted() -> None
         async with world(("a", "b", "c"), swap=DROP) as w:
             w.engines["b"].fake.host_backup = W
             await w.coordinator.wake("b")
-            assert w.coordinator.fleet["b"].host_bytes == W  # what its resume said it keeps
+            assert (
+                w.coordinator.fleet["b"].holdings.host_bytes == W
+            )  # what its resume said it keeps
             await w.coordinator.sleep("a")
             a = w.manager.get("a").snapshot()
             assert (a.state, a.level) == (State.SUSPENDED, 1)
             assert "hotswap_drop_backup" in w.engines["b"].fake.rpc_calls()
             assert "hotswap_demote" not in w.engines["c"].fake.rpc_calls()
             assert w.manager.get("b").snapshot().state is State.RUNNING
-            assert w.coordinator.fleet["b"].host_bytes == 0
+            assert w.coordinator.fleet["b"].holdings.host_bytes == 0
             assert w.engines["b"].fake.backup_held == 0
             assert w.sample("hotswap_host_backups_dropped_total", model="b") == 1
             assert w.sample("hotswap_demotions_total", model="c", reason="host_budget") == 0
@@ -130,7 +134,7 @@ def test_a_refused_drop_leaves_the_model_as_it_was_and_a_sleeper_is_demoted() ->
             await w.coordinator.wake("b")
             await w.coordinator.sleep("a")
             assert w.manager.get("b").snapshot().state is State.RUNNING  # as it was
-            assert w.coordinator.fleet["b"].host_bytes == W
+            assert w.coordinator.fleet["b"].holdings.host_bytes == W
             assert w.sample("hotswap_host_backups_dropped_total", model="b") == 0
             c = w.manager.get("c").snapshot()
             assert (c.state, c.level) == (State.SUSPENDED, 2)  # demoted instead
@@ -144,11 +148,11 @@ def test_a_wake_that_keeps_a_backup_over_the_budget_drops_it() -> None:
         async with world(("a", "b"), swap={"host_budget": W + W // 2, "max_awake": 2}) as w:
             w.engines["b"].fake.host_backup = 2 * W  # more than the whole budget
             await w.coordinator.wake("b")
-            task = w.coordinator.fleet["b"].host_task
+            task = w.coordinator.fleet["b"].swapping.host_task
             assert task is not None
             await task  # the fleet as it is, planned and enforced after the wake's answer
             assert "hotswap_drop_backup" in w.engines["b"].fake.rpc_calls()
-            assert w.coordinator.fleet["b"].host_bytes == 0
+            assert w.coordinator.fleet["b"].holdings.host_bytes == 0
             assert w.sample("hotswap_host_backups_dropped_total", model="b") == 1
             assert w.manager.get("b").snapshot().state is State.RUNNING
 
@@ -160,8 +164,8 @@ def test_a_wake_whose_backup_fits_the_budget_plans_nothing() -> None:
         async with world(("a", "b"), swap={"host_budget": 10 * W, "max_awake": 2}) as w:
             w.engines["b"].fake.host_backup = W  # kept, and the fleet stays within 10 W
             await w.coordinator.wake("b")
-            assert w.coordinator.fleet["b"].host_bytes == W
-            assert w.coordinator.fleet["b"].host_task is None
+            assert w.coordinator.fleet["b"].holdings.host_bytes == W
+            assert w.coordinator.fleet["b"].swapping.host_task is None
             assert "hotswap_drop_backup" not in w.engines["b"].fake.rpc_calls()
 
     run(body)
@@ -171,7 +175,7 @@ def test_a_wake_that_keeps_nothing_plans_nothing() -> None:
     async def body() -> None:
         async with world(("a", "b"), swap={"host_budget": W, "max_awake": 2}) as w:
             await w.coordinator.wake("b")  # the host backend keeps no backup: 0 bytes
-            assert w.coordinator.fleet["b"].host_task is None
+            assert w.coordinator.fleet["b"].swapping.host_task is None
             assert "hotswap_drop_backup" not in w.engines["b"].fake.rpc_calls()
 
     run(body)
@@ -183,10 +187,10 @@ def test_a_sleepers_host_bytes_are_the_pinned_buffer_its_ranks_keep() -> None:
 
     async def body() -> None:
         async with world(("a", "b"), swap={"host_budget": 10 * W, "max_awake": 2}) as w:
-            assert w.coordinator.fleet["b"].host_bytes == W  # host backend: in place
+            assert w.coordinator.fleet["b"].holdings.host_bytes == W  # host backend: in place
             w.engines["a"].fake.host_backup = W // 2  # e.g. the codec's 0.68x
             await w.coordinator.sleep("a")
-            assert w.coordinator.fleet["a"].host_bytes == W // 2
+            assert w.coordinator.fleet["a"].holdings.host_bytes == W // 2
             assert w.sample("hotswap_model_host_bytes", model="a") == W // 2
 
     run(body)
@@ -209,6 +213,6 @@ def test_models_shows_what_the_device_policy_counts() -> None:
             shown, seen = fleet_dict(rec, settings), w.coordinator.view("b")
             assert (shown["asleep_bytes"], shown["wake_scratch_bytes"]) == (100, 0)
             assert (seen.asleep_bytes, seen.wake_scratch_bytes) == (100, 0)
-            assert rec.codec_scratch == 64  # its next sleep encodes through it: kept
+            assert rec.holdings.codec_scratch == 64  # its next sleep encodes through it: kept
 
     run(body)

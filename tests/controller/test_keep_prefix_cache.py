@@ -236,9 +236,9 @@ async def test_a_sleeper_found_at_start_says_what_its_wake_needs_beside_its_pool
     rig.world.asleep(1)
     rig.world.wake_scratch = 64  # per rank
     await rig.manager.start()
-    assert rig.m.record.wake_scratch == 128
+    assert rig.m.record.holdings.wake_scratch == 128
     await rig.m.wake()
-    assert rig.m.record.wake_scratch == 0
+    assert rig.m.record.holdings.wake_scratch == 0
 
 
 async def test_an_engine_found_at_start_counts_the_host_copy_its_ranks_keep_pinned() -> None:
@@ -248,8 +248,8 @@ async def test_an_engine_found_at_start_counts_the_host_copy_its_ranks_keep_pinn
     rig.world.backup_held = 300  # per rank
     await rig.manager.start()
     assert rig.m.snapshot().state is State.RUNNING
-    assert rig.m.record.host_bytes == 600
+    assert rig.m.record.holdings.host_bytes == 600
     rig2 = make_rig(FakeClock())
     rig2.world.asleep(1)
     await rig2.manager.start()
-    assert rig2.m.record.host_bytes == 0
+    assert rig2.m.record.holdings.host_bytes == 0

@@ -280,7 +280,7 @@ def test_restarts_back_off_exponentially_up_to_the_cap(caplog: pytest.LogCapture
             w.supervisor.start()
             await w.until("a", State.SUSPENDED, timeout_s=10)
             assert w.fleet.events.count(("start", "a")) == 5
-            assert w.manager.fleet["a"].restarts == 4
+            assert w.manager.fleet["a"].process.restarts == 4
 
     with caplog.at_level(logging.WARNING, logger="hotswap.supervisor"):
         run(body())

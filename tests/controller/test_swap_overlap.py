@@ -161,14 +161,16 @@ def test_auto_overlaps_only_when_the_evicted_models_sleep_copied_its_weights() -
         ctx, holder = logged_world(swap={"budget_bytes": 10_000})
         async with ctx as w:
             log = holder["router"]
-            assert w.manager.fleet["a"].copied_bytes is None  # never slept
-            assert w.manager.fleet["b"].copied_bytes == 4096  # slept once, weights offloaded
+            assert w.manager.fleet["a"].holdings.copied_bytes is None  # never slept
+            assert (
+                w.manager.fleet["b"].holdings.copied_bytes == 4096
+            )  # slept once, weights offloaded
             log.log.clear()
             assert (await ask(w, "b")).status_code == 200
             assert "hotswap_suspend[kv_cache]" not in log.calls("a")  # a: not seen to copy
             assert (await ask(w, "a")).status_code == 200
             assert "hotswap_suspend[kv_cache]" in log.calls("b")  # b's sleep copied 4096
-            w.manager.fleet["a"].copied_bytes = 0  # as the host backend's sleep reports
+            w.manager.fleet["a"].holdings.slept(0, 0)  # as the host backend's sleep reports
             log.log.clear()
             assert (await ask(w, "b")).status_code == 200
             assert "hotswap_suspend[kv_cache]" not in log.calls("a")
@@ -203,10 +205,10 @@ def test_an_eviction_that_fails_after_its_kv_cache_never_maps_the_woken_models_k
             # a's ranks say only its KV cache is asleep: read back, a is SUSPENDED with its
             # weights still on the device, so b's KV cache must not come in
             assert w.state("a") is State.SUSPENDED
-            assert w.manager.fleet["a"].asleep == ("kv_cache",)
+            assert w.manager.fleet["a"].facts.asleep == ("kv_cache",)
             # b's wake failed in wait_room; read back, b holds its weights, not its KV cache
             assert w.state("b") is not State.RUNNING
-            assert w.manager.fleet["b"].asleep == ("kv_cache",)
+            assert w.manager.fleet["b"].facts.asleep == ("kv_cache",)
             assert "hotswap_resume[weights]" in log.calls("b")
             assert "hotswap_wake" not in log.calls("b")
             err = w.manager.get("b").snapshot().last_error or ""
@@ -345,7 +347,7 @@ def test_an_early_wake_whose_victim_fails_before_its_kv_release_maps_no_kv_cache
             assert "hotswap_suspend[kv_cache]" not in log.calls("a")  # nothing released
             # b came in early with its weights only: read back, its KV cache still asleep
             assert w.state("b") is not State.RUNNING
-            assert w.manager.fleet["b"].asleep == ("kv_cache",)
+            assert w.manager.fleet["b"].facts.asleep == ("kv_cache",)
             assert "hotswap_resume[weights]" in log.calls("b")
             assert "hotswap_wake" not in log.calls("b")
             err = w.manager.get("b").snapshot().last_error or ""

@@ -56,7 +56,7 @@ def sidecar(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 def _engine_env(side: SidecarThread, name: str) -> dict[str, str]:
     """The environment of the model's engine process (the keeper's child), from /proc."""
     assert side.ctx is not None
-    engine = side.ctx.fleet[name].engine
+    engine = side.ctx.fleet[name].process.engine
     assert isinstance(engine, EngineProcess)
     keeper = engine.pid
     children = Path(f"/proc/{keeper}/task/{keeper}/children").read_text().split()

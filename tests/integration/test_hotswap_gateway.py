@@ -273,7 +273,7 @@ def test_an_engine_killed_during_a_swap_fails_503_restarts_and_serves_again(
     assert sidecar.ctx.supervisor is not None
     _text(_ask(sidecar, B), False)  # A asleep, B awake
     restarts = _metric(sidecar, "hotswap_engine_restarts_total", model=A)
-    engine = sidecar.ctx.fleet[A].engine
+    engine = sidecar.ctx.fleet[A].process.engine
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(_ask, sidecar, A)
         deadline = time.monotonic() + 60

@@ -1,0 +1,66 @@
+"""A record's part for what is known of the engine process itself: whether an RPC may have
+left its reply queues out of step, the non-RPC sign of the process and the ranks' boot ids
+last seen, the pools asleep (a partial wake) and the name it serves. Reconciliation
+(controller.models.reconciler) writes most of it, the sequences the rest, each through a
+method here that notifies; `memory()` is what the pure reconciliation reads."""
+
+from __future__ import annotations
+
+from controller.models.changes import Changes, Part
+from controller.models.reconcile import Memory, Verdict
+from controller.state import State
+
+
+class EngineFacts(Part):
+    """What one model's engine process is known to be and hold."""
+
+    desynced = False
+    process_sign: str | None = None
+    boot_ids: tuple[str | None, ...] | None = None
+    asleep: tuple[str, ...] | None = None  # the pools asleep; None: all (or none, awake)
+    served_model: str | None = None  # read from /v1/models when not configured
+
+    def __init__(self, changes: Changes, served_model: str | None = None) -> None:
+        super().__init__(changes)
+        self.served_model = served_model
+
+    def memory(self, state: State, verified: bool, fresh: bool = False) -> Memory:
+        return Memory(
+            state=state,
+            verified=verified,
+            desynced=self.desynced,
+            process=self.process_sign,
+            boot_ids=self.boot_ids,
+            fresh=fresh,
+        )
+
+    def remember(self, v: Verdict) -> None:
+        """What a reconciliation's verdict says to remember of the process."""
+        self.desynced = v.desynced
+        self.process_sign = v.process
+        self.boot_ids = v.boot_ids
+        if v.rule == "suspended":  # read from the ranks (a cache-fits verdict says nothing)
+            self.asleep = v.tags or None
+        elif v.state in (State.RUNNING, State.RESUMING):
+            self.asleep = None
+        self._changed()
+
+    def new_process(self) -> None:
+        """The sidecar starts a process itself: nothing an RPC to the old one left out of
+        step concerns it, nor anything seen of the old one."""
+        self.desynced, self.process_sign, self.boot_ids, self.asleep = False, None, None, None
+        self._changed()
+
+    def desync(self) -> None:
+        """An RPC may have left the reply queues out of step: send this process nothing."""
+        self.desynced = True
+        self._changed()
+
+    def all_pools_moved(self) -> None:
+        """A sleep released every pool its level releases, or a wake brought all back."""
+        self.asleep = None
+        self._changed()
+
+    def learn_served_model(self, name: str) -> None:
+        self.served_model = name
+        self._changed()
