@@ -3,6 +3,7 @@
     . .gpu/install-vllm-bundle.sh || exit 1; bash benchmarks/run-on-device.sh STEP...
     python3 -m benchmarks.wake --shape llama3-8b      # one bench, from the repository root
 
-`common` holds the shapes and the engine launch; results go to docs/benchmarks.md. The GPU
+`common` holds the shapes and the engine launch; a run goes to docs/benchmarks-log.md, dated,
+and its figures replace their rows in docs/benchmarks.md. The GPU
 tests stay in tests/gpu.
 """

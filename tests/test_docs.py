@@ -1,4 +1,5 @@
-"""The docs as reference: the generated tables match the code, the examples load."""
+"""The docs as reference: the generated tables match the code, the examples load, every
+route is in the API reference, the README stays an introduction."""
 
 from __future__ import annotations
 
@@ -6,10 +7,14 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from starlette.routing import Route
 
-from controller.config.settings import load_settings
+from controller.config.modelsettings import ModelSettings
+from controller.config.settings import Settings, load_settings
+from controller.sidecar import Sidecar
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,3 +37,26 @@ def test_settings_examples_load(block: str, tmp_path: Path) -> None:
     path = tmp_path / "models.yaml"
     path.write_text(block)
     assert load_settings(config_file=path).models
+
+
+def _routes(app: Any) -> set[str]:
+    return {r.path for r in app.routes if isinstance(r, Route)}
+
+
+def test_every_route_of_both_apps_is_in_the_api_reference() -> None:
+    settings = Settings(
+        models=[ModelSettings(name="a", url="http://a.engine.test")],
+        gateway={"enabled": True},
+        server={"docs": True},
+    )
+    sidecar = Sidecar(settings)
+    assert sidecar.gateway_app is not None
+    routes = _routes(sidecar.app) | _routes(sidecar.gateway_app)
+    page = (ROOT / "docs/api.md").read_text()
+    named = set(re.findall(r"`(?:GET|POST) (/[^` ?]*)", page))
+    assert routes - named == set(), "routes missing from docs/api.md"
+    assert named - routes == set(), "docs/api.md names routes that do not exist"
+
+
+def test_readme_is_an_introduction() -> None:
+    assert len((ROOT / "README.md").read_text()) <= 8000, "reference goes to docs/"

@@ -37,7 +37,8 @@ MANDATORY_ENV: Mapping[str, str] = {
 # It overrides --kv-cache-memory-bytes with whole GiB per engine (vllm/platforms/cpu.py).
 _DROPPED_ENV = ("VLLM_CPU_KVCACHE_SPACE",)
 # The only HOTSWAP_* variables an engine inherits: the worker extension's own settings
-# (README). Every other one is the sidecar's (its token among them) and stays out of vLLM.
+# (docs/settings.md). Every other one is the sidecar's (its token among them) and stays out
+# of vLLM.
 WORKER_ENV = frozenset(
     {
         "HOTSWAP_PIN_HOST_BACKUP",
