@@ -60,3 +60,14 @@ def test_every_route_of_both_apps_is_in_the_api_reference() -> None:
 
 def test_readme_is_an_introduction() -> None:
     assert len((ROOT / "README.md").read_text()) <= 8000, "reference goes to docs/"
+
+
+def test_every_controller_module_is_in_the_architectures_map() -> None:
+    page = (ROOT / "docs/ARCHITECTURE.md").read_text()
+    names = set(re.findall(r"[a-z_]+", page.split("## The parts", 1)[1].split("\n## ", 1)[0]))
+    modules = {
+        p.stem if p.stem != "__init__" else p.parent.name
+        for p in (ROOT / "controller").rglob("*.py")
+        if p.stem not in ("__main__",)
+    } - {"controller"}
+    assert modules - names == set(), "docs/ARCHITECTURE.md's parts do not name these modules"
