@@ -21,16 +21,33 @@ so that the caller reloads instead (never a wrong weight):
   before the device reads it, so no corrupt offset sends the decoder outside its piece);
 - after decoding, a digest of the bytes that differs from the header's (the caller's check).
 
-Writes go to a temporary name, are fsynced and renamed into place, so a reader sees a whole
-file or none. The directory's budget (bytes) is kept by removing the oldest tier files
-first; a file that alone exceeds the budget is not written, and the writer says so.
+A file is used only as the engine recorded it when it wrote it (`Record`: a SHA-256 of the
+header and the caller's digest of the raw bytes, kept in the engine's memory, never read
+from the file): a header that hashes otherwise is refused (a file this engine did not
+write), and the decoded bytes' digest is compared with the recorded one, not the file's
+own field (docs/contracts.md §1.4, the threat model: the caller's digest is keyed).
+
+On disk (`ensure_dir`, `_open`): the directory is made 0700 and must be a real directory of
+the engine's user (group and other write removed); reads open with O_NOFOLLOW|O_NONBLOCK
+and take only a regular file (a symlink or a FIFO is refused, never waited on), the header
+and the payload through one descriptor. Writes go to a temporary name opened with
+O_CREAT|O_EXCL|O_NOFOLLOW and held under an exclusive flock, are fsynced and renamed into
+place, so a reader sees a whole file or none; a temporary file whose writer died (its lock
+is free) is swept (`sweep`) at start and before a write, and the budget counts temporary
+files too. A writer stops between chunks when asked (`cancel`). The directory's budget
+(bytes) is kept by removing the oldest files first; a file that alone exceeds the budget
+is not written, and the writer says so.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
+import logging
 import os
+import stat
 import struct
 import threading
 import time
@@ -53,10 +70,26 @@ _FIXED = struct.Struct("<8sIIII")
 # one pread: with 16 threads (HOTSWAP_DISK_THREADS) a warm file read at 45.2 GB/s on an H200
 # (16 x 64 MiB 41.0, 8 x 64 MiB 28.9, 16 x 256 MiB 33.8 GB/s: docs/benchmarks.md)
 READ_BYTES = 16 << 20
+WRITE_BYTES = 64 << 20  # one pwrite; a writer asked to stop stops between them
+TMP_SUFFIX = ".tmp"
+# the next sleep waits this long for the previous background write, then asks it to stop
+# and waits WRITER_STOP_S more (a writer still in the disk then fails that sleep)
+WRITER_WAIT_S = 60.0
+WRITER_STOP_S = 10.0
+log = logging.getLogger(__name__)
 
 
 class TierRefused(Exception):
     """This file cannot be used; the message says why (the caller reloads)."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """What the engine keeps of a file it wrote: its header's SHA-256 and the digest of the
+    raw bytes it brings back. The file itself can supply neither."""
+
+    header_sha256: str
+    digest: Any
 
 
 @dataclass(frozen=True)
@@ -142,25 +175,80 @@ def layout(
         payload = (_FIXED.size + len(blob) + ALIGN - 1) // ALIGN * ALIGN
 
 
+def ensure_dir(directory: Path) -> None:
+    """Make the directory (0700) or accept an existing one only if it is a directory (not a
+    symlink) of this user; group and other write permission is taken away. TierRefused
+    otherwise (the tier is then not used: the wake reloads)."""
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(directory)
+    except OSError as exc:
+        raise TierRefused(f"{directory}: {exc}") from exc
+    if not stat.S_ISDIR(st.st_mode):
+        raise TierRefused(f"{directory}: not a directory (a symlink or another file)")
+    if st.st_uid != os.geteuid():
+        raise TierRefused(f"{directory}: owned by uid {st.st_uid}, not this engine's")
+    if st.st_mode & 0o022:
+        os.chmod(directory, stat.S_IMODE(st.st_mode) & ~0o022)
+        log.warning("hotswap: disk tier %s was group/other writable: made it %o", directory,
+                    stat.S_IMODE(st.st_mode) & ~0o022)  # fmt: skip
+
+
+def _regular(directory: Path, pattern: str) -> list[tuple[Path, os.stat_result]]:
+    out = []
+    for p in directory.glob(pattern):
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            out.append((p, st))
+    return sorted(out)
+
+
 def tier_files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.glob(f"*{SUFFIX}") if p.is_file())
+    """The tier's files (regular files only: never a symlink's target)."""
+    return [p for p, _ in _regular(directory, f"*{SUFFIX}")]
 
 
 def usage(directory: Path) -> int:
-    return sum(p.stat().st_size for p in tier_files(directory))
+    """Bytes the tier takes: its files and the temporary files (a live or a dead writer's)."""
+    found = _regular(directory, f"*{SUFFIX}") + _regular(directory, f".*{TMP_SUFFIX}")
+    return sum(st.st_size for _, st in found)
+
+
+def sweep(directory: Path) -> list[str]:
+    """Remove the temporary files whose writer is gone (their flock is free): what a writer
+    killed mid-write leaves. A live writer's (this or another engine's) is kept."""
+    removed = []
+    for p, _ in _regular(directory, f".*{TMP_SUFFIX}"):
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its writer holds it
+        finally:
+            os.close(fd)
+        p.unlink(missing_ok=True)
+        removed.append(p.name)
+    return removed
 
 
 def make_room(directory: Path, need: int, budget: int, keep: Path | None = None) -> list[str]:
-    """Remove the oldest tier files until `need` more bytes fit the budget; their names."""
-    removed: list[str] = []
-    files = sorted(tier_files(directory), key=lambda p: p.stat().st_mtime)
-    total = sum(p.stat().st_size for p in files)
-    for p in files:
+    """Remove dead writers' temporary files, then the oldest tier files until `need` more
+    bytes fit the budget (a live writer's temporary file counts, and stays); their names."""
+    removed = sweep(directory)
+    files = sorted(_regular(directory, f"*{SUFFIX}"), key=lambda f: f[1].st_mtime)
+    total = usage(directory)
+    for p, st in files:
         if total + need <= budget:
             break
         if keep is not None and p == keep:
             continue
-        total -= p.stat().st_size
+        total -= st.st_size
         p.unlink(missing_ok=True)
         removed.append(p.name)
     return removed
@@ -173,20 +261,26 @@ def write(
     read_piece: Callable[[int], Any],
     digest: Any,
     budget: int,
+    cancel: threading.Event | None = None,
 ) -> dict[str, Any]:
     """Write one tier file: piece i's bytes come from `read_piece(i)` (a uint8 CPU tensor
-    or bytes-like of entries[i]'s size). Atomic (temporary name, fsync, rename); keeps the
-    directory within `budget` bytes. Returns what it did (never raises for a full budget)."""
+    or bytes-like of entries[i]'s size). Atomic (a temporary name opened O_EXCL|O_NOFOLLOW
+    under an exclusive flock, fsync, rename); keeps the directory within `budget` bytes;
+    stops between chunks once `cancel` is set. Returns what it did, with `header_sha256`
+    for the caller's `Record` (never raises for a full budget; TierRefused when cancelled
+    or for a directory it may not use)."""
     t0 = time.perf_counter()
     blob, header = layout(key, entries, digest)
     if header.total > budget:
         return {"written": False, "reason": f"{header.total} B exceed the budget of {budget} B"}
-    directory.mkdir(parents=True, exist_ok=True)
+    ensure_dir(directory)
     final = directory / key.filename()
     removed = make_room(directory, header.total, budget, keep=None)
-    tmp = directory / f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    tmp = directory / f".{final.name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o600)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held until closed: `sweep` leaves it alone
         fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, len(blob), zlib.crc32(blob), 0)
         head = fixed + blob
         os.pwrite(fd, head + b"\0" * (header.payload_off - len(head)), 0)
@@ -197,45 +291,105 @@ def write(
                 raise ValueError(f"piece {i}: {len(view)} bytes, expected {p.size}")
             done = 0
             while done < p.size:
-                done += os.pwrite(fd, view[done:], p.file_off + done)
+                if cancel is not None and cancel.is_set():
+                    raise TierRefused(f"{final.name}: the write was stopped")
+                end = min(p.size, done + WRITE_BYTES)
+                done += os.pwrite(fd, view[done:end], p.file_off + done)
         os.fsync(fd)
     except BaseException:
         os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
-    os.close(fd)
     os.replace(tmp, final)
+    os.close(fd)
     return {
         "written": True,
         "path": final.name,
         "bytes": header.total,
         "removed": removed,
         "write_s": time.perf_counter() - t0,
+        "header_sha256": hashlib.sha256(blob).hexdigest(),
     }
 
 
-def read_header(path: Path, key: Key) -> Header:
-    """The file's header, if the file is whole and is `key`'s; else TierRefused."""
+def join_writer(
+    thread: threading.Thread,
+    cancel: threading.Event,
+    wait_s: float = WRITER_WAIT_S,
+    stop_s: float = WRITER_STOP_S,
+) -> None:
+    """Wait for a background `write` at most `wait_s`, then set `cancel` (it stops at its
+    next chunk, removing its temporary file) and wait `stop_s` more. RuntimeError when it
+    is still running then (stuck in the disk): the caller must not reuse what it reads."""
+    thread.join(wait_s)
+    if not thread.is_alive():
+        return
+    cancel.set()
+    log.warning("hotswap: disk tier write still running after %.0f s: stopping it", wait_s)
+    thread.join(stop_s)
+    if thread.is_alive():
+        raise RuntimeError(f"the disk tier's writer did not stop in {wait_s + stop_s:.0f} s")
+
+
+def _open(path: Path) -> int:
+    """A read-only descriptor of `path` if it is a regular file (O_NOFOLLOW: a symlink is
+    refused; O_NONBLOCK, cleared after the check: a FIFO never blocks the open)."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            fixed = f.read(_FIXED.size)
-            if len(fixed) < _FIXED.size:
-                raise TierRefused(f"{path.name}: {size} bytes, shorter than a header")
-            magic, version, hlen, crc, _ = _FIXED.unpack(fixed)
-            if magic != MAGIC:
-                raise TierRefused(f"{path.name}: not a tier file (magic {magic!r})")
-            if version != FORMAT_VERSION:
-                raise TierRefused(
-                    f"{path.name}: format version {version}, expected {FORMAT_VERSION}"
-                )
-            blob = f.read(hlen)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise TierRefused(f"{path.name}: no such file") from None
+    except OSError as exc:
+        why = "a symbolic link" if exc.errno == errno.ELOOP else str(exc)
+        raise TierRefused(f"{path.name}: {why}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise TierRefused(f"{path.name}: not a regular file")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _pread_all(fd: int, n: int, off: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        got = os.pread(fd, n - len(out), off + len(out))
+        if not got:
+            break
+        out += got
+    return out
+
+
+def read_header(path: Path, key: Key, record: Record | None) -> Header:
+    """The file's header, if the file is whole, is `key`'s and is the one `record` says
+    this engine wrote (None: no file was recorded, so none is accepted); else TierRefused."""
+    fd = _open(path)
+    try:
+        return _header_of(fd, path, key, record)
+    finally:
+        os.close(fd)
+
+
+def _header_of(fd: int, path: Path, key: Key, record: Record | None) -> Header:
+    try:
+        size = os.fstat(fd).st_size
+        fixed = _pread_all(fd, _FIXED.size, 0)
+        if len(fixed) < _FIXED.size:
+            raise TierRefused(f"{path.name}: {size} bytes, shorter than a header")
+        magic, version, hlen, crc, _ = _FIXED.unpack(fixed)
+        if magic != MAGIC:
+            raise TierRefused(f"{path.name}: not a tier file (magic {magic!r})")
+        if version != FORMAT_VERSION:
+            raise TierRefused(f"{path.name}: format version {version}, expected {FORMAT_VERSION}")
+        blob = _pread_all(fd, min(hlen, max(0, size - _FIXED.size)), _FIXED.size)
     except OSError as exc:
         raise TierRefused(f"{path.name}: {exc}") from exc
     if len(blob) != hlen or zlib.crc32(blob) != crc:
         raise TierRefused(f"{path.name}: header damaged (crc32 differs)")
+    if record is None or hashlib.sha256(blob).hexdigest() != record.header_sha256:
+        raise TierRefused(f"{path.name}: not the file this engine recorded (header hash)")
     try:
         doc = json.loads(blob)
         got = doc["key"]
@@ -267,7 +421,13 @@ class _Reader:
     the caller can use piece i while later pieces are still on their way."""
 
     def __init__(
-        self, path: Path, header: Header, dst: Any, threads: int, read_bytes: int = READ_BYTES
+        self,
+        path: Path,
+        header: Header,
+        dst: Any,
+        threads: int,
+        read_bytes: int = READ_BYTES,
+        fd: int | None = None,
     ) -> None:
         self.path, self.header = path, header
         self.n = n = header.payload_bytes()
@@ -282,7 +442,7 @@ class _Reader:
         self._cv = threading.Condition()
         self.t0 = time.perf_counter()
         self.last_read_s = 0.0
-        self._fd = os.open(path, os.O_RDONLY)
+        self._fd = _open(path) if fd is None else os.dup(fd)
         k = max(1, min(threads, len(self.spans)))
         self._workers = [threading.Thread(target=self._work, daemon=True) for _ in range(k)]
         for w in self._workers:
@@ -345,7 +505,11 @@ class _Reader:
 
 
 def read_payload(
-    path: Path, header: Header, dst: Any, threads: int = 16, read_bytes: int = READ_BYTES
+    path: Path,
+    header: Header,
+    dst: Any,
+    threads: int = 16,
+    read_bytes: int = READ_BYTES,
 ) -> float:
     """Read every piece into `dst` (a writable buffer of header.payload_bytes(), e.g. a
     pinned host buffer's memoryview) with `threads` parallel preads; seconds taken."""
@@ -398,6 +562,7 @@ def check_piece(piece: Any, entry: TierPiece) -> None:
 def restore(
     directory: Path,
     key: Key,
+    record: Record | None,
     alloc: Callable[[int], Any],
     queue: Callable[[Header, int, Any], None],
     drain: Callable[[], None],
@@ -410,13 +575,19 @@ def restore(
     and `queue(header, i, buffer)` (the caller starts putting it into its record: its copy
     and decode run while later pieces are still read); once every piece is queued,
     `drain()` (the caller waits for its decodes), then compare `digest()` of the decoded
-    bytes with the file's. TierRefused, with the reason, at the first thing that is not
-    right; the caller's drain has then not run, and it must wait for what it queued."""
+    bytes with `record`'s (what the engine recorded when it wrote the file; the file's
+    header must hash as recorded too). TierRefused, with the reason, at the first thing
+    that is not right; the caller's drain has then not run, and it must wait for what it
+    queued."""
     t0 = time.perf_counter()
     path = directory / key.filename()
-    header = read_header(path, key)
-    buf = alloc(header.payload_bytes())
-    reader = _Reader(path, header, buf.numpy(), threads, read_bytes)
+    fd = _open(path)
+    try:
+        header = _header_of(fd, path, key, record)
+        buf = alloc(header.payload_bytes())
+        reader = _Reader(path, header, buf.numpy(), threads, read_bytes, fd=fd)
+    finally:
+        os.close(fd)
     check_s = 0.0
     try:
         for i, p in enumerate(header.pieces):
@@ -432,8 +603,9 @@ def restore(
     drain()
     decode_s = time.perf_counter() - t
     got = digest()
-    if json.loads(json.dumps(got)) != header.digest:
-        raise TierRefused(f"{path.name}: the decoded bytes differ from the file's digest")
+    assert record is not None  # the header was accepted only against a record
+    if json.loads(json.dumps(got)) != json.loads(json.dumps(record.digest)):
+        raise TierRefused(f"{path.name}: the decoded bytes differ from the recorded digest")
     return {
         "path": path.name,
         "bytes": header.total,

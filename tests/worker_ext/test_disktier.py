@@ -41,6 +41,7 @@ def _digest(records: list[torch.Tensor]) -> list[list[int]]:
 
 
 KEY = disktier.Key("llama-test", "0.26.0", 0, SIZES)
+RECORDED: dict[Path, disktier.Record] = {}  # what "the engine" recorded per directory
 
 
 def _write(directory: Path, records: list[torch.Tensor], budget: int = 1 << 30) -> dict:
@@ -58,7 +59,10 @@ def _write(directory: Path, records: list[torch.Tensor], budget: int = 1 << 30) 
                 )
             )
             blobs.append(piece)
-    return disktier.write(directory, KEY, entries, blobs.__getitem__, _digest(records), budget)
+    done = disktier.write(directory, KEY, entries, blobs.__getitem__, _digest(records), budget)
+    if done["written"]:
+        RECORDED[directory] = disktier.Record(done["header_sha256"], _digest(records))
+    return done
 
 
 def _restore(
@@ -75,6 +79,7 @@ def _restore(
     disktier.restore(
         directory,
         key,
+        RECORDED.get(directory),
         lambda n: torch.empty(n, dtype=torch.uint8),
         queue,
         lambda: None,
@@ -140,7 +145,7 @@ def test_another_key_is_refused(tmp_path: Path, records: list[torch.Tensor]) -> 
 
 def _file_regions(path: Path) -> dict[str, list[int]]:
     """Byte offsets of interest in one written file: header, meta rows, payload parts."""
-    header = disktier.read_header(path, KEY)
+    header = disktier.read_header(path, KEY, RECORDED[path.parent])
     raw = path.read_bytes()
     regions: dict[str, list[int]] = {
         "fixed": [0, 9, 13, 17],
@@ -236,7 +241,7 @@ def test_pieces_are_queued_while_later_ones_are_still_read(
     """The restore pipelines: piece 0 goes to its copy and decode before the file's last
     read is done (the old restore read the whole file first), in small reads here."""
     assert _write(tmp_path, records)["written"]
-    header = disktier.read_header(tmp_path / KEY.filename(), KEY)
+    header = disktier.read_header(tmp_path / KEY.filename(), KEY, RECORDED[tmp_path])
     first_end = header.pieces[0].file_off + header.pieces[0].size
     assert first_end + 8 * 4096 < header.total
     log: list[str] = []
@@ -268,6 +273,7 @@ def test_pieces_are_queued_while_later_ones_are_still_read(
     done = disktier.restore(
         tmp_path,
         KEY,
+        RECORDED[tmp_path],
         lambda n: torch.empty(n, dtype=torch.uint8),
         queue,
         drain,
@@ -304,6 +310,7 @@ def test_a_failed_read_midway_is_refused_after_queued_pieces(
         disktier.restore(
             tmp_path,
             KEY,
+            RECORDED[tmp_path],
             lambda n: torch.empty(n, dtype=torch.uint8),
             lambda h, i, b: None,
             lambda: drained.append(1),
@@ -312,3 +319,195 @@ def test_a_failed_read_midway_is_refused_after_queued_pieces(
             read_bytes=4096,
         )
     assert not drained
+
+
+# -- what the engine recorded, and the files on disk (docs/contracts.md §1.4) ------------
+
+
+def test_a_file_this_engine_did_not_write_is_refused(
+    tmp_path: Path, records: list[torch.Tensor]
+) -> None:
+    """Other weights written under the same name, whole and with their own digest in the
+    header (what anyone who can write the directory can make): the recorded header hash
+    and digest refuse it (the old check compared the digest with the file's own field)."""
+    assert _write(tmp_path, records)["written"]
+    ours = RECORDED[tmp_path]
+    other = [r.clone() for r in records]
+    other[0][100:110] ^= 0x01
+    assert _write(tmp_path, other)["written"]  # the same key, so the same name
+    RECORDED[tmp_path] = ours
+    with pytest.raises(disktier.TierRefused, match="not the file this engine recorded"):
+        _restore(tmp_path)
+    RECORDED[tmp_path] = disktier.Record(ours.header_sha256, _digest(other))
+    with pytest.raises(disktier.TierRefused):  # even with a matching digest: not our header
+        _restore(tmp_path)
+    RECORDED.pop(tmp_path)
+    with pytest.raises(disktier.TierRefused, match="recorded"):  # nothing recorded: refused
+        _restore(tmp_path)
+
+
+def test_a_symlink_is_refused_not_followed(tmp_path: Path, records: list[torch.Tensor]) -> None:
+    assert _write(tmp_path, records)["written"]
+    path = tmp_path / KEY.filename()
+    elsewhere = tmp_path / "elsewhere"
+    os.replace(path, elsewhere)
+    path.symlink_to(elsewhere)
+    with pytest.raises(disktier.TierRefused, match="symbolic link"):
+        _restore(tmp_path)
+    assert disktier.usage(tmp_path) == 0  # a symlink is no tier file, nor counted
+
+
+def test_a_fifo_cannot_hang_the_wake(tmp_path: Path, records: list[torch.Tensor]) -> None:
+    assert _write(tmp_path, records)["written"]
+    path = tmp_path / KEY.filename()
+    path.unlink()
+    os.mkfifo(path)
+    errors: list[BaseException] = []
+
+    def wake() -> None:
+        try:
+            _restore(tmp_path)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=wake, daemon=True)
+    t.start()
+    t.join(10)
+    hung = t.is_alive()
+    if hung:  # free the old code's blocked open, so the thread ends
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+        t.join(10)
+    assert not hung, "the restore blocked on a FIFO"
+    assert errors, "the restore neither refused nor hung"
+    assert isinstance(errors[0], disktier.TierRefused), errors
+    assert "not a regular file" in str(errors[0])
+
+
+def test_the_temporary_name_is_never_followed(tmp_path: Path, records: list[torch.Tensor]) -> None:
+    """A symlink planted at the writer's (predictable) temporary name: the write fails
+    and the file it points to is untouched (O_EXCL|O_NOFOLLOW; the old O_TRUNC wrote it)."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    directory = tmp_path / "tier"
+    directory.mkdir(mode=0o700)
+    tmp = directory / f".{KEY.filename()}.{os.getpid()}.{threading.get_ident()}.tmp"
+    tmp.symlink_to(victim)
+    with pytest.raises(FileExistsError):
+        _write(directory, records)
+    assert victim.read_bytes() == b"precious"
+    assert not (directory / KEY.filename()).exists()
+
+
+def test_dead_writers_temporary_files_are_counted_and_swept(tmp_path: Path) -> None:
+    dead = tmp_path / f".{KEY.filename()}.1.2.tmp"
+    dead.write_bytes(b"\0" * 5000)
+    live = tmp_path / f".{KEY.filename()}.3.4.tmp"
+    live.write_bytes(b"\0" * 3000)
+    fd = os.open(live, os.O_RDONLY)
+    try:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a writer still at work holds its lock
+        assert disktier.usage(tmp_path) == 8000  # the budget counts both
+        assert disktier.sweep(tmp_path) == [dead.name]
+        assert not dead.exists()
+        assert live.exists()
+        assert disktier.usage(tmp_path) == 3000
+    finally:
+        os.close(fd)
+
+
+def test_a_writer_killed_mid_write_leaves_what_the_next_start_sweeps(tmp_path: Path) -> None:
+    """A real process killed (SIGKILL) inside a write: its temporary file stays, counted in
+    the usage; once it is gone, sweep removes it (what the backend runs at start)."""
+    import signal
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, time; from pathlib import Path; from worker_ext import disktier\n"
+        "key = disktier.Key('m', 'v', 0, (1 << 20,))\n"
+        "def piece(i):\n"
+        "    print('writing', flush=True); time.sleep(60); return b''\n"
+        "entries = [(0, 0, 1 << 20, 1, 1 << 20)]\n"
+        "disktier.write(Path(sys.argv[1]), key, entries, piece, 'd', 1 << 30)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, env=env
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == b"writing"
+        temps = list(tmp_path.glob(".*.tmp"))
+        assert len(temps) == 1
+        assert disktier.sweep(tmp_path) == []  # its writer is alive: kept
+        assert disktier.usage(tmp_path) == temps[0].stat().st_size > 0
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    assert disktier.sweep(tmp_path) == [temps[0].name]
+    assert disktier.usage(tmp_path) == 0
+
+
+def test_the_directory_is_made_private_and_checked(tmp_path: Path) -> None:
+    made = tmp_path / "a" / "tier"
+    disktier.ensure_dir(made)
+    assert made.stat().st_mode & 0o777 == 0o700
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    os.chmod(loose, 0o777)
+    disktier.ensure_dir(loose)
+    assert loose.stat().st_mode & 0o022 == 0
+    link = tmp_path / "link"
+    link.symlink_to(made)
+    with pytest.raises(disktier.TierRefused, match="not a directory"):
+        disktier.ensure_dir(link)
+    if os.geteuid() == 0:
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, 65534, -1)
+        with pytest.raises(disktier.TierRefused, match="owned by uid 65534"):
+            disktier.ensure_dir(theirs)
+
+
+def test_the_next_sleep_waits_for_the_writer_with_a_bound(tmp_path: Path) -> None:
+    """A writer slower than the bound is asked to stop and stops at its next chunk (its
+    temporary file removed); one stuck in a call is reported, never waited on for good."""
+    key = disktier.Key("m", "v", 0, (3 * disktier.WRITE_BYTES,))
+    gate = threading.Event()
+    cancel = threading.Event()
+    data = bytes(3 * disktier.WRITE_BYTES)
+    entries = [(0, 0, len(data), 1, len(data))]
+    done: list[object] = []
+
+    def piece(i: int) -> bytes:
+        gate.wait(30)
+        return data
+
+    def run() -> None:
+        try:
+            done.append(disktier.write(tmp_path, key, entries, piece, "d", 1 << 40, cancel))
+        except disktier.TierRefused as exc:
+            done.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    stuck = threading.Thread(target=gate.wait, args=(30,), daemon=True)
+    stuck.start()
+    with pytest.raises(RuntimeError, match="did not stop"):
+        disktier.join_writer(stuck, threading.Event(), wait_s=0.1, stop_s=0.1)
+    real = os.pwrite
+
+    def pwrite(fd: int, buf: object, off: int) -> int:
+        cancel.set()  # asked to stop during its first chunk: stops before the next
+        return real(fd, buf, off)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(disktier.os, "pwrite", pwrite)
+        gate.set()
+        disktier.join_writer(t, cancel, wait_s=10, stop_s=10)
+    assert isinstance(done[0], disktier.TierRefused), done
+    assert not list(tmp_path.glob(".*.tmp"))
+    assert not (tmp_path / key.filename()).exists()

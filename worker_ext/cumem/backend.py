@@ -210,7 +210,12 @@ class CuMemBackend:
         self._tier_key: disktier.Key | None = None  # the weights a level-2 sleep put away
         self._tier_spans: list[tuple[int, int]] = []  # the bytes its key digests
         self._tier_writer: threading.Thread | None = None
+        self._tier_cancel = threading.Event()  # asks the writer to stop (a bounded join)
+        # what this engine wrote (file name -> its header's hash and digest): no other
+        # file is accepted (docs/contracts.md §1.4)
+        self._tier_records: dict[str, disktier.Record] = {}
         self._tier_report: dict[str, Any] = {}  # the last write and the last restore
+        self._tier_sweep()
         self._tier_restored: dict[str, Any] | None = None
         self._get_codec()
         if self.settings.pin_mode == "early":
@@ -526,10 +531,20 @@ class CuMemBackend:
             "last": dict(self._tier_report),
         }
 
+    def _tier_sweep(self) -> None:
+        """At start: what a writer killed mid-write left (its temporary file) goes."""
+        if self.settings.disk_dir:
+            try:
+                directory = Path(self.settings.disk_dir)
+                disktier.ensure_dir(directory)
+                self._tier_report["swept"] = disktier.sweep(directory)
+            except Exception as exc:  # the tier is an optimisation: its writes report it
+                log.warning("hotswap: disk tier not swept: %s", exc)
+
     def _join_tier_writer(self) -> None:
         writer = self._tier_writer
         if writer is not None and writer is not threading.current_thread():
-            writer.join()
+            disktier.join_writer(writer, self._tier_cancel)
 
     def _keyed_spans(
         self, ranges: list[tuple[int, int]], rewritten: Sequence[tuple[int, int]]
@@ -584,7 +599,9 @@ class CuMemBackend:
             key = self._tier_key_for(ranges, self._spans_digest(spans))
             self._tier_key, self._tier_spans = key, spans
             try:
-                disktier.read_header(directory / key.filename(), key)
+                disktier.read_header(
+                    directory / key.filename(), key, self._tier_records.get(key.filename())
+                )
                 self._tier_report["write"] = {"written": False, "reason": "already on disk"}
                 return
             except disktier.TierRefused:
@@ -606,6 +623,7 @@ class CuMemBackend:
             offs = [p.host_off for p in plan.pieces]
             view = raw_bytes(host.ptr, plan.total, self._torch.device("cpu"))
             budget = self.settings.disk_budget_bytes
+            self._tier_cancel = cancel = threading.Event()
 
             def write() -> None:
                 try:
@@ -616,7 +634,11 @@ class CuMemBackend:
                         lambda i: view[offs[i] : offs[i] + entries[i][4]],
                         key.fingerprint,
                         budget,
+                        cancel,
                     )
+                    record = disktier.Record(done.pop("header_sha256", ""), key.fingerprint)
+                    if done.get("written"):
+                        self._tier_records[key.filename()] = record
                 except Exception as exc:  # reported in describe(); the next wake reloads
                     done = {"written": False, "reason": f"{type(exc).__name__}: {exc}"}
                 self._tier_report["write"] = done
@@ -694,6 +716,7 @@ class CuMemBackend:
                 report = disktier.restore(
                     directory,
                     key,
+                    self._tier_records.get(key.filename()),
                     alloc,
                     queue,
                     drain,
@@ -710,6 +733,7 @@ class CuMemBackend:
             report = {"used": False, "reason": reason}
             if key is not None and directory is not None and "being written" not in reason:
                 path = directory / key.filename()  # refused: the next sleep writes it anew
+                self._tier_records.pop(key.filename(), None)
                 report["removed"] = path.exists()
                 path.unlink(missing_ok=True)
             log.warning("hotswap: disk tier not used, reloading: %s", reason)
