@@ -1,22 +1,22 @@
-"""Bit-exact fingerprints of many tensors' storages, computed on their device in one batch.
+"""Bit-exact, keyed fingerprints of many tensors' storages, computed on their device in one batch.
 
 A fingerprint is (nbytes, s1, s2) of the bytes of a tensor's whole storage (all aliases,
-any view offset, contiguous or not), all arithmetic modulo 2**64 (int64 wrap-around):
+any view offset, contiguous or not):
 
-- the storage is read as int64 words (a 1-7 byte tail, or an unaligned storage, as one
-  word per byte). Storages of at least ROW_WORDS words are first reduced row by row (rows
-  of ROW_WORDS words: one memory pass, one kernel) and the leftover words are taken as
-  they are; every tensor thus becomes a short sequence v_1..v_k of int64 values;
-- s1 = sum(v_i), s2 = sum(i * v_i), for all tensors at once: the sequences are
-  concatenated, scanned (cumsum) and cut at each tensor's bounds; one transfer to host.
+- the storage is read as int64 words, cut into pieces of PIECE_WORDS words (the last one
+  shorter); the bytes that are no whole word (a 1-7 byte tail, or all of an unaligned
+  storage) are taken one word per byte, in pieces of their own;
+- s1 = the sum of all those values modulo 2**64: any change confined to one word (one
+  flipped bit of any element of any dtype) changes it, with certainty;
+- s2 = BLAKE2b (8 bytes) of the pieces' NH values in order (0 for no bytes), NH as in
+  `fpkernel` with the process key (`fpkernel.process_key`, a secret drawn once per
+  process): a change of any
+  kind (swapped words or rows, several values changed so that linear sums stay equal)
+  keeps a piece's NH with probability at most 2**-32 for whoever does not hold the key
+  (docs/contracts.md §1.4, the threat model).
 
-What it detects:
-- any change confined to one word (one flipped bit of any element of any dtype): that word
-  changes by d != 0 mod 2**64, so its row sum and s1 change by d;
-- two different rows (or leftover words, or tail bytes) swapped: s1 stays, s2 changes by
-  (j - i) * (v_i - v_j), nonzero unless that product is a multiple of 2**64;
-- a swap of two words inside one ROW_WORDS row of a large storage is NOT detected (the row
-  sum is order-blind): restoring moves whole pages, never words inside a 4 KiB row.
+Values depend on the process key, so they compare only within one process (a sleep and
+its wake), which is all verify needs.
 
 Spans (the fast check, `Plan.baseline` / `Plan.changed`): storages that are byte-adjacent
 on one device (one ends exactly where the next begins, as the caching allocator packs a
@@ -26,23 +26,25 @@ storage bytes (a gap of allocator free space ends it). A span that differs from 
 baseline is re-checked storage by storage, against per-storage baselines taken at the same
 time, to name the tensors; that happens only on a mismatch.
 
-Cost on a GPU: one reduction kernel per span (or storage) of ROW_WORDS words or more, a
-handful of kernels for the whole batch, and one device-to-host copy; no per-tensor sync.
+Cost on a GPU: a few kernels per span (or storage) with whole pieces, a handful for the
+short pieces of the whole batch, and one device-to-host copy of the NH values; no
+per-tensor sync.
 
 Kernel (a plan's `kernel`, the worker's HOTSWAP_VERIFY_KERNEL: `auto`, the default, on
 CUDA; `on` also on CPU under Triton's interpreter; `off` never): `Plan.baseline` builds a
 `fpkernel.SpanCheck` over the spans of the CUDA device that holds most of the bytes (spans
 elsewhere, e.g. a runner's CPU tensors, and spans that do not start on 8 bytes, keep the
 eager check), and `Plan.changed` runs it: one Triton launch over all those spans in 2 MiB
-pieces, one comparison on the device, one bool to the host, about one memory pass. The
-check is cross-checked against torch on a sample of pieces when built; if Triton is missing
-or anything about the kernel fails, the eager span check runs instead (`kernel_error` says
-why). The plan's storages keep their addresses across sleep/wake (in-place restore), so
-the kernel's address table stays valid for the plan's life.
+pieces, each piece's (s1, NH) compared on the device, one bool to the host, about one
+memory pass. The check is cross-checked against torch on a sample of pieces when built; if
+Triton is missing or anything about the kernel fails, the eager span check runs instead
+(`kernel_error` says why). The plan's storages keep their addresses across sleep/wake
+(in-place restore), so the kernel's address table stays valid for the plan's life.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -50,10 +52,11 @@ from typing import Any
 
 import torch
 
-from worker_ext.fpkernel import SpanCheck
+from worker_ext.fpkernel import SpanCheck, nh_terms, process_key
 from worker_ext.rawmem import raw_bytes
 
-ROW_WORDS = 512  # 4 KiB rows of int64 words
+PIECE_WORDS = 1 << 15  # 256 KiB pieces: each one NH value to the host (a 16 GB span: 64K)
+CHUNK_PIECES = 64  # whole pieces reduced per step: NH's temporaries stay at 16 MiB each
 log = logging.getLogger(__name__)
 _WARNED: set[str] = set()
 _MASK = (1 << 64) - 1
@@ -72,42 +75,37 @@ def storage_bytes(t: Any) -> Any:
 
 
 class _Item:
-    """One byte range split into device tensors whose values form its sequence v_1..v_k."""
+    """One byte range as its pieces: whole pieces of words (one 2-D view) and short ones
+    (the leftover words, the bytes that are no whole word), reduced at run time."""
 
-    __slots__ = ("device", "length", "nbytes", "raw", "row_views", "word_views")
+    __slots__ = ("device", "full", "nbytes", "raw", "short")
 
     def __init__(self, raw: Any) -> None:
         n = int(raw.numel())
         self.raw = raw  # keeps the view (and so the storage it reads) alive
         self.nbytes = n
         self.device = raw.device
-        self.row_views: list[Any] = []  # (rows, width) int64 views, reduced at run time
-        self.word_views: list[Any] = []  # 1-D int64 values taken as they are
+        self.full: Any = None  # (pieces, PIECE_WORDS) int64 view
+        self.short: list[Any] = []  # 1-D pieces of at most PIECE_WORDS values
         aligned = raw.data_ptr() % 8 == 0
         nwords = n // 8 if aligned else 0
-        done = 0  # words covered by rows so far
-        nrows = 0
         if nwords:
             words = raw[: nwords * 8].view(torch.int64)
-            k = nwords // ROW_WORDS
+            k = nwords // PIECE_WORDS
             if k:
-                self.row_views.append(words[: k * ROW_WORDS].view(k, ROW_WORDS))
-                done, nrows = k * ROW_WORDS, k
-            if done < nwords:
-                self.word_views.append(words[done:])
-        if n > nwords * 8:
-            self.word_views.append(raw[nwords * 8 :])  # uint8: widened at run time
-        self.length = nrows + sum(int(v.numel()) for v in self.word_views)
+                self.full = words[: k * PIECE_WORDS].view(k, PIECE_WORDS)
+            if k * PIECE_WORDS < nwords:
+                self.short.append(words[k * PIECE_WORDS :])
+        rest = raw[nwords * 8 :]  # uint8: widened at run time
+        self.short += [rest[i : i + PIECE_WORDS] for i in range(0, int(rest.numel()), PIECE_WORDS)]
 
-    def values(self) -> list[Any]:
-        out: list[Any] = [torch.sum(rv, dim=1) for rv in self.row_views]
-        for v in self.word_views:
-            out.append(v if v.dtype == torch.int64 else v.to(torch.int64))
-        return out
+    @property
+    def n_pieces(self) -> int:
+        return (0 if self.full is None else int(self.full.shape[0])) + len(self.short)
 
 
 def _layout(device: Any, lengths: list[int]) -> tuple[Any, Any, Any]:
-    """(positions 1..k within each item, start index, end index) on `device`, cached."""
+    """(key index 0..k-1 within each short piece, start index, end index) on `device`."""
     key = (str(device), tuple(lengths))
     hit = _LAYOUTS.get(key)
     if hit is not None:
@@ -117,7 +115,7 @@ def _layout(device: Any, lengths: list[int]) -> tuple[Any, Any, Any]:
     ends = torch.cumsum(lens, 0)
     starts = ends - lens
     total = int(ends[-1]) if lengths else 0
-    pos = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(starts, lens) + 1
+    pos = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(starts, lens)
     out = (pos.to(device), starts.to(device), ends.to(device))
     _LAYOUTS[key] = out
     while len(_LAYOUTS) > _MAX_LAYOUTS:
@@ -125,35 +123,52 @@ def _layout(device: Any, lengths: list[int]) -> tuple[Any, Any, Any]:
     return out
 
 
-def _batch(group: list[_Item], layout: tuple[Any, Any, Any]) -> Any:
-    """(2, len(group)) int64 device tensor of s1 and s2 per item (no host sync)."""
+def _short_sums(shorts: list[Any], device: Any) -> Any:
+    """(2, len(shorts)) int64: each short piece's sum and NH, in one batch (no host sync)."""
+    layout = _layout(device, [int(v.numel()) for v in shorts])
     pos, starts, ends = layout
-    device = group[0].device
-    seq = torch.cat([v for it in group for v in it.values()])
-    both = torch.stack((seq, seq * pos))  # wraps modulo 2**64, exact
-    scan = torch.cumsum(both, dim=1)
+    seq = torch.cat([v if v.dtype == torch.int64 else v.to(torch.int64) for v in shorts])
+    both = torch.stack((seq, nh_terms(seq, process_key(device)[pos])))
+    scan = torch.cumsum(both, dim=1)  # wraps modulo 2**64, exact
     scan = torch.cat((torch.zeros((2, 1), dtype=torch.int64, device=device), scan), 1)
     return scan[:, ends] - scan[:, starts]
 
 
-def _sums(res: Any) -> list[tuple[int, int]]:
-    """Host (s1, s2) pairs from a (2, n) int64 result."""
-    rows = res.cpu().tolist()  # the one host sync
-    return [(int(a) & _MASK, int(b) & _MASK) for a, b in zip(rows[0], rows[1], strict=True)]
+def _run_device(group: list[_Item], device: Any) -> list[tuple[int, int]]:
+    """(s1, s2) per item of one device: one host transfer of every piece's sum and NH."""
+    key = process_key(device)[:PIECE_WORDS]
+    parts: list[Any] = []
+    for it in group:
+        for c in range(0, 0 if it.full is None else int(it.full.shape[0]), CHUNK_PIECES):
+            rows = it.full[c : c + CHUNK_PIECES]
+            parts.append(torch.stack((rows.sum(dim=1), nh_terms(rows, key).sum(dim=1))))
+    shorts = [v for it in group for v in it.short]
+    if shorts:
+        parts.append(_short_sums(shorts, device))
+    got = torch.cat(parts, dim=1).cpu() if parts else torch.zeros((2, 0), dtype=torch.int64)
+    sums, nhs = got[0].tolist(), got[1].numpy()  # the one host sync
+    out: list[tuple[int, int]] = []
+    f = 0  # next whole piece's column
+    s = sum(0 if it.full is None else int(it.full.shape[0]) for it in group)  # next short's
+    for it in group:
+        k = 0 if it.full is None else int(it.full.shape[0])
+        n = len(it.short)
+        blob = nhs[f : f + k].tobytes() + nhs[s : s + n].tobytes()
+        s2 = int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little") if blob else 0
+        out.append(((sum(sums[f : f + k]) + sum(sums[s : s + n])) & _MASK, s2))
+        f, s = f + k, s + n
+    return out
 
 
 def _run_items(items: list[_Item]) -> list[Fp]:
-    """(nbytes, s1, s2) per item: one batch (one scan, one host transfer) per device."""
+    """(nbytes, s1, s2) per item: one batch (one host transfer) per device."""
     sums: list[tuple[int, int]] = [(0, 0)] * len(items)
     by_device: dict[str, list[int]] = {}
     for i, it in enumerate(items):
         by_device.setdefault(str(it.device), []).append(i)
     for dev, idx in by_device.items():
         group = [items[i] for i in idx]
-        if not any(it.length for it in group):
-            continue
-        layout = _layout(torch.device(dev), [it.length for it in group])
-        for i, pair in zip(idx, _sums(_batch(group, layout)), strict=True):
+        for i, pair in zip(idx, _run_device(group, torch.device(dev)), strict=True):
             sums[i] = pair
     return [(it.nbytes, s1, s2) for it, (s1, s2) in zip(items, sums, strict=True)]
 

@@ -2,15 +2,21 @@
 
 `SpanCheck` reads a list of byte ranges (the spans of `fingerprint.Plan`) as int64 words
 and, for each piece of at most PIECE_WORDS words of one range, writes (s1, s2) with
-s1 = sum(w_i) and s2 = sum(i * w_i), i = 1..n within the piece, modulo 2**64. A range's
-last 1-7 bytes (when its length is not a multiple of 8) are kept as bytes and compared
-exactly. The whole check is one kernel over a table of (address, words) per piece, one
-element-wise comparison against the baseline on the device and one host read of a bool:
-no per-span kernel, no Python per span. Cost: one pass over the bytes at memory speed.
+s1 = sum(w_i) modulo 2**64 and s2 = NH_k(w) = sum(((lo(w_i) + lo(k_i)) mod 2**32) *
+((hi(w_i) + hi(k_i)) mod 2**32)) modulo 2**64, i = 1..n within the piece, lo and hi the
+32-bit halves, k the process key (`process_key`: PIECE_WORDS secret words drawn once per
+process from the OS's random source, never written or returned). A range's last 1-7 bytes
+(when its length is not a multiple of 8) are kept as bytes and compared exactly. The whole
+check is one kernel over a table of (address, words) per piece, one element-wise comparison
+against the baseline on the device and one host read of a bool: no per-span kernel, no
+Python per span. Cost: one pass over the bytes at memory speed (the key, 2 MiB, is read by
+every piece: it stays in the L2 cache).
 
-What it sees, per piece: any change confined to one word (s1 changes by d != 0); any two
-different words swapped (s2 changes by (j - i) * (v_i - v_j), nonzero unless that product
-is a multiple of 2**64), which the row sums of the eager check do not see inside a row.
+What it sees, per piece: any change confined to one word (s1 changes by d != 0), with
+certainty; any other change, crafted or not, unless it keeps NH's value, which without the
+key happens with probability at most 2**-32 (NH is 2**-32-almost-universal; the linear
+sums this replaced could be kept constant by a change of three words, docs/contracts.md
+§1.4).
 
 Loads are two words wide when every piece starts on 16 bytes (the usual case: allocations
 are 512-byte aligned), one word wide otherwise.
@@ -24,6 +30,7 @@ trusted (`SpanCheck.baseline`).
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import torch
@@ -36,6 +43,44 @@ NUM_WARPS = 8
 SAMPLE = 8  # pieces cross-checked against torch when a check is built
 _MASK = (1 << 64) - 1
 _KERNELS: dict[bool, Any] = {}  # interpreted? -> the jitted kernel
+_LO = 0xFFFFFFFF
+KEY_WORDS = 1 << 18  # the key's length: at least PIECE_WORDS (a piece's word i reads key[i])
+_KEY_LOCK = threading.Lock()
+_KEY: dict[str, Any] = {}  # "host": the key's words (CPU int64); str(device): a copy there
+
+
+def process_key(device: Any) -> Any:
+    """The NH key (KEY_WORDS int64 words) on `device`: drawn once per process from
+    os.urandom, copied to each device on first use. Only this process ever holds it."""
+    dev = str(torch.device(device))
+    with _KEY_LOCK:
+        hit = _KEY.get(dev)
+        if hit is None:
+            host = _KEY.get("cpu")
+            if host is None:
+                raw = bytearray(os.urandom(KEY_WORDS * 8))
+                host = _KEY["cpu"] = torch.frombuffer(raw, dtype=torch.int64)
+            hit = _KEY[dev] = host if dev == "cpu" else host.to(dev)
+    return hit
+
+
+def _halves(t: Any) -> Any:
+    """The 32-bit halves of contiguous int64 words, as an int32 view (..., n, 2)."""
+    return t.view(torch.int32).unflatten(-1, (-1, 2))
+
+
+def nh_terms(words: Any, key: Any) -> Any:
+    """NH's terms of contiguous int64 `words` against `key` (as long, or broadcast to it),
+    as int64: ((lo(w) + lo(k)) mod 2**32) * ((hi(w) + hi(k)) mod 2**32), wrapping modulo
+    2**64. Each sum is one int32 add (it wraps modulo 2**32) written into the low half of
+    a zeroed int64: on CPU a third of the time of masking int64 values."""
+    shape = torch.broadcast_shapes(words.shape, key.shape)
+    a = torch.zeros(shape, dtype=torch.int64, device=words.device)
+    b = torch.zeros_like(a)
+    w, k = _halves(words), _halves(key)
+    torch.add(w[..., 0], k[..., 0], out=_halves(a)[..., 0])
+    torch.add(w[..., 1], k[..., 1], out=_halves(b)[..., 0])
+    return a.mul_(b)
 
 
 class Unavailable(RuntimeError):
@@ -51,8 +96,9 @@ tl: Any = None  # triton.language, bound on first use (the kernel reads it as a 
 
 # Only the constexprs are annotated: Triton's compiler reads annotations, and may name only
 # its own globals in them.
-def _piece_sums(ptrs, nwords, out, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):  # type: ignore[no-untyped-def]
-    """Program `pid`: (s1, s2) of the `nwords[pid]` int64 words at address `ptrs[pid]`."""
+def _piece_sums(ptrs, nwords, key, out, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Program `pid`: (s1, NH) of the `nwords[pid]` int64 words at address `ptrs[pid]`,
+    word i keyed by key[i]. NH's product is one 32x32->64 multiply per word."""
     pid = tl.program_id(0)
     base = tl.load(ptrs + pid).to(tl.pointer_type(tl.int64))
     if ALIGNED:  # every piece starts on 16 bytes: two words per load
@@ -65,12 +111,19 @@ def _piece_sums(ptrs, nwords, out, BLOCK: tl.constexpr, ALIGNED: tl.constexpr): 
     for start in range(0, full, BLOCK):  # whole blocks: unmasked, so loads can be wide
         idx = start + offs
         v = tl.load(base + idx)
+        k = tl.load(key + idx)
         acc1 += v
-        acc2 += v * (idx + 1)
+        a = v.to(tl.uint32) + k.to(tl.uint32)  # wraps modulo 2**32
+        b = (v >> 32).to(tl.uint32) + (k >> 32).to(tl.uint32)
+        acc2 += (a.to(tl.uint64) * b.to(tl.uint64)).to(tl.int64, bitcast=True)
     idx = full + offs  # the rest, masked (no-op when n is a multiple of BLOCK)
-    v = tl.load(base + idx, mask=idx < n, other=0)
+    m = idx < n
+    v = tl.load(base + idx, mask=m, other=0)
+    k = tl.load(key + idx, mask=m, other=0)  # a masked word's term is 0 * 0
     acc1 += v
-    acc2 += v * (idx + 1)
+    a = v.to(tl.uint32) + k.to(tl.uint32)
+    b = (v >> 32).to(tl.uint32) + (k >> 32).to(tl.uint32)
+    acc2 += (a.to(tl.uint64) * b.to(tl.uint64)).to(tl.int64, bitcast=True)
     tl.store(out + pid * 2, tl.sum(acc1, axis=0))
     tl.store(out + pid * 2 + 1, tl.sum(acc2, axis=0))
 
@@ -93,10 +146,10 @@ def _kernel() -> Any:
 
 
 def _reference(ptr: int, nwords: int, device: Any) -> tuple[int, int]:
-    """(s1, s2) of one piece with torch, for the cross-check."""
+    """(s1, NH) of one piece with torch, for the cross-check."""
     v = raw_bytes(ptr, nwords * 8, device).view(torch.int64)
-    pos = torch.arange(1, nwords + 1, dtype=torch.int64, device=device)
-    s1, s2 = torch.stack((v.sum(), (v * pos).sum())).cpu().tolist()
+    nh = nh_terms(v, process_key(device)[:nwords]).sum()
+    s1, s2 = torch.stack((v.sum(), nh)).cpu().tolist()
     return int(s1) & _MASK, int(s2) & _MASK
 
 
@@ -108,6 +161,8 @@ class SpanCheck:
 
     def __init__(self, ranges: list[tuple[int, int]], device: Any) -> None:
         device = torch.device(device)
+        if PIECE_WORDS > KEY_WORDS:
+            raise Unavailable(f"pieces of {PIECE_WORDS} words need a longer key")
         if device.type == "cpu" and not _interpreting():
             raise Unavailable("CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
         if device.type not in ("cuda", "cpu"):
@@ -137,6 +192,7 @@ class SpanCheck:
         self._ptrs = torch.tensor(ptrs, dtype=torch.int64).to(device)
         self._nwords = torch.tensor(nwords, dtype=torch.int32).to(device)
         self._out = torch.zeros((max(1, len(ptrs)), 2), dtype=torch.int64, device=device)
+        self._key = process_key(device)
         self._tails = tails
         self._base: Any = None
         self._base_tail: Any = None
@@ -149,6 +205,7 @@ class SpanCheck:
                     self._kernel[grid](
                         self._ptrs,
                         self._nwords,
+                        self._key,
                         self._out,
                         BLOCK=BLOCK,
                         ALIGNED=self.aligned,
@@ -156,7 +213,12 @@ class SpanCheck:
                     )
             else:
                 self._kernel[grid](
-                    self._ptrs, self._nwords, self._out, BLOCK=BLOCK, ALIGNED=self.aligned
+                    self._ptrs,
+                    self._nwords,
+                    self._key,
+                    self._out,
+                    BLOCK=BLOCK,
+                    ALIGNED=self.aligned,
                 )
         tail = torch.cat(self._tails) if self._tails else None
         return self._out, tail

@@ -8,6 +8,7 @@ import json
 import os
 import struct
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -59,6 +60,7 @@ def _cycle(eng: Engine, base: object, damage: Callable[[Path], None] | None = No
     assert tier["pending"], tier
     path = Path(tier["dir"]) / tier["pending"]
     assert path.is_file(), (path, tier)
+    assert Path(tier["dir"]).stat().st_mode & 0o022 == 0, tier  # the engine's own
     if damage is not None:
         damage(path)
     w = eng.wake(2)
@@ -87,6 +89,30 @@ def _version(path: Path) -> None:
         f.write(struct.pack("<I", 999))
 
 
+def _rewritten_header(path: Path) -> None:
+    """The header rewritten whole and valid (its crc32 right), one value changed: no
+    longer the file this engine recorded (docs/contracts.md §1.4)."""
+    data = bytearray(path.read_bytes())
+    hlen = struct.unpack_from("<I", data, 12)[0]
+    blob = bytes(data[24 : 24 + hlen])
+    at = blob.index(b'"written_at": ') + len(b'"written_at": ')
+    blob = blob[:at] + (b"1" if blob[at : at + 1] != b"1" else b"2") + blob[at + 1 :]
+    data[24 : 24 + hlen] = blob
+    struct.pack_into("<I", data, 16, zlib.crc32(blob))
+    path.write_bytes(bytes(data))
+
+
+def _symlink(path: Path) -> None:
+    moved = path.with_name("moved-away")
+    os.replace(path, moved)
+    path.symlink_to(moved)
+
+
+def _fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
 def test_level2_wake_from_disk_then_faults_end_in_reload(llama: Engine, tier_dir: Path) -> None:
     base = llama.gen()
     first = _cycle(llama, base)
@@ -105,7 +131,15 @@ def test_level2_wake_from_disk_then_faults_end_in_reload(llama: Engine, tier_dir
 
     # each damage, done between the sleep's write and the wake, ends in a reload that says
     # why and removes the file; the next sleep writes it again and the wake uses it
-    for name, damage in (("flipped byte", _flip), ("truncated", _truncate), ("version", _version)):
+    damages = (
+        ("flipped byte", _flip),
+        ("truncated", _truncate),
+        ("version", _version),
+        ("rewritten header", _rewritten_header),
+        ("symlink", _symlink),
+        ("fifo", _fifo),
+    )
+    for name, damage in damages:
         hit = _cycle(llama, base, damage)
         assert hit["reload"]["source"] == "reload", (name, hit["reload"])
         assert not hit["reload"]["tier"]["used"], (name, hit["reload"])

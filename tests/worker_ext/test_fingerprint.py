@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import subprocess
@@ -13,13 +14,15 @@ import torch
 from worker_ext import fingerprint as fpmod
 from worker_ext import fpkernel
 from worker_ext.fingerprint import (
-    ROW_WORDS,
+    PIECE_WORDS,
     Plan,
     fingerprint,
     fingerprints,
     storage_bytes,
 )
 from worker_ext.settings import WorkerSettings
+
+ROW_WORDS = 512  # the tests' size unit: 4 KiB of words
 
 DTYPES = [
     torch.float32,
@@ -97,7 +100,17 @@ def test_swapped_rows_of_a_large_tensor_are_seen() -> None:
     assert fingerprint(s) != fp
     words = t.clone().view(-1).view(torch.int64)
     words[0], words[5] = words[5].clone(), words[0].clone()  # a swap inside one 4 KiB row
-    assert fingerprint(words) == fp  # documented blind spot: row sums are order-blind
+    assert fingerprint(words) != fp  # the row sums that replaced NH were order-blind here
+
+
+def _nh(values: list[int]) -> int:
+    """NH of one piece with the process key, in Python integers (fpkernel's docstring)."""
+    lo, mask = (1 << 32) - 1, (1 << 64) - 1
+    key = [k & mask for k in fpkernel.process_key("cpu")[: len(values)].tolist()]
+    out = 0
+    for v, k in zip(values, key, strict=True):
+        out += (((v & lo) + (k & lo)) & lo) * (((v >> 32) + (k >> 32)) & lo)
+    return out & mask
 
 
 def _reference(t: torch.Tensor) -> tuple[int, int, int]:
@@ -106,16 +119,19 @@ def _reference(t: torch.Tensor) -> tuple[int, int, int]:
     n = len(data)
     nwords = n // 8 if t.untyped_storage().data_ptr() % 8 == 0 else 0
     words = [int.from_bytes(data[8 * i : 8 * i + 8], "little") for i in range(nwords)]
-    k = nwords // ROW_WORDS
-    seq = [sum(words[r * ROW_WORDS : (r + 1) * ROW_WORDS]) for r in range(k)]
-    seq += words[k * ROW_WORDS :] + list(data[nwords * 8 :])
-    mask = (1 << 64) - 1
-    return n, sum(seq) & mask, sum(i * v for i, v in enumerate(seq, 1)) & mask
+    rest = list(data[nwords * 8 :])
+    pieces = [words[i : i + PIECE_WORDS] for i in range(0, nwords, PIECE_WORDS)]
+    pieces += [rest[i : i + PIECE_WORDS] for i in range(0, len(rest), PIECE_WORDS)]
+    blob = b"".join(_nh(p).to_bytes(8, "little") for p in pieces)
+    s2 = int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little") if blob else 0
+    return n, sum(words + rest) & ((1 << 64) - 1), s2
 
 
-# float32 element counts: under a row, whole rows, rows plus leftover words and a 4-byte tail
-@pytest.mark.parametrize("numel", [1, 7, ROW_WORDS * 2, ROW_WORDS * 2 + 1, 4099, ROW_WORDS * 6 + 3])
-def test_values_follow_the_documented_row_reduction(numel: int) -> None:
+# float32 element counts: under a piece, whole pieces, pieces plus leftover words and a tail
+@pytest.mark.parametrize(
+    "numel", [1, 7, ROW_WORDS * 2 + 1, PIECE_WORDS * 2, PIECE_WORDS * 4 + 3, PIECE_WORDS * 2 + 1]
+)
+def test_values_follow_the_documented_pieces(numel: int) -> None:
     t = _rand((numel,), torch.float32, numel)
     assert fingerprint(t) == _reference(t)
 
@@ -131,13 +147,47 @@ def test_the_kernel_switch_is_a_worker_setting() -> None:
     assert ref.spans
 
 
-def test_a_swap_across_rows_changes_the_value_as_documented() -> None:
-    t = _rand((4099,), torch.float32, 2)  # 4 rows, one leftover word, a 4-byte tail
+def test_a_swap_across_pieces_changes_the_value_as_documented() -> None:
+    t = _rand((PIECE_WORDS * 4 + 3,), torch.float32, 2)  # 2 pieces, a leftover, a tail
     s = t.clone()
-    s[100], s[3000] = t[3000].clone(), t[100].clone()  # rows 0 and 2
+    s[100], s[PIECE_WORDS * 3] = t[PIECE_WORDS * 3].clone(), t[100].clone()  # pieces 0, 1
     assert fingerprint(s) == _reference(s)
     assert fingerprint(s)[1] == fingerprint(t)[1]  # s1 is order-blind
     assert fingerprint(s) != fingerprint(t)
+
+
+def _keep_linear_sums(words: torch.Tensor, at: list[int], d: int = 1 << 40) -> None:
+    """+d, -2d, +d at three words: their sum and every position-weighted sum with equal
+    steps between them stay the same (a second difference), what the old sums missed."""
+    for i, step in zip(at, (d, -2 * d, d), strict=True):
+        words[i] += step
+
+
+@pytest.mark.parametrize("at", [[5, 6, 7], [5, ROW_WORDS + 5, 2 * ROW_WORDS + 5]])
+def test_a_change_that_keeps_linear_sums_is_seen(at: list[int]) -> None:
+    """A crafted change of three values (in one 4 KiB row, or one word in each of three
+    rows) kept both linear sums, and the row sums, of the fingerprint this replaced; the
+    keyed NH sees it (docs/contracts.md §1.4)."""
+    t = _rand((ROW_WORDS * 8,), torch.float32, 3)
+    fp = fingerprint(t)
+    s = t.clone()
+    _keep_linear_sums(s.view(torch.int64), at)
+    assert fingerprint(s)[1] == fp[1]  # the plain sum cannot see it
+    assert fingerprint(s) != fp
+    plan = Plan([t], kernel="off")
+    base = plan.baseline()
+    _keep_linear_sums(t.view(torch.int64), at)
+    assert plan.changed(base) == [0]
+
+
+def test_values_are_keyed_by_the_process_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = _rand((ROW_WORDS * 3 + 1,), torch.float32, 4)
+    fp = fingerprint(t)
+    other = {"cpu": torch.randint(-(2**62), 2**62, (fpkernel.KEY_WORDS,), dtype=torch.int64)}
+    monkeypatch.setattr(fpkernel, "_KEY", other)
+    keyed = fingerprint(t)
+    assert keyed[:2] == fp[:2]
+    assert keyed[2] != fp[2]
 
 
 def test_views_and_non_contiguous_tensors_cover_the_whole_storage() -> None:
@@ -389,7 +439,7 @@ def test_kernel_cases_under_the_triton_interpreter() -> None:
     assert done.returncode == 0, tail
     m = re.search(r"(\d+) passed", done.stdout)
     assert m is not None, tail
-    assert int(m.group(1)) >= 17, tail  # 8 span cases + 9 kernel cases, none skipped
+    assert int(m.group(1)) >= 18, tail  # 8 span cases + 10 kernel cases, none skipped
     assert "skipped" not in done.stdout.splitlines()[-1], tail
 
 
@@ -400,8 +450,13 @@ def interp(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _piece_ref(words: list[int]) -> tuple[int, int]:
-    mask = (1 << 64) - 1
-    return sum(words) & mask, sum(i * w for i, w in enumerate(words, 1)) & mask
+    """(s1, NH) as fpkernel's docstring defines them, in Python integers."""
+    mask, lo = (1 << 64) - 1, (1 << 32) - 1
+    key = [k & mask for k in fpkernel.process_key("cpu")[: len(words)].tolist()]
+    nh = 0
+    for w, k in zip((w & mask for w in words), key, strict=True):
+        nh += (((w & lo) + (k & lo)) & lo) * (((w >> 32) + (k >> 32)) & lo)
+    return sum(words) & mask, nh & mask
 
 
 @pytest.mark.parametrize("nbytes", [8, 16 * 8, 40 * 8, 40 * 8 + 8, 40 * 8 * 3 + 5, 3])
@@ -435,6 +490,20 @@ def test_kernel_sees_a_swap_inside_a_piece_and_names_the_range(interp: None) -> 
     b.view(torch.uint8)[30 * 8 - 4] ^= 1
     b.view(torch.uint8)[30 * 8 - 3] ^= 1  # past the range: never read
     assert check.differing() == []
+
+
+@needs_interp
+def test_kernel_sees_a_change_that_keeps_linear_sums(interp: None) -> None:
+    """+d, -2d, +d at three words of one piece: s1 and the old position-weighted sum stay,
+    NH does not."""
+    a = torch.randint(-(2**62), 2**62, (100,), dtype=torch.int64)
+    check = fpkernel.SpanCheck([(int(a.data_ptr()), 800)], torch.device("cpu"))
+    check.baseline()
+    before = check.sums()
+    _keep_linear_sums(a, [3, 4, 5])
+    after = check.sums()
+    assert after[0][0] == before[0][0]  # s1 kept
+    assert check.differing() == [0]
 
 
 @needs_interp
@@ -477,7 +546,7 @@ def test_the_kernel_compiles_for_a_hopper_gpu(monkeypatch: pytest.MonkeyPatch) -
         pytest.skip("this Triton has no ahead-of-time compile API")
     fpkernel._kernel()  # binds triton.language for the kernel
     fn = triton.jit(fpkernel._piece_sums)
-    sig = {"ptrs": "*i64", "nwords": "*i32", "out": "*i64", "BLOCK": "constexpr"}
+    sig = {"ptrs": "*i64", "nwords": "*i32", "key": "*i64", "out": "*i64", "BLOCK": "constexpr"}
     sig["ALIGNED"] = "constexpr"
     for aligned in (True, False):
         src = ASTSource(
