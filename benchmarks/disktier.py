@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import GB, GiB, gen, logger, timed, write_config
+from worker_ext import settings
 
 log = logger("bench", clock=True)
 READ_BYTES = 64 << 20
@@ -313,7 +314,7 @@ def main() -> int:
         return float(args.budget_s) - (time.monotonic() - t_start)
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("HOTSWAP_PIN_HOST_BACKUP", "lazy")  # warmed explicitly, timed
+    settings.tune(settings.Tuning(pin_early=False))  # warmed explicitly, timed
     os.environ.pop("HOTSWAP_DISK_DIR", None)  # off for the reload cycles
     import torch
 

@@ -8,7 +8,7 @@ from the host into the device by every combination of
 - host memory: torch's pinned tensor (cudaHostAlloc), cudaHostAlloc itself (also
   write-combined), worker_ext.cudart.HostBuffer as the cumem backend makes it (anonymous
   mmap, huge pages asked for, touched and cudaHostRegister'ed in REGISTER_BYTES pieces by
-  HOTSWAP_PIN_THREADS threads) and its variants (one thread, no huge pages, one
+  the tuning's pin_threads threads) and its variants (one thread, no huge pages, one
   registration of the whole buffer, threads bound to the GPU's NUMA node);
 - copy pattern: the raw path's (cumem `_queue`: CHUNK_BYTES copies round-robin on two
   streams, or one), the coded pieces into staging slots (one or two streams), into one

@@ -14,16 +14,15 @@ disk, so that level 2 reloads real safetensors through vLLM's reload_weights; on
 server at tensor parallel 2 with the test extension (tests/worker_ext/hsext.py:
 HotSwapExtension plus test seams: the barrier delay, setting HOTSWAP_ variables); the
 sidecar (`python -m controller serve --engine llama=URL`, barrier timeout QUIESCE_S); 16
-greedy tokens and their logprobs; for each level in --levels, with the next --map-impls
-variant set in both workers: sleep (per-rank freed bytes from the transition, per-rank
-free device memory before and after from hotswap_info), wake while /health is polled
-(phases, per-rank RPC times and the workers' own step timings, per-rank verification),
-tokens compared; then (cuda) vLLM's own level-1 sleep and wake_up at TP2, timed from the
-client; last, the fault run: rank 1 held QUIESCE_S + 4 s before the barrier (its reply
-still comes long before the sidecar's HTTP timeout), so the sleep must answer 504
-BarrierTimeout naming [1] and leave the model FAILED. Per-rank wake time is the sum of that
-rank's resume and restore_and_verify RPC times, against its bound (its weights bytes / its
-GPU's H2D bandwidth with both GPUs copying).
+greedy tokens and their logprobs; for each level in --levels: sleep (per-rank freed bytes
+from the transition, per-rank free device memory before and after from hotswap_info), wake
+while /health is polled (phases, per-rank RPC times and the workers' own step timings,
+per-rank verification), tokens compared; then (cuda) vLLM's own level-1 sleep and wake_up at
+TP2, timed from the client; last, the fault run: rank 1 held QUIESCE_S + 4 s before the
+barrier (its reply still comes long before the sidecar's HTTP timeout), so the sleep must
+answer 504 BarrierTimeout naming [1] and leave the model FAILED. Per-rank wake time is the
+sum of that rank's resume and restore_and_verify RPC times, against its bound (its weights
+bytes / its GPU's H2D bandwidth with both GPUs copying).
 
 Prints tables and writes one JSON line to $OUT/tp2.jsonl; exit 1 if anything did not hold.
 """
@@ -408,18 +407,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 time.sleep(0.2)
             time.sleep(args.settle_s)  # (cuda) the extension pins its host buffer meanwhile
             baseline = complete(base)
-            from benchmarks.wake import map_env
-
-            for i, level in enumerate(args.levels):
-                impl = args.map_impls[i % len(args.map_impls)]
-                for name, value in map_env(impl).items():
-                    httpx.post(
-                        f"{base}/collective_rpc",
-                        json={"method": "hotswap_test_setenv", "args": [name, value]},
-                        timeout=60,
-                    ).raise_for_status()
+            for level in args.levels:
                 cyc = cycle(c, base, level)
-                cyc["map_impl"] = impl
                 cyc["tokens_equal"] = complete(base) == baseline
                 out["cycles"].append(cyc)
                 log(f"L{level}", json.dumps(cyc)[:1500])
@@ -489,7 +478,7 @@ def report(out: dict[str, Any]) -> bool:
     for c in out["cycles"]:
         for rank, st in sorted(c.get("wake_steps_by_rank", {}).items()):
             steps = ", ".join(f"{k} {v:.4f}" for k, v in st.items())
-            print(f"| {c['level']} ({c.get('map_impl')}) | {rank} | {steps} |")
+            print(f"| {c['level']} | {rank} | {steps} |")
     # vLLM's wake ends when its slowest rank does: held to the larger of the ranks' bounds
     weights = out["cycles"][0]["weights_bytes_by_rank"] if out["cycles"] else []
     wake_bound = max((wb / bw[k] for k, wb in enumerate(weights)), default=0.0) if bw else 0.0
@@ -522,13 +511,7 @@ def main() -> int:
     ap.add_argument(
         "--levels",
         type=lambda s: [int(x) for x in s.split(",")],
-        default=[1, 1, 1, 1, 1, 1, 2],  # two level-1 cycles per map variant, then 2
-    )
-    ap.add_argument(
-        "--map-impls",
-        type=lambda s: s.split(","),
-        default=["driver", "vllm", "driver/none"],
-        help="map variants (benchmarks.wake.map_env) per cycle, in turn, set in the workers",
+        default=[1, 1, 2],
     )
     ap.add_argument("--raw-cycles", type=int, default=2, help="vLLM's own L1 sleep/wake_up")
     ap.add_argument("--settle-s", type=float, default=5.0)

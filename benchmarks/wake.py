@@ -30,6 +30,7 @@ from typing import Any
 
 from benchmarks.common import GB, SHAPES, UTIL, GiB, gen, logger, rss, timed, write_config
 from controller import protocol
+from worker_ext import settings
 
 log = logger("bench", clock=False)
 
@@ -122,14 +123,11 @@ def tune_codec(
             gc.n_slots = max(2, slots)
         if align:
             gc.host_align = align
-        if b.settings.codec_copy_streams == 2:  # two copies in flight, two decoding
-            gc.n_slots = max(gc.n_slots, 4)
     b.codec_profile = profile
     return {
         "decoder": getattr(gc, "decoder", None),
         "slots": getattr(gc, "n_slots", None),
         "host_align": getattr(gc, "host_align", None),
-        "copy_streams": b.settings.codec_copy_streams,
         "profile": profile,
         "decoder_proof": proof,
     }
@@ -314,15 +312,6 @@ def fingerprint_bench(llm: Any, reps: int = 5) -> dict[str, Any]:
     return llm.collective_rpc(work)[0]  # type: ignore[no-any-return]
 
 
-def map_env(variant: str) -> dict[str, str]:
-    """The worker settings of a --map-impls variant: `vllm`, `driver`, or `driver/none`
-    (memory with no exportable handle type)."""
-    if variant not in ("vllm", "driver", "driver/none"):
-        raise ValueError(f"map variant {variant!r}: vllm | driver | driver/none")
-    impl, _, handles = variant.partition("/")
-    return {"HOTSWAP_MAP_IMPL": impl, "HOTSWAP_MAP_HANDLES": handles or "vllm"}
-
-
 def engine_kwargs(
     model: str,
     shape: str,
@@ -360,24 +349,14 @@ def main() -> int:
     ap.add_argument("--raw-cycles", type=int, default=1, help="per --asleep-s value")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument(
-        "--kv-modes",
-        default="wait,overlap",
-        help="HOTSWAP_RESUME_KV variants, each run for --cycles cycles, in this order",
-    )
-    ap.add_argument(
-        "--map-impls",
-        default="vllm",
-        help="how a resume maps records, variants in turn: vllm, driver, driver/none (map_env)",
-    )
-    ap.add_argument(
         "--verify-kernel",
         default="auto,off",
-        help="HOTSWAP_VERIFY_KERNEL values, each run for --cycles cycles per kv mode",
+        help="HOTSWAP_VERIFY_KERNEL values, each run for --cycles cycles",
     )
     ap.add_argument(
         "--protect",
         default="ranges",
-        help="HOTSWAP_PROTECT variants (ranges, objects), each run for --cycles cycles",
+        help="the tuning's protect variants (ranges, objects), each run for --cycles cycles",
     )
     ap.add_argument(
         "--prepare-levels",
@@ -397,13 +376,11 @@ def main() -> int:
         help="HOTSWAP_HOST_CODEC variants (exp, none), each run for --cycles cycles, in turn",
     )
     ap.add_argument(
-        "--codec-maps",
-        default="interleaved",
-        help="variants of the exp codec, in turn, each MAP[:DECODER[:SLOTS[:ALIGN[:STREAMS]]]]:"
-        " MAP a HOTSWAP_CODEC_MAP value (interleaved, first), DECODER the decode kernel"
-        " (planes, groups; default the codec's), SLOTS its staging slots, ALIGN the pieces'"
-        " offset alignment in the host copy (bytes; default the codec's), STREAMS"
-        " HOTSWAP_CODEC_COPY_STREAMS (1, 2; default 1)",
+        "--codec-variants",
+        default=":",
+        help="variants of the exp codec, in turn, each DECODER[:SLOTS[:ALIGN]]: DECODER the"
+        " decode kernel (planes, groups; empty: the codec's), SLOTS its staging slots, ALIGN"
+        " the pieces' offset alignment in the host copy (bytes; default the codec's)",
     )
     ap.add_argument(
         "--codec-profile",
@@ -428,13 +405,13 @@ def main() -> int:
     ap.add_argument(
         "--plan-reuse",
         default="1",
-        help="HOTSWAP_CODEC_PLAN_REUSE values for the exp codec (1, 0), comma-separated",
+        help="the tuning's codec_plan_reuse values for the exp codec (1, 0), comma-separated",
     )
     args = ap.parse_args()
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
     os.environ["HOTSWAP_HOST_CODEC"] = codecs[0]  # what the backend is made with
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("HOTSWAP_PIN_HOST_BACKUP", "lazy")  # warmed explicitly below, timed
+    settings.tune(settings.Tuning(pin_early=False))  # warmed explicitly below, timed
     import torch
     import vllm
     from vllm import LLM
@@ -501,42 +478,32 @@ def main() -> int:
     ours: list[dict[str, Any]] = []
     time_checks()
     kernels = [g.strip() for g in args.verify_kernel.split(",") if g.strip()]
-    modes = [m.strip() for m in args.kv_modes.split(",") if m.strip()]
-    impls = [m.strip() for m in args.map_impls.split(",") if m.strip()]
     protects = [p.strip() for p in args.protect.split(",") if p.strip()]
     plevels = [int(p) for p in args.prepare_levels.split(",") if p.strip()]
-    cmaps = [c.strip() for c in args.codec_maps.split(",") if c.strip()]
-    coded_variants = [f"exp/{m}" for m in cmaps]
+    cvars = [c.strip() for c in args.codec_variants.split(",") if c.strip()]
+    coded_variants = [f"exp/{m}" for m in cvars]
     fsleeps = [f.strip() not in ("0", "false") for f in args.fused_sleeps.split(",") if f]
     reuses = [r.strip() for r in args.plan_reuse.split(",") if r.strip()]
     variants = [
-        (c, m, i, k, a, pr, pl, fs, ru)
+        (c, k, a, pr, pl, fs, ru)
         for c in [v for hc in codecs for v in (coded_variants if hc == "exp" else [hc])]
         for fs in fsleeps
         for ru in (reuses if c.startswith("exp") else reuses[:1])
-        for m in modes
-        for i in impls
         for k in kernels
         for pr in protects
         for pl in plevels
         for a in asleeps
     ]
     first_sleep = True
-    for variant, mode, impl, vk, asleep, protect, plevel, fsleep, reuse in variants:
+    for variant, vk, asleep, protect, plevel, fsleep, reuse in variants:
         hc, _, cvar = variant.partition("/")
-        cmap, _, tune = cvar.partition(":")
-        decoder, _, tune = tune.partition(":")
-        slots, _, tune = tune.partition(":")
-        align, _, streams = tune.partition(":")
+        decoder, _, tune = cvar.partition(":")
+        slots, _, align = tune.partition(":")
         switched = os.environ.get("HOTSWAP_HOST_CODEC") != hc
         os.environ["HOTSWAP_HOST_CODEC"] = hc
-        os.environ["HOTSWAP_CODEC_MAP"] = cmap or "interleaved"
-        os.environ["HOTSWAP_CODEC_COPY_STREAMS"] = streams or "1"
-        os.environ["HOTSWAP_RESUME_KV"] = mode  # in-process worker
-        os.environ.update(map_env(impl))
-        os.environ["HOTSWAP_VERIFY_KERNEL"] = vk
-        os.environ["HOTSWAP_PROTECT"] = protect
-        os.environ["HOTSWAP_CODEC_PLAN_REUSE"] = reuse
+        os.environ["HOTSWAP_VERIFY_KERNEL"] = vk  # in-process worker
+        reused = reuse.lower() not in ("0", "false", "no", "off")
+        settings.tune(settings.Tuning(pin_early=False, protect=protect, codec_plan_reuse=reused))
         drv.use_env()  # the worker reads its settings once: hand it these
         if switched:  # a raw copy needs a bigger buffer: pin it now, not inside a sleep
             drv.warm()
@@ -598,8 +565,6 @@ def main() -> int:
                     "codec_tuned": tuned if hc == "exp" else None,
                     "codec_suspend": coded.get("last_suspend") if hc == "exp" else None,
                     "codec_wake": coded.get("last_wake") if profiled else None,
-                    "kv_mode": mode,
-                    "map_impl": impl,
                     "protect": protect,
                     "prepare_level": plevel,
                     "protected_bytes": (s.get("prepare") or {}).get("protected_bytes"),
@@ -625,7 +590,6 @@ def main() -> int:
             )
             log(
                 "ours",
-                mode,
                 f"protect={protect} prepare_level={plevel}",
                 f"protected_bytes={ours[-1]['protected_bytes']}",
                 f"protected_ranges={ours[-1]['protected_ranges']}",
@@ -766,7 +730,7 @@ def main() -> int:
                 else f"eager ({r['kernel_error'] or 'HOTSWAP_VERIFY_KERNEL=' + r['verify_kernel']})"
             )
             print(
-                f"| {r['kv_mode']}, {r['map_impl']} #{i + 1} | {r['asleep_s']:g} s"
+                f"| #{i + 1} | {r['asleep_s']:g} s"
                 f" | {w['weights']['elapsed_s']:.4f} s"
                 f" | {w['kv_cache']['elapsed_s']:.4f} s | {w['verify']['elapsed_s']:.4f} s"
                 f" | {r['check_s']:.4f} s | {r['wake_s']:.4f} s"
@@ -776,7 +740,7 @@ def main() -> int:
         print(
             "\nwake by step, inside the worker (s): weights = map each record and queue its"
             " copies; copies on GPU = CUDA events, first copy to last; wait = host wait for"
-            " them; kv = map the KV pool (its thread's CPU time; with the `driver` map, the"
+            " them; kv = map the KV pool (its thread's CPU time; the"
             " time in cuMemCreate / cuMemMap / cuMemSetAccess); after = vLLM side effects;"
             " rebind / restore / verify = restore_and_verify's steps (restore ends with a"
             " device sync)\n"
@@ -798,7 +762,7 @@ def main() -> int:
 
             steps = " / ".join(f(tk_, f"kv_cache_{k}_s") for k in ("create", "map", "access"))
             print(
-                f"| #{i + 1} ({r['map_impl']}, {'kernel' if r['kernel_used'] else 'eager'},"
+                f"| #{i + 1} ({'kernel' if r['kernel_used'] else 'eager'},"
                 f" asleep {r['asleep_s']:g} s) | {f(tw_, 'weights_s')}"
                 f" | {f(tk_, 'copies_gpu_s')} | {f(tk_, 'wait_copies_s')}"
                 f" | {f(tk_, 'kv_cache_s')} ({f(tk_, 'kv_cache_cpu_s')}) | {steps}"

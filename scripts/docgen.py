@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # (page, section name, module whose `python -m` prints the section)
 SECTIONS = [
     ("docs/settings.md", "sidecar settings", "controller.reference"),
+    ("docs/settings.md", "worker settings", "worker_ext.settings"),
 ]
 
 

@@ -889,14 +889,10 @@ class WakeQueue:
         self, gc: GpuCodec, plan: Plan, copy: Copy, dma: Any, dec: Any, profile: bool = False
     ) -> None:
         self.gc, self.plan, self._copy = gc, plan, copy
-        # `dma`: one stream, or a list whose streams take the pieces' copies in turn (two
-        # copies in flight at once; each slot's next copy still waits for its decode)
-        self._dmas: list[Any] = list(dma) if isinstance(dma, (list, tuple)) else [dma]
-        self.dma, self.dec = self._dmas[0], dec
+        self.dma, self.dec = dma, dec
         self._slots = gc.slots()
         self._free: list[Any] = [None] * len(self._slots)
         self._j = 0
-        self._staged: list[tuple[Piece, int, tuple[Any, ...]]] = []  # copied, not decoded
         self._prof: list[tuple[Any, ...]] | None = [] if profile else None
         self._sizes: list[tuple[int, int]] = []  # (coded, raw) bytes per piece, profiled
 
@@ -912,7 +908,7 @@ class WakeQueue:
     def _copy_in(self, piece: Piece) -> tuple[int, tuple[Any, ...]]:
         """Piece's bytes into the next slot on `dma` (after that slot's last decode)."""
         s = self._j % len(self._slots)
-        dma = self._dmas[self._j % len(self._dmas)]
+        dma = self.dma
         self._j += 1
         prof = self._prof is not None
         queued = self._event(dma) if prof else None
@@ -924,24 +920,10 @@ class WakeQueue:
         staged = self._event(dma) if prof else dma.record_event()
         return s, (queued, h0, staged)
 
-    def stage(self, piece: Piece) -> bool:
-        """Copy `piece` into a free slot now, before its record is mapped (its decode waits
-        for `queue(piece)`, in the same order); False when every slot is taken."""
-        if len(self._staged) >= len(self._slots):
-            return False
-        s, evs = self._copy_in(piece)
-        self._staged.append((piece, s, evs))
-        return True
-
     def queue(self, piece: Piece) -> None:
-        """Decode `piece` into its place (mapped by now) on `dec`, copying it first unless
-        it was staged; staged pieces are queued first, in the order they were staged."""
-        if self._staged:
-            if self._staged[0][0] is not piece:
-                raise RuntimeError("staged pieces are queued in the order they were staged")
-            _, s, evs = self._staged.pop(0)
-        else:
-            s, evs = self._copy_in(piece)
+        """Copy `piece` into the next slot, then decode it into its place (mapped by now)
+        on `dec`."""
+        s, evs = self._copy_in(piece)
         self.dec.wait_event(evs[2])
         prof = self._prof
         d0 = self._event(self.dec) if prof is not None else None

@@ -13,12 +13,11 @@ type: fabric (CU_MEM_HANDLE_TYPE_FABRIC) where the device reports fabric handle 
 else a POSIX file descriptor; vLLM retries with the file descriptor when the fabric
 request is refused (CUDA_ERROR_NOT_PERMITTED or NOT_SUPPORTED, e.g. no IMEX daemon).
 vLLM makes that refused call again for every record at every wake; this driver remembers
-the refusal and asks once. Measured on the lent H200s, which report fabric support and
-refuse it (docs/benchmarks.md): the refused call per record made mapping a Llama-3-8B KV
-pool cost 49-85 ms instead of 7-12 ms, and slowed the weights' map-and-copy loop enough
-that their copies ran at 1.13-1.14x instead of 1.00-1.01x the H2D bound.
+the refusal and asks once. On devices that report fabric support and refuse it, the
+refused call per record made mapping a KV pool several times slower and slowed the
+weights' map-and-copy loop (docs/benchmarks.md).
 
-Used by the cumem backend when HOTSWAP_MAP_IMPL=driver, and by benchmarks/mapping.py.
+Used by the cumem backend to map every record back, and by benchmarks/mapping.py.
 """
 
 from __future__ import annotations

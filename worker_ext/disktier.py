@@ -67,8 +67,8 @@ FORMAT_VERSION = 2  # 2: every piece starts on ALIGN in the file (1: pieces back
 ALIGN = 4096
 SUFFIX = ".hswt"
 _FIXED = struct.Struct("<8sIIII")
-# one pread: with 16 threads (HOTSWAP_DISK_THREADS) a warm file read at 45.2 GB/s on an H200
-# (16 x 64 MiB 41.0, 8 x 64 MiB 28.9, 16 x 256 MiB 33.8 GB/s: docs/benchmarks.md)
+# one pread: 16 MiB reads on 16 threads (settings.Tuning.disk_threads) read a warm file
+# fastest of the sizes tried (docs/benchmarks.md)
 READ_BYTES = 16 << 20
 WRITE_BYTES = 64 << 20  # one pwrite; a writer asked to stop stops between them
 TMP_SUFFIX = ".tmp"

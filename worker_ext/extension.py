@@ -432,10 +432,11 @@ class HotSwapExtension:
         return self._hotswap_state().backend.kv_keep_refusal()
 
     def _hotswap_protect_mode(self) -> str:
-        """`ranges` where the backend maps pools back in place and HOTSWAP_PROTECT is not
+        """`ranges` where the backend maps pools back in place and the tuning's protect is not
         `objects`; else `objects` (the host backend: docs/contracts.md §1.2)."""
         st = self._hotswap_state()
-        return "ranges" if st.backend.in_place and st.settings.protect == "ranges" else "objects"
+        by_range = st.backend.in_place and st.settings.tuning.protect == "ranges"
+        return "ranges" if by_range else "objects"
 
     def _hotswap_protection(
         self,
@@ -658,7 +659,7 @@ class HotSwapExtension:
         if not self._hotswap_demotable(snap):
             raise RuntimeError(
                 "demote: this sleep's prepare did not protect what a level-2 wake needs "
-                "(HOTSWAP_DEMOTABLE=0 or HOTSWAP_PROTECT=objects)"
+                "(HOTSWAP_DEMOTABLE=0 or protection by object)"
             )
         refusal = getattr(st.backend, "demote_refusal", None)
         why = refusal() if callable(refusal) else None

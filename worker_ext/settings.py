@@ -1,130 +1,240 @@
-"""The worker extension's settings, read once from the environment into a frozen object.
+"""The worker extension's settings: what an operator sets, and what benchmarks tune.
 
-The variables (README, "worker settings") are read when the extension's state is made in a
+`VARIABLES` is the one list of the `HOTSWAP_*` variables a worker reads: `WorkerSettings` is
+read from it, docs/settings.md's worker section is generated from it (scripts/docgen.py runs
+`python -m worker_ext.settings`), and a test holds the controller's allow-list (the
+variables an engine inherits) to it. They are read when the extension's state is made in a
 worker process (its first RPC) and never again: a running worker's environment does not
-change. Tests and benches that change a variable in a live worker hand the extension a new
-object (`_HotswapState.use_settings`).
+change. Tests and benches that change one in a live worker hand the extension a new object
+(`_HotswapState.use_settings`).
+
+`Tuning` holds the knobs the experiments behind each default turned (docs/benchmarks.md):
+no variable sets them. A benchmark that drives the worker in its own process sets them
+with `tune()` before the worker reads its settings.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 _OFF = ("0", "false", "no", "off")
 _ON = ("1", "true", "yes", "on")
 
 
-def _word(env: Mapping[str, str], name: str, default: str) -> str:
-    return env.get(name, default).strip().lower()
+@dataclass(frozen=True)
+class Tuning:
+    """Knobs set in-process only (`tune()`); each default is the measured choice."""
+
+    # pin the level-1 host buffer in the background when the backend is made (True) or at
+    # the first level-1 sleep (False); None: early when the buffer is kept after a wake
+    pin_early: bool | None = None
+    pin_threads: int = 4  # threads that populate and register the pinned buffer
+    # what a CUDA sleep protects: every at-risk byte by address range (ranges), or only the
+    # tensors the ownership walk reaches (objects); the host backend always uses objects
+    protect: str = "ranges"
+    # bytes the codec moves per copy: its sleep's GPU scratch is two such pieces
+    codec_piece_mib: int = 64
+    codec_slots: int = 2  # staging slots (one piece each) a coded or tier wake holds
+    # a coded sleep reuses the plan made ahead of time or the previous sleep's for the same
+    # records, proven by a check over every chunk before any record is released
+    codec_plan_reuse: bool = True
+    disk_threads: int = 16  # parallel reads of a tier file (disktier.READ_BYTES each)
+
+    def __post_init__(self) -> None:
+        bad = [
+            name
+            for name, ok in (
+                ("pin_threads", self.pin_threads >= 1),
+                ("protect", self.protect in ("ranges", "objects")),
+                ("codec_piece_mib", 2 <= self.codec_piece_mib <= 1024),
+                ("codec_slots", 2 <= self.codec_slots <= 64),
+                ("disk_threads", self.disk_threads >= 1),
+            )
+            if not ok
+        ]
+        if bad:
+            raise ValueError(f"tuning out of range: {bad} in {self}")
 
 
-def _choice(env: Mapping[str, str], name: str, allowed: tuple[str, ...], default: str) -> str:
-    value = _word(env, name, default)
-    return value if value in allowed else default
+_tuning = [Tuning()]
+
+
+def tune(tuning: Tuning) -> None:
+    """The tuning every later `WorkerSettings.from_env` in this process carries (benchmarks
+    that run the worker in their own process; nothing else calls it)."""
+    _tuning[0] = tuning
+
+
+def tuning() -> Tuning:
+    """The tuning `from_env` carries now."""
+    return _tuning[0]
+
+
+def _flag(default: bool) -> Callable[[str], bool]:
+    """On/off: a default-on flag is off only for an off word, a default-off one on only
+    for an on word."""
+
+    def parse(raw: str) -> bool:
+        word = raw.strip().lower()
+        return word not in _OFF if default else word in _ON
+
+    return parse
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        word = raw.strip().lower()
+        if word not in allowed:
+            raise ValueError(f"{raw!r} is not one of {allowed}")
+        return word
+
+    return parse
+
+
+def _verify_kernel(raw: str) -> str:
+    word = raw.strip().lower()
+    return "off" if word in _OFF else "on" if word in _ON else "auto"
+
+
+def _gigabytes(raw: str) -> int:
+    return max(0, int(float(raw) * 10**9))
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One `HOTSWAP_*` variable: the field it sets, its default as written in the
+    environment (a value `parse` refuses falls back to it) and what it is for."""
+
+    name: str
+    field: str
+    default: str
+    parse: Callable[[str], Any]
+    doc: str
+
+
+VARIABLES: tuple[Variable, ...] = (
+    Variable(
+        "HOTSWAP_KEEP_HOST_BACKUP",
+        "keep_host_backup",
+        "1",
+        _flag(True),
+        "keep the pinned host buffer of the level-1 weights (exactly their bytes, or their"
+        " coded size) after a wake for the next sleep, pinned in the background when the"
+        " extension starts; `0`: give it back when the wake's copies end (the next sleep"
+        " pins anew, and pays for it)",
+    ),
+    Variable(
+        "HOTSWAP_HOST_CODEC",
+        "host_codec",
+        "exp",
+        _choice("exp", "none"),
+        "`exp`: the level-1 host copy losslessly coded on the GPU (`worker_ext/codec.py`:"
+        " exponents by a per-chunk table, sign and mantissa raw), less host RAM and a"
+        " shorter wake than raw bytes (docs/benchmarks.md); `none`: raw bytes. If its"
+        " kernels fail their proof when the extension starts, raw bytes, said in"
+        " `hotswap_info`",
+    ),
+    Variable(
+        "HOTSWAP_VERIFY_KERNEL",
+        "verify_kernel",
+        "auto",
+        _verify_kernel,
+        "verify's fingerprint check as one Triton kernel on CUDA (`auto`; `on`: also on"
+        " CPU); `off`: the eager torch check (also the fallback if Triton is missing or"
+        " fails its self-check)",
+    ),
+    Variable(
+        "HOTSWAP_WARM_PREPARE",
+        "warm_prepare",
+        "1",
+        _flag(True),
+        "the first `hotswap_info` of an awake rank runs one level-1 prepare and drops it,"
+        " so that the first sleep does not pay the prepare's first-call costs (`0`: off);"
+        " its time is `warm_prepare` in `hotswap_info`",
+    ),
+    Variable(
+        "HOTSWAP_DEMOTABLE",
+        "demotable",
+        "0",
+        _flag(False),
+        "`1`: a level-1 sleep on CUDA also protects what a level-2 wake needs, so the"
+        " sidecar's host budget can demote the sleeper to level 2 (`hotswap_demote`); it"
+        " costs every level-1 sleep (docs/benchmarks.md), so the sidecar sets it for the"
+        " managed engines it starts when `swap.host_budget` is set; `0`: a demotion is"
+        " refused",
+    ),
+    Variable(
+        "HOTSWAP_DISK_DIR",
+        "disk_dir",
+        "",
+        str.strip,
+        "the level-2 disk tier's directory (`worker_ext/disktier.py`): a level-2 sleep"
+        " writes the weights' coded bytes there once, in the background, and a level-2 wake"
+        " reads them back instead of `reload_weights`; a file that does not match is"
+        " refused with its reason, deleted, and the weights are reloaded. Empty: no tier",
+    ),
+    Variable(
+        "HOTSWAP_DISK_BUDGET_GB",
+        "disk_budget_bytes",
+        "64",
+        _gigabytes,
+        "gigabytes the tier's files may take in that directory (the oldest go first; a file"
+        " larger than the budget is not written)",
+    ),
+)
 
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    keep_host_backup: bool = True  # HOTSWAP_KEEP_HOST_BACKUP: keep the pinned buffer after a wake
-    pin_mode: str = "early"  # HOTSWAP_PIN_HOST_BACKUP: early (background) | lazy (first sleep)
-    kv_map_mode: str = "wait"  # HOTSWAP_RESUME_KV: wait | overlap
-    map_impl: str = "driver"  # HOTSWAP_MAP_IMPL: driver (cudriver.py) | vllm (create_and_map)
-    map_handles: str = "vllm"  # HOTSWAP_MAP_HANDLES: vllm (exportable, as vLLM asks) | none
-    pin_threads: int = 4  # HOTSWAP_PIN_THREADS: threads that populate and register the buffer
-    resume_sync: bool = False  # HOTSWAP_RESUME_SYNC: a resume waits for its own copies
-    verify_kernel: str = "auto"  # HOTSWAP_VERIFY_KERNEL: auto (CUDA) | on (also CPU) | off
-    protect: str = "ranges"  # HOTSWAP_PROTECT: ranges (CUDA) | objects
-    # HOTSWAP_HOST_CODEC: exp (worker_ext/codec.py: the level-1 host copy coded on the GPU,
-    # measured fastest and lossless, docs/benchmarks.md) | none (raw bytes)
+    """What a worker reads from `VARIABLES` (one field each), and the process's tuning."""
+
+    keep_host_backup: bool = True
     host_codec: str = "exp"
-    # HOTSWAP_CODEC_PIECE_MIB: bytes the codec moves per copy; its GPU scratch is two
-    # pieces (double buffer), 2 x 64 MiB by default
-    codec_piece_mib: int = 64
-    # HOTSWAP_CODEC_SLOTS: staging slots of one piece each on the device while a coded
-    # sleep or wake runs (2..64); with HOTSWAP_CODEC_MAP=first a wake fills them all before
-    # it maps the weights, so their copies overlap the mapping
-    codec_slots: int = 2
-    # HOTSWAP_CODEC_COPY_STREAMS: 1 | 2 streams that take a coded wake's host-to-device
-    # copies in turn (2: two copies in flight, as the raw copies run; the wake then holds
-    # at least 4 slots); on an H200 one stream's copies of the coded pieces ran at 43 GB/s
-    codec_copy_streams: int = 1
-    # HOTSWAP_CODEC_MAP: interleaved (each record's pieces queued once it is mapped) |
-    # first (every staging slot filled from the host first, then every record mapped, then
-    # every piece decoded: no driver mapping call while the decoder runs)
-    codec_map: str = "interleaved"
-    # HOTSWAP_DISK_DIR: the level-2 disk tier's directory (worker_ext/disktier.py); empty:
-    # no tier, a level-2 wake reloads from the checkpoint as before
-    disk_dir: str = ""
-    # HOTSWAP_DISK_BUDGET_GB: bytes the tier's files may take in that directory (oldest go)
-    disk_budget_bytes: int = 64 * 10**9
-    # HOTSWAP_DISK_THREADS: parallel reads of a tier file (disktier.READ_BYTES each); on an
-    # H200 a warm file read at 45.2 GB/s with 16 x 16 MiB, 28.9 with 8 x 64 MiB
-    disk_threads: int = 16
-    # HOTSWAP_WARM_PREPARE: 1 (the first hotswap_info of an awake rank runs a sleep's prepare
-    # once and drops it, so the first real sleep does not pay its first-call costs) | 0
+    verify_kernel: str = "auto"
     warm_prepare: bool = True
-    # HOTSWAP_DEMOTABLE: 1 (CUDA, by range: a level-1 prepare also protects what a level-2
-    # wake needs, so hotswap_demote can release the host copy while asleep; it costs every
-    # level-1 sleep, so the sidecar sets it for its managed engines under a host budget) | 0
     demotable: bool = False
-    # HOTSWAP_CODEC_PLAN_REUSE: 1 (a coded sleep reuses the plan made ahead of time or the
-    # previous sleep's for the same records, proven by a check over every chunk before any
-    # record is released, else planned anew) | 0 (planned in every sleep, before its copies)
-    codec_plan_reuse: bool = True
+    disk_dir: str = ""
+    disk_budget_bytes: int = 64 * 10**9
+    tuning: Tuning = dataclasses.field(default_factory=Tuning)
+
+    @property
+    def pin_early(self) -> bool:
+        """Whether the host buffer is pinned when the backend is made."""
+        early = self.tuning.pin_early
+        return self.keep_host_backup if early is None else early
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerSettings:
-        """The settings in `env` (default: this process's environment); a value that is not
-        one of a setting's words falls back to its default, as each variable documents."""
+        """The settings in `env` (default: this process's environment) with this process's
+        tuning; a value a variable refuses falls back to its default."""
         env = os.environ if env is None else env
-        keep = _word(env, "HOTSWAP_KEEP_HOST_BACKUP", "1") not in _OFF
-        pin_default = "early" if keep else "lazy"
-        try:
-            threads = max(1, int(env.get("HOTSWAP_PIN_THREADS", "4")))
-        except ValueError:
-            threads = 4
-        kernel = _word(env, "HOTSWAP_VERIFY_KERNEL", "auto")
-        try:
-            piece_mib = min(1024, max(2, int(env.get("HOTSWAP_CODEC_PIECE_MIB", "64"))))
-        except ValueError:
-            piece_mib = 64
-        try:
-            slots = min(64, max(2, int(env.get("HOTSWAP_CODEC_SLOTS", "2"))))
-        except ValueError:
-            slots = 2
-        try:
-            copy_streams = min(2, max(1, int(env.get("HOTSWAP_CODEC_COPY_STREAMS", "1"))))
-        except ValueError:
-            copy_streams = 1
-        try:
-            budget = max(0, int(float(env.get("HOTSWAP_DISK_BUDGET_GB", "64")) * 10**9))
-        except ValueError:
-            budget = 64 * 10**9
-        try:
-            disk_threads = max(1, int(env.get("HOTSWAP_DISK_THREADS", "16")))
-        except ValueError:
-            disk_threads = 16
-        return cls(
-            keep_host_backup=keep,
-            pin_mode=_choice(env, "HOTSWAP_PIN_HOST_BACKUP", ("early", "lazy"), pin_default),
-            kv_map_mode=_choice(env, "HOTSWAP_RESUME_KV", ("wait", "overlap"), "wait"),
-            map_impl=_choice(env, "HOTSWAP_MAP_IMPL", ("vllm", "driver"), "driver"),
-            map_handles=_choice(env, "HOTSWAP_MAP_HANDLES", ("vllm", "none"), "vllm"),
-            pin_threads=threads,
-            resume_sync=_word(env, "HOTSWAP_RESUME_SYNC", "0") in _ON,
-            verify_kernel="off" if kernel in _OFF else "on" if kernel in _ON else "auto",
-            protect="objects" if _word(env, "HOTSWAP_PROTECT", "ranges") == "objects" else "ranges",
-            host_codec=_choice(env, "HOTSWAP_HOST_CODEC", ("exp", "none"), "exp"),
-            codec_piece_mib=piece_mib,
-            codec_slots=max(slots, 4) if copy_streams == 2 else slots,
-            codec_copy_streams=copy_streams,
-            codec_map=_choice(env, "HOTSWAP_CODEC_MAP", ("interleaved", "first"), "interleaved"),
-            disk_dir=env.get("HOTSWAP_DISK_DIR", "").strip(),
-            disk_budget_bytes=budget,
-            disk_threads=disk_threads,
-            warm_prepare=_word(env, "HOTSWAP_WARM_PREPARE", "1") not in _OFF,
-            demotable=_word(env, "HOTSWAP_DEMOTABLE", "0") in _ON,
-            codec_plan_reuse=_word(env, "HOTSWAP_CODEC_PLAN_REUSE", "1") not in _OFF,
-        )
+        values: dict[str, Any] = {}
+        for var in VARIABLES:
+            try:
+                values[var.field] = var.parse(env.get(var.name, var.default))
+            except ValueError:
+                values[var.field] = var.parse(var.default)
+        return cls(**values, tuning=tuning())
+
+
+def names() -> list[str]:
+    """Every variable a worker reads."""
+    return [v.name for v in VARIABLES]
+
+
+def markdown() -> str:
+    """docs/settings.md's worker table."""
+    rows = ["| variable | default | what it does |", "| --- | --- | --- |"]
+    for v in VARIABLES:
+        default = f"`{v.default}`" if v.default else "(none)"
+        rows.append(f"| `{v.name}` | {default} | {v.doc} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown())

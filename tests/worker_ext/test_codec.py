@@ -300,7 +300,7 @@ def _change(data: torch.Tensor, how: str, seed: int) -> None:
     ("how", "seed"), [("same", 0), ("mantissa", 0), ("fewer", 0), ("more", 0), ("more", 1)]
 )
 def test_reused_plan_kernel_check_and_exact_bytes(how: str, seed: int) -> None:
-    """A plan reused for bytes that changed since (HOTSWAP_CODEC_PLAN_REUSE): its check
+    """A plan reused for bytes that changed since (the tuning's codec_plan_reuse): its check
     passes exactly when every chunk's escapes fit what it laid out, and then the reused
     plan's pieces decode to the bytes there now, bit for bit; where the check refuses it,
     the encoder still never writes past a piece. A stale plan never yields a wrong byte:
@@ -416,14 +416,13 @@ class _Codec:
         self.log.append(f"decode p{piece.first} from slot {slot.i}")
 
 
-@pytest.mark.parametrize(("profile", "n_dma"), [(False, 1), (True, 1), (False, 2)])
-def test_wake_queue_stages_every_slot_then_decodes_in_order(
-    monkeypatch: pytest.MonkeyPatch, profile: bool, n_dma: int
+@pytest.mark.parametrize("profile", [False, True])
+def test_wake_queue_reuses_a_slot_after_its_decode(
+    monkeypatch: pytest.MonkeyPatch, profile: bool
 ) -> None:
-    """HOTSWAP_CODEC_MAP=first's queue: stage() fills the free slots (copies only, no
-    decode), queue() decodes the staged pieces in their order and refuses another, and a
-    later piece's copy into a reused slot waits for that slot's last decode; with two copy
-    streams (HOTSWAP_CODEC_COPY_STREAMS=2) the pieces' copies take them in turn."""
+    """The wake's queue copies each piece into the next slot and decodes it from there, in
+    order; a later piece's copy into a reused slot waits for that slot's last decode, and
+    every decode waits for its own piece's copy."""
     log: list[str] = []
     monkeypatch.setattr(codec.torch.cuda, "Event", lambda **_: _Ev(log))
     monkeypatch.setattr(codec.torch.cuda, "stream", lambda _s: contextlib.nullcontext())
@@ -433,23 +432,9 @@ def test_wake_queue_stages_every_slot_then_decodes_in_order(
         assert not to_host
         log.append(f"{stream} copies host {host_off} to slot {dev - 1000}")
 
-    dmas = [_Stream(f"dma{i}", log) for i in range(n_dma)]
-    dec = _Stream("dec", log)
-    gc = _Codec(log, 3)
-    dma_arg = dmas if n_dma > 1 else dmas[0]
-    wq = codec.WakeQueue(gc, None, copy, dma_arg, dec, profile=profile)  # type: ignore[arg-type]
-
-    def on(j: int) -> str:  # the stream that takes piece j's copy
-        return f"dma{j % n_dma}"
-
-    staged = [wq.stage(p) for p in pieces]
-    assert staged == [True, True, True, False, False]
-    assert not any(e.startswith("decode") for e in log)
-    assert [e for e in log if "copies" in e] == [
-        f"{on(j)} copies host {4 * j} to slot {j}" for j in range(3)
-    ]
-    with pytest.raises(RuntimeError, match="order"):
-        wq.queue(pieces[1])
+    dma, dec = _Stream("dma", log), _Stream("dec", log)
+    wq = codec.WakeQueue(_Codec(log, 3), None, copy, dma, dec, profile=profile)  # type: ignore[arg-type]
+    assert wq.n_slots == 3
     for p in pieces:
         wq.queue(p)
     decodes = [e for e in log if e.startswith("decode")]
@@ -457,14 +442,13 @@ def test_wake_queue_stages_every_slot_then_decodes_in_order(
     # piece 3's copy reuses slot 0: it waits for the event recorded after piece 0's decode
     d0 = log.index("decode p0 from slot 0")
     freed = next(e for e in log[d0:] if e.startswith("dec records")).split()[-1]
-    c3 = log.index(f"{on(3)} copies host 12 to slot 0")
-    assert f"{on(3)} waits {freed}" in log[d0:c3]
-    # every decode waits for its own piece's copy, recorded on the stream that copied it
+    c3 = log.index("dma copies host 12 to slot 0")
+    assert f"dma waits {freed}" in log[d0:c3]
     for j in range(5):
-        c = log.index(f"{on(j)} copies host {4 * j} to slot {j % 3}")
-        staged_ev = next(e for e in log[c:] if e.startswith(f"{on(j)} records")).split()[-1]
+        c = log.index(f"dma copies host {4 * j} to slot {j % 3}")
+        copied = next(e for e in log[c:] if e.startswith("dma records")).split()[-1]
         dj = log.index(f"decode p{j} from slot {j % 3}")
-        assert f"dec waits {staged_ev}" in log[c:dj]
+        assert f"dec waits {copied}" in log[c:dj]
 
 
 def test_rates_by_part_splits_pieces_in_order() -> None:

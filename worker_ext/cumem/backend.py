@@ -150,21 +150,19 @@ class CuMemBackend:
 
     def __init__(self, worker: Any, settings: WorkerSettings | None = None) -> None:
         import torch
-        from vllm.device_allocator.cumem import CuMemAllocator, create_and_map, unmap_and_release
+        from vllm.device_allocator.cumem import CuMemAllocator, unmap_and_release
 
         self._torch = torch
         self._worker = worker
         # read once (the environment when not given): docs in worker_ext/settings.py
         self.settings = settings if settings is not None else WorkerSettings.from_env()
         self._alloc = CuMemAllocator.get_instance()
-        self._create_and_map = create_and_map
         self._unmap_and_release = unmap_and_release
         device = getattr(worker, "device", None)
         self._device = device if device is not None else torch.device("cuda", 0)
         self.device = self._device
         self._cudart = CudaRT()
         self._streams: list[Any] = []
-        self._xstreams: list[Any] = []  # a coded wake's further H2D streams (settings)
         self._suspended: dict[str, str] = {}
         self._level: int | None = None
         # ptr -> (host buffer address, offset, size) of every record offloaded now
@@ -188,7 +186,7 @@ class CuMemBackend:
         self._kv_pin_s: float | None = None
         self._other_at_start = self._non_torch_bytes()  # the estimate's context share
         self._kernel_warm: dict[str, Any] | None = None
-        self._drivers: dict[bool, Driver] = {}  # by HOTSWAP_MAP_HANDLES == vllm
+        self._drivers: dict[bool, Driver] = {}  # by exportable (always: as vLLM asks)
         # HOTSWAP_HOST_CODEC=exp: the host copy coded on the GPU (worker_ext/codec.py)
         self._codec: codec.GpuCodec | None = None
         self._codec_warm: dict[str, Any] | None = None  # the kernels' proof, once made
@@ -218,7 +216,7 @@ class CuMemBackend:
         self._tier_sweep()
         self._tier_restored: dict[str, Any] | None = None
         self._get_codec()
-        if self.settings.pin_mode == "early":
+        if self.settings.pin_early:
             self.warm_host(wait=False)
         # verify's Triton check compiled now, not inside the first sleep's prepare
         if self.settings.verify_kernel != "off":
@@ -339,7 +337,7 @@ class CuMemBackend:
                 "last_wake": self._codec_wake,
             },
             "map": {
-                "impl": self.settings.map_impl,
+                "impl": "driver",
                 "drivers": {
                     d.handle_type: {"fabric_refused": d.fabric_refused, "rdma": d.rdma}
                     for d in self._drivers.values()
@@ -354,7 +352,7 @@ class CuMemBackend:
             self._cudart.set_device(self._device.index or 0)
             buf = HostBuffer(nbytes, self._cudart, self._device.index or 0)
             try:
-                pin_s = buf.pin(self.settings.pin_threads)
+                pin_s = buf.pin(self.settings.tuning.pin_threads)
             except Exception:
                 buf.free()
                 raise
@@ -406,9 +404,9 @@ class CuMemBackend:
         if self.settings.host_codec != "exp":
             return None
         if self._codec is None and self._codec_warm is None:
-            chunks = self.settings.codec_piece_mib * (1 << 20) // (2 * codec.CHUNK_WORDS)
+            chunks = self.settings.tuning.codec_piece_mib * (1 << 20) // (2 * codec.CHUNK_WORDS)
             self._codec, self._codec_warm = codec.warm(
-                self._device, max(1, chunks), slots=self.settings.codec_slots
+                self._device, max(1, chunks), slots=self.settings.tuning.codec_slots
             )
             if self._codec is None:
                 log.warning("hotswap: host codec off: %s", self._codec_warm.get("error"))
@@ -442,7 +440,7 @@ class CuMemBackend:
             self._codec,
             self._codec_plan,
             self._copier(self._host.ptr),
-            self._h2d_streams(),
+            self._get_streams()[0],
             dec,
             profile=self.codec_profile,
         )
@@ -694,15 +692,13 @@ class CuMemBackend:
                     plan = codec.Plan(
                         ranges, [], None, None, header.payload_bytes(), sum(key.sizes)
                     )
-                    dmas, dec = self._h2d_streams(), self._get_streams()[1]
+                    dma, dec = self._get_streams()[:2]
                     current = self._torch.cuda.current_stream(self._device)
-                    for s in [*dmas, dec]:
+                    for s in (dma, dec):
                         s.wait_stream(current)
                     self._codec_scratch = True
                     copy = self._copier(held["host"].ptr)
-                    wq.append(
-                        codec.WakeQueue(gc, plan, copy, dmas, dec, profile=self.codec_profile)
-                    )
+                    wq.append(codec.WakeQueue(gc, plan, copy, dma, dec, profile=self.codec_profile))
                 wq[0].queue(piece)
 
             def drain() -> None:
@@ -721,7 +717,7 @@ class CuMemBackend:
                     queue,
                     drain,
                     lambda: self._spans_digest(self._tier_spans),
-                    self.settings.disk_threads,
+                    self.settings.tuning.disk_threads,
                 )
             finally:  # refused midway: what was queued still reads the host buffer
                 if wq:
@@ -841,7 +837,7 @@ class CuMemBackend:
             self._cudart.set_device(self._device.index or 0)
             buf = HostBuffer(nbytes, self._cudart, self._device.index or 0)
             try:
-                pin_s = buf.pin(self.settings.pin_threads)
+                pin_s = buf.pin(self.settings.tuning.pin_threads)
             except Exception:
                 buf.free()
                 raise
@@ -956,18 +952,16 @@ class CuMemBackend:
 
     # -- copies --------------------------------------------------------------------------
 
-    def _mapper(self) -> tuple[Any, Driver | None]:
-        """The create-and-map function HOTSWAP_MAP_IMPL names, and its Driver if timed."""
-        if self.settings.map_impl != "driver":
-            return self._create_and_map, None
-        exportable = self.settings.map_handles == "vllm"
-        driver = self._drivers.get(exportable)
+    def _mapper(self) -> Driver:
+        """The driver that maps records back (exportable memory, as vLLM asks), its
+        per-call times reset."""
+        driver = self._drivers.get(True)
         if driver is None:
             index = self._device.index
             device = self._torch.cuda.current_device() if index is None else index
-            driver = self._drivers[exportable] = Driver(device, exportable=exportable)
+            driver = self._drivers[True] = Driver(device, exportable=True)
         driver.take_spent()
-        return driver.create_and_map, driver
+        return driver
 
     def _start_copies(self) -> Any:
         """Order the copy streams after the worker's current stream; the start event."""
@@ -984,15 +978,8 @@ class CuMemBackend:
             self._streams = [self._torch.cuda.Stream(self._device) for _ in range(N_STREAMS)]
         return self._streams
 
-    def _h2d_streams(self) -> list[Any]:
-        """A coded wake's host-to-device streams: the first copy stream and, with
-        HOTSWAP_CODEC_COPY_STREAMS=2, one more (the second copy stream runs the decodes)."""
-        while len(self._xstreams) < self.settings.codec_copy_streams - 1:
-            self._xstreams.append(self._torch.cuda.Stream(self._device))
-        return [self._get_streams()[0], *self._xstreams[: self.settings.codec_copy_streams - 1]]
-
     def _all_streams(self) -> list[Any]:
-        return [*self._get_streams(), *self._xstreams]
+        return self._get_streams()
 
     def _queue(self, dev: int, host: int, host_off: int, size: int, to_host: bool, k: int) -> int:
         """Queue one record's copies in CHUNK_BYTES pieces (cut at host-offset multiples, so
@@ -1225,7 +1212,7 @@ class CuMemBackend:
         queued on a stream of its own: (plan, (pinned flag, event)); (None, None) when there
         is none to reuse. The check reads the bytes beside the encodes (nothing writes them)."""
         keep = self._plan_keep
-        if not self.settings.codec_plan_reuse or keep is None or keep.ranges != ranges:
+        if not self.settings.tuning.codec_plan_reuse or keep is None or keep.ranges != ranges:
             return None, None
         try:
             plan = gc.reuse(keep)
@@ -1272,26 +1259,22 @@ class CuMemBackend:
         if unknown:
             raise ValueError(f"unknown tags {unknown}; expected a subset of {list(ALL_TAGS)}")
         t0 = time.perf_counter()
-        overlap = self.settings.kv_map_mode == "overlap"
-        only_discarded = all(self._suspended.get(t) != OFFLOADED for t in want)
-        # `wait`: copies still in flight finish before more is mapped (measured on an H200,
-        # 8B shape: mapping the KV pool record by record during the copy slowed it down).
-        # `overlap`: a resume that copies nothing maps during the DMA queued before it.
+        # copies still in flight finish before more is mapped: mapping the KV pool record by
+        # record during the weights' copy slowed the copy down (docs/benchmarks.md)
         timings: dict[str, float] = {}
-        if not (overlap and only_discarded):
-            waited = bool(self._pending)
-            t = time.perf_counter()
-            self.synchronize()
-            if waited:
-                timings["wait_copies_s"] = time.perf_counter() - t
-                if self.last_dma_s is not None:
-                    timings["copies_gpu_s"] = self.last_dma_s
+        waited = bool(self._pending)
+        t = time.perf_counter()
+        self.synchronize()
+        if waited:
+            timings["wait_copies_s"] = time.perf_counter() - t
+            if self.last_dma_s is not None:
+                timings["copies_gpu_s"] = self.last_dma_s
         before = self.memory()["free"]
         restored = dict.fromkeys(want, 0)
         # Weights first: their copies start at once and the KV mapping overlaps them.
         ordered = sorted(want, key=lambda t: (t != WEIGHTS, t))
         was_level = self._level
-        create_and_map, driver = self._mapper()
+        driver = self._mapper()
         start: Any = None  # CUDA event before the first copy, once one is queued
         k = 0
         wq: codec.WakeQueue | None = None
@@ -1300,30 +1283,12 @@ class CuMemBackend:
             if mode is None:
                 continue
             t, cpu = time.perf_counter(), time.thread_time()
-            later: list[codec.Piece] = []
-            first = self.settings.codec_map == "first"
-            if first and mode == OFFLOADED and self._coded:
-                # the first pieces go on the wire into the staging slots before any record
-                # is mapped; their decodes (and every other piece) once all are mapped
-                ahead = [
-                    piece
-                    for ptr, data in self._tag_records(tag)
-                    if data.is_asleep
-                    for piece in self._coded.get(ptr, ())
-                ]
-                if ahead:
-                    start = start if start is not None else self._start_copies()
-                    wq = wq if wq is not None else self._new_wake_queue()
-                    staged = 0
-                    while staged < len(ahead) and wq.stage(ahead[staged]):
-                        staged += 1
-                    timings[f"{tag}_staged_pieces"] = float(staged)
             # Each record's copies are queued as soon as it is mapped. (Mapping every
             # record first and then copying measured slower: docs/benchmarks.md.)
             for ptr, data in self._tag_records(tag):
                 if not data.is_asleep:
                     continue
-                create_and_map(data.handle)
+                driver.create_and_map(data.handle)
                 data.is_asleep = False
                 restored[tag] += int(data.handle[1])
                 if mode == OFFLOADED:
@@ -1332,18 +1297,11 @@ class CuMemBackend:
                     pieces = self._coded.pop(ptr, None)
                     if pieces is not None:  # coded: H2D into a slot, decode into place
                         wq = wq if wq is not None else self._new_wake_queue()
-                        if first:
-                            later.extend(pieces)  # queued once every record is mapped
-                        else:
-                            for piece in pieces:
-                                wq.queue(piece)
+                        for piece in pieces:
+                            wq.queue(piece)
                         continue
                     base, off, size = self._offloaded_layout.pop(ptr)
                     k = self._queue(ptr, base, off, size, False, k)
-            if later and wq is not None:
-                timings[f"{tag}_mapped_s"] = time.perf_counter() - t
-                for piece in later:
-                    wq.queue(piece)
             if wq is not None and self._codec is not None and tag == WEIGHTS:
                 timings["codec_scratch_bytes"] = float(self._codec.scratch_bytes(slots=wq.n_slots))
             if tag == WEIGHTS and mode == DISCARDED and self._tier_key is not None:
@@ -1351,9 +1309,8 @@ class CuMemBackend:
             timings[f"{tag}_s"] = time.perf_counter() - t
             # this thread's CPU time: far below the wall time means it waited (driver, GIL)
             timings[f"{tag}_cpu_s"] = time.thread_time() - cpu
-            if driver is not None:
-                for step, spent in driver.take_spent().items():
-                    timings[f"{tag}_{step}_s"] = spent
+            for step, spent in driver.take_spent().items():
+                timings[f"{tag}_{step}_s"] = spent
             del self._suspended[tag]
         if start is not None:
             current = torch.cuda.current_stream(self._device)
@@ -1371,8 +1328,6 @@ class CuMemBackend:
         timings["after_resume_s"] = time.perf_counter() - t
         if not self._suspended:
             self._level = None
-        if self.settings.resume_sync:
-            self.synchronize()
         return {
             "restored_bytes": restored,
             "memory_before": before,
