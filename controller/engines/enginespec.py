@@ -37,30 +37,18 @@ MANDATORY_ENV: Mapping[str, str] = {
 # It overrides --kv-cache-memory-bytes with whole GiB per engine (vllm/platforms/cpu.py).
 _DROPPED_ENV = ("VLLM_CPU_KVCACHE_SPACE",)
 # The only HOTSWAP_* variables an engine inherits: the worker extension's own settings
-# (docs/settings.md). Every other one is the sidecar's (its token among them) and stays out
-# of vLLM.
+# (worker_ext.settings.VARIABLES; a test holds this list to it, since the controller never
+# imports worker_ext). Every other one is the sidecar's (its token among them) and stays
+# out of vLLM.
 WORKER_ENV = frozenset(
     {
-        "HOTSWAP_PIN_HOST_BACKUP",
         "HOTSWAP_KEEP_HOST_BACKUP",
-        "HOTSWAP_PIN_THREADS",
+        "HOTSWAP_HOST_CODEC",
         "HOTSWAP_VERIFY_KERNEL",
-        "HOTSWAP_RESUME_KV",
-        "HOTSWAP_RESUME_SYNC",
-        "HOTSWAP_MAP_IMPL",
-        "HOTSWAP_MAP_HANDLES",
-        "HOTSWAP_PROTECT",
         "HOTSWAP_WARM_PREPARE",
         "HOTSWAP_DEMOTABLE",
-        "HOTSWAP_CODEC_PLAN_REUSE",
-        "HOTSWAP_HOST_CODEC",
-        "HOTSWAP_CODEC_PIECE_MIB",
-        "HOTSWAP_CODEC_SLOTS",
-        "HOTSWAP_CODEC_MAP",
-        "HOTSWAP_CODEC_COPY_STREAMS",
         "HOTSWAP_DISK_DIR",
         "HOTSWAP_DISK_BUDGET_GB",
-        "HOTSWAP_DISK_THREADS",
     }
 )
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -26,6 +25,7 @@ from controller.engines.enginespec import WORKER_ENV, EngineSpec
 from controller.engines.launcher import EngineProcess
 from controller.engines.sockets import private_dir, process_group, socket_path, socket_peer_pid
 from controller.errors import EngineStartError
+from worker_ext import settings as worker_settings
 
 # A stand-in engine: answers GET /health on its Unix socket (stdlib only, starts in ~50 ms),
 # and forks a child that sleeps, like vLLM's EngineCore beside its API server. It writes its
@@ -428,8 +428,9 @@ def test_engines_inherit_no_sidecar_secret() -> None:
         "HOTSWAP_TOKEN": "s3cret",
         "HOTSWAP_SERVER__HOST": "0.0.0.0",
         "HOTSWAP_CONFIG_FILE": "/etc/hotswap/models.yaml",
-        "HOTSWAP_PIN_THREADS": "8",
-        "HOTSWAP_MAP_IMPL": "vllm",
+        "HOTSWAP_KEEP_HOST_BACKUP": "0",
+        "HOTSWAP_HOST_CODEC": "none",
+        "HOTSWAP_MAP_IMPL": "vllm",  # a worker variable retired: nothing reads it
     }
     spec = EngineSpec.from_command(
         "m", ["vllm.x"], Path("/s/m.sock"), {"HOTSWAP_VERIFY_KERNEL": "off"}
@@ -438,21 +439,20 @@ def test_engines_inherit_no_sidecar_secret() -> None:
     assert "s3cret" not in env.values()
     hotswap = {k: v for k, v in env.items() if k.startswith("HOTSWAP_")}
     assert hotswap == {
-        "HOTSWAP_PIN_THREADS": "8",
-        "HOTSWAP_MAP_IMPL": "vllm",
+        "HOTSWAP_KEEP_HOST_BACKUP": "0",
+        "HOTSWAP_HOST_CODEC": "none",
         "HOTSWAP_VERIFY_KERNEL": "off",
     }
     assert env["PATH"] == "/usr/bin"
 
 
-def test_every_worker_setting_reaches_a_managed_engine() -> None:
-    """Each HOTSWAP_* variable the worker extension reads (worker_ext/settings.py, read as
-    text: the controller never imports worker_ext) passes from the sidecar's environment to
-    the engines it starts; the codec's and the disk tier's were once left behind."""
-    source = (Path(__file__).parents[2] / "worker_ext" / "settings.py").read_text()
-    read = set(re.findall(r"\bHOTSWAP_[A-Z0-9_]+", source))
-    assert len(read) >= 10, read
-    assert read <= WORKER_ENV, sorted(read - WORKER_ENV)
+def test_the_allow_list_is_the_worker_settings() -> None:
+    """The allow-list is exactly the variables the worker extension reads (its one list,
+    worker_ext.settings.VARIABLES): each passes from the sidecar's environment to the
+    engines it starts (the codec's and the disk tier's were once left behind), and no
+    retired one does."""
+    read = set(worker_settings.names())
+    assert read == WORKER_ENV, (sorted(read - WORKER_ENV), sorted(WORKER_ENV - read))
     env = EngineSpec.from_command("m", ["vllm.x"], Path("/s/m.sock"), {}).env(
         {name: "1" for name in read}
     )
