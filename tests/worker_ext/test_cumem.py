@@ -1,0 +1,280 @@
+"""The CUDA backend (worker_ext.cumem) over a fake device: the allocator's records are host
+memory, the copies are memmoves, a release and a fresh mapping scribble over a record.
+
+The raw copy path's bookkeeping (the host buffer's layout, each record's `is_asleep`, the
+levels, a kept KV cache, the prepare run under the copies, a demotion) is checked on CPU;
+the copies' speed and the coded path are the GPU suite's (tests/gpu)."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from worker_ext.cudart import CudaRT
+from worker_ext.cudriver import Driver
+from worker_ext.settings import Tuning, WorkerSettings
+
+RELEASED, MAPPED = 0xEE, 0xDD  # what a released record, then a fresh mapping, holds
+
+
+class _Event:
+    def record(self, _stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, _other: Any) -> float:
+        return 0.0
+
+
+class _Stream:
+    cuda_stream = 7
+
+    def __init__(self, *_a: Any, **_k: Any) -> None:
+        pass
+
+    def wait_stream(self, _other: Any) -> None:
+        pass
+
+    def wait_event(self, _ev: Any) -> None:
+        pass
+
+    def record_event(self, ev: Any = None) -> Any:
+        return ev if ev is not None else _Event()
+
+    def synchronize(self) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class _Record:
+    tag: str
+    handle: tuple[int, int, int, int]
+    is_asleep: bool = False
+
+
+class _Allocator:
+    def __init__(self) -> None:
+        self.pointer_to_data: dict[int, _Record] = {}
+        self._keep: list[Any] = []
+
+    def add(self, tag: str, data: bytes) -> int:
+        buf = ctypes.create_string_buffer(data, len(data))
+        self._keep.append(buf)
+        ptr = ctypes.addressof(buf)
+        self.pointer_to_data[ptr] = _Record(tag, (0, len(data), ptr, 0))
+        return ptr
+
+    def read(self, ptr: int) -> bytes:
+        return ctypes.string_at(ptr, self.pointer_to_data[ptr].handle[1])
+
+
+def _scribble(handle: tuple[int, int, int, int], value: int) -> None:
+    ctypes.memset(handle[2], value, handle[1])
+
+
+class _Worker:
+    device = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def alloc(monkeypatch: pytest.MonkeyPatch) -> _Allocator:
+    """vLLM's allocator, the CUDA runtime, the driver and torch.cuda, faked."""
+    from vllm.device_allocator import cumem as vllm_cumem
+
+    fake = _Allocator()
+    monkeypatch.setattr(vllm_cumem.CuMemAllocator, "get_instance", staticmethod(lambda: fake))
+    monkeypatch.setattr(vllm_cumem, "unmap_and_release", lambda h: _scribble(h, RELEASED))
+
+    def rt_init(self: CudaRT, path: str | None = None) -> None:
+        pass
+
+    monkeypatch.setattr(CudaRT, "__init__", rt_init)
+    monkeypatch.setattr(
+        CudaRT, "memcpy_async", lambda _s, dst, src, n, _st: ctypes.memmove(dst, src, n)
+    )
+    for name in ("host_register", "host_unregister", "set_device"):
+        monkeypatch.setattr(CudaRT, name, lambda *_a: None)
+
+    def drv_init(self: Driver, device: int, exportable: bool = True, **_k: Any) -> None:
+        self.fabric_refused, self.rdma, self.spent = False, False, {}
+
+    monkeypatch.setattr(Driver, "__init__", drv_init)
+    monkeypatch.setattr(Driver, "handle_type", property(lambda _s: "posix_fd"))
+    monkeypatch.setattr(Driver, "create_and_map", lambda _s, h: _scribble(h, MAPPED))
+    monkeypatch.setattr(Driver, "take_spent", lambda _s: {})
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "Stream", _Stream)
+    monkeypatch.setattr(cuda, "Event", lambda **_k: _Event())
+    monkeypatch.setattr(cuda, "current_stream", lambda *_a: _Stream())
+    monkeypatch.setattr(cuda, "synchronize", lambda *_a: None)
+    monkeypatch.setattr(cuda, "mem_get_info", lambda *_a: (1 << 30, 2 << 30))
+    monkeypatch.setattr(cuda, "memory_snapshot", lambda: [])
+    monkeypatch.setattr(cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(cuda, "current_device", lambda: 0)
+    return fake
+
+
+def _backend(alloc: _Allocator, **tuning: Any) -> Any:
+    from worker_ext.cumem import CuMemBackend
+
+    settings = WorkerSettings(host_codec="none", verify_kernel="off", tuning=Tuning(**tuning))
+    return CuMemBackend(_Worker(), settings)
+
+
+def _model(alloc: _Allocator) -> dict[int, bytes]:
+    """Two weights records and two KV records, each of its own bytes."""
+    out = {}
+    for i, (tag, n) in enumerate([("weights", 4096), ("weights", 1000), ("kv_cache", 512)]):
+        data = bytes((i * 31 + j) % 251 for j in range(n))
+        out[alloc.add(tag, data)] = data
+    out[alloc.add("kv_cache", b"\x05" * 300)] = b"\x05" * 300
+    return out
+
+
+def _tags(alloc: _Allocator, tag: str) -> list[int]:
+    return sorted(p for p, d in alloc.pointer_to_data.items() if d.tag == tag)
+
+
+def test_a_level1_sleep_brings_the_weights_back_and_discards_the_kv_cache(
+    alloc: _Allocator,
+) -> None:
+    before = _model(alloc)
+    b = _backend(alloc)
+    assert b.pools() == {"weights": 5096, "kv_cache": 812}
+    r = b.suspend(1, ["weights", "kv_cache"])
+    assert r["freed_bytes"] == {"weights": 5096, "kv_cache": 812}
+    assert r["offloaded_bytes"] == {"weights": 5096, "kv_cache": 0}
+    assert b.suspended() == {"weights": "offloaded", "kv_cache": "discarded"}
+    assert all(d.is_asleep for d in alloc.pointer_to_data.values())
+    assert all(alloc.read(p) == bytes([RELEASED]) * len(v) for p, v in before.items())
+    assert b.host_backup_bytes() == 5096
+    w = b.resume(["weights"])
+    k = b.resume(["kv_cache"])
+    b.synchronize()
+    assert (w["restored_bytes"], k["restored_bytes"]) == ({"weights": 5096}, {"kv_cache": 812})
+    for p in _tags(alloc, "weights"):
+        assert alloc.read(p) == before[p]
+    for p in _tags(alloc, "kv_cache"):
+        assert alloc.read(p) == bytes([MAPPED]) * len(before[p])  # mapped fresh, not copied
+    assert not any(d.is_asleep for d in alloc.pointer_to_data.values())
+    assert b.suspended() == {}
+    assert b.host_backup_bytes() == 5096  # kept for the next sleep
+
+
+def test_a_kept_kv_cache_comes_back_from_its_own_buffer(alloc: _Allocator) -> None:
+    before = _model(alloc)
+    b = _backend(alloc)
+    assert b.kv_keep_refusal() is None
+    b.prepare_kv_keep()
+    r = b.suspend(1, ["weights", "kv_cache"], keep_kv=True)
+    assert r["offloaded_bytes"] == {"weights": 5096, "kv_cache": 812}
+    assert r["kv_host_backup_bytes"] == 812
+    assert b.demote_refusal() == "demote: the KV cache is kept (offloaded) across this sleep"
+    b.resume(["weights", "kv_cache"])
+    b.synchronize()
+    assert all(alloc.read(p) == v for p, v in before.items())
+
+
+def test_a_level2_sleep_copies_nothing(alloc: _Allocator) -> None:
+    _model(alloc)
+    b = _backend(alloc, pin_early=False)
+    r = b.suspend(2, ["weights", "kv_cache"])
+    assert r["offloaded_bytes"] == {"weights": 0, "kv_cache": 0}
+    assert b.suspended() == {"weights": "discarded", "kv_cache": "discarded"}
+    assert b.host_backup_bytes() == 0
+    assert b.wake_scratch_bytes() == 0
+    b.resume(["weights", "kv_cache"])
+    assert all(
+        alloc.read(p) == bytes([MAPPED]) * d.handle[1] for p, d in alloc.pointer_to_data.items()
+    )
+
+
+def test_the_prepare_runs_under_the_copies_and_a_failed_one_releases_nothing(
+    alloc: _Allocator,
+) -> None:
+    before = _model(alloc)
+    b = _backend(alloc)
+    seen: list[bool] = []
+
+    def failing(go_on: Callable[[], None]) -> list[tuple[int, int]]:
+        go_on()
+        raise RuntimeError("the prepare failed")
+
+    with pytest.raises(RuntimeError, match="the prepare failed"):
+        b.suspend(1, ["weights", "kv_cache"], during=failing)
+    assert b.suspended() == {}
+    assert not any(d.is_asleep for d in alloc.pointer_to_data.values())
+    assert all(alloc.read(p) == v for p, v in before.items())
+
+    def prepare(go_on: Callable[[], None]) -> list[tuple[int, int]]:
+        seen.append(any(d.is_asleep for d in alloc.pointer_to_data.values()))
+        go_on()
+        return []
+
+    r = b.suspend(1, ["weights", "kv_cache"], during=prepare)
+    assert seen == [False]  # nothing released while the prepare ran
+    assert r["overlapped"] is True
+    assert "prepare_under_copies_s" in r["timings"]
+    b.resume(["weights", "kv_cache"])
+    b.synchronize()
+    for p in _tags(alloc, "weights"):
+        assert alloc.read(p) == before[p]
+
+
+def test_a_demoted_sleep_wakes_without_a_copy(alloc: _Allocator) -> None:
+    _model(alloc)
+    b = _backend(alloc)
+    with pytest.raises(RuntimeError, match="not offloaded at level 1"):
+        b.demote()
+    b.suspend(1, ["weights", "kv_cache"])
+    out = b.demote()
+    assert out["freed_bytes"] == {"weights": 5096}
+    assert b.suspended() == {"weights": "discarded", "kv_cache": "discarded"}
+    assert b.host_backup_bytes() == 0
+    b.resume(["weights", "kv_cache"])
+    for p in _tags(alloc, "weights"):
+        assert alloc.read(p) == bytes([MAPPED]) * alloc.pointer_to_data[p].handle[1]
+
+
+def test_drop_backup_frees_the_kept_buffers_only_while_awake(alloc: _Allocator) -> None:
+    _model(alloc)
+    b = _backend(alloc)
+    b.suspend(1, ["weights"])
+    with pytest.raises(RuntimeError, match="pools asleep"):
+        b.drop_backup()
+    b.resume(["weights"])
+    assert b.drop_backup() == {"weights": 5096, "kv_cache": 0}
+    assert b.host_backup_bytes() == 0
+
+
+def test_refusals_leave_everything_as_it_was(alloc: _Allocator) -> None:
+    _model(alloc)
+    b = _backend(alloc)
+    with pytest.raises(ValueError, match="level must be 1 or 2"):
+        b.suspend(3, ["weights"])
+    with pytest.raises(ValueError, match="non-empty subset"):
+        b.suspend(1, ["lora"])
+    with pytest.raises(ValueError, match="unknown tags"):
+        b.resume(["lora"])
+    b.suspend(1, ["weights"])
+    with pytest.raises(RuntimeError, match="already suspended"):
+        b.suspend(1, ["weights"])
+    assert b.suspended() == {"weights": "offloaded"}
+
+
+def test_tag_of_finds_a_record_by_address(alloc: _Allocator) -> None:
+    _model(alloc)
+    b = _backend(alloc)
+    w = next(p for p in _tags(alloc, "weights") if alloc.pointer_to_data[p].handle[1] == 4096)
+    assert b.tag_of(w + 10, 100) == "weights"
+    assert b.tag_of(w + 4000, 200) == "unpooled"  # runs past the record's end
+    assert [t for _s, _e, t in b.records()].count("kv_cache") == 2
+    info = b.describe()
+    assert (info["records"], info["codec"]["setting"], info["map"]["impl"]) == (4, "none", "driver")
