@@ -20,7 +20,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from worker_ext import ownership, protect, snapshot
+from worker_ext import ownership, protect, snapshot, vllmcompat
 from worker_ext.barrier import Quiescer
 from worker_ext.hostpools import HostBackend
 from worker_ext.phase import RankPhase
@@ -152,6 +152,7 @@ class HotSwapExtension:
     def _hotswap_state(self) -> _HotswapState:
         st = self._hotswap_st
         if st is None:
+            vllmcompat.require()  # an untested vLLM: every RPC answers why (contracts §1.5)
             settings = WorkerSettings.from_env()  # read once for this worker's life
             st = _HotswapState(settings, self._hotswap_make_backend(settings))
             self._hotswap_st = st

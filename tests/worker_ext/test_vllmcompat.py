@@ -1,0 +1,55 @@
+"""The tested vLLM versions and the refusal of the others (docs/contracts.md §1.5)."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker_ext import vllmcompat
+
+
+def test_tested_versions_pass() -> None:
+    assert vllmcompat.refusal("0.26.0", "cuda", allow="") is None
+    assert vllmcompat.refusal("0.26.0", "cpu", allow="") is None
+    assert vllmcompat.refusal("0.32.0", "cpu", allow="") is None
+
+
+@pytest.mark.parametrize(
+    ("version", "plat"), [("0.33.0", "cpu"), ("0.25.1", "cpu"), ("0.32.0", "cuda"), ("x", "tpu")]
+)
+def test_an_untested_version_is_refused_with_the_reason(version: str, plat: str) -> None:
+    why = vllmcompat.refusal(version, plat, allow="")
+    assert why is not None
+    assert f"vLLM {version} on {plat} was not tested" in why
+    assert vllmcompat.ALLOW_ENV in why
+
+
+def test_the_override_lets_an_untested_version_through() -> None:
+    assert vllmcompat.refusal("0.33.0", "cpu", allow="1") is None
+
+
+def test_require_raises_for_the_running_vllm_when_untested(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(vllmcompat.ALLOW_ENV, raising=False)
+    monkeypatch.setattr(vllmcompat, "vllm_version", lambda: "0.99.0")
+    with pytest.raises(RuntimeError, match=r"vLLM 0\.99\.0 on .* was not tested"):
+        vllmcompat.require()
+
+
+def test_the_extension_refuses_every_rpc_on_an_untested_vllm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its state is made at the first RPC: there the version is checked, and the answer says
+    why (ok false) instead of a wake nobody verified for that allocator."""
+    from worker_ext.extension import HotSwapExtension
+
+    monkeypatch.delenv(vllmcompat.ALLOW_ENV, raising=False)
+    monkeypatch.setattr(vllmcompat, "vllm_version", lambda: "0.99.0")
+
+    class Bare(HotSwapExtension):
+        rank = 0
+
+    rep = Bare().hotswap_info()
+    assert rep["ok"] is False
+    assert "vLLM 0.99.0" in rep["error"]
+    assert "was not tested" in rep["error"]
