@@ -51,7 +51,7 @@ def refusal(version: str, plat: str, allow: str | None = None) -> str | None:
     """Why this package refuses `version` on `plat` (None: tested, or allowed by
     HOTSWAP_ALLOW_UNTESTED_VLLM=1)."""
     tested = TESTED.get(plat, frozenset())
-    if version in tested:
+    if version.split("+", 1)[0] in tested:  # a build's local label (+cu130, +cpu) aside
         return None
     if (allow if allow is not None else os.environ.get(ALLOW_ENV, "")) == "1":
         return None

@@ -11,6 +11,7 @@ def test_tested_versions_pass() -> None:
     assert vllmcompat.refusal("0.26.0", "cuda", allow="") is None
     assert vllmcompat.refusal("0.26.0", "cpu", allow="") is None
     assert vllmcompat.refusal("0.32.0", "cpu", allow="") is None
+    assert vllmcompat.refusal("0.26.0+cu130", "cuda", allow="") is None
 
 
 @pytest.mark.parametrize(
