@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-command GPU run on the lent device, from the repo root, after the vLLM bundle:
 #   . .gpu/install-vllm-bundle.sh || exit 1; bash benchmarks/run-on-device.sh STEP...
-# STEP: smoke | tests | disktier:SHAPE (benchmarks.disktier; DISKTIER_BUDGET_S, DISKTIER_ARGS) | bench:SHAPE[:via] (SHAPE tiny|llama3-8b|qwen25-14b, via
+# STEP: smoke | tests | vllmsleep:SHAPE (benchmarks.vllmsleep: vLLM's own wake through the hotswap
+# sleep-mode backend beside the sidecar's RPCs and cumem; VLLMSLEEP_ARGS) | disktier:SHAPE (benchmarks.disktier; DISKTIER_BUDGET_S, DISKTIER_ARGS) | bench:SHAPE[:via] (SHAPE tiny|llama3-8b|qwen25-14b, via
 # extension|backend; BENCH_ARGS adds benchmarks.wake options, e.g. "--kv-modes wait"; TESTS_K
 # is a pytest -k expression for the tests step, e.g. "flip or cycle") | sidecar:SHAPE (benchmarks.sidecar;
 # needs the controller's wheels on PYTHONPATH).
@@ -28,6 +29,8 @@ for step in "$@"; do
            (( budget >= ${BENCH_MIN_S:-90} )) || budget=${BENCH_MIN_S:-90}
            # shellcheck disable=SC2206  # BENCH_ARGS: extra words, e.g. "--kv-modes wait"
            cmd=(python3 -m benchmarks.wake --shape "${shape:-llama3-8b}" --via "${via:-extension}" ${BENCH_ARGS:-}) ;;
+    vllmsleep) budget=${VLLMSLEEP_BUDGET_S:-200}
+           cmd=(python3 -m benchmarks.vllmsleep --shape "${shape:-llama3-8b}" ${VLLMSLEEP_ARGS:-}) ;;
     disktier) budget=${DISKTIER_BUDGET_S:-160}
            # benchmarks.disktier: its own --budget-s skips cycles 10 s before the step's limit
            # shellcheck disable=SC2206  # DISKTIER_ARGS: extra words, e.g. "--readers 1,8"

@@ -83,11 +83,15 @@ SCALE_NAMES = (
 class GpuTestExtension(HotSwapExtension):
     _hotswap_test_mode: str | None = None  # protection forced by hotswap_test_protect
     _hotswap_test_corrupt: tuple[str, int] | None = None  # (pool, which) at verify
+    _hotswap_test_flip_armed = False  # hotswap_test_flip() at the next verify
 
     def _hotswap_protect_mode(self) -> str:
         return self._hotswap_test_mode or super()._hotswap_protect_mode()
 
     def _hotswap_before_verify(self) -> None:
+        flip, self._hotswap_test_flip_armed = self._hotswap_test_flip_armed, False
+        if flip:
+            self.hotswap_test_flip()  # a weight, after the write-back, before the fingerprints
         armed, self._hotswap_test_corrupt = self._hotswap_test_corrupt, None
         if armed is not None:
             t = planted()[armed[0]][armed[1]]
@@ -134,6 +138,13 @@ class GpuTestExtension(HotSwapExtension):
         t = planted()[pool][int(which)]
         self._hotswap_test_corrupt = (pool, int(which))
         return {"ptr": int(t.data_ptr()) + 7 * t.element_size()}
+
+    @rpc
+    def hotswap_test_flip_at_verify(self) -> dict[str, Any]:
+        """Arm: the next verify finds one weight bit flipped (hotswap_test_flip's), between
+        its write-back and its fingerprints (vLLM's own wake has no call in between)."""
+        self._hotswap_test_flip_armed = True
+        return {}
 
     @rpc
     def hotswap_test_checksum(self) -> dict[str, Any]:

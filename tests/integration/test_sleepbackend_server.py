@@ -10,6 +10,7 @@ the engine: the wake is never answered with success and no completion is answere
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -102,10 +103,8 @@ def test_a_flipped_byte_fails_closed(server: EngineProcess, baseline: Completion
     deadline = time.monotonic() + 120
     answered: list[Completion] = []
     while time.monotonic() < deadline and server.is_alive():
-        try:
+        with contextlib.suppress(httpx.TransportError, httpx.HTTPStatusError):
             answered.append(complete(server, NAME, timeout_s=10.0))
-        except (httpx.TransportError, httpx.HTTPStatusError):
-            pass
         time.sleep(1.0)
     assert not server.is_alive(), "the engine still runs after a failed verify"
     assert not answered, f"{len(answered)} completion(s) answered after the failed verify"

@@ -1,0 +1,102 @@
+"""vLLM's own sleep and wake on a real GPU with only the `hotswap` sleep-mode backend
+(`worker_cls="worker_ext.HotSwapWorker"`, no sidecar; docs/contracts.md §1.4).
+
+`LLM.sleep(level)` and `LLM.wake_up(tags)` reach the backend through vLLM's engine core,
+executor and worker. Levels 1 and 2 with CUDA graphs give the same tokens and logprobs, the
+tensors planted where no walk reaches survive; a weight flipped before the verify ends the
+engine (no completion after it); Gemma3n's level 2 in vLLM's own order keeps its scales.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.gpu.conftest import Engine
+
+pytestmark = pytest.mark.gpu
+
+BACKEND = {"worker_cls": "worker_ext.HotSwapWorker"}
+GRAPHS = {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL"}, "enforce_eager": False}
+GEMMA_PROMPT = [2, 5, 9, 12, 7, 3]
+RELOAD = "hotswap_test_reload_host"
+
+
+def sums(eng: Engine) -> dict[str, list[float]]:
+    planted = eng.rpc("hotswap_test_planted")["planted"]
+    return {pool: [t["sum"] for t in ts] for pool, ts in planted.items()}
+
+
+@pytest.fixture(scope="module")
+def llama(model_dir: Callable[[str], Path], engines: Callable[..., Engine]) -> Engine:
+    return engines(model_dir("llama"), **GRAPHS, **BACKEND)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_vllms_own_sleep_and_wake_with_graphs(llama: Engine, level: int) -> None:
+    base = llama.gen()
+    llama.rpc("hotswap_test_planted", 1.25)
+    planted = sums(llama)
+    for cycle in range(2):
+        llama.llm.sleep(level)
+        asleep = llama.rpc("hotswap_info")
+        assert asleep["phase"] == "suspended", asleep["phase_reason"]
+        assert asleep["phase_level"] == level
+        if level == 2:  # vLLM's documented order: the verify runs in the last wake
+            llama.llm.wake_up(["weights"])
+            llama.llm.collective_rpc("reload_weights")
+            llama.llm.wake_up(["kv_cache"])
+        else:
+            llama.llm.wake_up()
+        awake = llama.rpc("hotswap_info")
+        assert awake["phase"] == "awake_verified", awake["phase_reason"]
+        assert awake["verified_transition"] == awake["transitions"]
+        assert sums(llama) == planted, f"level {level} cycle {cycle}"
+        assert llama.gen() == base, f"level {level} cycle {cycle}"
+
+
+def test_gemma3n_level2_through_vllms_calls_three_cycles(
+    model_dir: Callable[[str], Path], engines: Callable[..., Engine]
+) -> None:
+    """LLM.sleep(level=2), wake_up(tags=["weights"]), the reload (from a host copy: the tiny
+    config has no checkpoint), wake_up(tags=["kv_cache"]): 3 of 3 cycles keep the scales
+    vLLM's own level 2 zeroes (tests/gpu/test_gpu_gemma3n.py) and the tokens."""
+    eng = engines(model_dir("gemma3n"), load_format="dummy", max_num_seqs=1, **BACKEND)
+    eng.rpc("hotswap_test_keep_host_copy")
+    base = eng.gen(prompt=GEMMA_PROMPT)
+    scales = eng.rpc("hotswap_test_scales")["scales"]
+    assert any(k.endswith("embed_scale") for k in scales), scales
+    for cycle in range(3):
+        eng.llm.sleep(level=2)
+        eng.llm.wake_up(tags=["weights"])
+        eng.rpc(RELOAD)
+        eng.llm.wake_up(tags=["kv_cache"])
+        assert eng.rpc("hotswap_info")["phase"] == "awake_verified", f"cycle {cycle}"
+        assert eng.rpc("hotswap_test_scales")["scales"] == scales, f"cycle {cycle}"
+        assert eng.gen(prompt=GEMMA_PROMPT) == base, f"cycle {cycle}"
+
+
+def test_a_flipped_weight_fails_closed(
+    model_dir: Callable[[str], Path], engines: Callable[..., Engine]
+) -> None:
+    """The engine core (its own process here) ends at the verify: the wake never returns
+    as a success and no completion is answered after it. Last: the engine is gone."""
+    eng = engines(model_dir("llama"), **BACKEND)
+    eng.gen()
+    eng.llm.sleep(1)
+    eng.rpc("hotswap_test_flip_at_verify")
+    assert raised(eng.llm.wake_up) is not None, "the wake returned after a failed verify"
+    assert raised(eng.gen) is not None, "a completion was answered after a failed verify"
+
+
+def raised(fn: Callable[[], Any]) -> BaseException | None:
+    """What `fn` raised (vLLM's EngineDeadError, or what wraps it), printed; None if not."""
+    try:
+        fn()
+    except Exception as exc:
+        print(f"{getattr(fn, '__name__', fn)} raised {type(exc).__name__}: {str(exc)[:300]}")
+        return exc
+    return None
