@@ -13,10 +13,11 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from controller.engines.enginespec import EngineSpec
-from controller.engines.sockets import free_port
+if TYPE_CHECKING:  # the launcher imports the controller's settings (pydantic-settings), which
+    # the device's in-process benches do not have: imported where an engine is launched
+    from controller.engines.enginespec import EngineSpec
 
 __all__ = ["GB", "SHAPES", "UTIL", "GiB", "free_port", "gen", "rss", "timed", "write_config"]
 
@@ -149,6 +150,13 @@ def logger(tag: str, *, clock: bool = True) -> Callable[..., None]:
     return log
 
 
+def free_port() -> int:
+    """A free loopback port (controller.engines.sockets.free_port, imported when asked)."""
+    from controller.engines.sockets import free_port as pick
+
+    return pick()
+
+
 def gpu_engine(
     model: str,
     port: int,
@@ -165,6 +173,8 @@ def gpu_engine(
     """A CUDA vLLM OpenAI server with sleep mode and the extension, bf16, token ids only;
     `dummy`: random weights (no checkpoint read); `eager` False: vLLM's default compile and
     CUDA-graph capture (the launcher's argv without `--enforce-eager`)."""
+    from controller.engines.enginespec import EngineSpec
+
     spec = EngineSpec(
         model=Path(model),
         port=port,
@@ -193,6 +203,8 @@ def sidecar(
 ) -> EngineSpec:
     """`hotswap serve --engine NAME=URL ...` on `port`, launched like an engine (its own
     process group, stopped by group)."""
+    from controller.engines.enginespec import EngineSpec
+
     argv = [sys.executable, "-m", "controller", "serve"]
     for name, url in engines:
         argv += ["--engine", f"{name}={url}"]

@@ -1,5 +1,5 @@
 """vLLM's own level-1 `wake_up` through the `hotswap` sleep-mode backend, against the
-sidecar's in-worker wake and plain vLLM (cumem), on one engine (docs/contracts.md §1.4):
+sidecar's in-worker wake and plain vLLM (cumem), on one engine (docs/contracts.md §1.5):
 
     python3 -m benchmarks.vllmsleep --shape llama3-8b [--cycles 3] [--graphs 0]
 

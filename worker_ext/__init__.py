@@ -16,7 +16,7 @@ def __getattr__(name: str) -> Any:
         from worker_ext.extension import HotSwapExtension
 
         return HotSwapExtension
-    if name == "HotSwapWorker":  # `--worker-cls worker_ext.HotSwapWorker` (docs/contracts.md §1.4)
+    if name == "HotSwapWorker":  # `--worker-cls worker_ext.HotSwapWorker` (docs/contracts.md §1.5)
         from worker_ext import sleepworker
 
         return sleepworker.HotSwapWorker

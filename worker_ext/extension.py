@@ -152,7 +152,7 @@ class HotSwapExtension:
     def _hotswap_state(self) -> _HotswapState:
         st = self._hotswap_st
         if st is None:
-            vllmcompat.require()  # an untested vLLM: every RPC answers why (contracts §1.5)
+            vllmcompat.require()  # an untested vLLM: every RPC answers why (contracts §1.6)
             settings = WorkerSettings.from_env()  # read once for this worker's life
             st = _HotswapState(settings, self._hotswap_make_backend(settings))
             self._hotswap_st = st

@@ -3,7 +3,7 @@
 vLLM runs every installed general plugin in each of its processes (the API server, the
 engine core, every worker) before it builds anything. Registering is all this does: it
 selects nothing, so an installed package changes no engine that does not ask for it
-(docs/contracts.md §1.4), and it never raises, so a vLLM this package does not support
+(docs/contracts.md §1.5), and it never raises, so a vLLM this package does not support
 still starts (its worker refuses, with the reason, only where `HotSwapWorker` is asked for).
 """
 

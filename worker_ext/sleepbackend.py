@@ -1,4 +1,4 @@
-"""`hotswap`: vLLM's sleep-mode backend that runs the verified path (docs/contracts.md §1.4).
+"""`hotswap`: vLLM's sleep-mode backend that runs the verified path (docs/contracts.md §1.5).
 
 vLLM's own `/sleep`, `/wake_up`, `LLM.sleep()` and `LLM.wake_up()` reach the worker's
 `sleep()`/`wake_up()`, which call its sleep-mode backend. This one drives the worker

@@ -1,7 +1,7 @@
 """`HotSwapWorker`: vLLM's worker with the `hotswap` sleep-mode backend bound to it.
 
 `--worker-cls worker_ext.HotSwapWorker` is the one flag an operator adds (docs/contracts.md
-§1.4): vLLM 0.26 to 0.32 cannot select a sleep-mode backend by name from the CLI or
+§1.5): vLLM 0.26 to 0.32 cannot select a sleep-mode backend by name from the CLI or
 `LLM(...)`, and a backend the factory makes has no worker to protect. The class is made per
 platform on first use (`worker_ext.HotSwapWorker`), from vLLM's own worker for it:
 

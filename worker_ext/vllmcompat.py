@@ -1,7 +1,7 @@
 """The vLLM versions this package was tested on, and every seam that depends on one.
 
 Everything that names a vLLM module, class or attribute for the sleep-mode backend lives
-here (docs/contracts.md §1.5), so that a new vLLM release is one table row and, where its
+here (docs/contracts.md §1.6), so that a new vLLM release is one table row and, where its
 internals moved, one function. Nothing here imports torch or vLLM at import time.
 """
 

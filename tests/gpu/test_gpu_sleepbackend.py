@@ -1,5 +1,5 @@
 """vLLM's own sleep and wake on a real GPU with only the `hotswap` sleep-mode backend
-(`worker_cls="worker_ext.HotSwapWorker"`, no sidecar; docs/contracts.md §1.4).
+(`worker_cls="worker_ext.HotSwapWorker"`, no sidecar; docs/contracts.md §1.5).
 
 `LLM.sleep(level)` and `LLM.wake_up(tags)` reach the backend through vLLM's engine core,
 executor and worker. Levels 1 and 2 with CUDA graphs give the same tokens and logprobs, the
@@ -9,6 +9,8 @@ engine (no completion after it); Gemma3n's level 2 in vLLM's own order keeps its
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests.gpu.conftest import Engine
+from worker_ext.sleepbackend import EXIT_STATUS
 
 pytestmark = pytest.mark.gpu
 
@@ -82,13 +85,24 @@ def test_gemma3n_level2_through_vllms_calls_three_cycles(
 def test_a_flipped_weight_fails_closed(
     model_dir: Callable[[str], Path], engines: Callable[..., Engine]
 ) -> None:
-    """The engine core (its own process here) ends at the verify: the wake never returns
-    as a success and no completion is answered after it. Last: the engine is gone."""
+    """The engine core (its own process here) ends at the verify with status 70; no
+    completion is answered after it. vLLM's in-process client leaves the in-flight
+    `wake_up` waiting for good (its SyncMPClient resolves no utility call of a dead engine),
+    so the wake runs in a thread here. Last: the engine is gone."""
     eng = engines(model_dir("llama"), **BACKEND)
     eng.gen()
     eng.llm.sleep(1)
     eng.rpc("hotswap_test_flip_at_verify")
-    assert raised(eng.llm.wake_up) is not None, "the wake returned after a failed verify"
+    client = eng.llm.llm_engine.engine_core
+    waker = threading.Thread(target=raised, args=(eng.llm.wake_up,), daemon=True)
+    waker.start()
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and not client.resources.engine_dead:
+        time.sleep(0.2)
+    assert client.resources.engine_dead, "the engine core still runs after a failed verify"
+    codes = [p.exitcode for p in client.resources.engine_manager.processes]
+    print("engine core exit codes:", codes)
+    assert codes == [EXIT_STATUS], codes
     assert raised(eng.gen) is not None, "a completion was answered after a failed verify"
 
 

@@ -1,5 +1,5 @@
 """vLLM's own `/sleep` and `/wake_up` on a real vLLM-CPU server started with the `hotswap`
-sleep-mode backend and no sidecar (docs/contracts.md §1.4), in the production layout (API
+sleep-mode backend and no sidecar (docs/contracts.md §1.5), in the production layout (API
 server, engine core, worker process).
 
 The one flag is `--worker-cls worker_ext.HotSwapWorker` (the test extension beside it only

