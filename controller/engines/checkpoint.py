@@ -1,0 +1,145 @@
+"""The sidecar's side of the driver's process checkpoint: which processes an engine has, and
+one call of the helper (`python -m controller.engines.cudackpt`) per operation.
+
+The helper runs in its own process so the sidecar never loads libcuda (docs/contracts.md
+§2.2); each call is bounded by `call_timeout_s` (the helper's lock has its own, shorter,
+bound) and a helper that outlives it is killed. Its one JSON line becomes a `CkptResult`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from controller.engines.reaper import members
+from controller.engines.sockets import process_group, socket_peer_pid
+
+log = logging.getLogger("hotswap.checkpoint")
+
+# The helper's codes that mean the engine cannot be checkpointed at all (a 422, not a failure).
+INCAPABLE = frozenset({"no-driver", "no-api", "no-cuda", "no-pids"})
+
+
+@dataclass(frozen=True)
+class CkptResult:
+    """One helper call's answer: per PID `cuda`, `state`, `bytes` (NVML; None: unknown)."""
+
+    ok: bool
+    code: str | None = None
+    error: str | None = None
+    pids: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+    @property
+    def cuda_pids(self) -> tuple[int, ...]:
+        return tuple(p for p, v in self.pids.items() if v.get("cuda"))
+
+    @property
+    def states(self) -> set[str]:
+        return {str(v.get("state")) for v in self.pids.values() if v.get("cuda")}
+
+    @property
+    def device_bytes(self) -> int | None:
+        """What the CUDA processes hold on the devices now; None when NVML could not say."""
+        held = [v.get("bytes") for v in self.pids.values() if v.get("cuda")]
+        if not held or any(b is None for b in held):
+            return None
+        return sum(int(b or 0) for b in held)
+
+    @property
+    def incapable(self) -> bool:
+        return not self.ok and self.code in INCAPABLE
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "code": self.code,
+            "error": self.error,
+            "elapsed_s": self.elapsed_s,
+            "pids": {str(p): dict(v) for p, v in self.pids.items()},
+        }
+
+
+class Checkpointer:
+    """Runs the helper. `env` adds to its environment (HOTSWAP_CUDACKPT_FAKE in CPU tests)."""
+
+    def __init__(
+        self,
+        *,
+        lock_timeout_s: float,
+        call_timeout_s: float,
+        env: Mapping[str, str] | None = None,
+        python: str = sys.executable,
+    ) -> None:
+        self.lock_timeout_s = lock_timeout_s
+        self.call_timeout_s = call_timeout_s
+        self.env = {**os.environ, **(env or {})}
+        self.python = python
+
+    async def call(self, op: str, pids: tuple[int, ...]) -> CkptResult:
+        """`op` (probe, state, checkpoint, restore) on `pids`; never raises for the driver's
+        answers: a helper that died or overran is a result with code "helper"."""
+        if not pids:
+            return CkptResult(False, "no-pids", "no process of the engine can be reached")
+        argv = [self.python, "-m", "controller.engines.cudackpt", op]
+        argv += ["--lock-timeout-ms", str(int(self.lock_timeout_s * 1000)), *map(str, pids)]
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=self.env,
+            cwd=_root(),
+        )
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), self.call_timeout_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            why = f"the checkpoint helper ({op}) did not answer within {self.call_timeout_s:g} s"
+            return CkptResult(False, "helper", why)
+        return parse(op, out, err, proc.returncode)
+
+
+def parse(op: str, out: bytes, err: bytes, code: int | None) -> CkptResult:
+    try:
+        raw = json.loads(out.decode().strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        tail = err.decode(errors="replace").strip()[-400:]
+        return CkptResult(False, "helper", f"the checkpoint helper ({op}) exited {code}: {tail}")
+    pids = {int(p): v for p, v in raw.get("pids", {}).items()}
+    return CkptResult(
+        bool(raw.get("ok")), raw.get("code"), raw.get("error"), pids, raw.get("elapsed_s", 0.0)
+    )
+
+
+def _root() -> str:
+    """The folder that holds the `controller` package, so `-m` finds this checkout's."""
+    return str(Path(__file__).resolve().parents[2])
+
+
+def group_pids(pgid: int | None) -> tuple[int, ...]:
+    """Every live process of an engine's process group (the keeper's, or the socket peer's)."""
+    return () if pgid is None else tuple(sorted(members(pgid)))
+
+
+def peer_group(uds: Path) -> int | None:
+    """The process group of whatever listens on `uds`: seen only in a shared process
+    namespace (else the peer's pid is 0 or not ours to read)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(2.0)
+        try:
+            s.connect(str(uds))
+            pid = socket_peer_pid(s)
+        except OSError:
+            return None
+    return process_group(pid) if pid > 0 else None

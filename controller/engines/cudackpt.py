@@ -1,0 +1,308 @@
+"""The CUDA driver's process checkpoint: `python -m controller.engines.cudackpt OP PID...`.
+
+The sidecar spawns this per call (docs/contracts.md §2.2) instead of loading libcuda itself:
+a process that ran `cuInit` must not fork a CUDA process, and the sidecar forks engines. This
+one runs `cuInit(0)`, calls the driver's checkpoint API on other processes and forks nothing.
+Standard library and ctypes only, like the keeper (`reaper`): it runs inside the vLLM image too.
+
+OPs: `probe`/`state` (which PIDs hold a CUDA context, their state, and the device bytes each
+holds as NVML counts them), `checkpoint` (lock every PID that holds a context, then checkpoint
+each: every one or none), `restore` (restore each checkpointed PID, then unlock each). It prints
+one JSON object: `ok`, `error` and `code` when not ok, `pids` ({PID: {cuda, state, bytes,
+error}}), `elapsed_s` (the driver calls' own time). Exit 0 when ok, 1 when not, 2 on usage.
+
+`HOTSWAP_CUDACKPT_FAKE=DIR` replaces the driver with `FakeDriver`, a file-backed stand-in for
+CPU tests: `DIR/cuda` lists the PIDs that hold a context ("PID [BYTES]" a line), `DIR/fail`
+names an OP to fail ("lock", "checkpoint", "restore", "unlock", or "OP PID" for one PID),
+`DIR/noapi` and `DIR/nodriver` make the driver lack the API or be absent; the states live in
+`DIR/state.json` across calls, as the real driver keeps them across helper processes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+USAGE = (
+    "usage: python -m controller.engines.cudackpt probe|state|checkpoint|restore "
+    "[--lock-timeout-ms N] PID..."
+)
+STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
+SYMBOLS = (
+    "cuCheckpointProcessLock",
+    "cuCheckpointProcessCheckpoint",
+    "cuCheckpointProcessRestore",
+    "cuCheckpointProcessUnlock",
+    "cuCheckpointProcessGetState",
+)
+
+
+class DriverError(Exception):
+    """A driver call that failed; `code` says which kind (the contract's codes)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _LockArgs(ctypes.Structure):
+    # CUcheckpointLockArgs: timeoutMs (0 = wait forever, never used here), then reserved.
+    _fields_ = [("timeoutMs", ctypes.c_uint), ("reserved0", ctypes.c_uint),
+                ("reserved1", ctypes.c_uint64 * 7)]  # fmt: skip
+
+
+class _NvmlProcess(ctypes.Structure):
+    # nvmlProcessInfo_t (v2 and v3 share the layout).
+    _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong),
+                ("gpuInstanceId", ctypes.c_uint), ("computeInstanceId", ctypes.c_uint)]  # fmt: skip
+
+
+class CudaDriver:
+    """libcuda's five checkpoint calls, and NVML's per-process device bytes."""
+
+    def __init__(self) -> None:
+        try:
+            self.lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            raise DriverError("no-driver", f"no CUDA driver: {exc}") from None
+        missing = [s for s in SYMBOLS if not hasattr(self.lib, s)]
+        if missing:
+            raise DriverError(
+                "no-api", f"the CUDA driver lacks {', '.join(missing)} (needs >= 570)"
+            )
+        rc = self.lib.cuInit(0)
+        if rc != 0:
+            raise DriverError("no-driver", f"cuInit(0) failed: {self._name(rc)}")
+
+    def _name(self, rc: int) -> str:
+        name = ctypes.c_char_p()
+        if self.lib.cuGetErrorName(rc, ctypes.byref(name)) == 0 and name.value:
+            return f"{name.value.decode()} ({rc})"
+        return f"CUresult {rc}"
+
+    def _call(self, code: str, fn: str, *args: Any) -> None:
+        rc = getattr(self.lib, fn)(*args)
+        if rc != 0:
+            raise DriverError(code, f"{fn}: {self._name(rc)}")
+
+    def state(self, pid: int) -> str:
+        st = ctypes.c_int(-1)
+        self._call("state", "cuCheckpointProcessGetState", pid, ctypes.byref(st))
+        return STATES.get(st.value, f"unknown({st.value})")
+
+    def lock(self, pid: int, timeout_ms: int) -> None:
+        args = _LockArgs(timeoutMs=timeout_ms)
+        self._call("lock", "cuCheckpointProcessLock", pid, ctypes.byref(args))
+
+    def checkpoint(self, pid: int) -> None:
+        self._call("checkpoint", "cuCheckpointProcessCheckpoint", pid, None)
+
+    def restore(self, pid: int) -> None:
+        self._call("restore", "cuCheckpointProcessRestore", pid, None)
+
+    def unlock(self, pid: int) -> None:
+        self._call("unlock", "cuCheckpointProcessUnlock", pid, None)
+
+    def device_bytes(self) -> dict[int, int] | None:
+        """Device bytes per PID over every GPU, as nvidia-smi shows them (None: no NVML)."""
+        try:
+            nvml = ctypes.CDLL("libnvidia-ml.so.1")
+            if nvml.nvmlInit_v2() != 0:
+                return None
+        except (OSError, AttributeError):
+            return None
+        try:
+            get = getattr(nvml, "nvmlDeviceGetComputeRunningProcesses_v3", None)
+            get = get or nvml.nvmlDeviceGetComputeRunningProcesses_v2
+            count = ctypes.c_uint()
+            if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+                return None
+            held: dict[int, int] = {}
+            for i in range(count.value):
+                dev = ctypes.c_void_p()
+                if nvml.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(dev)) != 0:
+                    return None
+                infos = (_NvmlProcess * 256)()
+                n = ctypes.c_uint(256)
+                if get(dev, ctypes.byref(n), infos) != 0:
+                    return None
+                for p in infos[: n.value]:
+                    held[p.pid] = held.get(p.pid, 0) + int(p.usedGpuMemory)
+            return held
+        finally:
+            nvml.nvmlShutdown()
+
+
+class FakeDriver:
+    """The driver as CPU tests see it: states and faults in files of one folder."""
+
+    def __init__(self, folder: str) -> None:
+        self.dir = Path(folder)
+        if (self.dir / "nodriver").exists():
+            raise DriverError("no-driver", "no CUDA driver: libcuda.so.1 not found (fake)")
+        if (self.dir / "noapi").exists():
+            raise DriverError("no-api", "the CUDA driver lacks cuCheckpointProcessLock (fake)")
+        self.cuda: dict[int, int] = {}
+        cuda = self.dir / "cuda"
+        for line in cuda.read_text().splitlines() if cuda.exists() else ():
+            parts = line.split()
+            if parts:
+                self.cuda[int(parts[0])] = int(parts[1]) if len(parts) > 1 else 1 << 30
+        path = self.dir / "state.json"
+        self.states = (
+            {int(k): v for k, v in json.loads(path.read_text()).items()} if path.exists() else {}
+        )
+
+    def _save(self) -> None:
+        (self.dir / "state.json").write_text(json.dumps(self.states))
+
+    def _op(self, op: str, pid: int, before: str, after: str) -> None:
+        fail = self.dir / "fail"
+        told = fail.read_text().split() if fail.exists() else []
+        if told and told[0] == op and (len(told) == 1 or int(told[1]) == pid):
+            if op == "checkpoint":
+                self.states[pid] = "locked"  # the driver leaves a failed checkpoint locked
+                self._save()
+            raise DriverError(op, f"cuCheckpointProcess{op.title()}: CUDA_ERROR_UNKNOWN (fake)")
+        if self.state(pid) != before:
+            raise DriverError(
+                op, f"cuCheckpointProcess{op.title()}: CUDA_ERROR_ILLEGAL_STATE (fake)"
+            )
+        self.states[pid] = after
+        self._save()
+
+    def state(self, pid: int) -> str:
+        if pid not in self.cuda:
+            raise DriverError("state", "cuCheckpointProcessGetState: CUDA_ERROR_NOT_FOUND (fake)")
+        return str(self.states.get(pid, "running"))
+
+    def lock(self, pid: int, timeout_ms: int) -> None:
+        self._op("lock", pid, "running", "locked")
+
+    def checkpoint(self, pid: int) -> None:
+        self._op("checkpoint", pid, "locked", "checkpointed")
+
+    def restore(self, pid: int) -> None:
+        self._op("restore", pid, "checkpointed", "locked")
+
+    def unlock(self, pid: int) -> None:
+        self._op("unlock", pid, "locked", "running")
+
+    def device_bytes(self) -> dict[int, int] | None:
+        return {p: (0 if self.states.get(p) == "checkpointed" else b) for p, b in self.cuda.items()}
+
+
+Driver = CudaDriver | FakeDriver
+
+
+def probe(drv: Driver, pids: list[int]) -> dict[int, dict[str, Any]]:
+    """Per PID: whether it holds a CUDA context (GetState answers), its state, its bytes."""
+    held = drv.device_bytes()
+    out: dict[int, dict[str, Any]] = {}
+    for pid in pids:
+        try:
+            out[pid] = {"cuda": True, "state": drv.state(pid)}
+        except DriverError as exc:
+            out[pid] = {"cuda": False, "state": None, "error": str(exc)}
+        out[pid]["bytes"] = None if held is None else held.get(pid, 0)
+    return out
+
+
+def _undo(steps: list[Callable[[], None]]) -> list[str]:
+    """Run every rollback step, newest first; the errors of those that failed."""
+    errors = []
+    for undo in reversed(steps):
+        try:
+            undo()
+        except DriverError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def checkpoint(drv: Driver, pids: list[int], timeout_ms: int) -> None:
+    """Lock every PID, then checkpoint each; on any failure undo what was done (every PID or
+    none). A failed rollback raises with code "rollback"."""
+    undo: list[Callable[[], None]] = []
+    try:
+        for pid in pids:
+            drv.lock(pid, timeout_ms)
+            undo.append(functools.partial(drv.unlock, pid))
+        for pid in pids:
+            try:
+                drv.checkpoint(pid)
+            except DriverError:
+                if drv.state(pid) == "checkpointed":  # it went through after all
+                    undo.append(functools.partial(drv.restore, pid))
+                raise
+            undo.append(functools.partial(drv.restore, pid))
+    except DriverError as exc:
+        left = _undo(undo)
+        if left:
+            raise DriverError("rollback", f"{exc}; the rollback failed: {'; '.join(left)}") from exc
+        raise
+
+
+def restore(drv: Driver, pids: list[int]) -> None:
+    """Restore every checkpointed PID, then unlock every locked one."""
+    for pid in pids:
+        if drv.state(pid) == "checkpointed":
+            drv.restore(pid)
+    for pid in pids:
+        if drv.state(pid) == "locked":
+            drv.unlock(pid)
+
+
+def run(op: str, pids: list[int], timeout_ms: int) -> dict[str, Any]:
+    t0 = time.monotonic()
+    try:
+        fake = os.environ.get("HOTSWAP_CUDACKPT_FAKE")
+        drv: Driver = FakeDriver(fake) if fake else CudaDriver()
+        init_s = time.monotonic() - t0
+        t0 = time.monotonic()
+        if op in ("checkpoint", "restore"):
+            found = probe(drv, pids)
+            cuda = [p for p in pids if found[p]["cuda"]]
+            if not cuda:
+                raise DriverError("no-cuda", "no process of the engine holds a CUDA context")
+            if op == "checkpoint":
+                checkpoint(drv, cuda, timeout_ms)
+            else:
+                restore(drv, cuda)
+        elapsed = time.monotonic() - t0
+        return {"ok": True, "pids": probe(drv, pids), "elapsed_s": elapsed, "init_s": init_s}
+    except DriverError as exc:
+        return {
+            "ok": False,
+            "code": exc.code,
+            "error": str(exc),
+            "elapsed_s": time.monotonic() - t0,
+        }
+
+
+def main(argv: list[str]) -> int:
+    timeout_ms = 10_000
+    if len(argv) >= 3 and argv[1] == "--lock-timeout-ms":
+        timeout_ms, argv = int(argv[2]), [argv[0], *argv[3:]]
+    if len(argv) < 2 or argv[0] not in ("probe", "state", "checkpoint", "restore"):
+        print(USAGE, file=sys.stderr)
+        return 2
+    try:
+        pids = [int(p) for p in argv[1:]]
+    except ValueError:
+        print(USAGE, file=sys.stderr)
+        return 2
+    result = run(argv[0], pids, timeout_ms)
+    result["pids"] = {str(k): v for k, v in result.get("pids", {}).items()}
+    print(json.dumps(result))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

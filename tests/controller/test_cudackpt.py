@@ -1,0 +1,106 @@
+"""The checkpoint helper and its sidecar seam, against the file-backed fake driver."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from controller.engines import cudackpt
+from controller.engines.checkpoint import Checkpointer
+
+
+@pytest.fixture
+def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "cuda").write_text("101 1000\n102 2000\n")
+    monkeypatch.setenv("HOTSWAP_CUDACKPT_FAKE", str(tmp_path))
+    return tmp_path
+
+
+def call(op: str, *pids: int) -> dict:
+    return cudackpt.run(op, list(pids), 500)
+
+
+def states(fake: Path) -> dict[str, str]:
+    return json.loads((fake / "state.json").read_text())
+
+
+def test_probe_tells_cuda_processes_and_their_bytes(fake: Path) -> None:
+    out = call("probe", 100, 101, 102)
+    assert out["ok"]
+    assert out["pids"][100]["cuda"] is False
+    assert out["pids"][101] == {"cuda": True, "state": "running", "bytes": 1000}
+
+
+def test_checkpoint_then_restore_every_process(fake: Path) -> None:
+    out = call("checkpoint", 100, 101, 102)
+    assert out["ok"], out
+    assert states(fake) == {"101": "checkpointed", "102": "checkpointed"}
+    assert out["pids"][101]["bytes"] == 0
+    out = call("restore", 100, 101, 102)
+    assert out["ok"], out
+    assert states(fake) == {"101": "running", "102": "running"}
+
+
+@pytest.mark.parametrize("fail", ["lock 102", "checkpoint 102", "checkpoint"])
+def test_a_failure_on_one_process_leaves_every_process_running(fake: Path, fail: str) -> None:
+    (fake / "fail").write_text(fail)
+    out = call("checkpoint", 101, 102)
+    assert not out["ok"]
+    assert out["code"] == fail.split()[0]
+    assert set(states(fake).values()) == {"running"}
+
+
+def test_a_failed_rollback_says_so(fake: Path) -> None:
+    (fake / "fail").write_text("unlock 101")
+    (fake / "cuda").write_text("101\n102\n")
+    # 101 locks, 102 cannot (already locked): the rollback unlocks 101, and that fails
+    (fake / "state.json").write_text(json.dumps({"102": "locked"}))
+    out = call("checkpoint", 101, 102)
+    assert not out["ok"]
+    assert out["code"] == "rollback"
+
+
+def test_a_failed_restore_is_reported(fake: Path) -> None:
+    assert call("checkpoint", 101, 102)["ok"]
+    (fake / "fail").write_text("restore 102")
+    out = call("restore", 101, 102)
+    assert not out["ok"]
+    assert out["code"] == "restore"
+
+
+@pytest.mark.parametrize(
+    ("file", "code"), [("noapi", "no-api"), ("nodriver", "no-driver"), (None, "no-cuda")]
+)
+def test_incapable(fake: Path, file: str | None, code: str) -> None:
+    if file:
+        (fake / file).write_text("")
+    out = call("checkpoint", 100)
+    assert out == {"ok": False, "code": code, "error": out["error"], "elapsed_s": out["elapsed_s"]}
+
+
+def test_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cudackpt.main([]) == 2
+    assert cudackpt.main(["freeze", "1"]) == 2
+    assert cudackpt.main(["probe", "x"]) == 2
+
+
+def test_checkpointer_runs_the_helper_as_a_process(fake: Path) -> None:
+    ck = Checkpointer(lock_timeout_s=1.0, call_timeout_s=60.0)
+
+    async def go() -> None:
+        res = await ck.call("checkpoint", (100, 101))
+        assert res.ok
+        assert res.cuda_pids == (101,)
+        assert res.states == {"checkpointed"}
+        assert res.device_bytes == 0
+        res = await ck.call("restore", (100, 101))
+        assert res.ok
+        assert res.states == {"running"}
+        none = await ck.call("probe", ())
+        assert none.incapable
+        assert none.code == "no-pids"
+
+    asyncio.run(go())
