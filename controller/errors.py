@@ -7,6 +7,7 @@ runner, controller.models.runner), and errors are mapped to HTTP status codes in
      ├── ModelNotFound                404
      ├── TransitionConflict           409  the opposite transition runs, or the state forbids it
      │    └── WakeRefused             409  the swap policy says no (the plan attached)
+     ├── DeepSleepRefused             422  a deep sleep cannot be done here (nothing changed)
      ├── Unauthorized                 401
      ├── DrainTimeout                 504  drain=wait gave up; still RUNNING, nothing touched
      ├── Refusal                      4xx/5xx  the gateway answers a /v1 request itself
@@ -198,3 +199,10 @@ class WakeRefused(TransitionConflict):
         out = super().to_dict()
         out["plan"] = self.plan
         return out
+
+
+class DeepSleepRefused(HotswapError):
+    """A deep sleep asked where it cannot be done (a CPU engine, no driver or no checkpoint
+    API, processes out of reach, fewer CUDA processes than ranks): the model is as it was."""
+
+    status = 422

@@ -194,6 +194,10 @@ class ModelSnapshot:
     # SUSPENDED: what the engine left on its devices at its last suspend (over its ranks, as
     # they report it; the policy's ModelView.asleep_bytes). None: awake, or not reported.
     resident_bytes: int | None = None
+    # SUSPENDED: its engine's processes are checkpointed by the driver (a deep sleep); and
+    # why the last deep sleep asked for did not go deep (None: it did, or none was asked).
+    deep: bool = False
+    deep_error: str | None = None
 
     @property
     def ready(self) -> bool:

@@ -7,7 +7,7 @@ or managed (its `command` is the argv the supervisor starts, on a socket of its 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, StringConstraints, field_validator, model_validator
 
@@ -111,6 +111,13 @@ class ModelSettings(BaseModel):
         "CUDA the prepare runs under the weights' copies), unless the sleep keeps the KV cache "
         "or is split by pool for an overlapped swap. False: hotswap_prepare then "
         "hotswap_suspend (an extension without hotswap_sleep).",
+    )
+    deep_sleep: Literal["off", "pressure", "always"] = Field(
+        "off",
+        description="The driver's process checkpoint after a sleep (docs/contracts.md §2.2): "
+        "off (only a sleep that asks `deep: true`), pressure (the swap policy may take it "
+        "deep before it evicts an awake model), always (every sleep of it is deep). Off by "
+        "default: a checkpointed sleeper holds what the GPU held in host RAM instead.",
     )
 
     @model_validator(mode="before")

@@ -74,6 +74,20 @@ class TimeoutSettings(BaseModel):
     shutdown_s: float = Field(
         30.0, ge=0, le=HOUR_S, description="How long shutdown waits for transitions in flight."
     )
+    checkpoint_lock_s: float = Field(
+        10.0,
+        gt=0,
+        le=HOUR_S,
+        description="A deep sleep's driver lock: a process inside a CUDA call is waited for "
+        "this long, then the sleep stays not deep (the lock's own timeout, never unbounded).",
+    )
+    checkpoint_s: float = Field(
+        300.0,
+        gt=0,
+        le=DAY_S,
+        description="One call of the checkpoint helper (lock, checkpoint or restore of every "
+        "process); past it the helper is killed and the model is FAILED (state unknown).",
+    )
 
 
 class LogSettings(BaseModel):

@@ -342,15 +342,17 @@ class SwapCoordinator(SwapView):
         reason: str = "request",
         kv_released: Callable[[], None] | None = None,
         keep_prefix_cache: bool | None = None,
+        deep: bool | None = None,
     ) -> Outcome:
         """Close the model's gateway admission, drain the gateway's requests per `drain`,
         then run the manager's sleep (which drains the engine itself); `kv_released`: the
-        sleep split by pool, called once its KV cache is off the device."""
+        sleep split by pool, called once its KV cache is off the device. `deep`: the
+        driver's checkpoint after it (None: the model's setting)."""
         mm = self.manager.get(name)
         if mm.snapshot().state is not State.RUNNING:
-            # noop, join or 409 as usual
+            # noop, join or 409 as usual (deep asked of a sleeper deepens it)
             return await mm.sleep(
-                level, drain, drain_timeout_s, keep_prefix_cache=keep_prefix_cache
+                level, drain, drain_timeout_s, keep_prefix_cache=keep_prefix_cache, deep=deep
             )
         if drain_timeout_s is None:
             if reason == "evict":
@@ -393,6 +395,7 @@ class SwapCoordinator(SwapView):
                     left,
                     kv_released=kv_released,
                     keep_prefix_cache=keep_prefix_cache,
+                    deep=deep,
                 )
                 self.host.slept(name, outcome)
         finally:
@@ -402,6 +405,7 @@ class SwapCoordinator(SwapView):
         self.learn_footprint(name, footprint_from_sleep(outcome.transition), "bytes freed at sleep")
         if outcome.transition is not None and outcome.transition.result == "ok":
             self.metrics.slept(name, reason)
-        if outcome.snapshot.resident_bytes is not None:
+        if outcome.snapshot.resident_bytes is not None and not outcome.snapshot.deep:
+            # (a deep sleeper's figure is NVML's after its checkpoint: not what it holds awake)
             self.fleet[name].holdings.left_on_device(outcome.snapshot.resident_bytes)
         return outcome

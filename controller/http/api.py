@@ -121,6 +121,13 @@ class SleepBody(BaseModel):
         "only); null: the model's setting.",
     )
 
+    deep: bool | None = Field(
+        None,
+        strict=True,
+        description="Checkpoint the engine's processes after the sleep, leaving the GPU "
+        "(docs/contracts.md §2.2); null: the model's deep_sleep. 422 where it cannot be.",
+    )
+
     @model_validator(mode="after")
     def _kept_at_level_1(self) -> SleepBody:
         if self.keep_prefix_cache and self.level == 2:
@@ -150,11 +157,16 @@ async def sleep_model(
         body_ = {"error": "ValidationError", "message": message, "model": name}
         return JSONResponse(body_, status_code=422)
     swap = ctx.coordinator
+    deep = await model.check_deep(req.deep)  # a refusal (422) before anything changes
     # None: the manager applies the model's default level and the drain timeout's default.
     if not wait:
         if swap is None:
             started = model.begin_sleep(
-                req.level, req.drain, req.drain_timeout_s, keep_prefix_cache=req.keep_prefix_cache
+                req.level,
+                req.drain,
+                req.drain_timeout_s,
+                keep_prefix_cache=req.keep_prefix_cache,
+                deep=deep,
             )
             return _accepted(name, started)
         now = _decide_now(model, Transition.SLEEP)
@@ -164,12 +176,17 @@ async def sleep_model(
             req.drain,
             req.drain_timeout_s,
             keep_prefix_cache=req.keep_prefix_cache,
+            deep=deep,
         )
         _background(ctx, sleep, f"sleep-{name}")
         return _accepted(name, now)
     if swap is None:
         outcome = await model.sleep(
-            req.level, req.drain, req.drain_timeout_s, keep_prefix_cache=req.keep_prefix_cache
+            req.level,
+            req.drain,
+            req.drain_timeout_s,
+            keep_prefix_cache=req.keep_prefix_cache,
+            deep=deep,
         )
     else:
         # Hot-swap mode: the gateway's requests in flight are drained too.
@@ -179,6 +196,7 @@ async def sleep_model(
             req.drain,
             req.drain_timeout_s,
             keep_prefix_cache=req.keep_prefix_cache,
+            deep=deep,
         )
     return JSONResponse(outcome_dict(name, outcome))
 

@@ -68,6 +68,8 @@ def snapshot_dict(s: ModelSnapshot) -> dict[str, Any]:
         "phase": s.phase,
         "keep_prefix_cache": s.keep_prefix_cache,
         "resident_bytes": s.resident_bytes,
+        "deep": s.deep,
+        "deep_error": s.deep_error,
         "extra": {"phase": s.phase} if s.phase is not None else {},  # the old place of `phase`
     }
 
@@ -105,6 +107,9 @@ def fleet_dict(rec: ModelRecord, settings: Settings) -> dict[str, Any]:
         "idle_sleep_s": idle_s,
         "idle_sleep_level": idle_level,
         "idle_slept_at": rec.swapping.idle_slept_at,
+        "deep_sleep": m.deep_sleep,
+        "deepable": rec.ckpt.deepable,
+        "deep_refused": rec.ckpt.refused,
     }
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from controller.config.modelsettings import ModelSettings
 from controller.config.settings import Settings, TimeoutSettings
+from controller.engines.checkpoint import Checkpointer
 from controller.engines.engine import EngineClient
 from controller.errors import ModelNotFound
 from controller.models.modelmanager import ModelManager
@@ -50,6 +51,11 @@ class Manager:
         self.metrics = metrics
         self.fleet = fleet if fleet is not None else Fleet(settings.models, clock=clock)
         self.tasks = tasks if tasks is not None else Tasks()
+        # The deep sleep's driver seam (§2.2): a helper process per call, never in this one.
+        self.checkpointer = Checkpointer(
+            lock_timeout_s=settings.timeouts.checkpoint_lock_s,
+            call_timeout_s=settings.timeouts.checkpoint_s,
+        )
         self._models: dict[str, ModelManager] = {
             m.name: ModelManager(
                 self.fleet[m.name],
@@ -59,6 +65,7 @@ class Manager:
                 self.tasks,
                 clock=clock,
                 monotonic=monotonic,
+                checkpointer=self.checkpointer,
             )
             for m in settings.models
         }

@@ -22,9 +22,11 @@ from typing import Any
 
 from controller import protocol
 from controller.config.settings import TimeoutSettings
+from controller.engines.checkpoint import Checkpointer
 from controller.engines.engine import EngineClient
 from controller.errors import DrainTimeout, EngineError, TransitionConflict
 from controller.models import steps
+from controller.models.deepsleep import DeepSleep
 from controller.models.footprints import copied_weights, freed_by_pool, pools_from_info
 from controller.models.reconciler import Reconciler
 from controller.models.record import ModelRecord
@@ -71,6 +73,7 @@ class ModelManager:
         *,
         clock: Clock = time.time,
         monotonic: Clock = time.monotonic,
+        checkpointer: Checkpointer | None = None,
     ) -> None:
         self.name = record.name
         self.record = record
@@ -80,8 +83,9 @@ class ModelManager:
         self.metrics = metrics
         self.tasks = tasks
         self.runner = Runner(record, engine, timeouts, metrics, clock=clock, monotonic=monotonic)
-        self.reconciler = Reconciler(record, engine, self.runner, timeouts)
         self._lock = asyncio.Lock()
+        self.deep = DeepSleep(record, checkpointer, metrics, self.runner, self._lock)
+        self.reconciler = Reconciler(record, engine, self.runner, timeouts, self.deep)
 
     def snapshot(self) -> ModelSnapshot:
         return self.record.snapshot
@@ -130,10 +134,12 @@ class ModelManager:
         drain_timeout_s: float | None = None,
         *,
         keep_prefix_cache: bool | None = None,
+        deep: bool = False,
     ) -> Outcome:
-        """Start a sleep in the background and return at once (the API's ?wait=false)."""
+        """Start a sleep in the background and return at once (the API's ?wait=false); a
+        deep one only after `check_deep` said yes."""
         action, _ = self._sleep_task(
-            level, drain, drain_timeout_s, keep_prefix_cache=keep_prefix_cache
+            level, drain, drain_timeout_s, keep_prefix_cache=keep_prefix_cache, deep=deep
         )
         return Outcome(action, self.record.snapshot, None)
 
@@ -149,14 +155,23 @@ class ModelManager:
         *,
         kv_released: Callable[[], None] | None = None,
         keep_prefix_cache: bool | None = None,
+        deep: bool | None = None,
     ) -> Outcome:
         """`kv_released`: suspend the KV cache alone first and call it then, before the
         weights are suspended (an overlapped swap, controller.fleet.swap). `keep_prefix_cache`
-        None: the model's setting (docs/contracts.md §1.3)."""
+        None: the model's setting (docs/contracts.md §1.3); `deep` None: its `deep_sleep`
+        (§2.2); deep asked of a model asleep, not deep, deepens it."""
+        want = await self.check_deep(deep)
+        if want and self.record.state is State.SUSPENDED and not self.snapshot().deep:
+            return Outcome(Action.BEGIN, await self.deepen(), self.record.snapshot.last_transition)
         action, task = self._sleep_task(
-            level, drain, drain_timeout_s, kv_released, keep_prefix_cache
+            level, drain, drain_timeout_s, kv_released, keep_prefix_cache, want
         )
         return await self._await(action, task)
+
+    async def check_deep(self, deep: bool | None) -> bool:
+        """Whether a sleep asked with `deep` is deep (DeepSleep.wanted: 422 where it cannot)."""
+        return await self.deep.wanted(deep)
 
     async def wake(self, *, room: Callable[[], Awaitable[None]] | None = None) -> Outcome:
         """`room`: awaited after the weights are back and before the KV cache is mapped
@@ -171,6 +186,7 @@ class ModelManager:
         drain_timeout_s: float | None,
         kv_released: Callable[[], None] | None = None,
         keep_prefix_cache: bool | None = None,
+        deep: bool = False,
     ) -> tuple[Action, asyncio.Task[Outcome] | None]:
         lvl = self.settings.default_level if level is None else level
         if lvl not in (1, 2):
@@ -186,7 +202,9 @@ class ModelManager:
             grace = drain_timeout_s
         if grace < 0:
             raise ValueError("drain_timeout_s must be >= 0")
-        return self._begin(Request.SLEEP, lambda: self._sleep(lvl, drain, grace, kv_released, keep))
+        return self._begin(
+            Request.SLEEP, lambda: self._sleep(lvl, drain, grace, kv_released, keep, deep)
+        )
 
     # ---- the sequences -------------------------------------------------------------------
 
@@ -197,6 +215,7 @@ class ModelManager:
         grace: float,
         kv_released: Callable[[], None] | None = None,
         keep_kv: bool = False,
+        deep: bool = False,
     ) -> Outcome:
         run = self.runner.begin("sleep", level, State.RUNNING)
         params = protocol.Params(
@@ -216,13 +235,17 @@ class ModelManager:
         )
         scratch = wake_scratch_bytes(reports.get(last.phase, ()))
         self.record.holdings.slept(copied_weights(sent), scratch)
+        changes: dict[str, Any] = {
+            "resident_bytes": resident_bytes(reports.get(last.phase, ())),
+            "deep": False,
+            "deep_error": None,
+        }
+        if deep:
+            if changes["resident_bytes"] is not None:  # what it holds beside its pools awake
+                self.record.holdings.left_on_device(changes["resident_bytes"])
+            changes |= await self.deep.after_sleep(run, params)
         rec = self.runner.finish(
-            run,
-            Event.SLEEP_DONE,
-            State.SUSPENDED,
-            level=level,
-            last_error=None,
-            resident_bytes=resident_bytes(reports.get(last.phase, ())),
+            run, Event.SLEEP_DONE, State.SUSPENDED, level=level, last_error=None, **changes
         )
         return Outcome(Action.BEGIN, self.record.snapshot, rec)
 
@@ -234,12 +257,24 @@ class ModelManager:
         )  # fmt: skip
         return exc
 
+    async def deepen(self) -> ModelSnapshot:
+        """Asleep, not deep: checkpoint its engine now (DeepSleep.deepen)."""
+        await self.deep.check()
+        return await self.deep.deepen()
+
     async def _wake(self, room: Callable[[], Awaitable[None]] | None = None) -> Outcome:
         async with self._lock:
-            # The level and the pools asleep are read under the lock: a demotion in flight
-            # (it holds the lock) turns a level-1 sleeper into a level-2 one first.
-            level = self.record.snapshot.level or 1
-            run = self.runner.begin("wake", level, State.SUSPENDED)
+            # The level, the pools asleep and whether it is deep are read under the lock: a
+            # demotion or a deepening in flight (each holds the lock) ends first.
+            level = self.record.snapshot.level
+            run = self.runner.begin("wake", level or 1, State.SUSPENDED)
+            if self.record.snapshot.deep:
+                await self._run_guarded(run, (self.deep.restore_step(),), protocol.Params())
+                if level is None:  # found deep by a restarted sidecar: the ranks say
+                    info = await self._run_guarded(run, (protocol.INFO,), protocol.Params())
+                    told = [getattr(r, "level", None) for r in info[protocol.INFO.phase]]
+                    level = max((lv for lv in told if lv), default=1)
+            level = level or 1
             params = protocol.Params(level=level, quiesce_timeout_s=self.timeouts.quiesce_s)
             sequence = steps.wake_sequence(
                 level, self.record.facts.asleep, room, fused=self.settings.fused_wake
@@ -368,6 +403,12 @@ class ModelManager:
             raise TransitionConflict(
                 f"cannot call {step.method} on {self.name}: an earlier RPC may have left its "
                 "reply queues out of step; nothing is sent until a new process answers",
+                model=self.name,
+            )
+        if rec.snapshot.deep:  # a checkpointed rank answers nothing
+            raise TransitionConflict(
+                f"cannot call {step.method} on {self.name}: it sleeps deep (its processes are "
+                "checkpointed by the driver); wake it first",
                 model=self.name,
             )
         busy = self._lock.locked() or rec.in_flight_task() is not None

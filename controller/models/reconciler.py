@@ -21,6 +21,7 @@ from controller.config.settings import TimeoutSettings
 from controller.engines.engine import EngineClient, RankError
 from controller.errors import EngineError
 from controller.models import steps
+from controller.models.deepsleep import DeepSleep
 from controller.models.reconcile import Do, Memory, Observation, Verdict, reconcile
 from controller.models.record import ModelRecord
 from controller.models.runner import AnyStep, PhaseFailed, Run, Runner
@@ -53,8 +54,14 @@ def finish_steps(verdict: Verdict) -> tuple[AnyStep, ...]:
 
 class Reconciler:
     def __init__(
-        self, record: ModelRecord, engine: EngineClient, runner: Runner, timeouts: TimeoutSettings
+        self,
+        record: ModelRecord,
+        engine: EngineClient,
+        runner: Runner,
+        timeouts: TimeoutSettings,
+        deep: DeepSleep | None = None,
     ) -> None:
+        self.deep = deep
         self.record = record
         self.engine = engine
         self.runner = runner
@@ -79,6 +86,14 @@ class Reconciler:
         in `last_error`."""
         run = self.runner.begin(kind)
         mem = self.memory(fresh)
+        asks = self.record.snapshot.deep or (kind == "start" and not fresh)
+        if self.deep is not None and asks and not self.record.facts.desynced:
+            # A checkpointed rank answers no RPC: the driver is asked first (§2.2).
+            said = await self.deep.read()
+            if said in ("deep", "mixed") or (said is None and self.record.snapshot.deep):
+                return self._deep_verdict(run, said, why, kind)
+            if said == "awake" and self.record.snapshot.deep:
+                self.record.update(deep=False)
         obs = await self._observe(run)
         verdict = reconcile(obs, mem)
         if verdict.do is Do.PROBE:
@@ -91,6 +106,33 @@ class Reconciler:
         self._remember(verdict)
         await self._apply(run, verdict, why, always=kind == "start", failure=failure)
         return verdict
+
+    def _deep_verdict(self, run: Run, said: str | None, why: str, kind: str) -> Verdict:
+        """The driver says the engine is checkpointed (SUSPENDED, deep, nothing sent), its
+        processes disagree, or, for a model known deep, nothing can be read (FAILED)."""
+        snap = self.record.snapshot
+        if said == "deep":
+            v = Verdict("deep", State.SUSPENDED, Do.NONE, "checkpointed", level=snap.level)
+            if snap.state is State.SUSPENDED and snap.deep and kind != "start":
+                self.runner.discard()
+                return v
+            log.info("%s: reconciled (%s): deep asleep (driver state)", self.name, why)
+            changes: dict[str, Any] = {"deep": True, "level": snap.level, "verified": False}
+            if snap.state is State.SUSPENDED:
+                self.runner.finish_same(run, **changes)
+            else:
+                self.runner.finish(run, Event.PROBED_SUSPENDED, State.SUSPENDED, **changes)
+            return v
+        reason = (
+            "the engine's CUDA processes disagree (some checkpointed, some not)"
+            if said == "mixed"
+            else "a deep sleeper's processes cannot be read back by the driver"
+        )
+        self.runner.finish(
+            run, Event.FAIL, State.FAILED, "failed", error=f"reconcile: {reason}",
+            failed_phase="reconcile", verified=False, last_error=f"reconcile: {reason}",
+        )  # fmt: skip
+        return Verdict("deep-" + (said or "unread"), State.FAILED, Do.NONE, reason)
 
     # ---- reading -------------------------------------------------------------------------
 

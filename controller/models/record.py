@@ -8,7 +8,8 @@ own methods, which notify:
   state changes, controller.models.runner) and the model's manager (which starts transitions);
 - `facts`: what is known of the engine process (controller.models.enginefacts);
 - `holdings`: the bytes its engine holds where (controller.models.holdings);
-- `lane`, `swapping`, `process`: the fleet room's parts (controller.models.fleetparts).
+- `lane`, `swapping`, `process`: the fleet room's parts (controller.models.fleetparts);
+- `ckpt`: whether its engine can sleep deep, and its CUDA processes (controller.models.ckptfacts).
 
 Whoever waits for a change awaits `wait_for(predicate)` on the record or on the `Fleet`,
 so nothing polls (controller.models.changes).
@@ -23,6 +24,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from controller.models.changes import Changes
+from controller.models.ckptfacts import CheckpointFacts
 from controller.models.enginefacts import EngineFacts
 from controller.models.fleetparts import Lane, Process, Swapping
 from controller.models.holdings import Holdings
@@ -61,6 +63,7 @@ class ModelRecord:
         self.lane = Lane(self.changes, clock)
         self.swapping = Swapping(self.changes)
         self.process = Process(self.changes)
+        self.ckpt = CheckpointFacts(self.changes)
 
     # ---- the snapshot and the transition (written by the runner and the model's manager)
 
@@ -102,7 +105,10 @@ class ModelRecord:
     def leftover_bytes(self) -> int:
         """What its engine holds on its devices besides its pools, as the policy counts it:
         the snapshot's resident_bytes while asleep (a sleeper reconciliation found at start
-        included), else what its last suspend reported (0 until one did)."""
+        included), else what its last suspend reported (0 until one did). A deep sleeper
+        holds what was measured after its checkpoint (0 included)."""
+        if self._snapshot.deep and self._snapshot.resident_bytes is not None:
+            return self._snapshot.resident_bytes
         return self._snapshot.resident_bytes or self.holdings.asleep_bytes
 
     def changed(self) -> None:

@@ -39,7 +39,7 @@ class _StateCollector:
     def __init__(self, snapshots: Callable[[], Snapshots]) -> None:
         self._snapshots = snapshots
 
-    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+    def _families(self) -> tuple[GaugeMetricFamily, ...]:
         return (
             GaugeMetricFamily(
                 "hotswap_model_state",
@@ -56,13 +56,23 @@ class _StateCollector:
                 "Unix time of the model's last state change.",
                 labels=["model"],
             ),
+            GaugeMetricFamily(
+                "hotswap_model_deep",
+                "1 while the model's engine is checkpointed by the driver (a deep sleep).",
+                labels=["model"],
+            ),
+            GaugeMetricFamily(
+                "hotswap_model_resident_bytes",
+                "Asleep: device bytes its engine holds (NVML-measured when deep).",
+                labels=["model"],
+            ),
         )
 
     def describe(self) -> Iterator[Metric]:
         yield from self._families()
 
     def collect(self) -> Iterator[Metric]:
-        state, ready, since = self._families()
+        state, ready, since, deep, resident = self._families()
         items = self._snapshots()
         snaps = items.values() if isinstance(items, Mapping) else items
         for snap in snaps:
@@ -70,7 +80,10 @@ class _StateCollector:
                 state.add_metric([snap.name, s.value], 1.0 if snap.state is s else 0.0)
             ready.add_metric([snap.name], 1.0 if snap.ready else 0.0)
             since.add_metric([snap.name], snap.since)
-        yield from (state, ready, since)
+            deep.add_metric([snap.name], 1.0 if snap.deep else 0.0)
+            if snap.resident_bytes is not None:
+                resident.add_metric([snap.name], float(snap.resident_bytes))
+        yield from (state, ready, since, deep, resident)
 
 
 class Metrics:
@@ -127,6 +140,19 @@ class Metrics:
             ["model", "method", "reason"],
             registry=registry,
         )
+        self._deep_sleeps = Counter(
+            "hotswap_deep_sleeps_total",
+            "Deep sleeps asked for, by result: ok, failed (asleep, not deep), refused.",
+            ["model", "result"],
+            registry=registry,
+        )
+        self._checkpoint_seconds = Histogram(
+            "hotswap_checkpoint_seconds",
+            "The driver's own time of a checkpoint or restore of an engine's processes.",
+            ["model", "op"],
+            buckets=SECONDS_BUCKETS,
+            registry=registry,
+        )
         if snapshots is not None:
             self.read_from(snapshots)
 
@@ -178,3 +204,9 @@ class Metrics:
 
     def rpc_error(self, model: str, method: str, reason: str) -> None:
         self._rpc_errors.labels(model, method, reason).inc()
+
+    def deep_sleep(self, model: str, result: str) -> None:
+        self._deep_sleeps.labels(model, result).inc()
+
+    def checkpoint(self, model: str, op: str, seconds: float) -> None:
+        self._checkpoint_seconds.labels(model, op).observe(seconds)

@@ -1,0 +1,201 @@
+"""The deep sleep (docs/contracts.md §2.2) through the control API: fake vLLM engines
+(MockTransport) and the checkpoint helper run for real against its file-backed fake driver
+(HOTSWAP_CUDACKPT_FAKE). The engine's "processes" are this test's own process group, and the
+fake driver says this process holds a CUDA context."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fakevllm import FakeVllm
+from prometheus_client import CollectorRegistry
+from test_api import make_settings, make_sidecar
+
+from controller.sidecar import Sidecar
+
+pytestmark = pytest.mark.anyio
+
+
+@dataclass
+class GroupOf:
+    """An engine process as the deep sleep sees it: its keeper's pid, the process group."""
+
+    pid: int
+
+
+@pytest.fixture
+def driver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "cuda").write_text(f"{os.getpid()} 123456\n")
+    monkeypatch.setenv("HOTSWAP_CUDACKPT_FAKE", str(tmp_path))
+    return tmp_path
+
+
+def driver_states(driver: Path) -> set[str]:
+    path = driver / "state.json"
+    return set(json.loads(path.read_text()).values()) if path.exists() else {"running"}
+
+
+@asynccontextmanager
+async def deep_sidecar(
+    fake: FakeVllm, *, reachable: bool = True, **model: Any
+) -> AsyncIterator[tuple[httpx.AsyncClient, Sidecar]]:
+    settings = make_settings({"a": fake}, None, a=model)
+    sc = make_sidecar(settings, {"a": fake}, CollectorRegistry())
+    if reachable:
+        sc.fleet["a"].process.engine = GroupOf(os.getpgid(0))  # type: ignore[assignment]
+    app = sc.app
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s") as client,
+    ):
+        yield client, sc
+
+
+def phases(body: dict[str, Any]) -> list[str]:
+    return [p["name"] for p in body["transition"]["phases"]]
+
+
+async def test_deep_sleep_then_wake(driver: Path) -> None:
+    fake = FakeVllm(name="a")
+    async with deep_sidecar(fake) as (client, _):
+        r = await client.post("/models/a/sleep", json={"deep": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["state"] == "SUSPENDED"
+        assert phases(body)[-1] == "checkpoint"
+        snap = (await client.get("/models/a")).json()
+        assert snap["deep"] is True
+        assert snap["resident_bytes"] == 0  # NVML's figure after the checkpoint
+        assert snap["fleet"]["deepable"] is True
+        assert driver_states(driver) == {"checkpointed"}
+        metrics = (await client.get("/metrics")).text
+        assert 'hotswap_model_deep{model="a"} 1.0' in metrics
+        assert 'hotswap_deep_sleeps_total{model="a",result="ok"} 1.0' in metrics
+        calls = len(fake.calls)
+        r = await client.get("/models/a/audit?level=1")  # a checkpointed rank answers nothing
+        assert r.status_code == 409
+        assert len(fake.calls) == calls
+        r = await client.post("/models/a/wake")
+        assert r.status_code == 200, r.text
+        assert phases(r.json())[0] == "restore"
+        assert r.json()["state"] == "RUNNING"
+        assert driver_states(driver) == {"running"}
+        assert (await client.get("/models/a")).json()["deep"] is False
+
+
+async def test_a_cpu_engine_is_refused_and_nothing_changes(driver: Path) -> None:
+    (driver / "cuda").write_text("")  # no process holds a CUDA context
+    fake = FakeVllm(name="a")
+    async with deep_sidecar(fake) as (client, _):
+        calls = len(fake.calls)
+        r = await client.post("/models/a/sleep", json={"deep": True})
+        assert r.status_code == 422
+        assert r.json()["error"] == "DeepSleepRefused"
+        assert "CUDA context" in r.json()["message"]
+        assert len(fake.calls) == calls
+        snap = (await client.get("/models/a")).json()
+        assert snap["state"] == "RUNNING"
+        assert snap["fleet"]["deepable"] is False
+
+
+@pytest.mark.parametrize(("file", "says"), [("noapi", "lacks"), ("nodriver", "no CUDA driver")])
+async def test_a_driver_without_the_api_is_refused(driver: Path, file: str, says: str) -> None:
+    (driver / file).write_text("")
+    async with deep_sidecar(FakeVllm(name="a")) as (client, _):
+        r = await client.post("/models/a/sleep?wait=false", json={"deep": True})
+        assert r.status_code == 422
+        assert says in r.json()["message"]
+        assert (await client.get("/models/a")).json()["state"] == "RUNNING"
+
+
+async def test_an_engine_out_of_reach_is_refused(driver: Path) -> None:
+    async with deep_sidecar(FakeVllm(name="a"), reachable=False) as (client, _):
+        r = await client.post("/models/a/sleep", json={"deep": True})
+        assert r.status_code == 422
+        assert "can be reached" in r.json()["message"]
+
+
+@pytest.mark.parametrize("fail", ["lock", "checkpoint"])
+async def test_a_failed_checkpoint_leaves_it_asleep_not_deep(driver: Path, fail: str) -> None:
+    (driver / "fail").write_text(fail)
+    async with deep_sidecar(FakeVllm(name="a")) as (client, _):
+        r = await client.post("/models/a/sleep", json={"deep": True})
+        assert r.status_code == 200, r.text
+        snap = (await client.get("/models/a")).json()
+        assert snap["state"] == "SUSPENDED"
+        assert snap["deep"] is False
+        assert fail in snap["deep_error"]
+        assert snap["last_transition"]["phases"][-1]["ok"] is False
+        assert driver_states(driver) == {"running"}
+        (driver / "fail").unlink()
+        r = await client.post("/models/a/wake")  # an ordinary wake, no restore
+        assert r.status_code == 200
+        assert "restore" not in phases(r.json())
+
+
+async def test_a_failed_restore_is_failed_and_sends_nothing(driver: Path) -> None:
+    fake = FakeVllm(name="a")
+    async with deep_sidecar(fake) as (client, _):
+        assert (await client.post("/models/a/sleep", json={"deep": True})).status_code == 200
+        (driver / "fail").write_text("restore")
+        calls = len(fake.calls)
+        r = await client.post("/models/a/wake")
+        assert r.status_code == 502
+        snap = (await client.get("/models/a")).json()
+        assert snap["state"] == "FAILED"
+        assert "restore" in snap["last_error"]
+        assert [c for c in fake.calls[calls:] if c.startswith("hotswap_")] == []
+
+
+async def test_a_sleeper_asked_deep_is_deepened(driver: Path) -> None:
+    async with deep_sidecar(FakeVllm(name="a")) as (client, _):
+        assert (await client.post("/models/a/sleep", json={"level": 1})).status_code == 200
+        r = await client.post("/models/a/sleep", json={"deep": True})
+        assert r.status_code == 200, r.text
+        snap = (await client.get("/models/a")).json()
+        assert (snap["state"], snap["deep"], snap["level"]) == ("SUSPENDED", True, 1)
+        assert snap["last_transition"]["kind"] == "deepen"
+
+
+async def test_deep_sleep_always_is_the_models_setting(driver: Path) -> None:
+    async with deep_sidecar(FakeVllm(name="a"), deep_sleep="always") as (client, _):
+        assert (await client.post("/models/a/sleep")).status_code == 200
+        assert (await client.get("/models/a")).json()["deep"] is True
+        assert (await client.post("/models/a/wake")).status_code == 200
+        r = await client.post("/models/a/sleep", json={"deep": False})
+        assert r.status_code == 200
+        assert (await client.get("/models/a")).json()["deep"] is False
+
+
+async def test_a_restarted_sidecar_finds_a_checkpointed_engine(driver: Path) -> None:
+    """No RPC reaches it while deep; its wake restores, asks the ranks their level, wakes."""
+    fake = FakeVllm(name="a").asleep(level=1)
+    (driver / "state.json").write_text(json.dumps({str(os.getpid()): "checkpointed"}))
+    async with deep_sidecar(fake) as (client, _):
+        snap = (await client.get("/models/a")).json()
+        assert (snap["state"], snap["deep"], snap["ready"]) == ("SUSPENDED", True, False)
+        assert [c for c in fake.calls if c.startswith("hotswap_")] == []
+        r = await client.post("/models/a/wake")
+        assert r.status_code == 200, r.text
+        assert phases(r.json())[:2] == ["restore", "info"]
+        assert r.json()["state"] == "RUNNING"
+        assert driver_states(driver) == {"running"}
+
+
+async def test_mixed_driver_states_are_failed(driver: Path) -> None:
+    (driver / "cuda").write_text(f"{os.getpid()}\n{os.getppid()}\n")
+    ppid_in_group = os.getpgid(os.getppid()) == os.getpgid(0)
+    if not ppid_in_group:
+        pytest.skip("the parent is in another process group here")
+    (driver / "state.json").write_text(json.dumps({str(os.getpid()): "checkpointed"}))
+    async with deep_sidecar(FakeVllm(name="a").asleep()) as (client, _):
+        assert (await client.get("/models/a")).json()["state"] == "FAILED"
+
