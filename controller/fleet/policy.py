@@ -27,7 +27,8 @@ UNSURE = frozenset({State.FAILED, State.UNKNOWN})
 class Decision(enum.StrEnum):
     NOOP = "noop"  # already awake or waking: nothing to do
     WAKE = "wake"  # fits as things are
-    EVICT = "evict"  # fits once `evict` are asleep
+    EVICT = "evict"  # fits once `evict` are asleep (and `deepen` deep)
+    DEEPEN = "deepen"  # fits once `deepen` (sleepers) are deep: nothing awake is evicted
     REFUSE = "refuse"  # does not fit (or may not evict); `reason` says why
 
 
@@ -58,6 +59,10 @@ class ModelView:
     host_weights_bytes: int | None = None
     level: int | None = None  # the sleep level while SUSPENDED
     demotable: bool = True  # its engine can drop a level-1 host copy while asleep
+    # Deep sleep (docs/contracts.md §2.2): its engine is checkpointed now (`asleep_bytes` is
+    # then what NVML measured), and whether the policy may take it deep while it sleeps.
+    deep: bool = False
+    deepable: bool = False
     # The gateway's requests in flight and held for it, and whether a transition runs.
     in_flight: int = 0
     queued: int = 0
@@ -101,6 +106,7 @@ class WakePlan:
     retry_after_s: float | None = None  # a refusal that goes away by itself after this long
     devices: tuple[str, ...] = ()  # the target's devices (the plan looked at these only)
     scratch_bytes: int = 0  # of need_bytes, what the wake holds only while it runs
+    deepen: tuple[str, ...] = ()  # sleepers taken deep first (their leftover bytes freed)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -114,6 +120,7 @@ class WakePlan:
             "budget_bytes": self.budget_bytes,
             "retry_after_s": self.retry_after_s,
             "scratch_bytes": self.scratch_bytes,
+            "deepen": list(self.deepen),
         }
 
 
@@ -181,13 +188,18 @@ def plan_wake(
     scratch = max(0, t.wake_scratch_bytes)
     need_total = sizes[target] + scratch
     need = {d: _share(need_total, t) for d in mine}
-    # What every live engine holds besides its pools, evicted or not (the target's too).
-    leftover = {d: sum(_share(m.asleep_bytes, m) for m in on[d] if m.leaves) for d in mine}
+    # Sleepers the plan takes deep: their leftover is freed (the third tier).
+    deepened: list[str] = []
+
+    def leftover(d: str) -> int:
+        """What every live engine on `d` holds besides its pools, evicted or not (the
+        target's too), but the sleepers taken deep."""
+        return sum(_share(m.asleep_bytes, m) for m in on[d] if m.leaves and m.name not in deepened)
 
     def used_on(d: str, gone: Iterable[str] = ()) -> tuple[int, int]:
         out = set(gone)
         held = [p for p in peers if d in p.placement and p.name not in out]
-        return sum(_share(sizes[p.name], p) for p in held) + leftover[d], len(held)
+        return sum(_share(sizes[p.name], p) for p in held) + leftover(d), len(held)
 
     def fits(gone: Iterable[str] = ()) -> bool:
         gone = tuple(gone)
@@ -209,6 +221,7 @@ def plan_wake(
     def plan(
         decision: Decision, why: str, evict: tuple[str, ...] = (), retry: float | None = None
     ) -> WakePlan:
+        deep = tuple(deepened) if decision in (Decision.EVICT, Decision.DEEPEN) else ()
         # With one device the figures are that device's; with several, the tightest's.
         dev = max(mine, key=lambda d: used_on(d)[0] + need[d]) if len(mine) > 1 else first
         if scratch:
@@ -224,6 +237,7 @@ def plan_wake(
             retry,
             devices=mine,
             scratch_bytes=_share(scratch, t) if len(mine) > 1 else scratch,
+            deepen=deep,
         )
 
     for d in mine:
@@ -236,6 +250,21 @@ def plan_wake(
             return plan(Decision.REFUSE, "the budget allows no awake model")
     if fits():
         return plan(Decision.WAKE, _fit_reasons(mine, used_on, need, budgets))
+    short = over_text()
+    deepable = sorted(
+        (m for m in models if m.name != target and _may_deepen(m) and set(m.placement) & set(mine)),
+        key=lambda m: (m.last_used, m.name),
+    )
+    for m in deepable:
+        if fits():
+            break
+        if set(m.placement) & set(over()):  # frees something where room is short
+            deepened.append(m.name)
+    if deepened:
+        freed = sum(by_name[n].asleep_bytes for n in deepened)
+        took = f"taking {', '.join(deepened)} deep first (frees {mib(freed)} left beside pools)"
+        if fits():
+            return plan(Decision.DEEPEN, f"over budget ({short}): {took}")
 
     min_awake = max(budgets[d].min_awake_s for d in mine)
     idle = sorted(
@@ -257,8 +286,8 @@ def plan_wake(
         if not allow_evict:
             why = f"does not fit without evicting {', '.join(names)}, and evict=false"
             return plan(Decision.REFUSE, why, names)
-        why = f"over budget ({over_text()}): evicting LRU {lru}"
-        return plan(Decision.EVICT, why, names)
+        why = f"over budget ({short}): " + (f"{took}, then " if deepened else "")
+        return plan(Decision.EVICT, why + f"evicting LRU {lru}", names)
 
     # Not enough even with every evictable model asleep: would the fresh ones do, later?
     gone = list(chosen)
@@ -297,6 +326,13 @@ def measured_budget(free: int, device: str, models: Sequence[ModelView]) -> int:
     on = [m for m in models if device in m.placement]
     pinned = sum(_share(m.footprint_bytes or 0, m) for m in on if m.pinned)
     return free + pinned + sum(_share(m.asleep_bytes, m) for m in on if m.leaves)
+
+
+def _may_deepen(m: ModelView) -> bool:
+    """A sleeper the policy may take deep: asleep, not deep, allowed and not known unable,
+    at rest, and holding something beside its pools to free."""
+    at_rest = m.state is State.SUSPENDED and not m.busy and not m.process_gone
+    return at_rest and m.deepable and not m.deep and m.asleep_bytes > 0
 
 
 def _share(total: int, view: ModelView) -> int:

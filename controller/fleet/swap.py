@@ -22,7 +22,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from controller.config.settings import Settings
-from controller.errors import DrainTimeout, EngineError, HotswapError, WakeRefused
+from controller.errors import (
+    DeepSleepRefused,
+    DrainTimeout,
+    EngineError,
+    HotswapError,
+    TransitionConflict,
+    WakeRefused,
+)
 from controller.fleet.hostswap import HostMemory
 from controller.fleet.overlap import Overlap, plan_overlap
 from controller.fleet.policy import Decision, WakePlan, estimate, plan_wake
@@ -108,7 +115,7 @@ class SwapCoordinator(SwapView):
         mm = self.manager.get(name)
         async with self._device_locks(name):
             await self._settle(name)
-            plan = self.plan(name, allow_evict=evict)
+            plan = await self._deepened_plan(name, evict)
             fields = {"model": name, "phase": "policy"}
             log.info(
                 "%s: wake plan %s: %s",
@@ -186,6 +193,28 @@ class SwapCoordinator(SwapView):
                 extra=fields,
             )
             return result
+
+    async def _deepened_plan(self, name: str, evict: bool) -> WakePlan:
+        """The wake's plan once the sleepers it takes deep are deep (the third tier: before
+        anything awake is evicted). A sleeper that did not go deep is marked unable, with
+        its reason, and the wake is planned again without it."""
+        plan = self.plan(name, allow_evict=evict)
+        for _ in range(3):
+            if not plan.deepen:
+                return plan
+            log.info("%s: wake plan %s: %s", name, plan.decision.value, plan.reason)
+            for sleeper in plan.deepen:
+                rec = self.fleet[sleeper]
+                try:
+                    snap = await self.manager.get(sleeper).deepen()
+                except (DeepSleepRefused, TransitionConflict) as exc:
+                    snap = rec.snapshot
+                    rec.ckpt.unable(exc.message)
+                if not snap.deep:
+                    rec.ckpt.unable(rec.ckpt.refused or snap.deep_error)
+                    log.warning("%s: not deep: %s", sleeper, rec.ckpt.refused)
+            plan = self.plan(name, allow_evict=evict)
+        return plan
 
     def _host_after_wake(self, name: str, outcome: Outcome) -> None:
         """The host bytes a woken model keeps, and (in a named task: the wake's answer does

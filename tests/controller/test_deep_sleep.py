@@ -19,6 +19,8 @@ from fakevllm import FakeVllm
 from prometheus_client import CollectorRegistry
 from test_api import make_settings, make_sidecar
 
+from controller.config.modelsettings import ModelSettings
+from controller.config.settings import Settings, TimeoutSettings
 from controller.sidecar import Sidecar
 
 pytestmark = pytest.mark.anyio
@@ -199,3 +201,35 @@ async def test_mixed_driver_states_are_failed(driver: Path) -> None:
     async with deep_sidecar(FakeVllm(name="a").asleep()) as (client, _):
         assert (await client.get("/models/a")).json()["state"] == "FAILED"
 
+
+async def test_under_pressure_a_sleeper_goes_deep_before_an_eviction(driver: Path) -> None:
+    """Three models of 12,288 bytes awake, 2,000 left beside their pools asleep (fake ranks):
+    a awake, b and c asleep; c's wake fits in 27,000 only once b's leftover is gone."""
+    fakes = {n: FakeVllm(name=n, resident_bytes=1000) for n in "abc"}
+    settings = Settings(
+        models=[
+            ModelSettings(name=n, url=f"http://{n}.engine.test", deep_sleep="pressure")
+            for n in fakes
+        ],
+        swap={"budget_bytes": 27_000},
+        timeouts=TimeoutSettings(drain_s=5.0, shutdown_s=2.0),
+    )
+    sc = make_sidecar(settings, fakes, CollectorRegistry())
+    for n in fakes:
+        sc.fleet[n].process.engine = GroupOf(os.getpgid(0))  # type: ignore[assignment]
+    app = sc.app
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s") as client,
+    ):
+        for n in "bc":
+            assert (await client.post(f"/models/{n}/sleep", json={"level": 1})).status_code == 200
+        r = await client.post("/models/c/wake")
+        assert r.status_code == 200, r.text
+        plan = r.json()["policy"]["policy"]
+        assert plan["deepen"] == []  # the plan once b is deep: it fits
+        states = {n: (await client.get(f"/models/{n}")).json() for n in "abc"}
+        assert states["a"]["state"] == "RUNNING"  # nothing awake was evicted
+        assert (states["b"]["state"], states["b"]["deep"]) == ("SUSPENDED", True)
+        assert states["b"]["last_transition"]["kind"] == "deepen"
+        assert states["c"]["state"] == "RUNNING"

@@ -1,0 +1,76 @@
+"""The budget's third tier (docs/contracts.md §2.2): under device pressure a sleeper goes
+deep before anything awake is evicted; a deep sleeper counts what was measured after it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from policyviews import MIB, NOW, S, v
+
+from controller.fleet.policy import Budget, Decision, ModelView, plan_wake
+
+
+def deepable(view: ModelView, deep: bool = False) -> ModelView:
+    return dataclasses.replace(view, deepable=not deep, deep=deep)
+
+
+BUDGET = Budget(bytes=1000 * MIB)
+
+
+def test_sleepers_go_deep_before_anything_awake_is_evicted() -> None:
+    models = [
+        v("t", S.SUSPENDED, 400),
+        v("awake", S.RUNNING, 400, used=NOW - 1),
+        deepable(v("s1", asleep_mib=150, used=10.0)),
+        deepable(v("s2", asleep_mib=150, used=20.0)),
+    ]
+    # 400 awake + 300 leftover + 400 need > 1000; taking s1 deep frees 150: fits
+    plan = plan_wake("t", models, BUDGET, NOW)
+    assert plan.decision is Decision.DEEPEN
+    assert plan.deepen == ("s1",)
+    assert plan.evict == ()
+    assert "deep" in plan.reason
+
+
+def test_evicts_only_when_deepening_is_not_enough() -> None:
+    models = [
+        v("t", S.SUSPENDED, 700),
+        v("awake", S.RUNNING, 400, used=NOW - 1),
+        deepable(v("s1", asleep_mib=150)),
+    ]
+    plan = plan_wake("t", models, BUDGET, NOW)
+    assert plan.decision is Decision.EVICT
+    assert plan.evict == ("awake",)
+    assert plan.deepen == ("s1",)
+
+
+def test_a_sleeper_not_deepable_is_not_taken_deep() -> None:
+    models = [
+        v("t", S.SUSPENDED, 400),
+        v("awake", S.RUNNING, 400, used=NOW - 1),
+        v("s1", asleep_mib=300),  # deep_sleep off, or known unable
+    ]
+    plan = plan_wake("t", models, BUDGET, NOW)
+    assert plan.decision is Decision.EVICT
+    assert plan.deepen == ()
+
+
+def test_a_deep_sleeper_counts_what_was_measured() -> None:
+    models = [
+        v("t", S.SUSPENDED, 500),
+        v("awake", S.RUNNING, 400, used=NOW - 1),
+        deepable(v("s1", asleep_mib=2), deep=True),  # measured after its checkpoint
+    ]
+    plan = plan_wake("t", models, BUDGET, NOW)
+    assert plan.decision is Decision.WAKE
+    assert plan.used_bytes == 402 * MIB
+    assert plan.to_dict()["deepen"] == []
+
+
+def test_a_busy_sleeper_is_not_taken_deep() -> None:
+    models = [
+        v("t", S.SUSPENDED, 400),
+        v("awake", S.RUNNING, 400, used=NOW - 1),
+        deepable(dataclasses.replace(v("s1", asleep_mib=300), busy=True)),
+    ]
+    assert plan_wake("t", models, BUDGET, NOW).deepen == ()
