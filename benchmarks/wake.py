@@ -112,7 +112,7 @@ def tune_codec(
     from worker_ext import codec
 
     b = find_backend(w.worker)
-    gc = b._get_codec()
+    gc = b._coded.get_codec()
     proof: dict[str, Any] | None = None
     if gc is not None:
         if decoder and decoder != gc.decoder:  # proven on this device before it is used

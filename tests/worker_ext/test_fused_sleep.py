@@ -216,9 +216,10 @@ def test_a_fused_sleep_is_refused_asleep_or_at_a_bad_level() -> None:
 
 
 def test_the_first_stage_holds_the_first_share_of_the_weights_bytes() -> None:
-    """cumem.backend._cut: how many records (in order) the fused sleep's first copies take: the
+    """cumem.coded.cut: how many records (in order) the fused sleep's first copies take: the
     fewest that hold STAGE_SHARE of the bytes, at least one; all of them at a share of 1."""
-    from worker_ext.cumem.backend import STAGE_SHARE, _cut
+    from worker_ext.cumem.coded import cut as _cut
+    from worker_ext.cumem.suspend import STAGE_SHARE
 
     assert 0.0 < STAGE_SHARE < 1.0
     assert _cut(0.3, [10, 10, 10, 10]) == 2

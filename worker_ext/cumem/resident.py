@@ -1,0 +1,121 @@
+"""What this process holds on its device (NVML's figure, else the allocators' segments and
+the context measured at start), the device's free memory, and host memory left."""
+
+from __future__ import annotations
+
+import gc as pygc
+import importlib
+import os
+import time
+from typing import Any
+
+from worker_ext.cumem.records import Records, size
+
+_NVML: list[Any] = []  # the NVML module once initialised; [None] when there is none
+
+
+def meminfo(key: str) -> int | None:
+    """A /proc/meminfo value in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def nvml_process_bytes(pid: int) -> int | None:
+    """Device memory NVML counts for `pid`, over every device; None where NVML is missing
+    or does not list the pid (another pid namespace)."""
+    if not _NVML:
+        try:
+            try:
+                pynvml: Any = importlib.import_module("pynvml")
+            except ImportError:
+                pynvml = importlib.import_module("vllm.third_party.pynvml")
+            pynvml.nvmlInit()
+            _NVML.append(pynvml)
+        except Exception:
+            _NVML.append(None)
+    nvml = _NVML[0]
+    if nvml is None:
+        return None
+    try:
+        seen, total = False, 0
+        for i in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if int(p.pid) == pid and p.usedGpuMemory is not None:
+                    seen, total = True, total + int(p.usedGpuMemory)
+        return total if seen else None
+    except Exception:
+        return None
+
+
+class Residency:
+    """The device's memory as this process sees it."""
+
+    def __init__(self, torch: Any, device: Any, records: Records) -> None:
+        self._torch = torch
+        self._device = device
+        self._records = records
+        self._other_at_start = self._non_torch_bytes()  # the estimate's context share
+
+    def memory(self) -> dict[str, int]:
+        free, total = self._torch.cuda.mem_get_info(self._device)
+        return {"free": int(free), "total": int(total)}
+
+    def segments(self) -> dict[str, int]:
+        """torch's segments outside vLLM's pools, by kind, and the pools' mapped bytes."""
+        recs = self._records.all()
+        out = {"pools_mapped": 0, "torch_allocated": 0, "torch_cached": 0, "graph_pools": 0}
+        for data in recs.values():
+            if not data.is_asleep:
+                out["pools_mapped"] += size(data)
+        try:
+            segments = self._torch.cuda.memory_snapshot()
+        except Exception:
+            return out
+        for seg in segments:
+            if int(seg.get("address", 0)) in recs:
+                continue
+            total, used = int(seg.get("total_size", 0)), int(seg.get("allocated_size", 0))
+            if tuple(seg.get("segment_pool_id") or (0, 0)) != (0, 0):
+                out["graph_pools"] += total  # a graph replays into its free blocks too
+            else:
+                out["torch_allocated"] += used
+                out["torch_cached"] += total - used
+        return out
+
+    def _non_torch_bytes(self) -> int:
+        """The device's used bytes no allocator of this process accounts for now (the CUDA
+        context, module images, communicators; other processes' too, on a shared device)."""
+        try:
+            mem = self.memory()
+            seg = self.segments()
+        except Exception:
+            return 0
+        return max(0, mem["total"] - mem["free"] - sum(seg.values()))
+
+    def resident(self) -> dict[str, Any]:
+        """What this process holds on its device now: NVML's per-process figure where NVML
+        sees this pid, else the allocators' segments plus what no allocator accounted for
+        when the backend was made (the context), with the parts beside it."""
+        seg = self.segments()
+        nvml = nvml_process_bytes(os.getpid())
+        mine = sum(seg.values())
+        if nvml is not None:
+            return {**seg, "bytes": nvml, "source": "nvml", "other": max(0, nvml - mine)}
+        other = self._other_at_start
+        return {**seg, "bytes": mine + other, "source": "estimate", "other": other}
+
+    def trim(self) -> float:
+        """Give torch's cached free blocks back to the driver (as vLLM's own sleep does):
+        what verify's and the codec's scratch left cached. vLLM's pools are not released
+        (their MemPools stay referenced). Returns the seconds it took."""
+        t = time.perf_counter()
+        pygc.collect()
+        self._torch.cuda.empty_cache()
+        return time.perf_counter() - t

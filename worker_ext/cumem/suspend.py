@@ -1,0 +1,177 @@
+"""One suspend's copies to the host: the weights coded (or raw) into their buffer, a kept
+KV cache raw into its own, queued in two stages when a prepare runs under them, and each
+record released as soon as its own copies are done."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from worker_ext import codec
+from worker_ext.cudart import HostBuffer
+from worker_ext.cumem.coded import CodedCopies, Queued, cut
+from worker_ext.cumem.records import ranges, size
+from worker_ext.cumem.streams import CopyStreams
+from worker_ext.pools import WEIGHTS
+
+log = logging.getLogger(__name__)
+
+# hotswap_sleep: the share of the weights' bytes whose copies are queued before the prepare
+# starts (its protected copies queue behind only these; the rest follow them); the link
+# moves it in about as long as the prepare's host work before those copies takes.
+STAGE_SHARE = 0.3
+
+
+class Offload:
+    """The copies of the pools a suspend offloads (`offload`: tag -> its records), queued
+    in two stages: the records holding the first `share` of the bytes, then the rest."""
+
+    def __init__(
+        self,
+        coded: CodedCopies,
+        streams: CopyStreams,
+        host_for: Callable[[str, int], HostBuffer],
+        offload: dict[str, list[tuple[int, Any]]],
+        timings: dict[str, float],
+        share: float,
+    ) -> None:
+        self._coded = coded
+        self._streams = streams
+        self._host_for = host_for
+        self._offload = offload
+        self._timings = timings
+        self._share = share
+        self.events: list[Queued] = []
+        # ptr -> (host buffer address, offset, size) of every record copied raw
+        self.layout: dict[int, tuple[int, int, int]] = {}
+        self._rest: list[Callable[[], list[Queued]]] = []
+        self._queued_all = False
+        # The codec codes the weights' copy; a kept KV cache goes raw into its own buffer.
+        self._weights = offload.get(WEIGHTS, [])
+        self._gc = coded.get_codec() if self._weights else None
+        self.plan: codec.Plan | None = None
+        self._stale: Any = None  # a reused plan's check: (pinned flag, event after it)
+        self._how = "fresh"
+        self._why: str | None = None
+        self._plan_before = coded.plan
+
+    def _plan_codec(self) -> None:
+        """The reused plan (its check queued) or a fresh one; none if planning fails (this
+        sleep then copies raw bytes: nothing is queued yet)."""
+        gc = self._gc
+        if gc is None:
+            return
+        t = time.perf_counter()
+        spans = ranges(self._weights)
+        try:
+            self.plan, self._stale = self._coded.reused_plan(gc, spans)
+            self._how = "reused" if self.plan is not None else self._how
+            if self.plan is None:
+                self.plan = gc.plan(spans)
+        except Exception as exc:
+            log.warning("hotswap: host codec plan failed, raw copy: %s", exc)
+            self._coded.report = {"error": f"{type(exc).__name__}: {exc}"}
+            self.plan, self._stale = None, None
+        self._timings["codec_plan_s"] = time.perf_counter() - t
+
+    def queue_first(self) -> bool:
+        """Queue the first stage's copies; whether any are on their way."""
+        self._plan_codec()
+        raw = dict(self._offload)
+        if self._gc is not None and self.plan is not None:
+            first, more = self._coded.queue_sleep(
+                self._gc, self.plan, self._weights, self._weights_host, self._timings, self._share
+            )
+            self.events.extend(first)
+            self._rest.append(more)
+            del raw[WEIGHTS]
+        if raw:
+            self._queue_raw(raw)
+        return bool(self.events)
+
+    def _weights_host(self, nbytes: int) -> HostBuffer:
+        return self._host_for(WEIGHTS, nbytes)
+
+    def _queue_raw(self, raw: dict[str, list[tuple[int, Any]]]) -> None:
+        """The raw copies: each pool into its own buffer, record after record."""
+        timings = self._timings
+        t = time.perf_counter()
+        hosts = {tag: self._host_for(tag, sum(size(d) for _, d in rs)) for tag, rs in raw.items()}
+        timings["host_wait_s"] = timings.get("host_wait_s", 0.0) + time.perf_counter() - t
+        streams = self._streams.all()
+        self._streams.after_current(streams)
+        pos = {"k": 0}  # the copies' round-robin position, across the two stages
+
+        def queue_raw(items: list[tuple[str, int, Any, int]]) -> list[Queued]:
+            t = time.perf_counter()
+            out = []
+            for tag, ptr, data, off in items:
+                n, host = size(data), hosts[tag]
+                pos["k"] = self._streams.queue(ptr, host.ptr, off, n, True, pos["k"])
+                self.layout[ptr] = (host.ptr, off, n)
+                out.append((ptr, data, [s.record_event() for s in streams]))
+            timings["queue_s"] = timings.get("queue_s", 0.0) + time.perf_counter() - t
+            return out
+
+        items: list[tuple[str, int, Any, int]] = []
+        for tag, rs in raw.items():
+            off = 0
+            for ptr, data in rs:
+                items.append((tag, ptr, data, off))
+                off += size(data)
+        first_n = cut(self._share, [size(it[2]) for it in items])
+        self.events.extend(queue_raw(items[:first_n]))
+        self._rest.append(lambda: queue_raw(items[first_n:]))
+
+    def go_on(self) -> None:
+        """Queue the copies of the rest (once)."""
+        if not self._queued_all:
+            self._queued_all = True
+            for fn in self._rest:
+                self.events.extend(fn())
+
+    def abandon(self) -> None:
+        """Wait for everything queued and forget this suspend's coded pieces: nothing was
+        released."""
+        self._coded.abandon(self._weights, self._plan_before)
+
+    def check_reused_plan(self) -> None:
+        """Before anything is released: a reused plan proven by its check, else every copy
+        waited for and the weights coded again with a fresh plan."""
+        gc, stale = self._gc, self._stale
+        if stale is None or gc is None or self.plan is None:
+            return
+        t = time.perf_counter()
+        self._why = self._coded.plan_refused(stale)
+        self._timings["codec_check_s"] = time.perf_counter() - t
+        if self._why is None:
+            return
+        log.warning("hotswap: the reused codec plan does not fit (%s): planning anew", self._why)
+        self._how = "stale"
+        self.abandon()
+        t = time.perf_counter()
+        self.plan = gc.plan(ranges(self._weights))
+        self._timings["codec_replan_s"] = time.perf_counter() - t
+        kept_kv = [e for e in self.events if e[0] in self.layout]  # a kept KV cache's copies
+        again, more = self._coded.queue_sleep(
+            gc, self.plan, self._weights, self._weights_host, self._timings
+        )
+        self.events = [*again, *more(), *kept_kv]
+
+    def release_copied(self, release: Callable[[Any], None]) -> None:
+        """Release each record as soon as its own copies are done."""
+        if not self.events:
+            return
+        t = time.perf_counter()
+        for _ptr, data, done in self.events:
+            for ev in done:
+                ev.synchronize()
+            release(data)
+        self._timings["copy_unmap_s"] = time.perf_counter() - t
+
+    def finish(self) -> None:
+        """The coded copy's last piece on the host, its plan kept, its report completed."""
+        if self.plan is not None:
+            self._coded.finish_sleep(self._timings, self._how, self._why)
