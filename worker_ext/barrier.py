@@ -10,6 +10,11 @@ the barrier names itself and stays out, so the others time out naming it.
 
 A timed-out barrier leaves messages and collective counters out of step between ranks,
 so the group is never used again: every later quiesce answers "poisoned".
+
+`Quiescer.agree` is the fused sleep's agreement before its first release: each rank's
+prepare outcome, one all-reduce on the same gloo group bounded by the last quiesce's
+timeout (gloo's per-call timeout), so a prepare that failed on one rank releases nothing
+on any. A timed-out agreement poisons the group like a timed-out barrier.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 import torch
 
 POISONED = "barrier group poisoned; restart the engine"
+AGREE_TIMEOUT_S = 60.0  # the agreement's bound when no quiesce has set one
 _RANKS = re.compile(r"Ranks? ([\d,\s]+?) failed to pass monitoredBarrier")
 
 
@@ -49,9 +55,50 @@ def late_from_error(message: str, group_ranks: list[int]) -> list[int]:
     return sorted(late)
 
 
+def _world(world: Any) -> Any:
+    if world is None:
+        from vllm.distributed.parallel_state import get_world_group
+
+        world = get_world_group()
+    return world
+
+
 class Quiescer:
-    def __init__(self) -> None:
+    def __init__(self, world: Any = None) -> None:
         self.poisoned = False
+        self.timeout_s = AGREE_TIMEOUT_S  # the last quiesce's, bounds the agreement
+        self.world = world  # None: vLLM's world group (tests give a fake)
+
+    def agree(self, ok: bool, world: Any = None) -> dict[str, Any]:
+        """Every rank's `ok`, known to all: {"ok": every rank's ok, "failed_ranks":
+        [global ranks whose ok was false], "error"}. With one rank (or outside a vLLM
+        worker, where there is no world group: one rank), no collective."""
+        me = bool(ok)
+        try:
+            world = _world(world or self.world)
+        except Exception:  # no distributed state: this process is the only rank
+            return {"ok": me, "failed_ranks": [], "error": None}
+        if world.world_size <= 1:
+            return {"ok": me, "failed_ranks": [], "error": None}
+        if self.poisoned:
+            return {"ok": False, "failed_ranks": [], "error": POISONED}
+        flags = torch.zeros(world.world_size, dtype=torch.int64)
+        flags[world.rank_in_group] = 0 if me else 1
+        opts = torch.distributed.AllreduceOptions()
+        opts.reduceOp = torch.distributed.ReduceOp.SUM
+        opts.timeout = timedelta(seconds=self.timeout_s)
+        try:
+            world.cpu_group.allreduce([flags], opts).wait()
+        except RuntimeError as e:
+            self.poisoned = True
+            return {
+                "ok": False,
+                "failed_ranks": [],
+                "error": f"the ranks' agreement timed out after {self.timeout_s}s: {e}",
+            }
+        ranks = list(world.ranks)
+        failed = [ranks[i] for i, f in enumerate(flags.tolist()) if f]
+        return {"ok": not failed, "failed_ranks": failed, "error": None}
 
     def run(
         self,
@@ -64,14 +111,12 @@ class Quiescer:
             return {"ok": False, "error": POISONED, "barrier_s": 0.0, "late_ranks": []}
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.timeout_s = float(timeout_s)
         t0 = time.monotonic()
         device_synchronize()
         if before_barrier is not None:
             before_barrier()
-        if world is None:
-            from vllm.distributed.parallel_state import get_world_group
-
-            world = get_world_group()
+        world = _world(world or self.world)
         if world.world_size <= 1:
             return {"ok": True, "barrier_s": time.monotonic() - t0, "late_ranks": []}
         left = timeout_s - (time.monotonic() - t0)

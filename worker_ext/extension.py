@@ -132,8 +132,17 @@ def _kv_word(kv: Any) -> str:
 
 
 class _PrepareFailed(RuntimeError):
-    """hotswap_sleep's prepare failed: nothing was released (the backend re-raises it once
-    its queued copies are done)."""
+    """hotswap_sleep's prepare failed, here or on another rank (`failed_ranks`, as the
+    ranks' agreement says): nothing was released (the backend re-raises it once its queued
+    copies are done)."""
+
+    def __init__(self, message: str, failed_ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.failed_ranks = failed_ranks or []
+
+
+def _prepare_failed(e: _PrepareFailed) -> dict[str, Any]:
+    return {"ok": False, "error": str(e), "failed_step": "prepare", "failed_ranks": e.failed_ranks}
 
 
 def _rewritten(snap: snapshot.Snapshot) -> list[tuple[int, int]]:
@@ -541,7 +550,12 @@ class HotSwapExtension:
                     level, keep=False, copied=go_on
                 )
             except BaseException as e:
-                raise _PrepareFailed(f"{type(e).__name__}: {e}") from e
+                agreed = st.quiescer.agree(False)  # so that no other rank releases either
+                raise _PrepareFailed(f"{type(e).__name__}: {e}", agreed["failed_ranks"]) from e
+            agreed = st.quiescer.agree(True)  # every rank's prepare done, before any release
+            if not agreed["ok"]:
+                why = agreed["error"] or f"the prepare failed on ranks {agreed['failed_ranks']}"
+                raise _PrepareFailed(f"{why}: nothing released", agreed["failed_ranks"])
             st.snap = snap
             prepared.update(
                 self._hotswap_prepared(level, False, None, snap, cover, at_risk, timings)
@@ -556,7 +570,7 @@ class HotSwapExtension:
             except _PrepareFailed as e:
                 log.error("hotswap: hotswap_sleep's prepare failed on rank %s: %s",
                           _rank_of(self), e)  # fmt: skip
-                return {"ok": False, "error": str(e), "failed_step": "prepare"}
+                return _prepare_failed(e)
         before = st.backend.memory()
         t_suspend = time.perf_counter()
         try:
@@ -572,7 +586,7 @@ class HotSwapExtension:
         except _PrepareFailed as e:  # the backend waited for its copies and released nothing
             st.snap = None
             log.error("hotswap: hotswap_sleep's prepare failed on rank %s: %s", _rank_of(self), e)
-            return {"ok": False, "error": str(e), "failed_step": "prepare"}
+            return _prepare_failed(e)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # a memory step failed: the rank is failed (§1.1)

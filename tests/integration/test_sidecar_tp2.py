@@ -42,10 +42,9 @@ def server(engines: EngineLauncher, tiny_llama: Path) -> EngineProcess:
 
 @pytest.fixture(scope="module")
 def api(server: EngineProcess) -> Iterator[Api]:
-    # fused_sleep off: a prepare refused on one rank leaves every rank awake only when the
-    # prepare is its own RPC (fused, rank 0 would sleep on alone: FAILED, a restart)
-    model = {"fused_sleep": False}
-    with sidecar_over(NAME, server, model, timeouts={"quiesce_s": QUIESCE_S}) as api:
+    # fused_sleep on (the default): the ranks agree before any releases, so a prepare
+    # refused on one rank leaves every rank awake as the two RPCs did
+    with sidecar_over(NAME, server, {}, timeouts={"quiesce_s": QUIESCE_S}) as api:
         yield api
 
 
@@ -75,8 +74,9 @@ def test_level2_cycle_across_two_ranks(
 def test_one_rank_failing_fails_the_sleep_naming_it_and_reconciliation_resumes_the_model(
     api: Api, server: EngineProcess
 ) -> None:
-    """Rank 1 refuses its prepare (before touching memory): the sleep answers 502 naming
-    rank 1; reconciliation after the failed step finds every rank awake and verified with the
+    """Rank 1 refuses its prepare inside the fused sleep: rank 0, whose prepare succeeded,
+    releases nothing either (the ranks agree first); the sleep answers 502 naming rank 1;
+    reconciliation after the failed step finds every rank awake and verified with the
     engine paused, resumes it, and the model serves again, verified."""
     before = complete(server, NAME)
     armed = post(
@@ -89,9 +89,9 @@ def test_one_rank_failing_fails_the_sleep_naming_it_and_reconciliation_resumes_t
     slept = api.sleep(NAME, 1)
     assert slept.status_code == 502, slept.text
     body = slept.json()
-    assert body["phase"] == "prepare"
-    assert [r["rank"] for r in body["ranks"] if not r["ok"]] == [1]
-    assert "rank 1" in body["message"]
+    assert body["phase"] == "prepare_and_suspend", body
+    assert sorted(r["rank"] for r in body["ranks"] if not r["ok"]) == [0, 1], body
+    assert "rank 1" in body["message"], body
     state = api.wait_state(NAME, "RUNNING", timeout_s=60)
     assert state["verified"] is True
     assert api.get("/health").status_code == 200

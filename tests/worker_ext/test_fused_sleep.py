@@ -228,3 +228,86 @@ def test_the_first_stage_holds_the_first_share_of_the_weights_bytes() -> None:
     assert _cut(0.3, []) == 0
     assert _cut(1.0, [5, 5]) == 2
     assert _cut(0.3, [0, 0]) == 1
+
+
+# -- tensor parallel: the ranks agree before the first release (contracts §1) ------------
+
+
+class _Done:
+    def wait(self) -> None:
+        return None
+
+
+class FakeGroup:
+    """Rank 0's side of a two-rank gloo group: the other rank's prepare outcome, or a
+    timeout (it never arrives); records what this rank sent."""
+
+    def __init__(self, other_ok: bool | None) -> None:
+        self.other_ok = other_ok
+        self.sent: list[list[int]] = []
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> _Done:
+        self.sent.append(tensors[0].tolist())
+        assert opts.timeout.total_seconds() > 0  # always bounded
+        if self.other_ok is None:
+            raise RuntimeError("Timed out waiting 1000ms for recv operation to complete")
+        tensors[0][1] += 0 if self.other_ok else 1
+        return _Done()
+
+
+class FakeWorld:
+    world_size, rank_in_group, ranks = 2, 0, [0, 1]
+
+    def __init__(self, other_ok: bool | None) -> None:
+        self.cpu_group = FakeGroup(other_ok)
+
+
+def _two_ranks(w: FusedWorker, other_ok: bool | None) -> FakeGroup:
+    world = FakeWorld(other_ok)
+    w._hotswap_st.quiescer.world = world
+    return world.cpu_group
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_prepare_failed_on_another_rank_releases_nothing_here(overlap: bool) -> None:
+    """Rank 1's prepare failed: rank 0's succeeded, yet it releases nothing (the old fused
+    sleep went on and rank 0 slept alone: FAILED, a restart)."""
+    w = FusedWorker(overlap=overlap)
+    group = _two_ranks(w, other_ok=False)
+    before = w.buf.clone()
+    truth = _truth(w)
+    out = w.hotswap_sleep(1)
+    assert out["ok"] is False, out
+    assert out["failed_step"] == "prepare"
+    assert out["failed_ranks"] == [1]
+    assert "ranks [1]" in out["error"]
+    assert group.sent == [[0, 0]]  # this rank said its prepare was done
+    assert torch.equal(w.buf, before)  # every pool still mapped, every byte in place
+    if overlap:  # its copies all queued (the prepare was done), waited for, none released
+        assert w.pools.log == ["copy weights", "copy the rest", "wait copies, release nothing"]
+    assert _truth(w) == truth
+    w._hotswap_st.quiescer.world = FakeWorld(other_ok=True)
+    assert w.hotswap_sleep(1)["ok"]  # a later sleep the ranks agree on goes ahead
+    assert w.hotswap_wake()["ok"]
+
+
+def test_a_prepare_failed_here_is_told_to_the_other_ranks() -> None:
+    w = FusedWorker(fail_at="prepare")
+    group = _two_ranks(w, other_ok=True)
+    out = w.hotswap_sleep(1)
+    assert out["ok"] is False
+    assert out["failed_ranks"] == [0]
+    assert "injected at prepare" in out["error"]
+    assert group.sent == [[1, 0]]  # rank 0's flag: failed
+
+
+def test_an_agreement_that_times_out_releases_nothing_and_poisons_the_group() -> None:
+    w = FusedWorker()
+    _two_ranks(w, other_ok=None)
+    before = w.buf.clone()
+    out = w.hotswap_sleep(1)
+    assert out["ok"] is False
+    assert out["failed_step"] == "prepare"
+    assert "agreement timed out" in out["error"]
+    assert torch.equal(w.buf, before)
+    assert w.hotswap_info()["poisoned"] is True

@@ -43,6 +43,29 @@ def test_barrier_and_cycles_on_two_ranks(llm: Any, baseline: Any) -> None:
         assert generate(llm) == baseline
 
 
+def test_a_prepare_refused_on_one_rank_releases_nothing_on_any(llm: Any, baseline: Any) -> None:
+    """The fused sleep: rank 1's prepare fails, so rank 0 (whose prepare succeeded)
+    releases nothing either (before the ranks' agreement it slept alone); both name rank
+    1, every pool stays mapped, and a fused cycle the ranks agree on then goes ahead."""
+    ok(llm, "hotswap_quiesce", 10.0)
+    ok(llm, "hotswap_test_fail_next_on", 1, "prepare")
+    llm.reset_prefix_cache()
+    res = rpc(llm, "hotswap_sleep", 1)
+    assert [r["ok"] for r in res] == [False, False], res
+    assert all(r["failed_step"] == "prepare" for r in res), res
+    assert all(r["failed_ranks"] == [1] for r in res), res
+    infos = ok(llm, "hotswap_info")
+    assert all(i["suspended"] == {} for i in infos), infos
+    assert all(i["phase"] == "awake_verified" for i in infos), infos
+    assert generate(llm) == baseline
+    ok(llm, "hotswap_quiesce", 10.0)
+    llm.reset_prefix_cache()
+    ok(llm, "hotswap_sleep", 1)
+    woke = ok(llm, "hotswap_wake")
+    assert all(r["mismatched"] == [] for r in woke), woke
+    assert generate(llm) == baseline
+
+
 def test_late_rank_is_named_then_group_is_poisoned(llm: Any, baseline: Any) -> None:
     ok(llm, "hotswap_test_delay_next_quiesce", 1, 3.0)
     res = rpc(llm, "hotswap_quiesce", 1.0)
