@@ -13,9 +13,10 @@ import logging
 import math
 import shutil
 import signal
+import socket
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from types import FrameType
 
@@ -30,15 +31,27 @@ log = logging.getLogger("hotswap.server")
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, except that a signal only sets the exit flag.
+    """uvicorn's server, except that a signal first drains, then only sets the exit flag.
 
     uvicorn re-raises a captured SIGTERM after serving, which would kill the process before
     the demo engines are stopped; here the caller shuts everything down and picks the code.
+    The first SIGTERM or SIGINT runs `drain` (the sidecar admits nothing new and lets the
+    requests in flight finish, bounded) while both ports still answer, and only then asks
+    the servers to exit; a second signal exits at once.
     """
 
-    def __init__(self, config: uvicorn.Config) -> None:
+    def __init__(
+        self, config: uvicorn.Config, drain: Callable[[], Awaitable[object]] | None = None
+    ) -> None:
         super().__init__(config)
         self.signals: list[int] = []
+        self._drain = drain
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -55,7 +68,24 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.signals.append(sig)
-        super().handle_exit(sig, frame)
+        first = len(self.signals) == 1
+        if not first or self._drain is None or self._loop is None or not self.started:
+            super().handle_exit(sig, frame)
+            return
+        # A signal handler: the drain is scheduled on the loop, not run here.
+        self._loop.call_soon_threadsafe(self._begin_drain, sig, frame)
+
+    def _begin_drain(self, sig: int, frame: FrameType | None) -> None:
+        async def drain_then_exit() -> None:
+            try:
+                assert self._drain is not None
+                await self._drain()
+            except Exception:
+                log.exception("the drain at shutdown failed")
+            finally:
+                super(_Server, self).handle_exit(sig, frame)
+
+        self._draining = asyncio.ensure_future(drain_then_exit())
 
 
 class _GatewayServer(uvicorn.Server):
@@ -92,7 +122,7 @@ async def run_server(settings: Settings) -> int:
         lifespan="on",
         timeout_graceful_shutdown=math.ceil(settings.timeouts.shutdown_s),
     )
-    server = _Server(config)
+    server = _Server(config, drain=side.drain)
     if gateway is None:
         await server.serve()
     else:

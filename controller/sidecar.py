@@ -18,6 +18,7 @@ to wire a part: the apps are built from the parts here.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -120,10 +121,19 @@ class Sidecar:
         self.gateway_app: FastAPI | None = (
             gateway.create_gateway(self.gateway) if self.gateway is not None else None
         )
+        self.started = asyncio.Event()  # the start-up reconciliation is done
+        self._starting: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        """Probe the attached engines, then boot the managed ones in the background."""
-        await self.manager.start()
+        """Probe the attached engines, then boot the managed ones in the background. Until
+        the probes are done, readiness answers 503 with the reason (`Lifecycle`)."""
+        life = self.manager.life
+        life.starting = True
+        try:
+            await self.manager.start()
+        finally:
+            life.starting = False
+            self.started.set()
         if self.supervisor is not None:
             self.supervisor.start()  # staggered boot in the background: /livez answers meanwhile
         if self.idle is not None:
@@ -131,8 +141,30 @@ class Sidecar:
         names = [m.name for m in self.settings.models]
         log.info("managing %d model(s): %s", len(names), names)
 
+    async def drain(self, grace_s: float | None = None) -> int:
+        """A SIGTERM's first step: admit nothing new (readiness 503, the gateway 503 with
+        Retry-After, held requests too) and give the gateway's requests in flight, streams
+        included, up to `grace_s` (`timeouts.stop_drain_s`) to finish. Returns how many
+        were still in flight at the end (0: none was cut)."""
+        grace = self.settings.timeouts.stop_drain_s if grace_s is None else grace_s
+        self.manager.life.stopping = True
+        for rec in self.fleet.values():
+            rec.changed()  # held requests look again, and are refused
+
+        def busy() -> int:
+            return sum(r.lane.in_flight for r in self.fleet.values())
+
+        if busy():
+            log.info("shutting down: %d request(s) in flight get up to %g s", busy(), grace)
+        await self.fleet.wait_for(lambda: busy() == 0, timeout_s=grace)
+        if left := busy():
+            log.warning("shutting down: %d request(s) still in flight after %g s", left, grace)
+        return left
+
     async def stop(self) -> None:
         """Drain transitions (bounded), stop the engines, cancel every task that is left."""
+        self.manager.life.stopping = True
+        await self.tasks.cancel(self._starting)
         await self.manager.stop()
         log.info("manager stopped")
         if self.supervisor is not None:
@@ -142,7 +174,10 @@ class Sidecar:
 
     @asynccontextmanager
     async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
-        await self.start()
+        # The start-up reconciliation runs once the port is bound: a long one (an engine
+        # that finishes a wake, or does not answer until its probe times out) answers 503
+        # with the reason meanwhile, instead of no port for the startupProbe.
+        self._starting = self.tasks.spawn(self.start(), name="hotswap-start")
         try:
             yield
         finally:

@@ -88,6 +88,16 @@ class TimeoutSettings(BaseModel):
         description="One call of the checkpoint helper (lock, checkpoint or restore of every "
         "process); past it the helper is killed and the model is FAILED (state unknown).",
     )
+    stop_drain_s: float = Field(
+        30.0,
+        ge=0,
+        le=HOUR_S,
+        description="On SIGTERM: how long the gateway's requests in flight (streams included) "
+        "may take to finish while nothing new is admitted (503 + Retry-After), before the "
+        "transitions are waited for (shutdown_s) and the engines stopped "
+        "(supervisor.stop_grace_s). The pod's terminationGracePeriodSeconds must cover the "
+        "three.",
+    )
 
 
 class LogSettings(BaseModel):

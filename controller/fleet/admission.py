@@ -42,6 +42,7 @@ class Admission:
         self.tasks = manager.tasks
         self.coordinator = coordinator
         self.fleet = manager.fleet
+        self.life = manager.life
         self.metrics = metrics
         self._mono = monotonic
 
@@ -61,6 +62,7 @@ class Admission:
 
         `receive` (the request's): a client that disconnects while held gives its queue slot
         back at once and starts no wake (Refusal 499, counted as `client_gone`)."""
+        self._refuse_unless_serving()
         self.coordinator.touch(name)
         rec = self.fleet[name]
         if self._admissible(rec):
@@ -72,6 +74,14 @@ class Admission:
         finally:
             if gone is not None:
                 gone.cancel()
+
+    def _refuse_unless_serving(self) -> None:
+        """Starting (the start-up reconciliation) or stopping (a SIGTERM): 503 with
+        Retry-After, at once, to a new request and to a held one alike."""
+        why = self.life.reason()
+        if why is not None:
+            reason = "shutting_down" if self.life.stopping else "starting"
+            raise Refusal(503, reason, why, retry_after_s=self.cfg.retry_after_s)
 
     async def _queue(self, rec: ModelRecord, gone: asyncio.Future[None] | None) -> float:
         name, lane = rec.name, rec.lane
@@ -114,6 +124,7 @@ class Admission:
         if gone is not None:
             await asyncio.sleep(0)  # a client already gone says so at its first receive
         while not ticket.done() and not self._admissible(rec):
+            self._refuse_unless_serving()
             if gone is not None and gone.done():
                 raise Refusal(499, "client_gone", f"the client left while {name} was woken")
             now = self._mono()

@@ -282,18 +282,25 @@ async def audit_model(
 
 async def health(manager: ManagerDep) -> Response:
     snaps = manager.snapshots()
-    ready = overall_ready(snaps)
-    body = {
+    why = manager.life.reason()  # starting (the start-up reconciliation) or stopping
+    ready = why is None and overall_ready(snaps)
+    body: dict[str, Any] = {
         "ready": ready,
         "models": {n: health_entry(s, s.counts_ready) for n, s in snaps.items()},
     }
+    if why is not None:
+        body["reason"] = why
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
-async def model_health(name: str, model: ModelDep) -> Response:
+async def model_health(name: str, model: ModelDep, manager: ManagerDep) -> Response:
     snap = model.snapshot()
-    body = {"ready": snap.ready, "models": {name: health_entry(snap, snap.ready)}}
-    return JSONResponse(body, status_code=200 if snap.ready else 503)
+    why = manager.life.reason()
+    ready = why is None and snap.ready
+    body: dict[str, Any] = {"ready": ready, "models": {name: health_entry(snap, ready)}}
+    if why is not None:
+        body["reason"] = why
+    return JSONResponse(body, status_code=200 if ready else 503)
 
 
 async def livez() -> dict[str, str]:

@@ -122,6 +122,9 @@ class HealthEntry(BaseModel):
 class HealthBody(BaseModel):
     ready: bool
     models: dict[str, HealthEntry]
+    reason: str | None = Field(
+        None, description="Why not ready whatever the models: starting, or shutting down."
+    )
 
 
 class LivezBody(BaseModel):
@@ -239,7 +242,11 @@ def control_table(auth: bool) -> dict[tuple[str, str], Route]:
     metrics_text = {"text/plain": {"schema": {"type": "string"}}}
     health = {
         200: Answer("Ready.", HealthBody),
-        503: Answer("Not ready: a model it gates is not RUNNING and verified.", HealthBody),
+        503: Answer(
+            "Not ready: a model it gates is not RUNNING and verified, or the sidecar is "
+            "starting (its start-up reconciliation) or shutting down (`reason`).",
+            HealthBody,
+        ),
     }
     return {
         ("post", "/models/{name}/sleep"): Route(transition),

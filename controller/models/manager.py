@@ -15,6 +15,7 @@ from controller.config.settings import Settings, TimeoutSettings
 from controller.engines.checkpoint import Checkpointer
 from controller.engines.engine import EngineClient
 from controller.errors import ModelNotFound
+from controller.lifecycle import Lifecycle
 from controller.models.modelmanager import ModelManager
 from controller.models.record import Fleet
 from controller.observe.metrics import Metrics
@@ -56,6 +57,7 @@ class Manager:
             lock_timeout_s=settings.timeouts.checkpoint_lock_s,
             call_timeout_s=settings.timeouts.checkpoint_s,
         )
+        self.life = Lifecycle()  # starting, serving or stopping: what readiness says
         self._models: dict[str, ModelManager] = {
             m.name: ModelManager(
                 self.fleet[m.name],

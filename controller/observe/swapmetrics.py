@@ -76,6 +76,8 @@ REFUSAL_REASONS = (
     "too_many_requests",  # the gateway's cap on requests at once (gateway.max_concurrent)
     "too_large",  # a body over gateway.max_body_bytes
     "client_gone",  # a held request whose client disconnected
+    "starting",  # the start-up reconciliation is in progress
+    "shutting_down",  # a SIGTERM's drain: nothing new is admitted
 )
 
 

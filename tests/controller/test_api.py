@@ -57,7 +57,8 @@ async def sidecar(
 ) -> AsyncIterator[httpx.AsyncClient]:
     settings = make_settings(fakes, token, **(models or {}))
     registry = CollectorRegistry()
-    app = make_sidecar(settings, fakes, registry).app
+    side = make_sidecar(settings, fakes, registry)
+    app = side.app
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with (
         app.router.lifespan_context(app),
@@ -65,6 +66,7 @@ async def sidecar(
             transport=httpx.ASGITransport(app=app), base_url="http://sidecar", headers=headers
         ) as client,
     ):
+        await side.started.wait()  # the start-up probes run once the app serves
         yield client
 
 
@@ -475,6 +477,7 @@ def test_unexpected_error_is_502_never_500(monkeypatch: pytest.MonkeyPatch) -> N
             app.router.lifespan_context(app),
             httpx.AsyncClient(transport=transport, base_url="http://sidecar") as client,
         ):
+            await side.started.wait()
             body = assert_error(await client.get("/broken"), 502, "ZeroDivisionError")
             assert "division in a route" in body["message"]
             body = assert_error(await client.get("/models/a/audit"), 502, "RuntimeError")
@@ -544,13 +547,15 @@ def test_create_app_builds_its_own_manager_and_metrics() -> None:
             models=[ModelSettings(name="gone", url=f"http://127.0.0.1:{port}")],
             timeouts=TimeoutSettings(probe_s=2.0, control_s=2.0, shutdown_s=1.0),
         )
-        app = Sidecar(settings).app
+        side = Sidecar(settings)
+        app = side.app
         async with (
             app.router.lifespan_context(app),
             httpx.AsyncClient(
                 transport=httpx.ASGITransport(app=app), base_url="http://s"
             ) as client,
         ):
+            await side.started.wait()
             r = await client.get("/health")
             assert r.status_code == 503
             assert r.json()["models"]["gone"]["state"] == "FAILED"

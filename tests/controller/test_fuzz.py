@@ -110,6 +110,7 @@ class Pair:
         router = WireRouter(self.engines)
         side = wire(self.settings, router)  # the Sidecar `hotswap serve` builds
         assert side.gateway_app is not None
+        self.side = side
         self.control = side.app
         self.gateway = side.gateway_app
         self.target = self.control if target == "control" else self.gateway
@@ -120,6 +121,7 @@ class Pair:
             self.control.router.lifespan_context(self.control),
             self.gateway.router.lifespan_context(self.gateway),
         ):
+            await self.side.started.wait()  # the start-up probes run once the apps serve
             yield
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

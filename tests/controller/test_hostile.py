@@ -484,6 +484,7 @@ def test_wait_false_on_a_failed_model_answers_409_in_the_reply(action: str) -> N
             app.router.lifespan_context(app),
             httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://c") as c,
         ):
+            await side.started.wait()  # the start-up probes run once it serves
             side.manager.get("a").mark_failed("engine died")
             r = await c.post(f"/models/a/{action}", params={"wait": "false"})
             assert r.status_code == 409, r.text
@@ -505,6 +506,7 @@ def test_wait_false_wake_without_room_and_eviction_answers_409_in_the_reply() ->
             app.router.lifespan_context(app),
             httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://c") as c,
         ):
+            await side.started.wait()  # the start-up probes run once it serves
             assert (await c.post("/models/b/sleep")).status_code == 200  # a runs, b sleeps
             r = await c.post("/models/b/wake", params={"wait": "false", "evict": "false"})
             assert r.status_code == 409, r.text

@@ -522,3 +522,43 @@ def test_no_manifest_names_a_vllm_port() -> None:
             line = text.split("#", 1)[0]  # comments may talk about it
             where = f"{path.relative_to(K8S)}:{n}: {line.strip()}"
             assert not re.search(r"\b8000\b|127\.0\.0\.1|--port\b|--host\b", line), where
+
+
+def _env_seconds(container: dict[str, Any], name: str, default: float) -> float:
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    return float(env.get(name, default))
+
+
+def _pre_stop_s(container: dict[str, Any]) -> float:
+    return float(
+        container.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+    )
+
+
+def test_a_shutdown_has_the_time_to_drain(variant: tuple[str, list[dict[str, Any]]]) -> None:
+    """On SIGTERM the sidecar stops admitting, gives the requests in flight
+    `timeouts.stop_drain_s`, waits for transitions (`timeouts.shutdown_s`) and, managed,
+    stops its engines (`supervisor.stop_grace_s`): the pod's grace covers all of it, after a
+    preStop pause that lets the endpoints drop the pod first. An attached vLLM container
+    outlives the drain (its own preStop is longer), so no stream in flight loses its engine."""
+    name, docs = variant
+    pod = _pod(docs)
+    controller = _controller(pod)
+    defaults = Settings(models=[])
+    drain = _env_seconds(
+        controller, "HOTSWAP_TIMEOUTS__STOP_DRAIN_S", defaults.timeouts.stop_drain_s
+    )
+    shutdown = _env_seconds(
+        controller, "HOTSWAP_TIMEOUTS__SHUTDOWN_S", defaults.timeouts.shutdown_s
+    )
+    stop = _env_seconds(
+        controller, "HOTSWAP_SUPERVISOR__STOP_GRACE_S", defaults.supervisor.stop_grace_s
+    )
+    pause = _pre_stop_s(controller)
+    assert pause >= 5, f"{name}: the sidecar has no preStop pause"
+    need = pause + drain + shutdown + stop + 5  # the keeper's SIGKILL round after its grace
+    grace = pod["spec"]["terminationGracePeriodSeconds"]
+    assert grace >= need, f"{name}: terminationGracePeriodSeconds {grace} < {need}"
+    for c in pod["spec"]["containers"]:
+        if c is not controller:
+            assert _pre_stop_s(c) >= pause + drain, f"{name}: {c['name']} stops before the drain"

@@ -117,6 +117,8 @@ class SidecarThread:
     def _up(self, booted: bool) -> bool:
         if self.ctx is None or not self._servers or not all(s.started for s in self._servers):
             return False
+        if not self.ctx.started.is_set():  # the ports bind before the start-up probes end
+            return False
         urls = [f"http://127.0.0.1:{bound_port(s)}" for s in self._servers]
         self.base_url = urls[0]
         self.gateway_url = urls[1] if len(urls) > 1 else None
