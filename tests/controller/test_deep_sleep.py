@@ -58,6 +58,7 @@ async def deep_sidecar(
         app.router.lifespan_context(app),
         httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s") as client,
     ):
+        await sc.started.wait()  # the start-up probes run once the app serves
         yield client, sc
 
 
@@ -222,6 +223,7 @@ async def test_under_pressure_a_sleeper_goes_deep_before_an_eviction(driver: Pat
         app.router.lifespan_context(app),
         httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s") as client,
     ):
+        await sc.started.wait()
         for n in "bc":
             assert (await client.post(f"/models/{n}/sleep", json={"level": 1})).status_code == 200
         r = await client.post("/models/c/wake")
