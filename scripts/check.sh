@@ -10,6 +10,8 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 venv=${HOTSWAP_VENV:-$(scripts/bootstrap.sh)}
+# The venv holds dependencies only: this checkout's code comes first on the path.
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 cache=${HOTSWAP_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/vllm-hotswap}
 mkdir -p "$cache/vllm"
 export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$cache/vllm}

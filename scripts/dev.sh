@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Developer entry point.
 #   scripts/dev.sh serve [ARGS]   the sidecar on the embedded default: two tiny managed models on real
-#                                 CPU vLLM servers, gateway in front (hotswap serve --demo ARGS)
+#                                 CPU vLLM servers, gateway in front (python -m controller serve --demo ARGS)
 #   scripts/dev.sh test [ARGS]    every check and every test (scripts/check.sh; ARGS go to pytest)
 #   scripts/dev.sh fix            ruff format + ruff check --fix
 #   scripts/dev.sh docs           rewrite the docs' generated tables from the code (docs/settings.md)
@@ -15,6 +15,8 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
+# The venv holds dependencies only: this checkout's code comes first on the path.
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 cmd=${1:-help}
 [ $# -gt 0 ] && shift
 
@@ -34,7 +36,7 @@ case "$cmd" in
     trap 'rm -rf "$run_tmp"' EXIT
     # Not exec: the cleanup must run after the sidecar (and the engines it started) stopped.
     # A signal to this script (not only Ctrl-C to the terminal's group) reaches the sidecar.
-    TMPDIR=$run_tmp "$v/bin/hotswap" serve --demo "$@" &
+    TMPDIR=$run_tmp "$v/bin/python" -m controller serve --demo "$@" &
     child=$!
     # TERM for both: a background child starts with SIGINT ignored; the sidecar stops on TERM.
     trap 'kill -TERM "$child" 2>/dev/null || true' INT TERM
