@@ -32,6 +32,7 @@ from controller.errors import ModelNotFound, Refusal
 from controller.fleet.admission import Admission
 from controller.fleet.swap import SwapCoordinator
 from controller.http.guard import Guard, Refused, bearer_ok
+from controller.http.jsonscan import Shape
 from controller.http.openapi import document, gateway_table
 from controller.models.manager import Manager
 from controller.observe.swapmetrics import SwapMetrics
@@ -126,21 +127,20 @@ class Gateway:
 
     async def forward(self, request: Request, path: str) -> Response:
         raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            body = None
-        name = body.get("model") if isinstance(body, dict) else None
+        shape: Shape | None = request.state.json if hasattr(request.state, "json") else None
+        is_object = shape is not None and shape.is_object
+        fields = _fields(raw, shape.fields) if shape is not None else {}
+        name, stream = fields.get("model"), fields.get("stream")
         label = name if isinstance(name, str) and name in self.fleet else ""
         try:
             self.check_token(request)
-            if not isinstance(body, dict):
+            if not is_object:
                 raise Refusal(400, None, "the request body must be a JSON object")
             if not isinstance(name, str) or not name:
                 raise Refusal(400, None, "`model` is required: the name of a served model")
             # Every value the gateway itself acts on is checked: `"stream": "true"` would be
             # streamed by vLLM and buffered here, and a disconnect would no longer abort it.
-            if body.get("stream") is not None and not isinstance(body["stream"], bool):
+            if stream is not None and not isinstance(stream, bool):
                 raise Refusal(400, None, "`stream` must be true or false")
             if name not in self.fleet:
                 raise Refusal(404, "unknown_model", f"The model `{name}` does not exist.")
@@ -161,7 +161,7 @@ class Gateway:
             return openai_error(refusal)
         if held:
             log.info("%s: request held %.3f s", name, held, extra={"model": name})
-        return await self._send(name, path, raw, request, stream=body.get("stream") is True)
+        return await self._send(name, path, raw, request, stream=stream is True)
 
     async def _send(
         self, name: str, path: str, raw: bytes, request: Request, *, stream: bool
@@ -224,6 +224,26 @@ class Gateway:
                 for rec in self.fleet.values()
             ],
         }
+
+
+def _fields(raw: bytes, spans: dict[str, tuple[int, int]]) -> dict[str, object]:
+    """The routed-on values, decoded from their spans (the guard's scan found them; nothing
+    else of the body is parsed here). A value too long to be a name or a flag, or not JSON,
+    reads as `_INVALID`, which no check accepts."""
+    out: dict[str, object] = {}
+    for key, (start, end) in spans.items():
+        if end - start > _FIELD_MAX:
+            out[key] = _INVALID
+            continue
+        try:
+            out[key] = json.loads(raw[start:end])
+        except ValueError:
+            out[key] = _INVALID
+    return out
+
+
+_FIELD_MAX = 4096  # bytes of a `model` or `stream` value, blanks included
+_INVALID = object()
 
 
 class _Once:
@@ -297,6 +317,7 @@ def create_gateway(gw: Gateway) -> FastAPI:
         is_open=lambda path: False,
         max_body_bytes=settings.gateway.max_body_bytes,
         max_json_depth=settings.gateway.max_json_depth,
+        json_fields=frozenset({"model", "stream"}),
         max_concurrent=settings.gateway.max_concurrent,
     )
     app.add_api_route("/v1/completions", completions, methods=["POST"])

@@ -3,25 +3,35 @@
 In this order, before the app sees anything:
 1. auth, decided from the headers alone: a request without the token is answered 401
    before one byte of its body is read (nothing is buffered or parsed for it);
-2. a cap on requests served at once (429), so held and streaming requests cannot pile up;
-3. a body cap: 413 on a Content-Length above it, and on the streamed count of a body sent
+2. a body cap: 413 on a Content-Length above it, and on the streamed count of a body sent
    without one (chunked), the moment it passes the cap;
-4. a bound on JSON nesting (400), checked without recursion, so the parser behind it never
-   recurses deeper than the bound.
-An admitted body (at most the cap) is read here and replayed to the app; later `receive`
-calls go to the server's own, so the app still sees the client's disconnect.
+3. a bound on JSON nesting (400), checked as the body arrives by a single-pass scanner
+   (controller.http.jsonscan) in slices of `SLICE` bytes with a yield to the loop between
+   them, so no body holds the event loop for long, whatever its bytes;
+4. a cap on requests served at once (429), so held and streaming requests cannot pile up,
+   taken only once the body is complete and checked: a half-sent body holds no slot.
+An admitted body (at most the cap) is read here and replayed to the app, its scan's `Shape`
+in `scope["state"]["json"]`; later `receive` calls go to the server's own, so the app still
+sees the client's disconnect.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from controller.http.jsonscan import JsonScan, Shape, json_too_deep, member_run
+
+__all__ = ["SLICE", "Guard", "Refused", "bearer_ok", "json_too_deep"]
+
+# Bytes scanned between two yields to the event loop: a few milliseconds of CPU at worst.
+SLICE = 8 << 10
 
 
 @dataclass(frozen=True)
@@ -42,29 +52,6 @@ def bearer_ok(authorization: str | None, token: bytes) -> bool:
     non-ASCII input); the scheme is case-insensitive, surrounding blanks are ignored."""
     scheme, _, given = (authorization or "").strip().partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token)
-
-
-# A JSON string (escapes included): its brackets are text, not structure.
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_ONE_KIND = bytes.maketrans(b"{}", b"[]")
-_PAIR = re.compile(rb"\[\]")
-
-
-def json_too_deep(body: bytes, limit: int) -> bool:
-    """True when `body` nests arrays/objects deeper than `limit`, or its brackets do not
-    balance (then it is not JSON either). No recursion: each pass removes the innermost
-    pairs at C speed, so a hostile body costs at most `limit` linear passes."""
-    if body.count(b"[") + body.count(b"{") <= limit:
-        return False  # the usual case: too few brackets to nest that deep
-    brackets = _STRING.sub(b"", body).translate(_ONE_KIND, _NOT_BRACKETS)
-    for _ in range(limit):
-        brackets, removed = _PAIR.subn(b"", brackets)
-        if not brackets:
-            return False
-        if not removed:
-            return True  # unbalanced: `[[[[` would send the parser down every level
-    return bool(brackets)
 
 
 class _TooLarge(Exception):
@@ -88,6 +75,7 @@ class Guard:
         max_body_bytes: int,
         max_json_depth: int,
         max_concurrent: int | None = None,
+        json_fields: frozenset[str] = frozenset(),
     ) -> None:
         self.app = app
         self.render = render
@@ -96,6 +84,8 @@ class Guard:
         self.max_body_bytes = max_body_bytes
         self.max_json_depth = max_json_depth
         self.max_concurrent = max_concurrent
+        self.json_fields = json_fields  # top-level keys whose value spans the app reads
+        member_run(json_fields, max_json_depth)  # compiled now, not on a request's time
         self.active = 0  # requests between the guard and their response's end
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -117,19 +107,7 @@ class Guard:
                 {"WWW-Authenticate": "Bearer"},
             )
             return
-        if self.max_concurrent is not None and self.active >= self.max_concurrent:
-            refusal = Refused(
-                429,
-                "TooManyRequests",
-                f"{self.max_concurrent} requests are already being served; retry shortly",
-            )
-            await self._refuse(refusal, scope, receive, send, {"Retry-After": "1"})
-            return
-        self.active += 1
-        try:
-            await self._admit(scope, receive, send, headers)
-        finally:
-            self.active -= 1
+        await self._admit(scope, receive, send, headers)
 
     async def _admit(self, scope: Scope, receive: Receive, send: Send, headers: Headers) -> None:
         declared = headers.get("content-length")
@@ -141,14 +119,16 @@ class Guard:
             if int(declared) > self.max_body_bytes:
                 await self._refuse(self._too_large(), scope, receive, send)
                 return
+        scanner = JsonScan(self.max_json_depth, self.json_fields)
         try:
-            body, gone = await self._read(receive)
+            body, gone = await self._read(receive, scanner)
         except _TooLarge:
             await self._refuse(self._too_large(), scope, receive, send)
             return
         if gone:
             return  # the client left before its body arrived: nobody to answer
-        if body and json_too_deep(body, self.max_json_depth):
+        shape = scanner.result()
+        if body and (shape.depth > self.max_json_depth or not shape.balanced):
             deep = Refused(
                 400,
                 "BadRequest",
@@ -157,6 +137,25 @@ class Guard:
             )
             await self._refuse(deep, scope, receive, send)
             return
+        if self.max_concurrent is not None and self.active >= self.max_concurrent:
+            refusal = Refused(
+                429,
+                "TooManyRequests",
+                f"{self.max_concurrent} requests are already being served; retry shortly",
+            )
+            await self._refuse(refusal, scope, receive, send, {"Retry-After": "1"})
+            return
+        self.active += 1
+        try:
+            await self._forward(scope, receive, send, body, shape)
+        finally:
+            self.active -= 1
+
+    async def _forward(
+        self, scope: Scope, receive: Receive, send: Send, body: bytes, shape: Shape
+    ) -> None:
+        """Hand the checked request to the app: its body replayed, its scan in the state."""
+        scope.setdefault("state", {})["json"] = shape
         replayed = False
 
         async def replay() -> Message:
@@ -168,9 +167,10 @@ class Guard:
 
         await self.app(scope, replay, send)
 
-    async def _read(self, receive: Receive) -> tuple[bytes, bool]:
-        """The whole body, or _TooLarge as soon as the count passes the cap; (b"", True) when
-        the client disconnected first."""
+    async def _read(self, receive: Receive, scanner: JsonScan) -> tuple[bytes, bool]:
+        """The whole body, scanned as it arrives; _TooLarge as soon as the count passes the
+        cap; (b"", True) when the client disconnected first. The scan stops early once the
+        body is known to nest too deep (the body is still read, within the cap)."""
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -182,6 +182,7 @@ class Guard:
             if size > self.max_body_bytes:
                 raise _TooLarge
             chunks.append(chunk)
+            await _scan(scanner, chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks), False
 
@@ -203,3 +204,12 @@ class Guard:
         # The body may be unread: closing the connection means the server need not drain it.
         response.headers["Connection"] = "close"
         await response(scope, receive, send)
+
+
+async def _scan(scanner: JsonScan, chunk: bytes) -> None:
+    """Feed `chunk` in slices, yielding to the event loop between them."""
+    view = memoryview(chunk)
+    for start in range(0, len(view), SLICE):
+        if start:
+            await asyncio.sleep(0)
+        scanner.feed(view[start : start + SLICE])

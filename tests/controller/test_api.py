@@ -345,7 +345,7 @@ async def test_unknown_model_404(client: httpx.AsyncClient, f: dict[str, FakeVll
         ({"json": {"drain_timeout_s": -1}}, "drain_timeout_s"),
         ({"json": {"lvl": 1}}, "lvl"),
         ({"json": [1, 2]}, "body"),
-        ({"content": b"{not json", "headers": {"content-type": "application/json"}}, "body"),
+        ({"content": b'{"level": nope}', "headers": {"content-type": "application/json"}}, "body"),
         ({"content": b"level=1", "headers": {"content-type": "text/plain"}}, "body"),
         ({"params": {"wait": "maybe"}}, "wait"),
     ],
@@ -364,6 +364,16 @@ def test_bad_sleep_request_422(kwargs: dict[str, Any], field: str) -> None:
             assert (await client.get("/models/a")).json()["state"] == "RUNNING"
 
     run(main())
+
+
+@scenario()
+async def test_an_unclosed_body_is_refused_400_by_the_guard(
+    client: httpx.AsyncClient, f: dict[str, FakeVllm]
+) -> None:
+    """A body whose brackets or strings do not close is not JSON: the guard says so (400)."""
+    for bad in (b"{not json", b'{"level": "1}', b"}"):
+        r = await client.post("/models/a/sleep", content=bad)
+        assert_error(r, 400, "BadRequest")
 
 
 @scenario()

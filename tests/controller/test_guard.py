@@ -20,7 +20,8 @@ from controller.http.guard import bearer_ok, json_too_deep
         (b'{"p": "' + b"[" * 1000 + b'"}', 2, False),  # brackets in a string are text
         (b'{"p": "\\"[[[[[[\\""}', 2, False),  # escaped quotes do not end the string
         (b"[" * 200_000, 64, True),  # unbalanced: the parser would recurse through all of it
-        (b"}" * 100, 64, False),  # no opener: nothing to recurse into; the parser says 400
+        (b"}" * 100, 64, True),  # closes what was never open: not JSON (the contract's 400)
+        (b'{"a": "[[[', 64, True),  # a string that never ends
         (b"no json at all", 1, False),
     ],
 )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -231,6 +232,95 @@ def test_deeply_nested_json_answers_400_on_both_apps() -> None:
             assert r.status_code == 400, r.text
 
     run(body())
+
+
+# ----------------------------------------------------------------------------- loop holds
+
+MAX_HOLD_S = 0.050  # the issue's bound: no request holds the event loop for longer
+CONTROL_CAP = 64 << 10
+GATEWAY_CAP = 4 << 20
+
+
+def _fill(prefix: bytes, unit: bytes, suffix: bytes, cap: int) -> bytes:
+    """`prefix + unit * n + suffix`, as long as fits in `cap` bytes."""
+    return prefix + unit * ((cap - len(prefix) - len(suffix)) // len(unit)) + suffix
+
+
+def adversarial_bodies(cap: int, model: str = "nope") -> dict[str, bytes]:
+    """Bodies at `cap` that cost a checker the most per byte: structure everywhere, escaped
+    quotes (the issue's 40 KB body that held the loop 13.6 s is the first), members."""
+    head = b'{"model": "%s", "prompt": ' % model.encode()
+    return {
+        "escaped_quotes": _fill(b"[" * 65, b'\\"', b"", cap),
+        "nested_groups": _fill(head + b"[", b"[" * 14 + b"]" * 14 + b",", b"[]]}", cap),
+        "empty_lists": _fill(head + b"[", b"[],", b"[]]}", cap),
+        "empty_strings": _fill(head + b"[", b'"",', b'""]}', cap),
+        "members": _fill(b'{"model": "%s", ' % model.encode(), b'"a":1,', b'"b":1}', cap),
+    }
+
+
+async def longest_hold(request: Coroutine[Any, Any, httpx.Response]) -> tuple[float, int]:
+    """Run `request` beside a ticker; the most CPU the loop spent between two ticks (time
+    other tasks held it; thread CPU, so a busy machine's preemption does not count), and
+    the answer's status."""
+    holds: list[float] = []
+    done = asyncio.Event()
+
+    async def tick() -> None:
+        last = time.thread_time()
+        while not done.is_set():
+            await asyncio.sleep(0.001)
+            now = time.thread_time()
+            holds.append(now - last)
+            last = now
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0)  # the ticker takes its first reading before the request starts
+    try:
+        answer = await asyncio.create_task(request)
+    finally:
+        done.set()
+        await ticker
+    return max(holds, default=0.0), answer.status_code
+
+
+@pytest.mark.parametrize("kind", list(adversarial_bodies(1024)))
+def test_no_control_body_at_its_cap_holds_the_event_loop(kind: str) -> None:
+    """The issue: a 40 KB body (escaped quotes after 65 brackets) held the control API's loop
+    for 13.6 s: the nesting pre-check was quadratic on it. Now every body at the cap
+    (64 KiB) is checked in slices, none holding the loop past the bound."""
+    body = adversarial_bodies(CONTROL_CAP)[kind]
+
+    async def run_it() -> None:
+        app = control_app()
+        async with (
+            app.router.lifespan_context(app),  # type: ignore[attr-defined]
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://c") as c,
+        ):
+            held, status = await longest_hold(c.post("/models/a/sleep", content=body, headers=AUTH))
+            assert 400 <= status < 500, status
+            assert held <= MAX_HOLD_S, f"{kind}: the loop was held {held * 1000:.0f} ms"
+
+    asyncio.run(run_it())
+
+
+@pytest.mark.parametrize("kind", list(adversarial_bodies(1024)))
+def test_no_gateway_body_at_its_cap_holds_the_event_loop(kind: str) -> None:
+    """At the gateway's cap (4 MiB) too: the nesting check and what the gateway reads of the
+    body (`model`, `stream`) hold the loop for at most the bound, whatever the body. The
+    model is unknown, so nothing is forwarded: the time is all the gateway's own."""
+    body = adversarial_bodies(GATEWAY_CAP)[kind]
+    assert len(body) <= GATEWAY_CAP
+
+    async def run_it() -> None:
+        async with world(token=TOKEN) as w:
+            held, status = await longest_hold(
+                w.client.post("/v1/completions", content=body, headers=AUTH)
+            )
+            assert status in (400, 404), status
+            assert held <= MAX_HOLD_S, f"{kind}: the loop was held {held * 1000:.0f} ms"
+
+    asyncio.run(asyncio.wait_for(run_it(), 120))
 
 
 # ----------------------------------------------------------------------------- types
