@@ -608,8 +608,8 @@ class GpuCodec:
         self._boff: Any = None
         self.peak_scratch = 0
         # where each piece starts in the host copy: a whole page (no copy starts inside
-        # one; measured on an H200 it made no difference to the wake's copies, 43.4 GB/s at
-        # 4096 against 43.7 at 256 bytes: docs/benchmarks.md; it costs < 4 KiB a piece)
+        # one; against 256-byte alignment it made no difference to the wake's copies:
+        # docs/benchmarks.md; it costs < 4 KiB a piece)
         self.host_align = HOST_ALIGN
         self.plan_impl = "table"  # or "ranges" (see plan)
 
@@ -863,7 +863,7 @@ class SleepQueue:
 def rates_by_part(seconds: list[float], nbytes: list[int], parts: int = 4) -> list[float | None]:
     """GB/s of each of `parts` consecutive runs of pieces (piece j took seconds[j] for
     nbytes[j]); None for a run with no time. A wake profiled right after a large release
-    shows the driver's scrub as slow first parts (docs/benchmarks.md, 18:03 UTC)."""
+    shows the driver's scrub as slow first parts (docs/benchmarks.md)."""
     if len(seconds) != len(nbytes):
         raise ValueError(f"{len(seconds)} times for {len(nbytes)} sizes")
     n = len(seconds)

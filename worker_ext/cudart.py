@@ -109,7 +109,7 @@ class HostBuffer:
         self._registered: list[int] = []
 
     def pin(self, threads: int) -> float:
-        """Touch then register every piece (touching first makes registering ~5x faster),
+        """Touch then register every piece (touching first makes registering several times faster),
         pieces spread over `threads` threads; huge pages asked for to cut page faults."""
         t0 = time.perf_counter()
         self._libc.madvise(ctypes.c_void_p(self.ptr), ctypes.c_size_t(self.nbytes), _MADV_HUGEPAGE)

@@ -526,7 +526,7 @@ def check_piece(piece: Any, entry: TierPiece) -> None:
     piece of entry.raw_bytes: every meta row's width, words, offsets and sizes agree with
     the codec's layout and stay inside the piece. In numpy: it runs on the thread that
     queues the pieces' copies, once per piece, where torch's per-op cost on these few rows
-    summed to 0.23 s of an 8B tier wake (H200 host, 18:48 UTC)."""
+    added up to a visible share of a tier wake (docs/benchmarks.md)."""
     c = entry.n_chunks
     if c <= 0 or c * codec.META_BYTES > entry.size:
         raise TierRefused(f"piece at {entry.file_off}: {c} chunks in {entry.size} bytes")

@@ -123,7 +123,7 @@ def test_level2_wake_from_disk_then_faults_end_in_reload(llama: Engine, tier_dir
 
     # the same weights, woken from the file: the next level-2 sleep finds that file (its
     # key leaves out the free blocks and the bytes the snapshot writes back, which serving
-    # can change: 15:40 UTC the key over them differed) and writes nothing
+    # can change: a key over them once differed between two sleeps) and writes nothing
     same = _cycle(llama, base)
     assert same["tier"]["pending"] == first["tier"]["pending"], (first["tier"], same["tier"])
     assert same["tier"]["last"]["write"] == {"written": False, "reason": "already on disk"}, same

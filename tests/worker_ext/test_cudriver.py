@@ -43,7 +43,7 @@ class FakeCuda:
         handles = int(prop._obj.requestedHandleTypes)
         self.calls.append(("create", size.value, handles))
         if handles == 8 and self.fail.get("fabric") is not None:
-            return NOT_PERMITTED  # as the lent H200s answer: fabric reported, then refused
+            return NOT_PERMITTED  # as some devices answer: fabric reported, then refused
         err = self._err("create")
         if err:
             return err
