@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from worker_ext import codec, disktier, fpkernel
+from worker_ext import codec, disktier, fpkernel, vllmcompat
 from worker_ext import ranges as byteranges
 from worker_ext.cudart import HostBuffer
 from worker_ext.cumem.coded import CodedCopies
@@ -121,12 +121,7 @@ class TierPart:
     def _key_for(self, spans: list[tuple[int, int]], fingerprint: str) -> disktier.Key:
         config = getattr(self._worker, "model_config", None)
         model = str(getattr(config, "model", None) or type(self._worker).__name__)
-        try:
-            import vllm
-
-            version = str(getattr(vllm, "__version__", "unknown"))
-        except Exception:
-            version = "unknown"
+        version = vllmcompat.vllm_version()
         rank = int(getattr(self._worker, "rank", 0) or 0)
         return disktier.Key(model, version, rank, tuple(n for _, n in spans), fingerprint)
 

@@ -34,15 +34,6 @@ class HotswapState:
         self.settings = self.backend.settings = settings
 
 
-def vllm_version() -> str:
-    try:
-        import vllm
-
-        return str(getattr(vllm, "__version__", "unknown"))
-    except Exception:
-        return "unknown"
-
-
 def cumem_active() -> bool:
     """CUDA with vLLM's CuMemAllocator holding allocations (started with sleep mode)."""
     try:

@@ -15,7 +15,8 @@ from typing import Any, cast
 
 import torch
 
-from worker_ext.extension.base import ExtensionBase, vllm_version
+from worker_ext import vllmcompat
+from worker_ext.extension.base import ExtensionBase
 from worker_ext.extension.hostmem import HostMemoryRPCs
 from worker_ext.extension.rpc import log, plain, rank_of, rpc
 from worker_ext.extension.sleeping import SleepRPCs
@@ -42,7 +43,7 @@ class HotSwapExtension(SleepRPCs, WakeRPCs, HostMemoryRPCs, ExtensionBase):
             "world_size": world_size,
             "platform": "cuda" if torch.cuda.is_available() else "cpu",
             "backend": st.backend.name,
-            "vllm_version": vllm_version(),
+            "vllm_version": vllmcompat.vllm_version(),
             "model": type(model).__name__ if model is not None else None,
             "pools": st.backend.pools(),
             "device_memory": st.backend.memory(),
