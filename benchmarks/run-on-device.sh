@@ -3,7 +3,7 @@
 #   . .gpu/install-vllm-bundle.sh || exit 1; bash benchmarks/run-on-device.sh STEP...
 # STEP: smoke | tests | vllmsleep:SHAPE (benchmarks.vllmsleep: vLLM's own wake through the hotswap
 # sleep-mode backend beside the sidecar's RPCs and cumem; VLLMSLEEP_ARGS) | disktier:SHAPE (benchmarks.disktier; DISKTIER_BUDGET_S, DISKTIER_ARGS) | bench:SHAPE[:via] (SHAPE tiny|llama3-8b|qwen25-14b, via
-# extension|backend; BENCH_ARGS adds benchmarks.wake options, e.g. "--kv-modes wait"; TESTS_K
+# extension|backend; BENCH_ARGS adds benchmarks.wake options, e.g. "--codecs exp"; TESTS_K
 # is a pytest -k expression for the tests step, e.g. "flip or cycle") | sidecar:SHAPE (benchmarks.sidecar;
 # needs the controller's wheels on PYTHONPATH).
 # Each step runs in its own process with a time budget and is skipped when it would end
@@ -27,7 +27,7 @@ for step in "$@"; do
            # a bench takes what is left before DEADLINE, down to BENCH_MIN_S
            (( DEADLINE - now - 5 < budget )) && budget=$(( DEADLINE - now - 5 ))
            (( budget >= ${BENCH_MIN_S:-90} )) || budget=${BENCH_MIN_S:-90}
-           # shellcheck disable=SC2206  # BENCH_ARGS: extra words, e.g. "--kv-modes wait"
+           # shellcheck disable=SC2206  # BENCH_ARGS: extra words, e.g. "--codecs exp"
            cmd=(python3 -m benchmarks.wake --shape "${shape:-llama3-8b}" --via "${via:-extension}" ${BENCH_ARGS:-}) ;;
     vllmsleep) budget=${VLLMSLEEP_BUDGET_S:-200}
            cmd=(python3 -m benchmarks.vllmsleep --shape "${shape:-llama3-8b}" ${VLLMSLEEP_ARGS:-}) ;;
