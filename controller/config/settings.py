@@ -242,6 +242,13 @@ class Settings(BaseSettings):
     config_file: Path | None = Field(
         None, description="YAML models file; its values sit below env vars."
     )
+    state_dir: Path | None = Field(
+        None,
+        description="Where the sidecar keeps what must outlive its own restart: the "
+        "quarantine of an attached engine whose reply queues may be out of step. In a pod, "
+        "an emptyDir (it lives as long as the pod, not the container). None = beside each "
+        "attached engine's Unix socket; an engine reached by URL then keeps none.",
+    )
     server: ServerSettings = Field(default_factory=ServerSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)

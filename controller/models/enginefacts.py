@@ -7,6 +7,7 @@ method here that notifies; `memory()` is what the pure reconciliation reads."""
 from __future__ import annotations
 
 from controller.models.changes import Changes, Part
+from controller.models.quarantine import Quarantine
 from controller.models.reconcile import Memory, Verdict
 from controller.state import State
 
@@ -23,6 +24,17 @@ class EngineFacts(Part):
     def __init__(self, changes: Changes, served_model: str | None = None) -> None:
         super().__init__(changes)
         self.served_model = served_model
+        self._quarantine = Quarantine(None)
+
+    def keep_quarantine_in(self, quarantine: Quarantine) -> None:
+        """Keep the quarantine (`desynced`) where a restarted sidecar finds it, and take
+        back the one a sidecar before this one left: the process it is about gets no RPC
+        until a new process answers."""
+        self._quarantine = quarantine
+        kept = quarantine.load()
+        if kept is not None:
+            self.desynced, self.process_sign, self.boot_ids = True, kept.process, kept.boot_ids
+            self._changed()
 
     def memory(self, state: State, verified: bool, fresh: bool = False) -> Memory:
         return Memory(
@@ -36,9 +48,14 @@ class EngineFacts(Part):
 
     def remember(self, v: Verdict) -> None:
         """What a reconciliation's verdict says to remember of the process."""
+        was = self.desynced
         self.desynced = v.desynced
         self.process_sign = v.process
         self.boot_ids = v.boot_ids
+        if v.desynced and not was:
+            self._quarantine.keep(self.process_sign, self.boot_ids)
+        elif was and not v.desynced:
+            self._quarantine.lift()  # a new process answers
         if v.rule == "suspended":  # read from the ranks (a cache-fits verdict says nothing)
             self.asleep = v.tags or None
         elif v.state in (State.RUNNING, State.RESUMING):
@@ -49,11 +66,13 @@ class EngineFacts(Part):
         """The sidecar starts a process itself: nothing an RPC to the old one left out of
         step concerns it, nor anything seen of the old one."""
         self.desynced, self.process_sign, self.boot_ids, self.asleep = False, None, None, None
+        self._quarantine.lift()
         self._changed()
 
     def desync(self) -> None:
         """An RPC may have left the reply queues out of step: send this process nothing."""
         self.desynced = True
+        self._quarantine.keep(self.process_sign, self.boot_ids)
         self._changed()
 
     def all_pools_moved(self) -> None:

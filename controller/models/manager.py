@@ -17,6 +17,7 @@ from controller.engines.engine import EngineClient
 from controller.errors import ModelNotFound
 from controller.lifecycle import Lifecycle
 from controller.models.modelmanager import ModelManager
+from controller.models.quarantine import Quarantine
 from controller.models.record import Fleet
 from controller.observe.metrics import Metrics
 from controller.state import (
@@ -71,6 +72,8 @@ class Manager:
             )
             for m in settings.models
         }
+        for m in settings.models:  # a quarantine a sidecar before this one left
+            self.fleet[m.name].facts.keep_quarantine_in(Quarantine.for_model(m, settings.state_dir))
         for name in self._models:
             metrics.register_model(name)
         if not metrics.bound:
