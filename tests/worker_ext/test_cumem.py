@@ -278,3 +278,76 @@ def test_tag_of_finds_a_record_by_address(alloc: _Allocator) -> None:
     assert [t for _s, _e, t in b.records()].count("kv_cache") == 2
     info = b.describe()
     assert (info["records"], info["codec"]["setting"], info["map"]["impl"]) == (4, "none", "driver")
+
+
+class _Recorder:
+    """A CudaRT whose copies are only written down: (dst, src, n, stream)."""
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[int, int, int, int]] = []
+
+    def memcpy_async(self, dst: int, src: int, n: int, stream: int) -> None:
+        self.copies.append((dst, src, n, stream))
+
+    def set_device(self, index: int) -> None:
+        pass
+
+
+class _NumberedStream(_Stream):
+    def __init__(self, number: int) -> None:
+        self.cuda_stream = number
+
+
+def test_raw_copies_never_cross_a_chunk_of_the_host_buffer() -> None:
+    """A record's copies are cut where the host offset crosses a CHUNK_BYTES multiple (so
+    none spans two registrations) and taken by the streams in turn."""
+    from worker_ext.cudart import CHUNK_BYTES
+    from worker_ext.cumem.streams import CopyStreams
+
+    rt = _Recorder()
+    streams = CopyStreams(torch, None, rt)  # type: ignore[arg-type]
+    streams._streams = [_NumberedStream(1), _NumberedStream(2)]
+    dev, host, off = 10_000, 1 << 40, CHUNK_BYTES - 100
+    k = streams.queue(dev, host, off, CHUNK_BYTES + 300, True, 1)
+    assert k == 4
+    assert rt.copies == [
+        (host + off, dev, 100, 2),
+        (host + CHUNK_BYTES, dev + 100, CHUNK_BYTES, 1),
+        (host + 2 * CHUNK_BYTES, dev + 100 + CHUNK_BYTES, 200, 2),
+    ]
+    rt.copies.clear()
+    streams.queue(dev, host, 0, 50, False, 0)
+    assert rt.copies == [(dev, host, 50, 1)]  # back to the device: the other direction
+
+
+def test_the_codecs_copies_never_cross_a_registration() -> None:
+    from worker_ext.cudart import REGISTER_BYTES
+    from worker_ext.cumem.streams import CopyStreams
+
+    rt = _Recorder()
+    copy = CopyStreams(torch, None, rt).copier(0)  # type: ignore[arg-type]
+    copy(REGISTER_BYTES - 8, 500, 24, True, 3)
+    assert rt.copies == [(REGISTER_BYTES - 8, 500, 8, 3), (REGISTER_BYTES, 508, 16, 3)]
+
+
+def test_a_failed_pinning_is_reported_and_the_sleep_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The buffer's pinning fails: the error is kept for describe(), and the sleep that
+    needs the buffer is refused with it instead of copying into nothing."""
+    from worker_ext.cumem import hostbuf
+
+    def refuse(self: Any, threads: int) -> float:
+        raise OSError("cudaHostRegister: out of memory")
+
+    monkeypatch.setattr(hostbuf.HostBuffer, "pin", refuse)
+    rt = _Recorder()
+    swaps: list[int] = []
+    buf = hostbuf.Pinned("host backup buffer", rt, 0, lambda: 2, lambda: swaps.append(1))  # type: ignore[arg-type]
+    buf.warm(4096, "test-pin")
+    buf.join()
+    assert buf.error == "OSError: cudaHostRegister: out of memory"
+    assert (buf.state(), buf.nbytes) == ("none", 0)
+    with pytest.raises(RuntimeError, match="no host backup buffer: OSError"):
+        buf.take(4096)
+    assert swaps  # whatever reads the buffer was waited for before the attempt
