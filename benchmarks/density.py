@@ -305,7 +305,8 @@ def engine_argv(args: argparse.Namespace, shape: str, name: str, work: Path) -> 
         from benchmarks.common import UTIL, gpu_engine, write_config
 
         d = write_config(shape, str(work / name))
-        util = args.util or UTIL[shape]
+        utils = dict(kv.split("=") for kv in args.utils.split(",") if kv)
+        util = float(utils.get(shape, UTIL[shape]))
         return gpu_engine(d, 0, name, util=util, dummy=True, eager=not args.graphs).argv()
     from controller.engines.enginespec import EngineSpec
     from worker_ext.devmodels import write_tiny_model
@@ -370,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--models", type=int, default=12)
     ap.add_argument("--shapes", default="llama32-1b")
     ap.add_argument("--graphs", type=int, default=0)
-    ap.add_argument("--util", type=float, default=None)
+    ap.add_argument("--utils", default="", help="SHAPE=FRACTION,... (default: common.UTIL)")
     ap.add_argument("--wave", type=int, default=4)
     ap.add_argument("--trace-s", type=float, default=60.0)
     ap.add_argument("--rate", type=float, default=2.0)

@@ -114,12 +114,15 @@ def host_pss(pids: Sequence[int]) -> dict[str, Any]:
 
 def gpu_bytes_by_pid() -> dict[int, int]:
     """Device bytes per process, as nvidia-smi shows them."""
-    out = subprocess.run(
-        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-        capture_output=True,
-        text=True,
-        check=False,
-    ).stdout
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
+    except FileNotFoundError:  # no GPU here (the CPU run)
+        return {}
     held: dict[int, int] = {}
     for line in out.splitlines():
         parts = [x.strip() for x in line.split(",")]
