@@ -376,6 +376,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--trace-s", type=float, default=60.0)
     ap.add_argument("--rate", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vocab", type=int, default=None, help="prompt ids below this")
     ap.add_argument("--arms", default="static,l1,deep")
     ap.add_argument("--budget-gib", type=float, default=None)
     ap.add_argument("--max-awake", type=int, default=None)
@@ -391,7 +392,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     engines: dict[str, EngineProcess] = {}
     try:
         engines, socks, result["boot_s"] = boot(args, work, socks_dir)
-        trace = make_trace(list(socks), args.trace_s, args.rate, args.seed)
+        vocab = args.vocab or (120 if args.engine == "cpu" else 32000)  # tiny models: 128 ids
+        trace = make_trace(list(socks), args.trace_s, args.rate, args.seed, vocab=vocab)
         result["trace"] = {"requests": len(trace), "first": asdict(trace[0]) if trace else None}
         env: dict[str, str] = {}
         if args.engine == "cpu":  # the deep arm's driver: the fake (a CPU engine has none)
