@@ -1,6 +1,18 @@
 #!/usr/bin/env bash
 # The one check script, the same locally and in CI: ruff format, ruff lint, mypy --strict,
-# import-linter, then pytest with our own warnings as errors. Arguments go to pytest.
+# import-linter, then pytest with our own warnings as errors.
+#
+#   scripts/check.sh          every check and every test, in lanes that run side by side
+#                             (HOTSWAP_CHECK_JOBS at once, default: the machine's cores, at
+#                             least 2), the longest first; each lane's output is printed as
+#                             it ends, and the time of each lane at the end
+#   scripts/check.sh ARGS     the static checks, then pytest ARGS (one lane)
+#
+# Lanes are separate pytest processes over separate folders: nothing of one reaches another
+# (engines on Unix sockets in private folders, ports bound by the servers themselves, a
+# private tmp dir per pytest). Most of a lane's time is spent waiting on something else than
+# the CPU (an engine's start-up, podman's layers, a prometheus scrape), so two lanes on two
+# cores finish well before one after the other.
 #
 # vLLM's caches: VLLM_CACHE_ROOT persists next to the cached venv (the first engine of each
 # architecture spends ~10 s inspecting the model, once per machine); TMPDIR is private to
@@ -21,7 +33,8 @@ unset VLLM_CPU_KVCACHE_SPACE
 run_tmp=$(mktemp -d "${TMPDIR:-/tmp}/hotswap-check.XXXXXX")
 shm_before=$(ls -1 /dev/shm 2>/dev/null | grep '^vllm_dist_' || true)
 cleanup() {
-  local f
+  local f pid
+  for pid in $(jobs -p); do kill -TERM "$pid" 2>/dev/null || true; done
   for f in $(ls -1 /dev/shm 2>/dev/null | grep '^vllm_dist_' || true); do
     # Only segments that appeared during this run and that no live process still maps.
     grep -qxF "$f" <<<"$shm_before" && continue
@@ -33,32 +46,113 @@ cleanup() {
 trap cleanup EXIT
 export TMPDIR=$run_tmp
 
-failed=()
-# Every step runs even after a failure, so one run shows everything that is wrong.
-step() {
-  local name=$1
-  shift
-  printf '\n== %s\n' "$name"
-  "$@" || failed+=("$name")
+static() {
+  local failed=()
+  printf '\n== ruff format --check\n'
+  "$venv/bin/ruff" format --check . || failed+=("ruff format")
+  printf '\n== ruff check\n'
+  "$venv/bin/ruff" check . || failed+=("ruff check")
+  printf '\n== mypy (strict: controller, worker_ext)\n'
+  "$venv/bin/mypy" || failed+=(mypy)
+  printf '\n== lint-imports\n'
+  "$venv/bin/lint-imports" || failed+=(lint-imports)
+  if [ ${#failed[@]} -gt 0 ]; then
+    printf 'check: static checks FAILED: %s\n' "${failed[*]}"
+    return 1
+  fi
 }
-step "ruff format --check" "$venv/bin/ruff" format --check .
-step "ruff check" "$venv/bin/ruff" check .
-step "mypy (strict: controller, worker_ext)" "$venv/bin/mypy"
-step "lint-imports" "$venv/bin/lint-imports"
 
-printf '\n== pytest %s\n' "$*"
-rc=0
-# --durations: the slowest steps (engine start-ups) are where CI time goes.
-"$venv/bin/python" -m pytest --durations=15 "$@" || rc=$?
-if [ "$rc" -eq 5 ]; then
-  echo "check: pytest collected no test at all (exit 5); a run that tests nothing is not green" >&2
-  failed+=("pytest (no tests)")
-elif [ "$rc" -ne 0 ]; then
-  failed+=("pytest (exit $rc)")
+pytest_lane() { # pytest ARGS; exit 5 (nothing collected) is a failure: a run that tests nothing is not green
+  local rc=0
+  printf '\n== pytest %s\n' "$*"
+  # --durations: the slowest steps (engine start-ups) are where CI time goes.
+  "$venv/bin/python" -m pytest --durations=15 "$@" || rc=$?
+  [ "$rc" -eq 5 ] && echo "check: pytest collected no test at all (exit 5)"
+  return "$rc"
+}
+
+if [ $# -gt 0 ]; then
+  rc=0
+  static || rc=1
+  pytest_lane "$@" || rc=1
+  [ "$rc" -eq 0 ] && echo "check: all green" || echo "check: FAILED" >&2
+  exit "$rc"
 fi
 
+# Every test folder is in exactly one lane (tests/test_lanes.py holds it); the longest first.
+# A lane marked "beside" waits on the network almost all its time: it starts at once and
+# does not count against the lanes running at once.
+lanes=(
+  "bootstrap:tests/test_bootstrap.py:beside"
+  "integration:tests/integration"
+  "worker:tests/worker_ext"
+  "images:tests/docker"
+  "deploy:tests/deploy"
+  "unit:tests/controller tests/gpu tests/test_docs.py tests/test_lanes.py"
+  "static:"
+)
+jobs_max=${HOTSWAP_CHECK_JOBS:-$(nproc)}
+[ "$jobs_max" -ge 2 ] || jobs_max=2
+logs=$run_tmp/lanes
+mkdir -p "$logs"
+declare -A started=() took=() result=()
+begin=$(date +%s)
+
+run_lane() { # NAME PATHS: the lane's output to its log, its exit code to NAME.rc
+  local name=$1 paths=$2 rc=0
+  # Its own TMPDIR: pytest's numbered folders and vLLM's files stay apart from the others'.
+  export TMPDIR=$run_tmp/tmp-$name
+  mkdir -p "$TMPDIR"
+  if [ "$name" = static ]; then
+    static >"$logs/$name.log" 2>&1 || rc=$?
+  else
+    # shellcheck disable=SC2086 # the paths are words
+    pytest_lane -p no:cacheprovider $paths >"$logs/$name.log" 2>&1 || rc=$?
+  fi
+  echo "$rc" >"$logs/$name.rc"
+}
+
+finish() { # NAME: print its log and record its time and result
+  local name=$1
+  took[$name]=$(($(date +%s) - started[$name]))
+  result[$name]=$(cat "$logs/$name.rc")
+  printf '\n######## lane %s (exit %s, %s s)\n' "$name" "${result[$name]}" "${took[$name]}"
+  cat "$logs/$name.log"
+}
+
+declare -A pids=() beside=()
+reap() { # wait for one lane to end, then report every lane that has
+  wait -n || true
+  local n
+  for n in "${!pids[@]}"; do
+    [ -f "$logs/$n.rc" ] && { finish "$n"; unset "pids[$n]" "beside[$n]"; }
+  done
+  return 0
+}
+for lane in "${lanes[@]}"; do
+  IFS=: read -r name paths kind <<<"$lane"
+  while [ "$kind" != beside ] && [ $((${#pids[@]} - ${#beside[@]})) -ge "$jobs_max" ]; do
+    reap
+  done
+  started[$name]=$(date +%s)
+  run_lane "$name" "$paths" &
+  pids[$name]=$!
+  if [ "$kind" = beside ]; then beside[$name]=1; fi
+done
+while [ "${#pids[@]}" -gt 0 ]; do
+  reap
+done
+
+printf '\n== lanes (%s at once, %s s in all)\n' "$jobs_max" "$(($(date +%s) - begin))"
+failed=()
+for lane in "${lanes[@]}"; do
+  name=${lane%%:*}
+  printf '%-12s %5s s  %s\n' "$name" "${took[$name]}" \
+    "$([ "${result[$name]}" = 0 ] && echo ok || echo "FAILED (exit ${result[$name]})")"
+  [ "${result[$name]}" = 0 ] || failed+=("$name")
+done
 if [ ${#failed[@]} -gt 0 ]; then
-  printf 'check: FAILED: %s\n' "$(IFS=,; echo "${failed[*]}" | sed 's/,/, /g')" >&2
+  printf 'check: FAILED: %s\n' "${failed[*]}" >&2
   exit 1
 fi
 echo "check: all green"
