@@ -199,6 +199,7 @@ class RankView:
     resident_bytes: int | None = None  # what the rank holds on its device now (`resident`)
     wake_scratch_bytes: int = 0  # what its wake takes beyond the pools (0: asleep without)
     host_backup_bytes: int = 0  # host RAM it keeps pinned for its pools' copies now
+    allocator_asleep: tuple[str, ...] = ()  # pools vLLM's own allocator holds asleep
 
     @classmethod
     def from_info(cls, report: Mapping[str, Any], index: int = 0) -> RankView:
@@ -220,6 +221,7 @@ class RankView:
         error = report.get("error")
         resident = report.get("resident")
         held = resident.get("bytes") if isinstance(resident, Mapping) else None
+        asleep = report.get("allocator_asleep")
         return cls(
             rank=index if rank is None or rank < 0 else rank,
             ok=report.get("ok") is True,
@@ -237,6 +239,9 @@ class RankView:
             resident_bytes=held if isinstance(held, int) and not isinstance(held, bool) else None,
             wake_scratch_bytes=max(0, opt_int("wake_scratch_bytes") or 0),
             host_backup_bytes=max(0, opt_int("host_backup_bytes") or 0),
+            allocator_asleep=tuple(sorted(str(t) for t in asleep))
+            if isinstance(asleep, list | tuple)
+            else (),
         )
 
 

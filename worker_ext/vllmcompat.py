@@ -132,8 +132,15 @@ def worker_base(plat: str) -> type[Any]:
     return Worker  # type: ignore[no-any-return]
 
 
-def executor_sleeping(engine_core: Any) -> bool | None:
-    """vLLM's own sleeping flag of an in-process engine core's executor (None: unknown)."""
-    executor = getattr(engine_core, "model_executor", None)
-    flag = getattr(executor, "is_sleeping", None)
-    return bool(flag) if flag is not None else None
+def allocator_asleep() -> list[str]:
+    """The pools (tags) in which vLLM's CuMemAllocator holds records asleep now ([] without
+    the allocator: CPU, or CUDA without sleep mode). The extension keeps its own records'
+    `is_asleep` truthful, so on an awake rank a record asleep was released by vLLM's own
+    sleep (docs/contracts.md §2.1, `asleep-unseen`)."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except Exception:
+        return []
+    inst = getattr(CuMemAllocator, "instance", None)
+    records = getattr(inst, "pointer_to_data", None) or {}
+    return sorted({str(d.tag) for d in records.values() if getattr(d, "is_asleep", False)})

@@ -194,6 +194,10 @@ class EngineClient:
     async def is_paused(self) -> bool:
         return await self._flag("/is_paused", "is_paused")
 
+    async def is_sleeping(self) -> bool:
+        """vLLM's `/is_sleeping`: its scheduler paused or its executor asleep."""
+        return await self._flag("/is_sleeping", "is_sleeping")
+
     async def pause(
         self, mode: PauseMode, clear_cache: bool = True, timeout_s: float | None = None
     ) -> None:

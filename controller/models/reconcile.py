@@ -46,6 +46,7 @@ class Observation:
     reachable: bool  # /health answered at all
     alive: bool = True  # /health 200 (vLLM answers 503 once its engine core died)
     paused: bool = False  # /is_paused
+    sleeping: bool | None = None  # /is_sleeping (paused or vLLM's executor asleep); None: unread
     process: str | None = None  # a non-RPC sign of the process (its start time); None: none
     ranks: tuple[RankView, ...] | None = None  # every rank's hotswap_info, in rank order
     info_error: str | None = None  # hotswap_info itself got no usable answer (timeout, 5xx)
@@ -112,7 +113,8 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "cache-fits",
-        "not probed; RUNNING (verified) and unpaused, or SUSPENDED and paused; "
+        "not probed; RUNNING (verified), unpaused and not sleeping by vLLM's `/is_sleeping`, "
+        "or SUSPENDED and paused; "
         "the non-RPC sign is known and unchanged",
         "unchanged",
         Do.NONE,
@@ -140,6 +142,14 @@ RULES: tuple[Rule, ...] = (
         "not-ours",
         "the process was just started by this sidecar, but a rank made memory steps "
         "(`transitions` > 0): it is not the process started",
+        "FAILED",
+        Do.NONE,
+    ),
+    Rule(
+        "asleep-unseen",
+        "every rank `awake_verified`, but a rank's allocator holds pools asleep: a sleep "
+        "made through vLLM's own endpoints without the hotswap backend, whose wake nothing "
+        "verifies",
         "FAILED",
         Do.NONE,
     ),
@@ -224,7 +234,8 @@ def reconcile(obs: Observation, mem: Memory) -> Verdict:
             "step; nothing is sent to it until a new process answers (restart it)",
         )
     if obs.ranks is None and obs.info_error is None:
-        fits = (mem.state is State.RUNNING and mem.verified and not obs.paused) or (
+        awake = not obs.paused and obs.sleeping is not True
+        fits = (mem.state is State.RUNNING and mem.verified and awake) or (
             mem.state is State.SUSPENDED and obs.paused
         )
         known = obs.process is not None and mem.process == obs.process
@@ -301,6 +312,16 @@ def reconcile(obs: Observation, mem: Memory) -> Verdict:
             **seen,
         )
     if first.phase is Phase.AWAKE_VERIFIED:
+        unseen = sorted({t for r in ranks for t in r.allocator_asleep})
+        if unseen:
+            return verdict(
+                "asleep-unseen",
+                State.FAILED,
+                f"every rank awake, but pools {unseen} asleep in vLLM's allocator: put to "
+                "sleep through vLLM's own endpoints without the hotswap backend (its wake "
+                "would not be verified); restart it",
+                **seen,
+            )
         if obs.paused:
             return verdict(
                 "interrupted-sleep",

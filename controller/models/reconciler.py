@@ -149,10 +149,14 @@ class Reconciler:
         except EngineError as exc:
             return Observation(reachable=False, detail=f"/is_paused: {exc.message}")
         try:
+            sleeping: bool | None = await self.engine.is_sleeping()
+        except EngineError:
+            sleeping = None  # an engine without the endpoint: the ranks still tell
+        try:
             sign = await self.engine.process_start()
         except EngineError:
             sign = None
-        return Observation(reachable=True, paused=paused, process=sign)
+        return Observation(reachable=True, paused=paused, sleeping=sleeping, process=sign)
 
     async def _probe(self, run: Run, obs: Observation) -> Observation:
         try:

@@ -1147,6 +1147,23 @@ async def test_a_running_engine_someone_paused_is_not_ready_until_resumed() -> N
 
 
 @pytest.mark.anyio
+async def test_a_sleep_through_vllms_own_cumem_behind_the_sidecars_back_is_failed() -> None:
+    """vLLM's /sleep with its own cumem backend pauses the engine and releases the pools
+    without the extension: the ranks still say awake and verified, but their allocator
+    holds pools asleep. The reconciliation fails the model instead of resuming an engine
+    with freed memory (the old code resumed it and called it RUNNING)."""
+    rig = await started()
+    rig.world.paused = True  # vLLM's own sleep pauses its scheduler first
+    rig.world.set_truth(allocator_asleep=["kv_cache", "weights"])
+    await rig.m.check_recovered()
+    snap = rig.m.snapshot()
+    assert snap.state is State.FAILED
+    assert "asleep in vLLM's allocator" in (snap.last_error or "")
+    assert rig.world.paused  # never resumed
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
 async def test_an_audit_is_refused_while_a_transition_is_in_flight() -> None:
     rig = await started()
     gate = rig.world.block("hotswap_prepare")

@@ -195,6 +195,38 @@ CASES: list[tuple[str, Observation, Memory, str, State | None, Do]] = [
     ),
     ("fresh start", obs(rank()), mem(S.STARTING, fresh=True), "running", S.RUNNING, Do.NONE),
     (
+        "slept by vLLM's own cumem behind the sidecar's back",
+        obs(rank(allocator_asleep=("kv_cache", "weights")), paused=True, sleeping=True),
+        mem(S.RUNNING, verified=True, boot_ids=("boot0",)),
+        "asleep-unseen",
+        S.FAILED,
+        Do.NONE,
+    ),
+    (
+        "slept by vLLM's own cumem, then resumed by /resume",
+        obs(rank(allocator_asleep=("weights",)), sleeping=True),
+        mem(S.RUNNING, verified=True, boot_ids=("boot0",)),
+        "asleep-unseen",
+        S.FAILED,
+        Do.NONE,
+    ),
+    (
+        "slept through the hotswap backend behind the sidecar's back",
+        obs(rank(0, P.SUSPENDED, snapshot_held=True), paused=True, sleeping=True),
+        mem(S.RUNNING, verified=True, boot_ids=("boot0",)),
+        "suspended",
+        S.SUSPENDED,
+        Do.NONE,
+    ),
+    (
+        "vLLM sleeping while unpaused: the RUNNING cache does not fit",
+        obs(process="p1", sleeping=True),
+        mem(S.RUNNING, verified=True, boot_ids=("boot0",)),
+        "probe",
+        None,
+        Do.PROBE,
+    ),
+    (
         "sleep stopped before suspend",
         obs(rank(snapshot_held=True), paused=True),
         mem(),
@@ -337,6 +369,7 @@ def test_from_info_reads_the_extension_dict() -> None:
         "process_start_s": 1.0,
         "pid": 7,
         "poisoned": False,
+        "allocator_asleep": ["weights"],
     }
     r = RankView.from_info(report)
     assert r == RankView(
@@ -349,6 +382,7 @@ def test_from_info_reads_the_extension_dict() -> None:
         snapshot_held=True,
         boot_id="ab" * 16,
         world_size=2,
+        allocator_asleep=("weights",),
     )
     old = RankView.from_info({"ok": True, "rank": 0, "suspended": {}, "level": None})
     assert old.phase is P.UNREPORTED
@@ -380,6 +414,7 @@ def _rank_variants(i: int, world: int) -> list[RankView]:
     out.append(rank(i, ok=False, error="boom", world=world))
     out.append(rank(i, P.SUSPENDED, tags=("kv_cache",), world=world))
     out.append(rank(i, P.SUSPENDED, level=2, world=world))
+    out.append(rank(i, allocator_asleep=("weights",), world=world))  # vLLM's own sleep
     return out
 
 
@@ -404,8 +439,13 @@ def _rank_sets() -> list[tuple[RankView, ...] | None]:
 
 def _observations() -> list[Observation]:
     out = [Observation(reachable=False)]
-    for alive, paused, process, ranks, info_error in itertools.product(
-        (True, False), (False, True), (None, "p1", "p2"), _rank_sets(), (None, "timed out")
+    for alive, paused, sleeping, process, ranks, info_error in itertools.product(
+        (True, False),
+        (False, True),
+        (None, True),
+        (None, "p1", "p2"),
+        _rank_sets(),
+        (None, "timed out"),
     ):
         if info_error is not None and ranks is not None:
             continue
@@ -414,6 +454,7 @@ def _observations() -> list[Observation]:
                 reachable=True,
                 alive=alive,
                 paused=paused,
+                sleeping=sleeping,
                 process=process,
                 ranks=ranks,
                 info_error=info_error,
@@ -461,12 +502,14 @@ def test_running_only_when_every_rank_is_awake_and_verified_and_unpaused() -> No
             # Nothing new was read: only the same process, last probed RUNNING and verified.
             assert m.state is S.RUNNING
             assert m.verified
+            assert o.sleeping is not True
             assert o.process == m.process is not None
             assert not m.fresh
             assert m.boot_ids is not None
             continue
         assert o.ranks
         assert all(r.ok and r.phase is P.AWAKE_VERIFIED and not r.poisoned for r in o.ranks)
+        assert not any(r.allocator_asleep for r in o.ranks)  # nothing vLLM itself released
         assert len(o.ranks) == o.ranks[0].world_size
 
 

@@ -54,3 +54,8 @@ def test_the_extension_refuses_every_rpc_on_an_untested_vllm(
     assert rep["ok"] is False
     assert "vLLM 0.99.0" in rep["error"]
     assert "was not tested" in rep["error"]
+
+
+def test_no_allocator_pool_is_asleep_without_cuda() -> None:
+    """CPU: no CuMemAllocator records, so hotswap_info's allocator_asleep is empty."""
+    assert vllmcompat.allocator_asleep() == []

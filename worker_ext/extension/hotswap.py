@@ -48,6 +48,7 @@ class HotSwapExtension(SleepRPCs, WakeRPCs, HostMemoryRPCs, ExtensionBase):
             "pools": st.backend.pools(),
             "device_memory": st.backend.memory(),
             "suspended": st.backend.suspended(),
+            "allocator_asleep": vllmcompat.allocator_asleep(),  # vLLM's own sleep shows here
             "resident": st.backend.resident(),
             "level": st.level,
             "poisoned": st.quiescer.poisoned,
