@@ -167,7 +167,7 @@ async def test_start_probes_running_engine() -> None:
     assert snap.ready
     # Read back without an RPC first (readiness, pause, the process's start time), then
     # every rank's own truth.
-    assert rig.world.calls == ["/health", "/is_paused", "/metrics", "hotswap_info"]
+    assert rig.world.calls == ["/health", "/is_paused", "/is_sleeping", "/metrics", "hotswap_info"]
     assert rig.sample("hotswap_model_state", model="m", state="RUNNING") == 1.0
     assert rig.sample("hotswap_model_ready", model="m") == 1.0
     await rig.manager.stop()
@@ -223,7 +223,7 @@ async def test_start_finishes_what_a_dead_sidecar_left_or_fails_with_the_reason(
     snap = rig.m.snapshot()
     assert snap.state is state, snap.last_error
     assert snap.verified is (state is State.RUNNING)
-    assert [c for c in rig.world.calls[4:] if c not in ("/v1/models", "/v1/completions")] == calls
+    assert [c for c in rig.world.calls[5:] if c not in ("/v1/models", "/v1/completions")] == calls
     if state is State.FAILED:
         assert snap.last_error
     await rig.manager.stop()
@@ -1083,7 +1083,7 @@ async def test_engine_failed_mid_transition_is_never_called_again_until_it_resta
     assert "prepare" in str(rig.m.snapshot().last_error)  # the failed step's own reason kept
     rig.world.calls.clear()
     assert not await rig.m.check_recovered()  # up, but the same process: hands off
-    assert rig.world.calls == ["/health", "/is_paused", "/metrics"]
+    assert rig.world.calls == ["/health", "/is_paused", "/is_sleeping", "/metrics"]
     rig.world.overrides["/health"] = _refuse  # down for a while...
     assert not await rig.m.check_recovered()
     del rig.world.overrides["/health"]  # ...and back, but the same process (same start time)
