@@ -59,3 +59,17 @@ def test_the_extension_refuses_every_rpc_on_an_untested_vllm(
 def test_no_allocator_pool_is_asleep_without_cuda() -> None:
     """CPU: no CuMemAllocator records, so hotswap_info's allocator_asleep is empty."""
     assert vllmcompat.allocator_asleep() == []
+
+
+def test_hotswap_worker_refuses_to_start_on_an_untested_vllm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before vLLM's own worker is built (the model is not loaded): the engine fails to
+    start with the reason."""
+    from worker_ext import sleepworker
+
+    monkeypatch.delenv(vllmcompat.ALLOW_ENV, raising=False)
+    monkeypatch.setattr(vllmcompat, "vllm_version", lambda: "0.99.0")
+    cls = sleepworker.worker_class("cpu")
+    with pytest.raises(RuntimeError, match=r"vLLM 0\.99\.0 on .* was not tested"):
+        cls.__new__(cls).__init__()
