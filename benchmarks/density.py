@@ -382,6 +382,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-awake", type=int, default=None)
     ap.add_argument("--boot-timeout-s", type=float, default=300.0)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--budget-s", type=float, default=3600.0, help="skip arms past this")
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bench-density-"))
     socks_dir = Path(tempfile.mkdtemp(prefix="socks-"))
@@ -404,6 +405,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             env["HOTSWAP_CUDACKPT_FAKE"] = str(fake)
         records: dict[str, list[dict[str, Any]]] = {}
         for arm in args.arms.split(","):
+            if time.monotonic() - T0 > args.budget_s - args.trace_s - 45:
+                log("out of time: arm", arm, "not run")
+                result.setdefault("not_run", []).append(arm)
+                continue
             summary, records[arm] = run_arm(arm, socks, trace, args, work, env)
             result["arms"].append(summary)
         result["png"] = plot(records, out_dir / "density.png")
