@@ -9,7 +9,7 @@ from typing import Any, cast
 
 import torch
 
-from worker_ext import ownership, protect, snapshot
+from worker_ext import ownership, protect, snapshot, trim
 from worker_ext.extension.base import ExtensionBase, mem_value
 from worker_ext.extension.rpc import log, rank_of, rpc
 from worker_ext.pools import ALL_TAGS, KV_CACHE, WEIGHTS
@@ -130,6 +130,7 @@ class SleepRPCs(ExtensionBase):
     @rpc
     def hotswap_prepare(self, level: int, kv: str = "discard") -> dict[str, Any]:
         self._hotswap_fault("prepare")
+        trim.release_compile_workers()  # compiled and warm: the pool need not sleep with it
         level = int(level)
         kv = _kv_word(kv)
         st = self._hotswap_state()
@@ -296,6 +297,7 @@ class SleepRPCs(ExtensionBase):
         if st.backend.suspended():
             raise RuntimeError(f"pools already suspended: {st.backend.suspended()}")
         st.snap = None  # a failed prepare must not leave an older snapshot to verify against
+        trim.release_compile_workers()  # compiled and warm: the pool need not sleep with it
         chosen = sorted(ALL_TAGS, key=lambda t: (t != WEIGHTS, t))
         prepared: dict[str, Any] = {}
         began = time.perf_counter()
