@@ -29,6 +29,7 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from controller.config.settings import Settings
+from controller.fleet.coordinator import Coordinator, DirectCoordinator
 from controller.fleet.idle import IdleSleeper
 from controller.fleet.supervisor import EngineFactory as ProcessFactory
 from controller.fleet.supervisor import Supervisor, place_engine_sockets, with_demotable_engines
@@ -78,19 +79,23 @@ class Sidecar:
         )
         # Hot swap (a budget, managed engines, the gateway): the policy's coordinator, the
         # supervisor of the engines this process starts, and the gateway in front.
-        self.coordinator: SwapCoordinator | None = None
+        # Every sidecar has a coordinator: without hot swap, sleeps and wakes go straight to
+        # the model's manager.
+        self.coordinator: Coordinator = DirectCoordinator()
+        self.swap: SwapCoordinator | None = None
         self.supervisor: Supervisor | None = None
         self.gateway: gateway.Gateway | None = None
         self.idle: IdleSleeper | None = None
         if settings.hot_swap:
             self.swap_metrics = SwapMetrics(self.registry)
-            self.coordinator = SwapCoordinator(
+            self.swap = swap = SwapCoordinator(
                 self.manager, settings, self.swap_metrics, clock=clock, monotonic=monotonic
             )
+            self.coordinator = swap
             if settings.managed:
                 self.supervisor = Supervisor(
                     self.manager,
-                    self.coordinator,
+                    swap,
                     settings,
                     self.swap_metrics,
                     engine_factory=process_factory,
@@ -98,12 +103,12 @@ class Sidecar:
                     socket_folder=socket_folder,
                 )
             if any(settings.idle_sleep(m)[0] is not None for m in settings.models):
-                self.idle = IdleSleeper(self.coordinator, settings, self.tasks, clock=clock)
+                self.idle = IdleSleeper(swap, settings, self.tasks, clock=clock)
             if settings.gateway_enabled:
                 self.gateway = gateway.Gateway(
                     settings,
                     self.manager,
-                    self.coordinator,
+                    swap,
                     self.swap_metrics,
                     transport=gateway_transport,
                     monotonic=monotonic,

@@ -22,6 +22,7 @@ from controller.config.servesettings import GatewaySettings
 from controller.errors import HotswapError, Refusal, WakeRefused
 from controller.fleet.swap import SwapCoordinator, SwapResult
 from controller.models.manager import Manager
+from controller.models.modelmanager import ModelManager
 from controller.models.record import ModelRecord
 from controller.observe.swapmetrics import SwapMetrics
 from controller.state import State
@@ -57,20 +58,20 @@ class Admission:
     def _set_held(self, rec: ModelRecord, delta: int) -> None:
         self.metrics.queue_depth(rec.name, rec.lane.hold(delta))
 
-    async def admit(self, name: str, receive: Receive | None = None) -> float:
+    async def admit(self, mm: ModelManager, receive: Receive | None = None) -> float:
         """Count the request in flight once its model is RUNNING; returns seconds held.
 
         `receive` (the request's): a client that disconnects while held gives its queue slot
         back at once and starts no wake (Refusal 499, counted as `client_gone`)."""
         self._refuse_unless_serving()
-        self.coordinator.touch(name)
-        rec = self.fleet[name]
+        rec = mm.record
+        rec.lane.touch()  # the most recently used now
         if self._admissible(rec):
             rec.lane.enter()
             return 0.0
         gone = asyncio.ensure_future(_disconnected(receive)) if receive is not None else None
         try:
-            return await self._queue(rec, gone)
+            return await self._queue(mm, gone)
         finally:
             if gone is not None:
                 gone.cancel()
@@ -83,7 +84,8 @@ class Admission:
             reason = "shutting_down" if self.life.stopping else "starting"
             raise Refusal(503, reason, why, retry_after_s=self.cfg.retry_after_s)
 
-    async def _queue(self, rec: ModelRecord, gone: asyncio.Future[None] | None) -> float:
+    async def _queue(self, mm: ModelManager, gone: asyncio.Future[None] | None) -> float:
+        rec = mm.record
         name, lane = rec.name, rec.lane
         if lane.held >= self.cfg.queue_size:
             raise Refusal(
@@ -96,7 +98,7 @@ class Admission:
         t0 = self._mono()
         ticket = lane.ticket()
         try:
-            await self._hold(rec, ticket, t0 + self.cfg.hold_timeout_s, gone)
+            await self._hold(mm, ticket, t0 + self.cfg.hold_timeout_s, gone)
         except BaseException:
             if lane.forget(ticket):
                 lane.leave()  # admitted just as it gave up: uncount it
@@ -111,7 +113,7 @@ class Admission:
 
     async def _hold(
         self,
-        rec: ModelRecord,
+        mm: ModelManager,
         ticket: asyncio.Future[None],
         deadline: float,
         gone: asyncio.Future[None] | None = None,
@@ -119,7 +121,7 @@ class Admission:
         """Return when admitted; Refusal (503) when the model's wake fails or is late, 499
         as soon as the client has disconnected (before any wake is started for it). Waits
         on the ticket, the wake, the record's changes and the client: nothing polls."""
-        name = rec.name
+        name, rec = mm.name, mm.record
         seen: set[asyncio.Task[SwapResult]] = set()  # wakes that ran while this one waited
         if gone is not None:
             await asyncio.sleep(0)  # a client already gone says so at its first receive
@@ -154,9 +156,7 @@ class Admission:
             until = deadline
             if task is None and wakeable:
                 if now >= rec.lane.retry_at:
-                    task = self.tasks.spawn(
-                        self.coordinator.wake(name), name=f"gateway-wake-{name}"
-                    )
+                    task = self.tasks.spawn(self.coordinator.wake(mm), name=f"gateway-wake-{name}")
                     rec.lane.gateway_woke(task)
                 else:
                     until = min(deadline, rec.lane.retry_at)  # a refusal said when to ask again

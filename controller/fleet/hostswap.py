@@ -21,6 +21,7 @@ from controller.fleet.policy import ModelView
 from controller.fleet.swapview import SwapView
 from controller.models.manager import Manager
 from controller.models.modelmanager import Outcome
+from controller.models.record import ModelRecord
 from controller.observe import hostmem
 
 log = logging.getLogger("hotswap.swap")
@@ -50,15 +51,15 @@ class HostMemory:
     def budget(self) -> HostBudget:
         return HostBudget(host_budget_bytes(self.settings.swap.host_budget, self._ram))
 
-    async def room(self, name: str, level: int | None) -> int | None:
-        """Holding the host lock, before a sleep of `name`: the level it may sleep at within
+    async def room(self, rec: ModelRecord, level: int | None) -> int | None:
+        """Holding the host lock, before a sleep of the model: the level it may sleep at within
         the host budget, dropping awake models' backups and then demoting LRU level-1
         sleepers first (controller.fleet.hostpolicy)."""
         budget = self.budget()
         if budget.bytes is None:
             return level
-        asked = level if level is not None else self.fleet[name].settings.default_level
-        plan = await self._enforce(name, asked, budget)
+        asked = level if level is not None else rec.settings.default_level
+        plan = await self._enforce(rec.name, asked, budget)
         return plan.level
 
     async def _enforce(self, name: str | None, level: int | None, budget: HostBudget) -> HostPlan:
@@ -86,10 +87,10 @@ class HostMemory:
         views = self.view.views()
         return [dataclasses.replace(v, pinned=True) if v.name in refused else v for v in views]
 
-    def woke(self, name: str, outcome: Outcome) -> bool:
+    def woke(self, rec: ModelRecord, outcome: Outcome) -> bool:
         """After a wake: the host bytes it keeps (its backup, as its resumes said); True when
         the fleet is now over the host budget (then `enforce()`; within it, nothing to plan)."""
-        held = self.fleet[name].holdings
+        held = rec.holdings
         held.hold_host(_backup_held(outcome))
         cap = self.budget().bytes
         if cap is None or held.host_bytes == 0:
@@ -107,11 +108,12 @@ class HostMemory:
 
     async def drop_backup(self, name: str) -> bool:
         """Release an awake model's kept host backup; False, logged, when it could not be
-        (it is no longer RUNNING, or its engine answered no)."""
-        held = self.fleet[name].holdings
+        (it is no longer RUNNING, or its engine answered no). `name`: the host plan's."""
+        mm = self.manager.get(name)
+        held = mm.record.holdings
         fields = {"model": name, "phase": protocol.DROP_BACKUP.phase}
         try:
-            reports = await self.manager.get(name).drop_backup()
+            reports = await mm.drop_backup()
         except HotswapError as exc:
             log.warning("%s: kept host backup not dropped: %s", name, exc, extra=fields)
             return False
@@ -136,11 +138,12 @@ class HostMemory:
     async def demote(self, name: str) -> bool:
         """Demote a level-1 sleeper to level 2 (its host copy released); False, logged, when
         it cannot be (a wake came first, or every rank refused: then not asked again until
-        a sleep's prepare says it can)."""
-        held = self.fleet[name].holdings
+        a sleep's prepare says it can). `name`: the host plan's."""
+        mm = self.manager.get(name)
+        held = mm.record.holdings
         fields = {"model": name, "phase": "demote"}
         try:
-            await self.manager.get(name).demote()
+            await mm.demote()
         except EngineError as exc:
             if not exc.may_desync:
                 held.set_demotable(False)  # every rank answered no: not until the next sleep
@@ -154,10 +157,10 @@ class HostMemory:
         log.info("%s: demoted to level 2 (%d host bytes released)", name, freed, extra=fields)
         return True
 
-    def slept(self, name: str, outcome: Outcome) -> None:
+    def slept(self, rec: ModelRecord, outcome: Outcome) -> None:
         """After a sleep: the host bytes it holds (and, at level 1, its weights' share), and
         whether a demotion may follow it (its prepare's `demotable`, every rank)."""
-        held = self.fleet[name].holdings
+        held = rec.holdings
         held.hold_host(_host_held(outcome))
         said = _demotable(outcome)
         if said is not None:

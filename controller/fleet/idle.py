@@ -19,6 +19,7 @@ from controller.config.settings import Settings
 from controller.errors import HotswapError
 from controller.fleet.policy import plan_idle
 from controller.fleet.swap import SwapCoordinator
+from controller.models.modelmanager import ModelManager
 from controller.models.record import ModelRecord
 from controller.tasks import Tasks
 
@@ -39,18 +40,19 @@ class IdleSleeper:
         self.settings = settings
         self.tasks = tasks
         self._clock = clock
-        self.watched = [m.name for m in settings.models if settings.idle_sleep(m)[0] is not None]
+        models = coordinator.manager.models()
+        self.watched = [m for m in models if settings.idle_sleep(m.settings)[0] is not None]
 
     def start(self) -> None:
-        for name in self.watched:
-            self.tasks.spawn(self._watch(name), name=f"hotswap-idle-{name}")
+        for mm in self.watched:
+            self.tasks.spawn(self._watch(mm), name=f"hotswap-idle-{mm.name}")
 
-    async def _watch(self, name: str) -> None:
-        rec = self.fleet[name]
+    async def _watch(self, mm: ModelManager) -> None:
+        name, rec = mm.name, mm.record
         idle_s, level = self.settings.idle_sleep(rec.settings)
         fields = {"model": name, "phase": "idle"}
         while True:
-            plan = plan_idle(self.coordinator.view(name), idle_s, self._clock())
+            plan = plan_idle(self.coordinator.view(rec), idle_s, self._clock())
             if not plan.sleep:
                 log.debug("%s: no idle sleep: %s", name, plan.reason, extra=fields)
                 await self._next_change(rec, plan.due_in_s)
@@ -58,7 +60,7 @@ class IdleSleeper:
             log.info("%s: idle sleep at level %d: %s", name, level, plan.reason, extra=fields)
             rec.swapping.idle_slept(self._clock())
             try:
-                await self.coordinator.sleep(name, level, drain="wait", reason="idle")
+                await self.coordinator.sleep(mm, level, drain="wait", reason="idle")
             except HotswapError as exc:
                 # A request came in meanwhile (drain gave up), or the state moved: wait for
                 # the next change, or a whole idle period, before asking again.

@@ -35,6 +35,7 @@ from controller.fleet.swap import SwapCoordinator
 from controller.models.fleetparts import EngineProcess as Engine
 from controller.models.footprints import budget_from_info, footprint_from_info
 from controller.models.manager import Manager
+from controller.models.modelmanager import ModelManager
 from controller.models.record import ModelRecord
 from controller.observe.swapmetrics import SwapMetrics
 from controller.state import ModelSnapshot, State
@@ -119,7 +120,7 @@ class Supervisor:
         self.cfg = settings.supervisor
         self.metrics = metrics
         self._mono = monotonic
-        self.models = [m for m in settings.models if m.managed]
+        self.models = [mm for mm in manager.models() if mm.settings.managed]
         self._socket_folder = socket_folder  # made for this run: removed at stop
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if engine_factory is None:
@@ -162,25 +163,23 @@ class Supervisor:
 
     async def boot(self) -> None:
         """Start every managed engine, one at a time per device, each asleep before the next."""
-        for m in self.models:
+        for mm in self.models:
             # The lock covers the plan only: once STARTING, the policy counts the model at its
             # footprint, so wakes on the device go on (or wait with a reason) during the boot.
-            async with self.coordinator.device_lock(m.name):
-                self.manager.get(m.name).mark_starting()
-            await self._start(m)
+            async with self.coordinator.device_lock(mm.record):
+                mm.mark_starting()
+            await self._start(mm)
         await self._measure_budgets()
         self.booted.set()
         log.info("managed engines booted: %s", self._states())
 
     def _states(self) -> str:
-        snaps = self.manager.snapshots()
-        return ", ".join(f"{m.name}={snaps[m.name].state.value}" for m in self.models)
+        return ", ".join(f"{mm.name}={mm.record.state.value}" for mm in self.models)
 
-    async def _start(self, m: ModelSettings) -> bool:
+    async def _start(self, mm: ModelManager) -> bool:
         """Start one engine of a model marked STARTING, holding no lock (a boot may take
         `boot_timeout_s`); True when it serves or sleeps."""
-        mm = self.manager.get(m.name)
-        rec = self.fleet[m.name]
+        m, rec = mm.settings, mm.record
         fields = {"model": m.name, "phase": "start"}
         engine = self._factory(m)
         t0 = self._mono()
@@ -202,13 +201,13 @@ class Supervisor:
             log.error("%s: started but the probe failed: %s", m.name, snap.last_error, extra=fields)
             return False
         self.coordinator.learn_footprint(
-            m.name, footprint_from_info(_info_ranks(snap)), "hotswap_info pools at start"
+            rec, footprint_from_info(_info_ranks(snap)), "hotswap_info pools at start"
         )
         log.info("%s: engine ready after %.1f s", m.name, self._mono() - t0, extra=fields)
         if m.pinned:
             return True
         try:
-            await self.coordinator.sleep(m.name, reason="boot")
+            await self.coordinator.sleep(mm, reason="boot")
         except HotswapError as exc:
             log.error("%s: could not put it to sleep after start: %s", m.name, exc, extra=fields)
             return False
@@ -232,23 +231,21 @@ class Supervisor:
         if self.settings.swap.budget_bytes is not None:
             return
         seen: set[str] = set()
-        for m in self.models:
-            if set(m.placement) <= seen or self.fleet[m.name].state not in (
-                State.SUSPENDED,
-                State.RUNNING,
-            ):
+        for mm in self.models:
+            placement = mm.settings.placement
+            if set(placement) <= seen or mm.record.state not in (State.SUSPENDED, State.RUNNING):
                 continue
-            seen.update(m.placement)
+            seen.update(placement)
             try:
-                ranks = await self.manager.get(m.name).info()
+                ranks = await mm.info()
             except HotswapError as exc:
-                log.warning("%s: could not measure the budget: %s", m.name, exc)
+                log.warning("%s: could not measure the budget: %s", mm.name, exc)
                 continue
             free = budget_from_info(ranks)
             if free is None:
                 continue
-            for d in m.placement:  # the tightest rank's free memory, for each of its devices
-                views = [self.coordinator.view(p.name) for p in self.models]
+            for d in placement:  # the tightest rank's free memory, for each of its devices
+                views = [self.coordinator.view(p.record) for p in self.models]
                 self.coordinator.set_measured_budget(d, measured_budget(free, d, views))
 
     # ---- watch and restart ---------------------------------------------------------------
@@ -256,14 +253,15 @@ class Supervisor:
     async def watch(self) -> None:
         """Restart engines whose model a transition left FAILED or whose process exited;
         both change the model's record, which this awaits."""
-        records = [self.fleet[m.name] for m in self.models]
+        records = [mm.record for mm in self.models]
         while True:
-            for m, rec in zip(self.models, records, strict=True):
+            for mm in self.models:
+                rec = mm.record
                 if rec.process.restarting():
                     continue
                 why = self._why_restart(rec)
                 if why is not None:
-                    task = self.tasks.spawn(self._restart(m, why), name=f"hotswap-restart-{m.name}")
+                    task = self.tasks.spawn(self._restart(mm, why), f"hotswap-restart-{mm.name}")
                     rec.process.restart_begun(task)
             await self.fleet.wait_for(
                 lambda: any(
@@ -282,13 +280,13 @@ class Supervisor:
             return f"engine exited with code {engine.returncode}"
         return None
 
-    async def _end_old(self, m: ModelSettings, rec: ModelRecord) -> bool:
+    async def _end_old(self, mm: ModelManager) -> bool:
         """End the old engine's whole process group, its keeper alive or not: a keeper killed
         outright (SIGKILL, the OOM killer) leaves the engine's children (EngineCore, workers)
         alive and holding their memory. A new engine starts only once none is left (False:
         some survived the SIGKILL; the model stays FAILED with their pids, and the next
         restart tries again)."""
-        engine = rec.process.engine
+        engine = mm.record.process.engine
         if engine is None:
             return True
         if engine.is_alive() or engine.group_left():
@@ -296,20 +294,19 @@ class Supervisor:
         left = engine.group_left()
         if left:
             reason = f"the old engine's processes {left} outlived SIGKILL: no new start"
-            log.error("%s: %s", m.name, reason, extra={"model": m.name, "phase": "restart"})
-            self.manager.get(m.name).mark_failed(reason)
+            log.error("%s: %s", mm.name, reason, extra={"model": mm.name, "phase": "restart"})
+            mm.mark_failed(reason)
             return False
         return True
 
-    async def _restart(self, m: ModelSettings, why: str) -> None:
+    async def _restart(self, mm: ModelManager, why: str) -> None:
         try:
-            await self._restart_once(m, why)
+            await self._restart_once(mm, why)
         finally:
-            self.fleet[m.name].changed()  # the watch loop looks again (a restart that failed)
+            mm.record.changed()  # the watch loop looks again (a restart that failed)
 
-    async def _restart_once(self, m: ModelSettings, seen: str) -> None:
-        mm = self.manager.get(m.name)
-        rec = self.fleet[m.name]
+    async def _restart_once(self, mm: ModelManager, seen: str) -> None:
+        m, rec = mm.settings, mm.record
         fields = {"model": m.name, "phase": "restart"}
         # The transition fails by itself on a dead engine, and a failed step is reconciled
         # inside it: let both finish, then judge by what the reconciliation says. A step
@@ -334,15 +331,15 @@ class Supervisor:
         delay = restart_delay(n, self.cfg.restart_backoff_s, self.cfg.restart_backoff_max_s)
         log.warning("%s: %s; restart #%d in %g s", m.name, why, n, delay, extra=fields)
         mm.mark_failed(why)
-        ended = await self._end_old(m, rec)
+        ended = await self._end_old(mm)
         await asyncio.sleep(delay)
         if not ended:
             return
-        async with self.coordinator.device_lock(m.name):
-            await self.coordinator.make_room(m.name)
+        async with self.coordinator.device_lock(rec):
+            await self.coordinator.make_room(mm)
             mm.mark_starting()  # counted at its footprint from here: the lock can go
         self.metrics.restart(m.name)
-        ok = await self._start(m)
+        ok = await self._start(mm)
         log.info(
             "%s: restart #%d %s (%s)",
             m.name,

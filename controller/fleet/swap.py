@@ -36,10 +36,11 @@ from controller.fleet.policy import Decision, WakePlan, estimate, plan_wake
 from controller.fleet.swapview import SwapView
 from controller.models.footprints import footprint_from_sleep
 from controller.models.manager import Manager
-from controller.models.modelmanager import Outcome
+from controller.models.modelmanager import ModelManager, Outcome
+from controller.models.record import ModelRecord
 from controller.models.steps import DrainMode
 from controller.observe.swapmetrics import SwapMetrics
-from controller.state import State
+from controller.state import Action, Request, State, decide
 
 log = logging.getLogger("hotswap.swap")
 
@@ -48,9 +49,10 @@ Clock = Callable[[], float]
 
 @dataclass(frozen=True)
 class SwapResult:
-    """What a policy wake did: the plan (decision and reason), the wake, and timings."""
+    """What a wake did: the policy's plan (decision and reason; None: no policy, a sidecar
+    without hot swap), the wake, and timings."""
 
-    plan: WakePlan
+    plan: WakePlan | None
     outcome: Outcome | None
     evicted: tuple[str, ...] = ()
     evict_s: float = 0.0
@@ -61,7 +63,7 @@ class SwapResult:
     def to_dict(self) -> dict[str, Any]:
         swap = self.total_s if self.total_s is not None else self.evict_s + self.wake_s
         return {
-            "policy": self.plan.to_dict(),
+            "policy": self.plan.to_dict() if self.plan is not None else None,
             "evicted": list(self.evicted),
             "evict_s": self.evict_s,
             "wake_s": self.wake_s,
@@ -90,32 +92,42 @@ class SwapCoordinator(SwapView):
 
     # ---- wake ----------------------------------------------------------------------------
 
-    async def wake(self, name: str, *, evict: bool = True) -> SwapResult:
-        """Wake `name` within the budget; evicts LRU models first unless `evict` is False.
+    def begin_wake(self, mm: ModelManager, *, evict: bool = True) -> Outcome:
+        """?wait=false: what will happen (a wake the state forbids is refused now, 409, and so
+        is one that finds no room when it may not evict), the wake itself in a task of the
+        sidecar's."""
+        now = _decide_now(mm, Request.WAKE)
+        if not evict and now.action is Action.BEGIN:
+            plan = self.plan(mm.record, allow_evict=False)  # no room and no eviction: say so now
+            if plan.decision is Decision.REFUSE:
+                raise _refused(mm.name, plan)
+        self.manager.tasks.spawn(self.wake(mm, evict=evict), name=f"hotswap-api-wake-{mm.name}")
+        return now
+
+    async def wake(self, mm: ModelManager, *, evict: bool = True) -> SwapResult:
+        """Wake the model within the budget; evicts LRU models first unless `evict` is False.
 
         Raises WakeRefused (409) when the policy says no, the manager's errors otherwise.
         Concurrent evicting wakes of one model share one run.
         """
-        mm = self.manager.get(name)
-        snap = mm.snapshot()
-        if snap.state is State.RUNNING:
-            return SwapResult(WakePlan(name, Decision.NOOP, "already RUNNING"), None)
+        if mm.snapshot().state is State.RUNNING:
+            return SwapResult(WakePlan(mm.name, Decision.NOOP, "already RUNNING"), None)
         if not evict:
-            return await self._wake(name, evict=False)
-        rec = self.fleet[name]
-        task = rec.swapping.in_flight()
+            return await self._wake(mm, evict=False)
+        swapping = mm.record.swapping
+        task = swapping.in_flight()
         if task is None:
-            task = self.manager.tasks.spawn(self._wake(name, evict=True), f"hotswap-swap-{name}")
-            rec.swapping.swapping(task)
+            task = self.manager.tasks.spawn(self._wake(mm, evict=True), f"hotswap-swap-{mm.name}")
+            swapping.swapping(task)
         # shield: one caller giving up (a client gone) does not stop the swap for the others.
         result: SwapResult = await asyncio.shield(task)
         return result
 
-    async def _wake(self, name: str, *, evict: bool) -> SwapResult:
-        mm = self.manager.get(name)
-        async with self._device_locks(name):
-            await self._settle(name)
-            plan = await self._deepened_plan(name, evict)
+    async def _wake(self, mm: ModelManager, *, evict: bool) -> SwapResult:
+        name, rec = mm.name, mm.record
+        async with self._device_locks(rec):
+            await self._settle(rec)
+            plan = await self._deepened_plan(rec, evict)
             fields = {"model": name, "phase": "policy"}
             log.info(
                 "%s: wake plan %s: %s",
@@ -127,17 +139,12 @@ class SwapCoordinator(SwapView):
             if plan.decision is Decision.NOOP:
                 outcome = await mm.wake() if mm.snapshot().state is State.RESUMING else None
                 if mm.snapshot().state is State.RUNNING:
-                    self.fleet[name].lane.hand_over()
+                    rec.lane.hand_over()
                 return SwapResult(plan, outcome)
             if plan.decision is Decision.REFUSE:
                 self.metrics.swap(name, "refused")
-                raise WakeRefused(
-                    f"cannot wake {name}: {plan.reason}",
-                    plan=plan.to_dict(),
-                    retry_after_s=plan.retry_after_s,
-                    model=name,
-                )
-            overlap = self.overlap(name, plan)
+                raise _refused(name, plan)
+            overlap = self.overlap(mm, plan)
             if plan.decision is Decision.EVICT:
                 log.info(
                     "%s: swap %s: %s",
@@ -149,14 +156,15 @@ class SwapCoordinator(SwapView):
             t0 = self._mono()
             evicted: list[str] = []
             try:
+                victims = [self.manager.get(v) for v in plan.evict]  # the policy speaks names
                 if overlap.ok:
-                    outcome, t1, evict_s = await self._overlapped(name, plan.evict[0], overlap)
-                    evicted.append(plan.evict[0])
+                    outcome, t1, evict_s = await self._overlapped(mm, victims[0], overlap)
+                    evicted.append(victims[0].name)
                 else:
-                    for victim in plan.evict:
+                    for victim in victims:
                         await self.sleep(victim, drain="wait", reason="evict")
-                        evicted.append(victim)
-                        self.metrics.eviction(victim, "lru")
+                        evicted.append(victim.name)
+                        self.metrics.eviction(victim.name, "lru")
                     t1 = self._mono()
                     evict_s = t1 - t0
                     outcome = await mm.wake()
@@ -166,12 +174,10 @@ class SwapCoordinator(SwapView):
             t2 = self._mono()
             # Awake: its host copy is back on the device; what it keeps there (a CUDA
             # engine's pinned backup) is what its resumes said.
-            self.fleet[name].holdings.release_host()
+            rec.holdings.release_host()
             if mm.snapshot().state is State.RUNNING:
-                self.fleet[
-                    name
-                ].lane.hand_over()  # before the lock goes: no eviction overtakes them
-                self._host_after_wake(name, outcome)
+                rec.lane.hand_over()  # before the lock goes: no eviction overtakes them
+                self._host_after_wake(mm, outcome)
             self.metrics.swap(name, "ok", t2 - t0)
             result = SwapResult(
                 plan,
@@ -194,36 +200,36 @@ class SwapCoordinator(SwapView):
             )
             return result
 
-    async def _deepened_plan(self, name: str, evict: bool) -> WakePlan:
+    async def _deepened_plan(self, rec: ModelRecord, evict: bool) -> WakePlan:
         """The wake's plan once the sleepers it takes deep are deep (the third tier: before
         anything awake is evicted). A sleeper that did not go deep is marked unable, with
         its reason, and the wake is planned again without it."""
-        plan = self.plan(name, allow_evict=evict)
+        plan = self.plan(rec, allow_evict=evict)
         for _ in range(3):
             if not plan.deepen:
                 return plan
-            log.info("%s: wake plan %s: %s", name, plan.decision.value, plan.reason)
-            for sleeper in plan.deepen:
-                rec = self.fleet[sleeper]
+            log.info("%s: wake plan %s: %s", rec.name, plan.decision.value, plan.reason)
+            for sleeper in plan.deepen:  # the policy speaks names
+                mm = self.manager.get(sleeper)
                 try:
-                    snap = await self.manager.get(sleeper).deepen()
+                    snap = await mm.deepen()
                 except (DeepSleepRefused, TransitionConflict) as exc:
-                    snap = rec.snapshot
-                    rec.ckpt.unable(exc.message)
+                    snap = mm.record.snapshot
+                    mm.record.ckpt.unable(exc.message)
                 if not snap.deep:
-                    rec.ckpt.unable(rec.ckpt.refused or snap.deep_error)
-                    log.warning("%s: not deep: %s", sleeper, rec.ckpt.refused)
-            plan = self.plan(name, allow_evict=evict)
+                    mm.record.ckpt.unable(mm.record.ckpt.refused or snap.deep_error)
+                    log.warning("%s: not deep: %s", sleeper, mm.record.ckpt.refused)
+            plan = self.plan(rec, allow_evict=evict)
         return plan
 
-    def _host_after_wake(self, name: str, outcome: Outcome) -> None:
+    def _host_after_wake(self, mm: ModelManager, outcome: Outcome) -> None:
         """The host bytes a woken model keeps, and (in a named task: the wake's answer does
         not wait) the host budget enforced over the fleet if they put it over."""
-        if self.host.woke(name, outcome):
-            task = self.manager.tasks.spawn(self.host.enforce(), f"hotswap-host-{name}")
-            self.fleet[name].swapping.enforcing_host(task)
+        if self.host.woke(mm.record, outcome):
+            task = self.manager.tasks.spawn(self.host.enforce(), f"hotswap-host-{mm.name}")
+            mm.record.swapping.enforcing_host(task)
 
-    def overlap(self, name: str, plan: WakePlan) -> Overlap:
+    def overlap(self, mm: ModelManager, plan: WakePlan) -> Overlap:
         """Whether this evicting wake may overlap the evicted model's offload with the
         target's load (controller.fleet.overlap.plan_overlap over the records' measured pools)."""
         if plan.decision is not Decision.EVICT or len(plan.evict) != 1:
@@ -231,21 +237,21 @@ class SwapCoordinator(SwapView):
         mode = self.settings.swap.overlap
         if mode == "never":
             return Overlap(False, "swap.overlap is never")
-        copied = self.fleet[plan.evict[0]].holdings.copied_bytes
-        if mode == "auto" and not copied:
-            why = "not seen to copy" if copied is None else "copies"
+        evicted = self.manager.get(plan.evict[0]).record  # the policy speaks names
+        held = evicted.holdings
+        if mode == "auto" and not held.copied_bytes:
+            why = "not seen to copy" if held.copied_bytes is None else "copies"
             return Overlap(
                 False,
-                f"{plan.evict[0]}'s sleep {why} no weights off the device: nothing to overlap",
+                f"{evicted.name}'s sleep {why} no weights off the device: nothing to overlap",
             )
         views = self.views()
-        victim = next(v for v in views if v.name == plan.evict[0])
+        victim = next(v for v in views if v.name == evicted.name)
         peers = [v for v in views if set(v.placement) & set(victim.placement)]
         counted = estimate(victim, peers, self.budget(victim.device))
-        held = self.fleet[victim.name].holdings
         scratch = held.codec_scratch  # its encode, beside the wake's
-        ov = plan_overlap(plan, held.pools, self.fleet[name].holdings.pools, counted, scratch)
-        if ov.early and self.fleet[victim.name].lane.in_flight:
+        ov = plan_overlap(plan, held.pools, mm.record.holdings.pools, counted, scratch)
+        if ov.early and evicted.lane.in_flight:
             # Its drain may give up and leave it RUNNING: the target then starts once the
             # victim's KV cache is gone, not before (its weights would come in for nothing
             # and its wake fail in wait_room, in place of the drain's own answer).
@@ -253,7 +259,7 @@ class SwapCoordinator(SwapView):
         return ov
 
     async def _overlapped(
-        self, name: str, victim: str, overlap: Overlap
+        self, mm: ModelManager, victim: ModelManager, overlap: Overlap
     ) -> tuple[Outcome, float, float]:
         """Put `victim` to sleep split by pool and start waking `name` the moment the
         victim's KV cache is off the device (or at once, `overlap.early`): `name`'s weights
@@ -261,12 +267,12 @@ class SwapCoordinator(SwapView):
         mapped only once the victim is SUSPENDED (or its process gone), or once the victim's
         KV cache is gone (`overlap.kv_early`). Returns the wake's outcome, when it started,
         and how long the victim's sleep took."""
-        mm = self.manager.get(name)
+        name, rec = mm.name, victim.record
         released = asyncio.Event()
         t0 = self._mono()
         sleep = self.manager.tasks.spawn(
             self.sleep(victim, drain="wait", reason="evict", kv_released=released.set),
-            name=f"hotswap-evict-{victim}",
+            name=f"hotswap-evict-{victim.name}",
         )
 
         async def kv_gone() -> bool:
@@ -288,7 +294,7 @@ class SwapCoordinator(SwapView):
         async def room() -> None:
             if overlap.early and not await kv_gone():
                 raise EngineError(
-                    f"{victim}, evicted for {name}, ended its sleep before its KV cache "
+                    f"{victim.name}, evicted for {name}, ended its sleep before its KV cache "
                     f"was released: the KV cache of {name} is not mapped",
                     model=name,
                     phase="wait_room",
@@ -296,12 +302,11 @@ class SwapCoordinator(SwapView):
             if overlap.kv_early:
                 return  # the victim's KV cache is gone: this one fits beside its weights
             await asyncio.wait({sleep})
-            rec = self.fleet[victim]
             # SUSPENDED with its weights among the pools asleep (a reconciliation after a
             # failed step may find only the KV cache asleep), or its process gone.
             gone = await rec.wait_for(
                 lambda r: (
-                    self.engine_gone(victim)
+                    self.engine_gone(r)
                     or (
                         r.state is State.SUSPENDED
                         and (r.facts.asleep is None or "weights" in r.facts.asleep)
@@ -311,7 +316,7 @@ class SwapCoordinator(SwapView):
             )
             if not gone:
                 raise EngineError(
-                    f"{victim}, evicted for {name}, did not release its weights "
+                    f"{victim.name}, evicted for {name}, did not release its weights "
                     f"(state {rec.state.value}): the KV cache of {name} is not mapped",
                     model=name,
                     phase="wait_room",
@@ -323,12 +328,13 @@ class SwapCoordinator(SwapView):
             if not sleep.done():
                 await asyncio.wait({sleep})
         await sleep  # the eviction's own error, if it failed after its KV cache went
-        self.metrics.eviction(victim, "lru")
+        self.metrics.eviction(victim.name, "lru")
         return outcome, t1, (sleep_end[0] if sleep_end else self._mono()) - t0
 
-    async def make_room(self, name: str) -> tuple[str, ...]:
-        """Holding the device lock: put to sleep what a wake of `name` would evict, so its
+    async def make_room(self, mm: ModelManager) -> tuple[str, ...]:
+        """Holding the device lock: put to sleep what a wake of the model would evict, so its
         engine (re)starts with its footprint free. A refusal is logged, not raised."""
+        name = mm.name
         # A boot maps no host copy back: no wake scratch.
         views = [
             dataclasses.replace(v, state=State.SUSPENDED, wake_scratch_bytes=0)
@@ -336,23 +342,23 @@ class SwapCoordinator(SwapView):
             else v
             for v in self.views()
         ]
-        plan = plan_wake(name, views, self.budgets(name), self._clock())
+        plan = plan_wake(name, views, self.budgets(mm.record), self._clock())
         fields = {"model": name, "phase": "policy"}
         log.info("%s: start plan %s: %s", name, plan.decision.value, plan.reason, extra=fields)
         evicted = []
         if plan.decision is Decision.EVICT:
             for victim in plan.evict:
-                await self.sleep(victim, drain="wait", reason="evict")
+                await self.sleep(self.manager.get(victim), drain="wait", reason="evict")
                 self.metrics.eviction(victim, "restart")
                 evicted.append(victim)
         return tuple(evicted)
 
-    async def _settle(self, name: str) -> None:
-        """Wait (bounded) for transitions in flight on `name`'s devices, so the plan sees
+    async def _settle(self, rec: ModelRecord) -> None:
+        """Wait (bounded) for transitions in flight on the model's devices, so the plan sees
         where they end. Timeouts: a drain, then an RPC, at most."""
         # Not STARTING: a boot may take many minutes, and the policy counts it as holding.
         moving = (State.SUSPENDING,)
-        mine = set(self.devices(name))
+        mine = set(rec.settings.placement)
         on_device = [r for r in self.fleet.values() if mine & set(r.settings.placement)]
         await self.fleet.wait_for(
             lambda: not any(r.state in moving for r in on_device),
@@ -361,9 +367,27 @@ class SwapCoordinator(SwapView):
 
     # ---- sleep ---------------------------------------------------------------------------
 
+    def begin_sleep(
+        self,
+        mm: ModelManager,
+        level: int | None = None,
+        drain: DrainMode = "wait",
+        drain_timeout_s: float | None = None,
+        *,
+        keep_prefix_cache: bool | None = None,
+        deep: bool | None = None,
+    ) -> Outcome:
+        """?wait=false: what will happen (a sleep the state forbids is refused now, 409), the
+        draining sleep itself in a task of the sidecar's."""
+        now = _decide_now(mm, Request.SLEEP)
+        kept = keep_prefix_cache
+        sleep = self.sleep(mm, level, drain, drain_timeout_s, keep_prefix_cache=kept, deep=deep)
+        self.manager.tasks.spawn(sleep, name=f"hotswap-api-sleep-{mm.name}")
+        return now
+
     async def sleep(
         self,
-        name: str,
+        mm: ModelManager,
         level: int | None = None,
         drain: DrainMode = "wait",
         drain_timeout_s: float | None = None,
@@ -377,7 +401,7 @@ class SwapCoordinator(SwapView):
         then run the manager's sleep (which drains the engine itself); `kv_released`: the
         sleep split by pool, called once its KV cache is off the device. `deep`: the
         driver's checkpoint after it (None: the model's setting)."""
-        mm = self.manager.get(name)
+        name, rec = mm.name, mm.record
         if mm.snapshot().state is not State.RUNNING:
             # noop, join or 409 as usual (deep asked of a sleeper deepens it)
             return await mm.sleep(
@@ -390,7 +414,7 @@ class SwapCoordinator(SwapView):
                 grace = self.settings.timeouts.drain_s if drain == "wait" else 0.0
         else:
             grace = drain_timeout_s
-        lane = self.fleet[name].lane
+        lane = rec.lane
         lane.close()
         fields = {"model": name, "phase": "drain"}
         try:
@@ -404,7 +428,7 @@ class SwapCoordinator(SwapView):
                     drain,
                     extra=fields,
                 )
-                idle = await self.fleet[name].wait_for(lambda r: r.lane.in_flight == 0, grace)
+                idle = await rec.wait_for(lambda r: r.lane.in_flight == 0, grace)
                 if not idle and drain == "wait":
                     raise DrainTimeout(
                         f"drain=wait: {lane.in_flight} gateway request(s) still in flight "
@@ -417,7 +441,7 @@ class SwapCoordinator(SwapView):
             # With a host budget, host plans and the sleeps they admit never race.
             budgeted = self.settings.swap.host_budget is not None
             async with self.host.lock if budgeted else contextlib.nullcontext():
-                level = await self.host.room(name, level)
+                level = await self.host.room(rec, level)
                 outcome = await mm.sleep(
                     level,
                     drain,
@@ -426,15 +450,41 @@ class SwapCoordinator(SwapView):
                     keep_prefix_cache=keep_prefix_cache,
                     deep=deep,
                 )
-                self.host.slept(name, outcome)
+                self.host.slept(rec, outcome)
         finally:
             lane.close(False)
             if mm.snapshot().state is State.RUNNING:
-                self.fleet[name].lane.hand_over()  # the sleep gave up: serve what was held
-        self.learn_footprint(name, footprint_from_sleep(outcome.transition), "bytes freed at sleep")
+                lane.hand_over()  # the sleep gave up: serve what was held
+        self.learn_footprint(rec, footprint_from_sleep(outcome.transition), "bytes freed at sleep")
         if outcome.transition is not None and outcome.transition.result == "ok":
             self.metrics.slept(name, reason)
         if outcome.snapshot.resident_bytes is not None and not outcome.snapshot.deep:
             # (a deep sleeper's figure is NVML's after its checkpoint: not what it holds awake)
-            self.fleet[name].holdings.left_on_device(outcome.snapshot.resident_bytes)
+            rec.holdings.left_on_device(outcome.snapshot.resident_bytes)
         return outcome
+
+    def host_budget_bytes(self) -> int | None:
+        return self.host.budget().bytes
+
+
+def _refused(name: str, plan: WakePlan) -> WakeRefused:
+    return WakeRefused(
+        f"cannot wake {name}: {plan.reason}",
+        plan=plan.to_dict(),
+        retry_after_s=plan.retry_after_s,
+        model=name,
+    )
+
+
+def _decide_now(mm: ModelManager, req: Request) -> Outcome:
+    """?wait=false: a request the state forbids is answered 409 now, in the reply, not only
+    in the background task's log line; else what will happen."""
+    snap = mm.snapshot()
+    action = decide(snap.state, req)
+    if action is Action.CONFLICT:
+        if snap.state is State.FAILED:
+            why = f"the model is FAILED ({snap.last_error}); restart its engine"
+        else:
+            why = f"the model is {snap.state.value}"
+        raise TransitionConflict(f"cannot {req.value} {mm.name}: {why}", model=mm.name)
+    return Outcome(action, snap)

@@ -18,7 +18,7 @@ from typing import Any
 from controller.config.settings import Settings
 from controller.fleet.policy import Budget, ModelView, WakePlan, plan_wake
 from controller.models.footprints import footprint_from_info
-from controller.models.record import Fleet
+from controller.models.record import Fleet, ModelRecord
 from controller.observe.swapmetrics import FleetRow, SwapMetrics
 from controller.state import State
 
@@ -47,7 +47,7 @@ class SwapView:
         self._locks: dict[str, asyncio.Lock] = {}
         # Whether a model's engine process is known to be gone: by default, for a managed model
         # whose record holds no live process (a FAILED attached engine may hold its memory).
-        self.engine_gone: Callable[[str], bool] = self._engine_gone
+        self.engine_gone: Callable[[ModelRecord], bool] = self._engine_gone
         for m in settings.models:
             metrics.register_model(m.name)
         metrics.read_fleet(self.fleet_rows)
@@ -58,17 +58,9 @@ class SwapView:
             for r in self.fleet.values()
         ]
 
-    def device(self, name: str) -> str:
-        rec = self.fleet.get(name)
-        return rec.settings.device if rec is not None else "0"
-
-    def devices(self, name: str) -> tuple[str, ...]:
-        """Every device of `name`'s engine (its placement)."""
-        rec = self.fleet.get(name)
-        return rec.settings.placement if rec is not None else ("0",)
-
-    def budgets(self, name: str) -> dict[str, Budget]:
-        return {d: self.budget(d) for d in self.devices(name)}
+    def budgets(self, rec: ModelRecord) -> dict[str, Budget]:
+        """The budget of every device of the model's engine (its placement)."""
+        return {d: self.budget(d) for d in rec.settings.placement}
 
     def budget(self, device: str) -> Budget:
         cfg = self.settings.swap
@@ -84,27 +76,20 @@ class SwapView:
             self._measured_budget[device] = n
             log.info("measured budget of device %s: %d bytes", device, n)
 
-    def touch(self, name: str) -> None:
-        """A request for `name` arrived: it is the most recently used now."""
-        self.fleet[name].lane.touch()
-
-    def footprint(self, name: str) -> int | None:
-        return self.fleet[name].holdings.footprint
-
-    def learn_footprint(self, name: str, n: int | None, source: str) -> None:
+    def learn_footprint(self, rec: ModelRecord, n: int | None, source: str) -> None:
         """Record a measured awake footprint (a configured one is never overwritten)."""
-        if self.fleet[name].holdings.learn_footprint(n):
-            log.info("%s: awake footprint %d bytes (%s)", name, n, source, extra={"model": name})
+        if rec.holdings.learn_footprint(n):
+            fields = {"model": rec.name}
+            log.info("%s: awake footprint %d bytes (%s)", rec.name, n, source, extra=fields)
 
-    def learn_from_info(self, name: str, ranks: list[dict[str, Any]]) -> None:
-        self.learn_footprint(name, footprint_from_info(ranks), "hotswap_info pools")
+    def learn_from_info(self, rec: ModelRecord, ranks: list[dict[str, Any]]) -> None:
+        self.learn_footprint(rec, footprint_from_info(ranks), "hotswap_info pools")
 
     def views(self) -> list[ModelView]:
-        return [self.view(name) for name in self.fleet]
+        return [self.view(rec) for rec in self.fleet.values()]
 
-    def view(self, name: str) -> ModelView:
+    def view(self, rec: ModelRecord) -> ModelView:
         """What the policy knows of one model, read from its record now."""
-        rec = self.fleet[name]
         held = rec.holdings
         return ModelView(
             name=rec.name,
@@ -115,7 +100,7 @@ class SwapView:
             pinned=rec.settings.pinned,
             device=rec.settings.device,
             devices=rec.settings.placement,
-            process_gone=self.engine_gone(rec.name),
+            process_gone=self.engine_gone(rec),
             # What it leaves on its devices asleep: the last suspend's report (kept awake:
             # an eviction counts what the model will leave behind).
             asleep_bytes=rec.leftover_bytes,
@@ -131,26 +116,26 @@ class SwapView:
             busy=rec.in_flight_task() is not None or rec.swapping.in_flight() is not None,
         )
 
-    def _engine_gone(self, name: str) -> bool:
-        rec = self.fleet[name]
+    @staticmethod
+    def _engine_gone(rec: ModelRecord) -> bool:
         return rec.settings.managed and not rec.process.alive()
 
-    def plan(self, name: str, *, allow_evict: bool = True) -> WakePlan:
+    def plan(self, rec: ModelRecord, *, allow_evict: bool = True) -> WakePlan:
         return plan_wake(
-            name, self.views(), self.budgets(name), self._clock(), allow_evict=allow_evict
+            rec.name, self.views(), self.budgets(rec), self._clock(), allow_evict=allow_evict
         )
 
     def _lock(self, device: str) -> asyncio.Lock:
         return self._locks.setdefault(device, asyncio.Lock())
 
     @contextlib.asynccontextmanager
-    async def _device_locks(self, name: str) -> AsyncIterator[None]:
-        """Every lock of `name`'s devices, taken in one order (no two plans deadlock)."""
+    async def _device_locks(self, rec: ModelRecord) -> AsyncIterator[None]:
+        """Every lock of the model's devices, taken in one order (no two plans deadlock)."""
         async with contextlib.AsyncExitStack() as stack:
-            for d in sorted(self.devices(name)):
+            for d in sorted(rec.settings.placement):
                 await stack.enter_async_context(self._lock(d))
             yield
 
-    def device_lock(self, name: str) -> contextlib.AbstractAsyncContextManager[None]:
-        """The locks every wake plan of `name`'s devices runs under (boots take them too)."""
-        return self._device_locks(name)
+    def device_lock(self, rec: ModelRecord) -> contextlib.AbstractAsyncContextManager[None]:
+        """The locks every wake plan of the model's devices runs under (boots take them too)."""
+        return self._device_locks(rec)

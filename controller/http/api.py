@@ -8,7 +8,7 @@ calls an engine. Nothing here answers 500: anything unexpected becomes a 502 wit
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -24,13 +24,10 @@ from controller.config.bounds import HOUR_S
 from controller.config.settings import Settings
 from controller.errors import (
     HotswapError,
-    TransitionConflict,
     Unauthorized,
-    WakeRefused,
 )
-from controller.fleet.policy import Decision
+from controller.fleet.coordinator import Coordinator
 from controller.fleet.supervisor import Supervisor
-from controller.fleet.swap import SwapCoordinator
 from controller.http.apierrors import (
     NeverFiveHundred,
     guard_refusal,
@@ -43,8 +40,7 @@ from controller.http.openapi import control_table, document
 from controller.http.views import fleet_summary, health_entry, model_dict, outcome_dict, plain
 from controller.models.manager import Manager
 from controller.models.modelmanager import ModelManager, Outcome
-from controller.state import Action, State, decide, overall_ready
-from controller.state import Request as Transition
+from controller.state import Action, overall_ready
 
 log = logging.getLogger("hotswap.api")
 
@@ -59,7 +55,7 @@ class AppContext:
     settings: Settings
     manager: Manager
     registry: CollectorRegistry
-    coordinator: SwapCoordinator | None = None  # hot-swap mode: wakes go through the policy
+    coordinator: Coordinator  # with hot swap, wakes go through the policy
     supervisor: Supervisor | None = None  # managed mode: the sidecar runs the engines
 
 
@@ -156,48 +152,15 @@ async def sleep_model(
         )
         body_ = {"error": "ValidationError", "message": message, "model": name}
         return JSONResponse(body_, status_code=422)
-    swap = ctx.coordinator
     deep = await model.check_deep(req.deep)  # a refusal (422) before anything changes
-    # None: the manager applies the model's default level and the drain timeout's default.
+    # None: the manager applies the model's default level and the drain timeout's default;
+    # with hot swap the gateway's requests in flight are drained too.
+    args = (model, req.level, req.drain, req.drain_timeout_s)
+    kept = req.keep_prefix_cache
     if not wait:
-        if swap is None:
-            started = model.begin_sleep(
-                req.level,
-                req.drain,
-                req.drain_timeout_s,
-                keep_prefix_cache=req.keep_prefix_cache,
-                deep=deep,
-            )
-            return _accepted(name, started)
-        now = _decide_now(model, Transition.SLEEP)
-        sleep = swap.sleep(
-            name,
-            req.level,
-            req.drain,
-            req.drain_timeout_s,
-            keep_prefix_cache=req.keep_prefix_cache,
-            deep=deep,
-        )
-        _background(ctx, sleep, f"sleep-{name}")
-        return _accepted(name, now)
-    if swap is None:
-        outcome = await model.sleep(
-            req.level,
-            req.drain,
-            req.drain_timeout_s,
-            keep_prefix_cache=req.keep_prefix_cache,
-            deep=deep,
-        )
-    else:
-        # Hot-swap mode: the gateway's requests in flight are drained too.
-        outcome = await swap.sleep(
-            name,
-            req.level,
-            req.drain,
-            req.drain_timeout_s,
-            keep_prefix_cache=req.keep_prefix_cache,
-            deep=deep,
-        )
+        started = ctx.coordinator.begin_sleep(*args, keep_prefix_cache=kept, deep=deep)
+        return _accepted(name, started)
+    outcome = await ctx.coordinator.sleep(*args, keep_prefix_cache=kept, deep=deep)
     return JSONResponse(outcome_dict(name, outcome))
 
 
@@ -206,49 +169,14 @@ async def wake_model(
 ) -> Response:
     """Hot-swap mode: the swap policy decides (evicting LRU models unless evict=false, which
     answers 409 with the reason instead); its decision is in the answer's `policy`."""
-    swap = ctx.coordinator
     if not wait:
-        if swap is None:
-            return _accepted(name, model.begin_wake())
-        now = _decide_now(model, Transition.WAKE)
-        if not evict and now.action is Action.BEGIN:
-            plan = swap.plan(name, allow_evict=False)  # no room and no eviction: say so now
-            if plan.decision is Decision.REFUSE:
-                raise WakeRefused(
-                    f"cannot wake {name}: {plan.reason}",
-                    plan=plan.to_dict(),
-                    retry_after_s=plan.retry_after_s,
-                    model=name,
-                )
-        _background(ctx, swap.wake(name, evict=evict), f"wake-{name}")
-        return _accepted(name, now)
-    if swap is None:
-        return JSONResponse(outcome_dict(name, await model.wake()))
-    result = await swap.wake(name, evict=evict)
+        return _accepted(name, ctx.coordinator.begin_wake(model, evict=evict))
+    result = await ctx.coordinator.wake(model, evict=evict)
     outcome = result.outcome or Outcome(Action.NOOP, model.snapshot())
     body = outcome_dict(name, outcome)
-    body["policy"] = result.to_dict()
+    if result.plan is not None:
+        body["policy"] = result.to_dict()
     return JSONResponse(body)
-
-
-def _decide_now(model: ModelManager, req: Transition) -> Outcome:
-    """?wait=false through the coordinator: a request the state forbids is answered 409 now,
-    in the reply, not only in the background task's log line; else what will happen."""
-    snap = model.snapshot()
-    action = decide(snap.state, req)
-    if action is Action.CONFLICT:
-        if snap.state is State.FAILED:
-            why = f"the model is FAILED ({snap.last_error}); restart its engine"
-        else:
-            why = f"the model is {snap.state.value}"
-        raise TransitionConflict(f"cannot {req.value} {model.name}: {why}", model=model.name)
-    return Outcome(action, snap)
-
-
-def _background(ctx: AppContext, coro: Coroutine[Any, Any, Any], name: str) -> None:
-    """A ?wait=false transition through the coordinator: its outcome lands in the snapshot;
-    the task is the sidecar's (cancelled at shutdown like every other)."""
-    ctx.manager.tasks.spawn(coro, name=f"hotswap-api-{name}")
 
 
 def _accepted(name: str, started: Outcome) -> Response:
@@ -259,7 +187,7 @@ def _accepted(name: str, started: Outcome) -> Response:
 
 
 async def list_models(manager: ManagerDep, ctx: ContextDep) -> dict[str, Any]:
-    host = ctx.coordinator.host.budget().bytes if ctx.coordinator is not None else None
+    host = ctx.coordinator.host_budget_bytes()
     return {
         "models": [model_dict(r, manager.settings) for r in manager.fleet.values()],
         "fleet": fleet_summary(manager.fleet, manager.settings, host),

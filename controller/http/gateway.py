@@ -35,6 +35,7 @@ from controller.http.guard import Guard, Refused, bearer_ok
 from controller.http.jsonscan import Shape
 from controller.http.openapi import document, gateway_table
 from controller.models.manager import Manager
+from controller.models.modelmanager import ModelManager
 from controller.observe.swapmetrics import SwapMetrics
 
 log = logging.getLogger("hotswap.gateway")
@@ -93,6 +94,7 @@ class Gateway:
     ) -> None:
         self.settings = settings
         self.cfg = settings.gateway
+        self.manager = manager
         self.fleet = manager.fleet
         self.metrics = metrics
         self.admission = Admission(settings.gateway, manager, coordinator, metrics, monotonic)
@@ -144,7 +146,8 @@ class Gateway:
                 raise Refusal(400, None, "`stream` must be true or false")
             if name not in self.fleet:
                 raise Refusal(404, "unknown_model", f"The model `{name}` does not exist.")
-            held = await self.admission.admit(name, request.receive)
+            model = self.manager.get(name)  # the HTTP edge: a name becomes the model
+            held = await self.admission.admit(model, request.receive)
         except Refusal as refusal:
             if refusal.reason is not None:
                 self.metrics.refused(label, refusal.reason)
@@ -161,20 +164,19 @@ class Gateway:
             return openai_error(refusal)
         if held:
             log.info("%s: request held %.3f s", name, held, extra={"model": name})
-        return await self._send(name, path, raw, request, stream=stream is True)
+        return await self._send(model, path, raw, request, stream=stream is True)
 
     async def _send(
-        self, name: str, path: str, raw: bytes, request: Request, *, stream: bool
+        self, model: ModelManager, path: str, raw: bytes, request: Request, *, stream: bool
     ) -> Response:
         """Forward an admitted request; the in-flight count drops when its answer is done."""
+        name, rec = model.name, model.record
         headers = {"content-type": "application/json"}
         if accept := request.headers.get("accept"):
             headers["accept"] = accept
         client = self.clients[name]
-        req = client.build_request(
-            "POST", self.fleet[name].settings.url + path, content=raw, headers=headers
-        )
-        left = _Once(self.fleet[name].lane.leave)
+        req = client.build_request("POST", rec.settings.url + path, content=raw, headers=headers)
+        left = _Once(rec.lane.leave)
         try:
             resp = await client.send(req, stream=stream)
         except httpx.HTTPError as exc:

@@ -86,6 +86,10 @@ class Manager:
         except KeyError:
             raise ModelNotFound(f"no model named {name!r}", model=name) from None
 
+    def models(self) -> list[ModelManager]:
+        """Every model's manager, in the order of the settings."""
+        return list(self._models.values())
+
     def snapshots(self) -> dict[str, ModelSnapshot]:
         return self.fleet.snapshots()
 

@@ -142,13 +142,13 @@ async def world(
         swap={"max_awake": 1, "min_awake_s": 0.0, **overrides.pop("swap", {})},
     )
     side = wire(settings, router(engines))
-    manager, coordinator, registry = side.manager, side.coordinator, side.registry
+    manager, coordinator, registry = side.manager, side.swap, side.registry
     assert coordinator is not None
     assert side.gateway_app is not None
     app = side.gateway_app
     await manager.start()
     for n in names[1:]:
-        await coordinator.sleep(n)  # one awake: the budget's steady state
+        await coordinator.sleep(manager.get(n))  # one awake: the budget's steady state
     if side.idle is not None:
         side.idle.start()  # the sidecar's start() does this (its tasks end with the manager)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -358,7 +358,7 @@ def test_a_failed_wake_answers_503_with_retry_after() -> None:
             assert r.status_code == 503
             assert r.json()["error"]["reason"] == "wake_timeout"
             assert "retry-after" in r.headers
-            w.coordinator.engine_gone = lambda name: name == "b"
+            w.coordinator.engine_gone = lambda rec: rec.name == "b"
             await asyncio.sleep(1.1)  # the refusal's own Retry-After (a busy peer: 1 s)
             assert (await ask(w, "a")).status_code == 200
 
@@ -387,13 +387,13 @@ def test_evict_false_refuses_with_the_reason() -> None:
     async def body() -> None:
         async with world() as w:
             with pytest.raises(WakeRefused) as info:
-                await w.coordinator.wake("b", evict=False)
+                await w.coordinator.wake(w.manager.get("b"), evict=False)
             assert "evict=false" in info.value.message
             assert info.value.plan["evict"] == ["a"]
             assert info.value.to_dict()["plan"]["decision"] == "refuse"
             assert w.state("a") is State.RUNNING
             assert w.state("b") is State.SUSPENDED
-            result = await w.coordinator.wake("b")
+            result = await w.coordinator.wake(w.manager.get("b"))
             assert result.plan.decision.value == "evict"
             assert result.evicted == ("a",)
             assert "LRU" in result.to_dict()["policy"]["reason"]
@@ -439,7 +439,7 @@ def test_drain_wait_timeout_keeps_the_model_running_and_admitting() -> None:
             slow = asyncio.create_task(ask(w, "a"))
             await a.arrived.wait()
             with pytest.raises(DrainTimeout):
-                await w.coordinator.sleep("a", drain="wait", drain_timeout_s=0.1)
+                await w.coordinator.sleep(w.manager.get("a"), drain="wait", drain_timeout_s=0.1)
             assert w.state("a") is State.RUNNING
             assert not w.manager.fleet["a"].lane.closed
             a.hold.set()
@@ -451,8 +451,8 @@ def test_drain_wait_timeout_keeps_the_model_running_and_admitting() -> None:
 def test_min_awake_time_holds_the_request_until_the_swap_may_happen() -> None:
     async def body() -> None:
         async with world(swap={"min_awake_s": 0.5}) as w:
-            await w.coordinator.sleep("a")
-            await w.coordinator.wake("a")  # a is fresh now
+            await w.coordinator.sleep(w.manager.get("a"))
+            await w.coordinator.wake(w.manager.get("a"))  # a is fresh now
             loop = asyncio.get_running_loop()
             t0 = loop.time()
             r = await ask(w, "b")

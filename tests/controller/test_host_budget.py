@@ -61,7 +61,7 @@ def test_a_cuda_sleeper_is_demoted_and_its_pinned_copy_released() -> None:
                 w.coordinator.fleet["c"].holdings.host_bytes == W
             )  # what its suspend said it pins
             assert w.sample("hotswap_demotions_total", model="b", reason="host_budget") == 1
-            await w.coordinator.wake("b")  # the level-2 wake: reload and verify
+            await w.coordinator.wake(w.manager.get("b"))  # the level-2 wake: reload and verify
             assert w.manager.get("b").snapshot().state is State.RUNNING
             assert "hotswap_reload" in w.engines["b"].fake.rpc_calls()
 
@@ -83,8 +83,8 @@ def test_a_prepare_that_cannot_demote_is_not_asked_to() -> None:
             assert "hotswap_demote" not in w.engines["b"].fake.rpc_calls()
             # a later sleep whose prepare can be demoted makes it demotable again
             w.engines["b"].fake.demotable = True
-            await w.coordinator.wake("b")
-            await w.coordinator.sleep("b")
+            await w.coordinator.wake(w.manager.get("b"))
+            await w.coordinator.sleep(w.manager.get("b"))
             assert w.coordinator.fleet["b"].holdings.demotable is True
 
     run(body)
@@ -107,11 +107,11 @@ def test_an_awake_models_backup_is_dropped_before_a_sleeper_is_demoted() -> None
         # b and c asleep at level 1 (2 W); b woken keeps a backup of W; a's sleep adds W.
         async with world(("a", "b", "c"), swap=DROP) as w:
             w.engines["b"].fake.host_backup = W
-            await w.coordinator.wake("b")
+            await w.coordinator.wake(w.manager.get("b"))
             assert (
                 w.coordinator.fleet["b"].holdings.host_bytes == W
             )  # what its resume said it keeps
-            await w.coordinator.sleep("a")
+            await w.coordinator.sleep(w.manager.get("a"))
             a = w.manager.get("a").snapshot()
             assert (a.state, a.level) == (State.SUSPENDED, 1)
             assert "hotswap_drop_backup" in w.engines["b"].fake.rpc_calls()
@@ -131,8 +131,8 @@ def test_a_refused_drop_leaves_the_model_as_it_was_and_a_sleeper_is_demoted() ->
         fail = {"b": {"hotswap_drop_backup": "rank"}}  # every rank answers no
         async with world(("a", "b", "c"), swap=DROP, fail=fail) as w:
             w.engines["b"].fake.host_backup = W
-            await w.coordinator.wake("b")
-            await w.coordinator.sleep("a")
+            await w.coordinator.wake(w.manager.get("b"))
+            await w.coordinator.sleep(w.manager.get("a"))
             assert w.manager.get("b").snapshot().state is State.RUNNING  # as it was
             assert w.coordinator.fleet["b"].holdings.host_bytes == W
             assert w.sample("hotswap_host_backups_dropped_total", model="b") == 0
@@ -147,7 +147,7 @@ def test_a_wake_that_keeps_a_backup_over_the_budget_drops_it() -> None:
     async def body() -> None:
         async with world(("a", "b"), swap={"host_budget": W + W // 2, "max_awake": 2}) as w:
             w.engines["b"].fake.host_backup = 2 * W  # more than the whole budget
-            await w.coordinator.wake("b")
+            await w.coordinator.wake(w.manager.get("b"))
             task = w.coordinator.fleet["b"].swapping.host_task
             assert task is not None
             await task  # the fleet as it is, planned and enforced after the wake's answer
@@ -163,7 +163,7 @@ def test_a_wake_whose_backup_fits_the_budget_plans_nothing() -> None:
     async def body() -> None:
         async with world(("a", "b"), swap={"host_budget": 10 * W, "max_awake": 2}) as w:
             w.engines["b"].fake.host_backup = W  # kept, and the fleet stays within 10 W
-            await w.coordinator.wake("b")
+            await w.coordinator.wake(w.manager.get("b"))
             assert w.coordinator.fleet["b"].holdings.host_bytes == W
             assert w.coordinator.fleet["b"].swapping.host_task is None
             assert "hotswap_drop_backup" not in w.engines["b"].fake.rpc_calls()
@@ -174,7 +174,9 @@ def test_a_wake_whose_backup_fits_the_budget_plans_nothing() -> None:
 def test_a_wake_that_keeps_nothing_plans_nothing() -> None:
     async def body() -> None:
         async with world(("a", "b"), swap={"host_budget": W, "max_awake": 2}) as w:
-            await w.coordinator.wake("b")  # the host backend keeps no backup: 0 bytes
+            await w.coordinator.wake(
+                w.manager.get("b")
+            )  # the host backend keeps no backup: 0 bytes
             assert w.coordinator.fleet["b"].swapping.host_task is None
             assert "hotswap_drop_backup" not in w.engines["b"].fake.rpc_calls()
 
@@ -189,7 +191,7 @@ def test_a_sleepers_host_bytes_are_the_pinned_buffer_its_ranks_keep() -> None:
         async with world(("a", "b"), swap={"host_budget": 10 * W, "max_awake": 2}) as w:
             assert w.coordinator.fleet["b"].holdings.host_bytes == W  # host backend: in place
             w.engines["a"].fake.host_backup = W // 2  # e.g. the codec's 0.68x
-            await w.coordinator.sleep("a")
+            await w.coordinator.sleep(w.manager.get("a"))
             assert w.coordinator.fleet["a"].holdings.host_bytes == W // 2
             assert w.sample("hotswap_model_host_bytes", model="a") == W // 2
 
@@ -202,15 +204,15 @@ def test_models_shows_what_the_device_policy_counts() -> None:
 
     async def body() -> None:
         async with world(("a", "b"), swap={"max_awake": 2}) as w:
-            await w.coordinator.wake("b")
+            await w.coordinator.wake(w.manager.get("b"))
             w.engines["b"].fake.wake_scratch = 64
-            await w.coordinator.sleep("b")
+            await w.coordinator.sleep(w.manager.get("b"))
             rec, settings = w.coordinator.fleet["b"], w.coordinator.settings
-            shown, seen = fleet_dict(rec, settings), w.coordinator.view("b")
+            shown, seen = fleet_dict(rec, settings), w.coordinator.view(w.manager.fleet["b"])
             assert (shown["asleep_bytes"], shown["wake_scratch_bytes"]) == (100, 64)
             assert (seen.asleep_bytes, seen.wake_scratch_bytes) == (100, 64)
-            await w.coordinator.wake("b")
-            shown, seen = fleet_dict(rec, settings), w.coordinator.view("b")
+            await w.coordinator.wake(w.manager.get("b"))
+            shown, seen = fleet_dict(rec, settings), w.coordinator.view(w.manager.fleet["b"])
             assert (shown["asleep_bytes"], shown["wake_scratch_bytes"]) == (100, 0)
             assert (seen.asleep_bytes, seen.wake_scratch_bytes) == (100, 0)
             assert rec.holdings.codec_scratch == 64  # its next sleep encodes through it: kept

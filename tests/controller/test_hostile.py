@@ -380,7 +380,9 @@ def test_a_held_request_whose_client_left_gives_its_slot_back_and_wakes_nothing(
             world(gateway={"queue_size": 4}, swap=swap) as w,
             served(w.app, lifespan="off") as port,
         ):
-            await w.coordinator.wake("a")  # woken now: b's wake must wait min_awake_s
+            await w.coordinator.wake(
+                w.manager.get("a")
+            )  # woken now: b's wake must wait min_awake_s
             await asyncio.gather(*(_connect_and_close(port) for _ in range(4)))
             await asyncio.sleep(0.2)  # they arrive and are held (old: for good)
             for _ in range(80):  # each held request notices its client's departure
@@ -407,7 +409,7 @@ def test_a_held_request_whose_client_left_gives_its_slot_back_and_wakes_nothing(
 def test_the_gateway_caps_its_requests_at_once_over_all_models() -> None:
     async def body() -> None:
         async with world(gateway={"max_concurrent": 2}, swap={"max_awake": 2}) as w:
-            await w.coordinator.wake("b")
+            await w.coordinator.wake(w.manager.get("b"))
             hold = asyncio.Event()
             for e in w.engines.values():
                 e.hold = hold
@@ -568,7 +570,7 @@ def test_wait_false_on_a_failed_model_answers_409_in_the_reply(action: str) -> N
         hot_swap = {**make_settings(fakes).model_dump(), "gateway": {"enabled": True}}
         settings = Settings.model_validate(hot_swap)
         side = make_sidecar(settings, fakes, CollectorRegistry())
-        assert side.coordinator is not None, "hot-swap mode"
+        assert side.swap is not None, "hot-swap mode"
         app = side.app
         async with (
             app.router.lifespan_context(app),

@@ -176,7 +176,7 @@ async def world(
     side = wire(settings, Router(fleet), process_factory=make)
     manager, coordinator, sup, registry = (
         side.manager,
-        side.coordinator,
+        side.swap,
         side.supervisor,
         side.registry,
     )
@@ -216,7 +216,7 @@ def test_boot_is_staggered_each_engine_asleep_before_the_next_starts() -> None:
                 assert snap.gate is Gate.SWAPPABLE  # managed behind the gateway
                 assert snap.counts_ready  # asleep by policy is healthy
                 assert not snap.ready  # the strict per-model readiness is not
-                assert w.coordinator.footprint(n) == sum(POOL_BYTES.values())
+                assert w.manager.fleet[n].holdings.footprint == sum(POOL_BYTES.values())
 
     run(body())
 
@@ -239,14 +239,14 @@ def test_a_crashed_engine_is_failed_then_restarted_and_logged(
         async with world(("a", "b")) as w:
             w.supervisor.start()
             await asyncio.wait_for(w.supervisor.booted.wait(), 5)
-            await w.coordinator.wake("a")
+            await w.coordinator.wake(w.manager.get("a"))
             w.fleet.procs["a"].kill()
             await w.until("a", State.FAILED)
             assert "exited with code -9" in (w.manager.get("a").snapshot().last_error or "")
             await w.until("a", State.SUSPENDED)  # restarted, then asleep like at boot
             assert w.registry.get_sample_value("hotswap_engine_restarts_total", {"model": "a"}) == 1
             assert w.fleet.events.count(("start", "a")) == 2
-            assert (await w.coordinator.wake("a")).outcome is not None
+            assert (await w.coordinator.wake(w.manager.get("a"))).outcome is not None
             assert w.state("a") is State.RUNNING
 
     with caplog.at_level(logging.INFO, logger="hotswap.supervisor"):
@@ -263,11 +263,11 @@ def test_a_failed_transition_restarts_the_engine() -> None:
             await asyncio.wait_for(w.supervisor.booted.wait(), 5)
             w.fleet.vllm["a"].fail["hotswap_restore_and_verify"] = "mismatch"
             with pytest.raises(Exception, match="differ"):
-                await w.coordinator.wake("a")
+                await w.coordinator.wake(w.manager.get("a"))
             assert w.state("a") in (State.FAILED, State.STARTING)
             await w.until("a", State.SUSPENDED)
             assert w.fleet.events.count(("start", "a")) == 2
-            await w.coordinator.wake("a")  # the fresh engine has no injected failure
+            await w.coordinator.wake(w.manager.get("a"))  # the fresh engine has no injected failure
             assert w.state("a") is State.RUNNING
 
     run(body())
@@ -319,7 +319,7 @@ def test_no_lock_is_held_across_a_boot() -> None:
             await w.until("a", State.SUSPENDED)
             await w.until("b", State.STARTING)
             try:
-                await asyncio.wait_for(w.coordinator.wake("a"), 2.0)
+                await asyncio.wait_for(w.coordinator.wake(w.manager.get("a")), 2.0)
                 assert w.state("a") is State.RUNNING
                 assert w.state("b") is State.STARTING  # still booting
             finally:
@@ -341,12 +341,12 @@ def test_a_booting_model_counts_at_its_footprint_meanwhile() -> None:
             await w.until("b", State.STARTING)
             try:
                 with pytest.raises(WakeRefused, match=r"b \(STARTING\)") as refused:
-                    await asyncio.wait_for(w.coordinator.wake("a"), 2.0)
+                    await asyncio.wait_for(w.coordinator.wake(w.manager.get("a")), 2.0)
                 assert refused.value.retry_after_s == 1.0
             finally:
                 slow.set()
             await asyncio.wait_for(w.supervisor.booted.wait(), 5)
-            await w.coordinator.wake("a")
+            await w.coordinator.wake(w.manager.get("a"))
             assert w.state("a") is State.RUNNING
 
     run(body())
@@ -356,10 +356,10 @@ def test_a_failed_engine_counts_until_its_process_is_gone() -> None:
     async def body() -> None:
         async with world(("a", "b")) as w:
             await w.supervisor.boot()
-            assert w.coordinator.engine_gone("a") is False
+            assert w.coordinator.engine_gone(w.manager.fleet["a"]) is False
             w.fleet.procs["a"].kill()
-            assert w.coordinator.engine_gone("a") is True
-            assert w.coordinator.engine_gone("b") is False
+            assert w.coordinator.engine_gone(w.manager.fleet["a"]) is True
+            assert w.coordinator.engine_gone(w.manager.fleet["b"]) is False
 
     run(body())
 
@@ -408,14 +408,16 @@ def test_a_recoverable_failure_is_left_to_the_reconciliation(method: str, settle
             w.supervisor.start()
             await asyncio.wait_for(w.supervisor.booted.wait(), 5)
             if method == "hotswap_sleep":
-                await w.coordinator.wake("a")
+                await w.coordinator.wake(w.manager.get("a"))
             vllm = w.fleet.vllm["a"]
             vllm.fail[method] = "rank"
             # The reconciliation after the failed step reads the engine back: held at its
             # /health while the model is FAILED, the watch loop has its turn meanwhile.
             health = vllm.block("/health")
             step = (
-                w.coordinator.sleep("a") if method == "hotswap_sleep" else w.coordinator.wake("a")
+                w.coordinator.sleep(w.manager.get("a"))
+                if method == "hotswap_sleep"
+                else w.coordinator.wake(w.manager.get("a"))
             )
             request = asyncio.ensure_future(step)
             await asyncio.wait_for(vllm.entered["/health"].wait(), 5)
@@ -435,7 +437,7 @@ def test_a_recoverable_failure_is_left_to_the_reconciliation(method: str, settle
                 0,
             )
             if settled is State.SUSPENDED:
-                await w.coordinator.wake("a")
+                await w.coordinator.wake(w.manager.get("a"))
             assert w.state("a") is State.RUNNING
 
     run(body())
