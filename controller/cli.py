@@ -157,11 +157,21 @@ def build_parser() -> argparse.ArgumentParser:
     sleep.add_argument(
         "--drain-timeout", type=float, metavar="S", help="seconds; default: the sidecar's"
     )
+    sleep.add_argument(
+        "--keep-prefix-cache",
+        action="store_true",
+        help="keep the KV cache, so the prefix cache hits after the wake (level 1 only)",
+    )
     sleep.add_argument("--no-wait", action="store_true", help="return at once (202)")
     client(sleep)
 
-    wake = sub.add_parser("wake", help="wake a model")
+    wake = sub.add_parser("wake", help="wake a model (the policy may put others to sleep)")
     wake.add_argument("name")
+    wake.add_argument(
+        "--no-evict",
+        action="store_true",
+        help="put nothing else to sleep: refused (409, with the reason) when there is no room",
+    )
     wake.add_argument("--no-wait", action="store_true", help="return at once (202)")
     client(wake)
     return parser

@@ -74,18 +74,26 @@ def _check(resp: httpx.Response, ok: tuple[int, ...] = (200, 202)) -> dict[str, 
 
 
 def _fmt_time(ts: Any) -> str:
-    if not isinstance(ts, int | float):
+    """A readable time: GET /models' compact ISO 8601 as it is, unix seconds converted."""
+    if isinstance(ts, str) and ts:
+        return ts
+    if not isinstance(ts, int | float) or isinstance(ts, bool):
         return "-"
-    return datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+    return datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _fmt_transition(t: Any) -> str:
     if not isinstance(t, dict):
         return "-"
-    text = f"{t.get('kind')} {t.get('result')} in {t.get('duration_s', 0.0):.3f}s"
+    text = f"{t.get('kind')} {_result(t.get('result'))} in {t.get('duration_s', 0.0):.3f} s"
     if t.get("error"):
         text += f" ({t.get('failed_phase') or '?'}: {t['error']})"
     return text
+
+
+def _result(result: Any) -> str:
+    """A transition's result as a sentence says it: ok is done."""
+    return "done" if result == "ok" else str(result)
 
 
 def format_status(models: list[dict[str, Any]], health: dict[str, Any] | None) -> str:
@@ -114,19 +122,41 @@ def format_status(models: list[dict[str, Any]], health: dict[str, Any] | None) -
     return "\n".join(lines)
 
 
+def _headline(body: dict[str, Any]) -> str:
+    """What the request did, in words: done (with how long), joined, or nothing to do."""
+    who = f"{body.get('model')}: {body.get('state')}"
+    action, t = body.get("action"), body.get("transition")
+    if action == "noop" or not isinstance(t, dict):
+        return f"{who}: nothing to do"
+    done = f"{t.get('kind')} {_result(t.get('result'))} in {t.get('duration_s', 0.0):.3f} s"
+    if t.get("error"):
+        done += f" ({t.get('failed_phase') or '?'}: {t['error']})"
+    return f"{who}: {done}" if action == "begin" else f"{who}: joined the {done}"
+
+
+def _policy_lines(policy: Any) -> list[str]:
+    """A wake through the swap policy: what it decided and why, and what it put to sleep."""
+    if not isinstance(policy, dict) or not isinstance(plan := policy.get("policy"), dict):
+        return []
+    lines = [f"  policy: {plan.get('decision')}: {plan.get('reason')}"]
+    evicted = policy.get("evicted") or []
+    if evicted:
+        how = "overlapped with the wake" if policy.get("overlapped") else "then the wake"
+        lines.append(
+            f"  evicted {', '.join(map(str, evicted))} in {policy.get('evict_s', 0.0):.3f} s "
+            f"({how}); swap {policy.get('swap_s', 0.0):.3f} s"
+        )
+    return lines
+
+
 def format_outcome(body: dict[str, Any]) -> str:
-    lines = [
-        f"{body.get('model')}: {body.get('state')} (action {body.get('action')})",
-    ]
+    lines = [_headline(body), *_policy_lines(body.get("policy"))]
     t = body.get("transition")
-    if isinstance(t, dict):
-        lines[0] += f", {_fmt_transition(t)}"
-        for p in t.get("phases") or []:
-            mark = "ok" if p.get("ok") else "FAILED"
-            ranks = len(p.get("ranks") or [])
-            lines.append(
-                f"  {p.get('name'):<20} {p.get('duration_s', 0.0):8.3f}s  {mark}  ranks={ranks}"
-            )
+    for p in t.get("phases") or [] if isinstance(t, dict) else []:
+        mark = "ok" if p.get("ok") else "FAILED"
+        ranks = len(p.get("ranks") or [])  # an engine step (/pause, /resume) reports none
+        where = f"  ranks={ranks}" if ranks else ""
+        lines.append(f"  {p.get('name'):<20} {p.get('duration_s', 0.0):8.3f} s  {mark}{where}")
     return "\n".join(lines)
 
 
@@ -143,8 +173,12 @@ def cmd_transition(args: argparse.Namespace, out: TextIO) -> int:
     opts = ClientSettings.from_args(args)
     params = {"wait": "false" if args.no_wait else "true"}
     body: dict[str, Any] | None = None
+    if args.command == "wake" and args.no_evict:
+        params["evict"] = "false"
     if args.command == "sleep":
         body = {}
+        if args.keep_prefix_cache:
+            body["keep_prefix_cache"] = True
         if args.level is not None:
             body["level"] = args.level
         if args.drain is not None:

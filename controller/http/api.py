@@ -37,10 +37,17 @@ from controller.http.apierrors import (
 )
 from controller.http.guard import Guard, bearer_ok
 from controller.http.openapi import control_table, document
-from controller.http.views import fleet_summary, health_entry, model_dict, outcome_dict, plain
+from controller.http.views import (
+    compact_dict,
+    fleet_summary,
+    health_entry,
+    model_dict,
+    outcome_dict,
+    plain,
+)
 from controller.models.manager import Manager
 from controller.models.modelmanager import ModelManager, Outcome
-from controller.state import Action, overall_ready
+from controller.state import Action, State, overall_ready
 
 log = logging.getLogger("hotswap.api")
 
@@ -186,15 +193,33 @@ def _accepted(name: str, started: Outcome) -> Response:
     return JSONResponse(body, status_code=202, headers={"Location": f"/models/{name}"})
 
 
-async def list_models(manager: ManagerDep, ctx: ContextDep) -> dict[str, Any]:
+Detail = Annotated[
+    Literal["compact", "full"],
+    Query(description="compact: who is awake, in readable times; full: every field."),
+]
+
+
+async def list_models(
+    manager: ManagerDep, ctx: ContextDep, detail: Detail = "compact"
+) -> dict[str, Any]:
     host = ctx.coordinator.host_budget_bytes()
+    fleet = fleet_summary(manager.fleet, manager.settings, host)
+    records = list(manager.fleet.values())
+    if detail == "full":
+        return {"models": [model_dict(r, manager.settings) for r in records], "fleet": fleet}
     return {
-        "models": [model_dict(r, manager.settings) for r in manager.fleet.values()],
-        "fleet": fleet_summary(manager.fleet, manager.settings, host),
+        "awake": [r.name for r in records if r.state is State.RUNNING],
+        "models": [compact_dict(r) for r in records],
+        "fleet": fleet,
     }
 
 
-async def get_model_state(model: ModelDep, manager: ManagerDep) -> dict[str, Any]:
+async def get_model_state(
+    model: ModelDep, manager: ManagerDep, detail: Detail = "full"
+) -> dict[str, Any]:
+    """One model, every field (`detail=compact`: its compact entry)."""
+    if detail == "compact":
+        return compact_dict(model.record)
     return model_dict(model.record, manager.settings)
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from controller.state import Gate, State
 
@@ -97,8 +97,39 @@ class SnapshotBody(BaseModel):
     )
 
 
+class CompactTransitionBody(BaseModel):
+    kind: str
+    result: str
+    duration_s: float
+    ended: str | None
+    error: str | None
+    failed_phase: str | None
+
+
+class CompactModelBody(BaseModel):
+    """GET /models' default entry: the state and readable times, no phases."""
+
+    name: str
+    state: State
+    ready: bool
+    verified: bool
+    level: int | None
+    phase: str | None
+    since: str | None = Field(description="ISO 8601 UTC.")
+    for_s: float = Field(description="Seconds in this state.")
+    last_used: str | None = Field(description="The last gateway request's end, ISO 8601 UTC.")
+    devices: list[str]
+    last_transition: CompactTransitionBody | None
+    last_error: str | None
+
+
+class OneModelBody(RootModel[SnapshotBody | CompactModelBody]):
+    """GET /models/{name}: every field, or with ?detail=compact its compact entry."""
+
+
 class ModelsBody(BaseModel):
-    models: list[SnapshotBody]
+    awake: list[str] | None = Field(None, description="Compact: the models RUNNING now.")
+    models: list[CompactModelBody] | list[SnapshotBody]
     fleet: dict[str, Any] | None = Field(
         None,
         description="The fleet settings (swap.devices, host_budget and its bytes, idle sleep) "
@@ -251,9 +282,9 @@ def control_table(auth: bool) -> dict[tuple[str, str], Route]:
     return {
         ("post", "/models/{name}/sleep"): Route(transition),
         ("post", "/models/{name}/wake"): Route(transition),
-        ("get", "/models"): Route({200: Answer("Every model.", ModelsBody), **guarded}),
+        ("get", "/models"): Route({200: Answer("Every model.", ModelsBody), **invalid, **guarded}),
         ("get", "/models/{name}"): Route(
-            {200: Answer("The model.", SnapshotBody), **missing, **guarded}
+            {200: Answer("The model.", OneModelBody), **missing, **invalid, **guarded}
         ),
         ("get", "/models/{name}/audit"): Route(
             {

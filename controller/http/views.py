@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 from controller.config.settings import Settings
@@ -130,4 +131,44 @@ def fleet_summary(
         "host_bytes": sum(r.holdings.host_bytes for r in fleet.values()),
         "idle_sleep_s": swap.idle_sleep_s,
         "idle_sleep_level": swap.idle_sleep_level,
+    }
+
+
+def iso(ts: float | None) -> str | None:
+    """Unix seconds as ISO 8601 UTC to the second (None, and 0 meaning never: None)."""
+    if not ts:
+        return None
+    return datetime.fromtimestamp(ts, tz=UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def compact_transition(t: TransitionRecord | None) -> dict[str, Any] | None:
+    """A transition without its phases and rank reports: what it was and how it ended."""
+    if t is None:
+        return None
+    return {
+        "kind": t.kind,
+        "result": t.result,
+        "duration_s": round(t.duration_s, 3),
+        "ended": iso(t.ended_at),
+        "error": t.error,
+        "failed_phase": t.failed_phase,
+    }
+
+
+def compact_dict(rec: ModelRecord) -> dict[str, Any]:
+    """One model of GET /models (compact): its state, since when, and its last use."""
+    s, now = rec.snapshot, rec.clock()
+    return {
+        "name": s.name,
+        "state": s.state.value,
+        "ready": s.ready,
+        "verified": s.verified,
+        "level": s.level,
+        "phase": s.phase,
+        "since": iso(s.since),
+        "for_s": round(max(0.0, now - s.since), 1),
+        "last_used": iso(rec.lane.last_used),
+        "devices": list(rec.settings.placement),
+        "last_transition": compact_transition(s.last_transition),
+        "last_error": s.last_error,
     }

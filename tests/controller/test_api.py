@@ -7,6 +7,7 @@ in-process through httpx.ASGITransport.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
@@ -122,16 +123,45 @@ async def test_livez_and_models_after_start(
 ) -> None:
     r = await client.get("/livez")
     assert (r.status_code, r.json()) == (200, {"status": "ok"})
-    r = await client.get("/models")
+    r = await client.get("/models?detail=full")
     assert r.status_code == 200
     (model,) = r.json()["models"]
     assert model["name"] == "a"
     assert model["state"] == "RUNNING"
     assert model["gate"] == "gated"
     assert set(model) >= {"since", "verified", "level", "last_transition", "last_error"}
+    assert model["last_transition"]["phases"], "the full record keeps every phase"
     one = (await client.get("/models/a")).json()
     assert one["name"] == "a"
     assert one["state"] == "RUNNING"
+    assert one["gate"] == "gated", "one model: the full record by default"
+
+
+@scenario()
+async def test_models_is_compact_by_default(
+    client: httpx.AsyncClient, f: dict[str, FakeVllm]
+) -> None:
+    """Who is awake and since when, in readable times; no phases, no rank reports."""
+    body = (await client.get("/models")).json()
+    assert body["awake"] == ["a"]
+    (model,) = body["models"]
+    assert model["state"] == "RUNNING"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", model["since"])
+    assert model["for_s"] >= 0
+    assert model["last_used"] is None, "no gateway request yet"
+    assert model["devices"] == ["0"]
+    assert "phases" not in model["last_transition"]
+    assert model["last_transition"]["ended"].endswith("Z")
+    assert "fleet" in body
+    await client.post("/models/a/sleep")
+    body = (await client.get("/models")).json()
+    assert body["awake"] == []
+    assert body["models"][0]["last_transition"]["kind"] == "sleep"
+    compact = (await client.get("/models/a?detail=compact")).json()
+    assert compact["state"] == "SUSPENDED"
+    assert "gate" not in compact
+    r = await client.get("/models?detail=everything")
+    assert r.status_code == 422
 
 
 @scenario()

@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import uvicorn
 from fakevllm import FakeVllm
 from prometheus_client import CollectorRegistry
 
-from controller import cli, server
+from controller import cli, client, server
 from controller.config.modelsettings import ModelSettings
 from controller.config.settings import LogFormat, Settings, TimeoutSettings
 from controller.engines.engine import EngineClient
@@ -155,7 +156,12 @@ def test_duplicate_engines_and_bad_flags(capsys: pytest.CaptureFixture[str]) -> 
 class LiveSidecar:
     """The real app on 127.0.0.1 (uvicorn in a thread), engines faked."""
 
-    def __init__(self, fakes: dict[str, FakeVllm], token: str | None = None) -> None:
+    def __init__(
+        self,
+        fakes: dict[str, FakeVllm],
+        token: str | None = None,
+        swap: dict[str, object] | None = None,
+    ) -> None:
         self.fakes = fakes
         self.settings = Settings(
             models=[
@@ -163,6 +169,7 @@ class LiveSidecar:
             ],
             auth={"token": token},
             timeouts=TimeoutSettings(shutdown_s=2.0),
+            swap=swap or {},
         )
         registry = CollectorRegistry()
 
@@ -229,16 +236,18 @@ def test_status_sleep_wake(live: LiveSidecar) -> None:
 
     code, out = live.hotswap("sleep", "a", "--level", "2", "--drain", "abort")
     assert code == 0, out
-    assert out.startswith("a: SUSPENDED (action begin), sleep ok in ")
+    assert out.startswith("a: SUSPENDED: sleep done in ")
     assert "suspend" in out
     assert "ranks=2" in out
+    assert "ranks=0" not in out, "an engine step (/pause) reports no ranks: none is shown"
     assert live.fakes["a"].level == 2
     assert "/pause?abort" in live.fakes["a"].calls
 
     code, out = live.hotswap("status")
     row = next(line.split() for line in out.splitlines() if line.startswith("a "))
     assert row[1:5] == ["SUSPENDED", "2", "no", "no"]
-    assert "sleep ok in" in out
+    assert "sleep done in" in out
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", row[5]), "SINCE reads as UTC"
     assert out.splitlines()[-1] == "sidecar ready: no"
 
     code, out = live.hotswap("wake", "a", "--no-wait")
@@ -247,7 +256,45 @@ def test_status_sleep_wake(live: LiveSidecar) -> None:
     assert f"poll {live.url}/models/a" in out
     wait_for(live, "a", "RUNNING")
     code, out = live.hotswap("wake", "a")
-    assert (code, out.strip()) == (0, "a: RUNNING (action noop)")
+    assert (code, out.strip()) == (0, "a: RUNNING: nothing to do")
+
+
+def test_wake_shows_the_eviction_it_caused_and_no_evict_refuses(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """One awake model at a time: a wake of b puts a to sleep, and says so (the policy's
+    decision, what it evicted); --no-evict is refused with the reason; --keep-prefix-cache
+    reaches the sleep."""
+    fakes = {"a": FakeVllm(name="a"), "b": FakeVllm(name="b")}
+    with LiveSidecar(fakes, swap={"max_awake": 1, "min_awake_s": 0}) as live:
+        code, out = live.hotswap("sleep", "b", "--level", "1", "--keep-prefix-cache")
+        assert code == 0, out
+        assert fakes["b"].suspended["kv_cache"] == "offloaded", "the sleep kept the KV cache"
+        code, out = live.hotswap("wake", "b", "--no-evict")
+        assert code == cli.EXIT_HTTP_ERROR
+        assert "HTTP 409: WakeRefused" in capsys.readouterr().err
+        assert live.state("b") == "SUSPENDED"
+        code, out = live.hotswap("wake", "b")
+        assert code == 0, out
+        lines = out.splitlines()
+        assert lines[0].startswith("b: RUNNING: wake done in "), out
+        assert lines[1].startswith("  policy: evict: "), out
+        assert lines[2].startswith("  evicted a in "), out
+        assert live.state("a") == "SUSPENDED"
+
+
+def test_outcome_lines_name_the_action_and_the_ranks() -> None:
+    phases = [
+        {"name": "pause", "duration_s": 0.01, "ok": True, "ranks": []},
+        {"name": "wake", "duration_s": 0.5, "ok": True, "ranks": [{"rank": 0}, {"rank": 1}]},
+    ]
+    t = {"kind": "wake", "result": "ok", "duration_s": 0.51, "phases": phases}
+    body = {"model": "m", "state": "RUNNING", "action": "join", "transition": t}
+    text = client.format_outcome(body)
+    assert text.splitlines()[0] == "m: RUNNING: joined the wake done in 0.510 s"
+    assert "  pause " in text
+    assert "ranks=2" in text
+    assert "ranks=0" not in text
 
 
 def test_sleep_drain_timeout_flag_and_no_wait(

@@ -74,7 +74,7 @@ def test_each_engine_runs_with_its_devices_visible(sidecar: SidecarThread) -> No
 def test_models_and_metrics_show_the_placement(sidecar: SidecarThread) -> None:
     api = Api(sidecar.base_url)
     body = api.get("/models").json()
-    placed = {m["name"]: m["fleet"]["devices"] for m in body["models"]}
+    placed = {m["name"]: m["devices"] for m in body["models"]}
     assert placed == {A: ["0"], B: ["1"], C: ["0"]}
     one = api.get(f"/models/{B}").json()
     assert one["fleet"]["visible_devices"] == "1"
