@@ -11,6 +11,8 @@ import logging
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from controller.errors import WakeRefused
+
 log = logging.getLogger("hotswap.tasks")
 
 T = TypeVar("T")
@@ -33,7 +35,10 @@ class Tasks:
         if task.cancelled():
             log.debug("task %s cancelled", task.get_name())
         elif (exc := task.exception()) is not None:
-            log.warning("task %s ended: %s: %s", task.get_name(), type(exc).__name__, exc)
+            # A wake held for a while (min_awake_s) is asked again by its caller: no warning.
+            passing = isinstance(exc, WakeRefused) and exc.retry_after_s is not None
+            level = logging.DEBUG if passing else logging.WARNING
+            log.log(level, "task %s ended: %s: %s", task.get_name(), type(exc).__name__, exc)
         else:
             log.debug("task %s finished", task.get_name())
 

@@ -129,20 +129,21 @@ class SwapCoordinator(SwapView):
             await self._settle(rec)
             plan = await self._deepened_plan(rec, evict)
             fields = {"model": name, "phase": "policy"}
-            log.info(
-                "%s: wake plan %s: %s",
-                name,
-                plan.decision.value,
-                plan.reason,
-                extra=fields,
-            )
+            held = plan.decision is Decision.REFUSE and plan.retry_after_s is not None
+            if held:  # a refusal that passes (min_awake_s): its caller asks again then
+                wait = plan.retry_after_s or 0.0
+                log.info("%s: wake held %.1f s: %s", name, wait, plan.reason, extra=fields)
+            else:
+                log.info(
+                    "%s: wake plan %s: %s", name, plan.decision.value, plan.reason, extra=fields
+                )
             if plan.decision is Decision.NOOP:
                 outcome = await mm.wake() if mm.snapshot().state is State.RESUMING else None
                 if mm.snapshot().state is State.RUNNING:
                     rec.lane.hand_over()
                 return SwapResult(plan, outcome)
             if plan.decision is Decision.REFUSE:
-                self.metrics.swap(name, "refused")
+                self.metrics.swap(name, "held" if held else "refused")
                 raise _refused(name, plan)
             overlap = self.overlap(mm, plan)
             if plan.decision is Decision.EVICT:

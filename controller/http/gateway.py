@@ -162,8 +162,8 @@ class Gateway:
                     extra={"model": label or None, "phase": "gateway"},
                 )
             return openai_error(refusal)
-        if held:
-            log.info("%s: request held %.3f s", name, held, extra={"model": name})
+        if held:  # why is the coordinator's line (a wake, or a wake held); the time is a metric
+            log.debug("%s: request held %.3f s", name, held, extra={"model": name})
         return await self._send(model, path, raw, request, stream=stream is True)
 
     async def _send(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -448,7 +449,12 @@ def test_drain_wait_timeout_keeps_the_model_running_and_admitting() -> None:
     run(body)
 
 
-def test_min_awake_time_holds_the_request_until_the_swap_may_happen() -> None:
+def test_min_awake_time_holds_the_request_until_the_swap_may_happen(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A wake held by min_awake_s is not a refusal: counted `held`, one INFO line a try
+    (the reason), no warning, and the request then succeeds."""
+
     async def body() -> None:
         async with world(swap={"min_awake_s": 0.5}) as w:
             await w.coordinator.sleep(w.manager.get("a"))
@@ -460,8 +466,15 @@ def test_min_awake_time_holds_the_request_until_the_swap_may_happen() -> None:
             assert r.status_code == 200
             assert r.json()["model"] == "b"
             assert held >= 0.4
-            assert w.sample("hotswap_swaps_total", model="b", result="refused") >= 1
+            tries = w.sample("hotswap_swaps_total", model="b", result="held")
+            assert tries >= 1
+            assert w.sample("hotswap_swaps_total", model="b", result="refused") == 0
+            assert w.sample("hotswap_swaps_total", model="b", result="ok") == 1
+            lines = [r for r in caplog.records if "held" in r.getMessage()]
+            assert [r.levelno for r in lines] == [logging.INFO] * int(tries), lines
+            assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
+    caplog.set_level(logging.INFO)
     run(body)
 
 
