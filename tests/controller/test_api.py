@@ -249,6 +249,7 @@ async def test_metrics_exposes_hotswap_series(
     assert 'hotswap_model_ready{model="a"} 0.0' in text
     assert "hotswap_transitions_total{" in text
     assert "hotswap_phase_duration_seconds_bucket{" in text
+    assert "_created" not in text, "no _created twin of each counter and histogram"
 
 
 # ----------------------------------------------------------------------------- readiness
