@@ -18,6 +18,7 @@ PARTS = {
     "models/enginefacts.py": ("EngineFacts",),
     "models/holdings.py": ("Holdings",),
     "models/fleetparts.py": ("Lane", "Swapping", "Process"),
+    "models/ckptfacts.py": ("CheckpointFacts",),
 }
 # What a write may call to notify: the parts' own signal, or the record's.
 NOTIFY = {"_changed", "changed", "set_snapshot"}
