@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, StringConstraints, field_validator, model_validator
 
@@ -140,7 +141,15 @@ class ModelSettings(BaseModel):
 
     @field_validator("url")
     @classmethod
-    def _strip_slash(cls, v: str) -> str:
+    def _http_url(cls, v: str) -> str:
+        """Only http(s) with a host: the engine client would fail on anything else at the
+        first request, long after start; a socket is `uds`."""
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(
+                f"url {v!r}: must be http://HOST[:PORT] or https://HOST[:PORT] "
+                "(an engine on a Unix socket is `uds: PATH`)"
+            )
         return v.rstrip("/")
 
     @model_validator(mode="after")

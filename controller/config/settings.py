@@ -359,12 +359,30 @@ class _YamlSource(PydanticBaseSettingsSource):
         path = self._init().get("config_file") or self._env().get("config_file")
         if not path:
             return {}
-        data = yaml.safe_load(Path(path).read_text())
+        data = read_models_file(Path(path))
         if data is None:
             return {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: the models file must be a mapping")
         return data
+
+
+def read_models_file(path: Path) -> Any:
+    """The models file's YAML; a file that cannot be read or is not YAML is a ValueError of
+    one line, `FILE:LINE:COLUMN: what` (the command line prints it and exits 2)."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        what = " ".join(str(x) for x in (exc.context, exc.problem) if x)
+        raise ValueError(f"{where}: {what or 'not YAML'}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: {' '.join(str(exc).split())}") from None
 
 
 def load_settings(**overrides: Any) -> Settings:

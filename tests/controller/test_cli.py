@@ -465,3 +465,44 @@ def test_demo_engine_start_failure_is_reported(
     err = capsys.readouterr().err
     assert "EngineStartError: tiny-a exited with 1" in err
     assert "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- config errors
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        ("models:\n  - name: a\n    url: [http://x\n", ":4:1:"),  # an unclosed flow sequence
+        ("models:\n\t- name: a\n", ":2:1:"),  # a tab where YAML wants spaces
+        ("models: {name: a\n", ":2:1:"),
+    ],
+)
+def test_a_malformed_models_file_is_one_line_with_its_position_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, where: str
+) -> None:
+    """The issue: a models file that is not YAML printed a 65-line traceback and exited 1."""
+    path = tmp_path / "models.yaml"
+    path.write_text(text)
+    assert cli.main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"{path}{where}" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["ftp://engine:8000", "file:///tmp/x", "unix:/tmp/engine.sock", "localhost:8000", "http://"],
+)
+def test_an_engine_url_that_is_not_http_is_refused_at_load(tmp_path: Path, url: str) -> None:
+    """The issue: any scheme loaded, and failed only at the first request to the engine."""
+    path = tmp_path / "models.yaml"
+    path.write_text(json.dumps({"models": [{"name": "a", "url": url}]}))
+    with pytest.raises(cli.CliError) as refused:
+        serve_settings("--config", str(path))
+    assert "\n" not in str(refused.value)
+    assert "models.0.url" in str(refused.value)
+    assert "http://HOST" in str(refused.value)
+    for ok in ("http://127.0.0.1:8000", "https://engine.example", "http://[::1]:8000/"):
+        assert ModelSettings(name="a", url=ok).url == ok.rstrip("/")
