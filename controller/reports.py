@@ -200,6 +200,8 @@ class RankView:
     wake_scratch_bytes: int = 0  # what its wake takes beyond the pools (0: asleep without)
     host_backup_bytes: int = 0  # host RAM it keeps pinned for its pools' copies now
     allocator_asleep: tuple[str, ...] = ()  # pools vLLM's own allocator holds asleep
+    model: str | None = None  # the model's class (hotswap_info `model`)
+    served_model_name: str | None = None  # the name vLLM serves it under (None: not said)
 
     @classmethod
     def from_info(cls, report: Mapping[str, Any], index: int = 0) -> RankView:
@@ -208,6 +210,10 @@ class RankView:
         def opt_int(key: str) -> int | None:
             v = report.get(key)
             return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+        def opt_str(key: str) -> str | None:
+            v = report.get(key)
+            return v if isinstance(v, str) and v else None
 
         raw_phase = report.get("phase")
         try:
@@ -242,6 +248,8 @@ class RankView:
             allocator_asleep=tuple(sorted(str(t) for t in asleep))
             if isinstance(asleep, list | tuple)
             else (),
+            model=opt_str("model"),
+            served_model_name=opt_str("served_model_name"),
         )
 
 

@@ -258,6 +258,17 @@ class EngineClient:
             )
         return ranks
 
+    async def served_models(self) -> tuple[str, ...]:
+        """Every name /v1/models lists (the served model names)."""
+        resp = await self._send("GET", "/v1/models", timeout_s=self.timeouts.control_s)
+        data = self._json(resp, "/v1/models")
+        entries = data.get("data") if isinstance(data, dict) else None
+        if not isinstance(entries, list):
+            raise EngineError(f"{self.base_url}: /v1/models answered no list: {data!r}")
+        return tuple(
+            e["id"] for e in entries if isinstance(e, dict) and isinstance(e.get("id"), str)
+        )
+
     async def served_model(self) -> str:
         resp = await self._send("GET", "/v1/models", timeout_s=self.timeouts.control_s)
         data = self._json(resp, "/v1/models")

@@ -20,6 +20,7 @@ class EngineFacts(Part):
     boot_ids: tuple[str | None, ...] | None = None
     asleep: tuple[str, ...] | None = None  # the pools asleep; None: all (or none, awake)
     served_model: str | None = None  # read from /v1/models when not configured
+    model_class: str | None = None  # what the ranks' first verified probe reported
 
     def __init__(self, changes: Changes, served_model: str | None = None) -> None:
         super().__init__(changes)
@@ -44,6 +45,8 @@ class EngineFacts(Part):
             process=self.process_sign,
             boot_ids=self.boot_ids,
             fresh=fresh,
+            served=self.served_model,
+            model=self.model_class,
         )
 
     def remember(self, v: Verdict) -> None:
@@ -56,6 +59,11 @@ class EngineFacts(Part):
             self._quarantine.keep(self.process_sign, self.boot_ids)
         elif was and not v.desynced:
             self._quarantine.lift()  # a new process answers
+        # The engine's identity, as first verified (a configured served name stays).
+        if v.model is not None and self.model_class is None:
+            self.model_class = v.model
+        if v.served is not None and self.served_model is None:
+            self.served_model = v.served
         if v.rule == "suspended":  # read from the ranks (a cache-fits verdict says nothing)
             self.asleep = v.tags or None
         elif v.state in (State.RUNNING, State.RESUMING):

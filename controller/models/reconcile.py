@@ -52,6 +52,7 @@ class Observation:
     info_error: str | None = None  # hotswap_info itself got no usable answer (timeout, 5xx)
     info_may_desync: bool = True  # that failure may have left the reply queues out of step
     detail: str = ""  # why it was unreachable or dead, for the reason
+    served: tuple[str, ...] | None = None  # the names /v1/models lists (None: not read)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,10 @@ class Memory:
     process: str | None = None  # the non-RPC sign last seen
     boot_ids: tuple[str | None, ...] | None = None  # the ranks' boot ids last probed
     fresh: bool = False  # a process this sidecar just started (managed, STARTING)
+    # Which model the engine must be: the name it serves (configured, else the first
+    # verified probe's) and the model class its ranks report (the first verified probe's).
+    served: str | None = None
+    model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,9 @@ class Verdict:
     wake_scratch_bytes: int = 0
     # RUNNING or SUSPENDED, read from the ranks: the host RAM they keep pinned, summed
     host_backup_bytes: int = 0
+    # read from the ranks and /v1/models: what the engine is (remembered once verified)
+    model: str | None = None
+    served: str | None = None
 
     @property
     def sends_rpc(self) -> bool:
@@ -146,6 +154,14 @@ RULES: tuple[Rule, ...] = (
         Do.NONE,
     ),
     Rule(
+        "not-this-model",
+        "a rank reports another served name (`served_model_name`) or model class (`model`) "
+        "than this model's (its configured `served_model_name`, else what this sidecar's "
+        "first verified probe read), or /v1/models does not list that name",
+        "FAILED",
+        Do.NONE,
+    ),
+    Rule(
         "asleep-unseen",
         "every rank `awake_verified`, but a rank's allocator holds pools asleep: a sleep "
         "made through vLLM's own endpoints without the hotswap backend, whose wake nothing "
@@ -194,6 +210,20 @@ RULES: tuple[Rule, ...] = (
 )
 
 _BY_ID = {r.id: r for r in RULES}
+
+
+def _not_this_model(obs: Observation, mem: Memory, ranks: tuple[RankView, ...]) -> str | None:
+    """Why the engine is not this model's (None: nothing says so). A rank or an answer that
+    does not say is not held against it (an older extension, /v1/models not read)."""
+    names = {r.served_model_name for r in ranks if r.served_model_name is not None}
+    classes = {r.model for r in ranks if r.model is not None}
+    if mem.served is not None and names - {mem.served}:
+        return f"the ranks serve {sorted(names)}, not {mem.served!r}"
+    if mem.served is not None and obs.served is not None and mem.served not in obs.served:
+        return f"/v1/models lists {list(obs.served)}, not {mem.served!r}"
+    if len(classes) > 1 or (mem.model is not None and classes - {mem.model}):
+        return f"the ranks run {sorted(classes)}, not {mem.model!r}"
+    return None
 
 
 def _ranks_text(ranks: Iterable[RankView]) -> str:
@@ -311,6 +341,13 @@ def reconcile(obs: Observation, mem: Memory) -> Verdict:
             f"the engine that answers made {n} memory steps: not the process just started",
             **seen,
         )
+    wrong = _not_this_model(obs, mem, ranks)
+    if wrong is not None:
+        return verdict("not-this-model", State.FAILED, wrong, **seen)
+    served = mem.served
+    if served is None and obs.served:
+        served = obs.served[0]
+    seen |= {"model": mem.model or first.model, "served": served}
     if first.phase is Phase.AWAKE_VERIFIED:
         unseen = sorted({t for r in ranks for t in r.allocator_asleep})
         if unseen:

@@ -166,7 +166,12 @@ class Reconciler:
             if isinstance(err, RankError):
                 return dataclasses.replace(obs, ranks=ranks_from_info(err.ranks))
             return dataclasses.replace(obs, info_error=err.message, info_may_desync=err.may_desync)
-        return dataclasses.replace(obs, ranks=ranks_from_info([r.raw for r in reports]))
+        ranks = ranks_from_info([r.raw for r in reports])
+        try:  # which names the API server serves: the engine's identity (no RPC)
+            served: tuple[str, ...] | None = await self.engine.served_models()
+        except EngineError:
+            served = None
+        return dataclasses.replace(obs, ranks=ranks, served=served)
 
     def _remember(self, v: Verdict) -> None:
         rec = self.record

@@ -82,6 +82,7 @@ class FakeVllm:
     # Completions that reached the engine while it was paused (they wait for /resume).
     held_while_paused: int = 0
     _resumed_event: asyncio.Event | None = None
+    model_class: str = "FakeForCausalLM"  # hotswap_info's `model`
 
     def __post_init__(self) -> None:
         if not self.ranks:
@@ -263,7 +264,8 @@ class FakeVllm:
                 platform="cpu",
                 backend="host",
                 vllm_version="0.0.fake",
-                model="FakeForCausalLM",
+                model=self.model_class,
+                served_model_name=self.name,
                 pools=dict(self.pool_bytes),
                 device_memory={"rss": 1 << 20},
                 suspended=dict(self.suspended),

@@ -145,7 +145,6 @@ WAKE_CALLS_1 = [
     "hotswap_resume",
     "hotswap_resume",
     "hotswap_restore_and_verify",
-    "/v1/models",  # the first wake learns the served model's name
     "/v1/completions",  # the warm-up, sent before /resume: the paused engine holds it
     "/resume",
     "/is_paused",
@@ -153,7 +152,7 @@ WAKE_CALLS_1 = [
 # The default (fused_sleep): the prepare and the suspend in one hotswap_sleep.
 SLEEP_CALLS_FUSED = [*SLEEP_CALLS[:3], "hotswap_sleep"]
 # The default (fused_wake): the resumes and the verify in one hotswap_wake.
-WAKE_CALLS_FUSED = ["hotswap_wake", *WAKE_CALLS_1[3:]]
+WAKE_CALLS_FUSED = ["hotswap_wake", *WAKE_CALLS_1[3:]]  # the served name: known from the probe
 
 
 @pytest.mark.anyio
@@ -166,8 +165,15 @@ async def test_start_probes_running_engine() -> None:
     assert snap.verified
     assert snap.ready
     # Read back without an RPC first (readiness, pause, the process's start time), then
-    # every rank's own truth.
-    assert rig.world.calls == ["/health", "/is_paused", "/is_sleeping", "/metrics", "hotswap_info"]
+    # every rank's own truth and the names the API server serves (its identity).
+    assert rig.world.calls == [
+        "/health",
+        "/is_paused",
+        "/is_sleeping",
+        "/metrics",
+        "hotswap_info",
+        "/v1/models",
+    ]
     assert rig.sample("hotswap_model_state", model="m", state="RUNNING") == 1.0
     assert rig.sample("hotswap_model_ready", model="m") == 1.0
     await rig.manager.stop()

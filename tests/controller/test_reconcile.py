@@ -178,6 +178,38 @@ CASES: list[tuple[str, Observation, Memory, str, State | None, Do]] = [
         Do.NONE,
     ),
     (
+        "the ranks serve another name",
+        obs(rank(served_model_name="other")),
+        mem(S.RUNNING, verified=True, served="tiny"),
+        "not-this-model",
+        S.FAILED,
+        Do.NONE,
+    ),
+    (
+        "the API server lists another name",
+        obs(rank(served_model_name="tiny"), served=("other",)),
+        mem(S.UNKNOWN, served="tiny"),
+        "not-this-model",
+        S.FAILED,
+        Do.NONE,
+    ),
+    (
+        "the ranks run another model class than first verified",
+        obs(rank(model="GemmaForCausalLM"), paused=True),
+        mem(S.SUSPENDED, model="LlamaForCausalLM"),
+        "not-this-model",
+        S.FAILED,
+        Do.NONE,
+    ),
+    (
+        "the same model, served under its name",
+        obs(rank(served_model_name="tiny", model="LlamaForCausalLM"), served=("tiny",)),
+        mem(S.UNKNOWN, served="tiny", model="LlamaForCausalLM"),
+        "running",
+        S.RUNNING,
+        Do.NONE,
+    ),
+    (
         "orphan answers a start",
         obs(rank(transitions=3, verified_transition=3)),
         mem(S.STARTING, fresh=True),
@@ -433,6 +465,7 @@ def _rank_sets() -> list[tuple[RankView, ...] | None]:
         )
     )
     two.append((rank(0, world=2), rank(1, world=2, poisoned=True)))
+    two.append((rank(0, world=2, model="A"), rank(1, world=2, model="B")))  # two models
     two.append((rank(0, world=2),))  # a rank missing
     return [None, (), *one, *two]
 
@@ -569,3 +602,18 @@ def test_an_info_call_that_never_connected_leaves_the_queues_in_step() -> None:
     v = reconcile(obs(info_error="connection refused", info_may_desync=False), mem())
     assert v.state is S.FAILED
     assert not v.desynced
+
+
+def test_a_verdict_remembers_what_the_engine_is_and_a_later_one_holds_it_to_that() -> None:
+    """Identity: the first verified probe's served name and class are remembered (the
+    verdict carries them), and a restarted engine that serves another model is FAILED."""
+    first = reconcile(
+        obs(rank(served_model_name="tiny", model="LlamaForCausalLM"), served=("tiny",)), mem()
+    )
+    assert (first.rule, first.served, first.model) == ("running", "tiny", "LlamaForCausalLM")
+    later = reconcile(
+        obs(rank(served_model_name="tiny", model="GemmaForCausalLM"), process="p2"),
+        mem(S.RUNNING, verified=True, served=first.served, model=first.model),
+    )
+    assert (later.rule, later.state) == ("not-this-model", S.FAILED)
+    assert "GemmaForCausalLM" in later.reason

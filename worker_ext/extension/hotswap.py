@@ -45,6 +45,8 @@ class HotSwapExtension(SleepRPCs, WakeRPCs, HostMemoryRPCs, ExtensionBase):
             "backend": st.backend.name,
             "vllm_version": vllmcompat.vllm_version(),
             "model": type(model).__name__ if model is not None else None,
+            # the name it serves (vLLM's model_config): the sidecar checks it is its model's
+            "served_model_name": _served_name(getattr(self, "model_config", None)),
             "pools": st.backend.pools(),
             "device_memory": st.backend.memory(),
             "suspended": st.backend.suspended(),
@@ -99,3 +101,11 @@ class HotSwapExtension(SleepRPCs, WakeRPCs, HostMemoryRPCs, ExtensionBase):
 
 
 __all__ = ["KV_CACHE", "HotSwapExtension", "plain", "rpc"]
+
+
+def _served_name(model_config: Any) -> str | None:
+    """vLLM's `served_model_name` (a string, or the first of a list), else None."""
+    name = getattr(model_config, "served_model_name", None)
+    if isinstance(name, list | tuple):
+        name = name[0] if name else None
+    return name if isinstance(name, str) and name else None
