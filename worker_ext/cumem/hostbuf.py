@@ -9,8 +9,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from worker_ext import hostram
 from worker_ext.cudart import CudaRT, HostBuffer
-from worker_ext.cumem.resident import meminfo
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +111,11 @@ class Pinned:
 
 def keep_refusal(need: int, have: int, making: bool) -> str | None:
     """Host memory for a pinned copy of `need` bytes, unless a big enough buffer is there or
-    on its way: MemAvailable less a margin (2 GiB or 5% of the machine)."""
+    on its way: what this process may still take (MemAvailable, or its cgroup's limit less
+    its usage where lower: `worker_ext.hostram`) less a margin (2 GiB or 5% of that RAM)."""
     if have >= need or making:
         return None
-    avail, total = meminfo("MemAvailable"), meminfo("MemTotal")
+    avail, total = hostram.read()
     if avail is None or total is None:
         return None  # no /proc/meminfo: the pinning itself will say if it cannot
     margin = max(2 << 30, total // 20)

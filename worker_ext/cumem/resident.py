@@ -1,5 +1,5 @@
 """What this process holds on its device (NVML's figure, else the allocators' segments and
-the context measured at start), the device's free memory, and host memory left."""
+the context measured at start) and the device's free memory."""
 
 from __future__ import annotations
 
@@ -12,18 +12,6 @@ from typing import Any
 from worker_ext.cumem.records import Records, size
 
 _NVML: list[Any] = []  # the NVML module once initialised; [None] when there is none
-
-
-def meminfo(key: str) -> int | None:
-    """A /proc/meminfo value in bytes (None where there is none)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def nvml_process_bytes(pid: int) -> int | None:
