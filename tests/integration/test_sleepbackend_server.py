@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from sidecar_harness import Completion, complete, http
+from sidecar_harness import Completion, complete, http, sidecar_over
 
 from controller.engines.launcher import EngineProcess
 
@@ -88,6 +88,22 @@ def test_level2_in_vllms_documented_order(server: EngineProcess, baseline: Compl
     assert call(server, "POST", "/wake_up", params={"tags": "kv_cache"}).status_code == 200
     assert not sleeping(server)
     assert rank0(server, "hotswap_info")["phase"] == "awake_verified"
+    assert complete(server, NAME) == baseline
+
+
+def test_the_sidecar_sees_vllms_own_sleep_and_wake(
+    server: EngineProcess, baseline: Completion
+) -> None:
+    """Made behind the sidecar's back through vLLM's endpoints: its periodic reconciliation
+    reads the ranks (moved by the backend) and calls the model SUSPENDED, then RUNNING and
+    verified once the backend's wake verified it (docs/contracts.md §2.1)."""
+    with sidecar_over(NAME, server, timeouts={"reprobe_interval_s": 0.5}) as api:
+        assert api.wait_state(NAME, "RUNNING")["verified"]
+        assert call(server, "POST", "/sleep", params={"level": 1}).status_code == 200
+        asleep = api.wait_state(NAME, "SUSPENDED", timeout_s=60)
+        assert asleep["level"] == 1
+        assert call(server, "POST", "/wake_up").status_code == 200
+        assert api.wait_state(NAME, "RUNNING", timeout_s=60)["verified"]
     assert complete(server, NAME) == baseline
 
 
