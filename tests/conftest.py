@@ -10,16 +10,15 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from support.engines import EngineLauncher
+from support.models import ModelFactory, model_factory
 
-from controller.engines.enginespec import MANDATORY_ENV, EngineSpec
-from controller.engines.launcher import EngineProcess
-from controller.engines.sockets import private_dir, socket_path
+from controller.engines.enginespec import MANDATORY_ENV
+from controller.engines.sockets import private_dir
 
 for _key, _value in MANDATORY_ENV.items():
     os.environ[_key] = _value
@@ -51,74 +50,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # ----------------------------------------------------------------------------- tiny models
 
 
-ModelFactory = Callable[..., Path]
-
-
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> ModelFactory:
-    """`tiny_model(arch="llama", seed=0, tokenizer=True) -> Path`: a seeded model folder with
-    real safetensors (so a level-2 reload reproduces the weights), written once per session."""
-    made: dict[tuple[str, int, bool], Path] = {}
-    root = tmp_path_factory.mktemp("models")
-
-    def make(arch: str = "llama", seed: int = 0, tokenizer: bool = True) -> Path:
-        key = (arch, seed, tokenizer)
-        if key not in made:
-            from worker_ext.devmodels import write_tiny_model
-
-            name = f"tiny-{arch}-s{seed}{'-tok' if tokenizer else ''}"
-            made[key] = write_tiny_model(root / name, arch=arch, seed=seed, tokenizer=tokenizer)
-        return made[key]
-
-    return make
+    """`tiny_model(arch="llama", seed=0, tokenizer=True) -> Path` (support.models)."""
+    return model_factory(tmp_path_factory.mktemp("models"))
 
 
 # ----------------------------------------------------------------------------- vLLM servers
-
-
-@dataclass
-class EngineLauncher:
-    """Starts real vLLM OpenAI servers (with the worker extension) and always stops them."""
-
-    logs: Path
-    sockets: Path  # private (0700): each engine serves on a Unix socket there, no TCP port
-    started: list[EngineProcess] = field(default_factory=list)
-
-    def start(
-        self,
-        model: Path,
-        name: str,
-        *,
-        uni: bool = True,
-        tp: int = 1,
-        ready_timeout_s: float = 240.0,
-        **spec: Any,
-    ) -> EngineProcess:
-        """uni=True: one process (fast start); uni=False: vLLM's default multiprocess layout
-        (API server, EngineCore, worker), the production topology; tp=2 implies uni=False."""
-        if tp > 1:
-            uni = False
-            # Auto binding wants a NUMA node per rank; pin one core per rank instead.
-            spec.setdefault("omp_threads_bind", "|".join(str(i) for i in range(tp)))
-        engine = EngineProcess(
-            EngineSpec(
-                model=model,
-                uds=socket_path(self.sockets, f"{name}-{len(self.started)}"),
-                served_model_name=name,
-                uni=uni,
-                tensor_parallel_size=tp,
-                **spec,
-            ),
-            self.logs / f"{name}-{len(self.started)}.log",
-        )
-        self.started.append(engine)
-        engine.start()
-        engine.wait_ready(ready_timeout_s)
-        return engine
-
-    def stop_all(self) -> None:
-        while self.started:
-            self.started.pop().stop()
 
 
 @pytest.fixture(scope="module")

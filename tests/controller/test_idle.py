@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+from support.wait import until
 from test_gateway import ask, run, world
 
 from controller.state import State
@@ -14,28 +15,26 @@ from controller.state import State
 IDLE = {"idle_sleep_s": 0.3, "max_awake": 2}
 
 
-async def until(predicate: object, timeout_s: float = 5.0) -> None:
-    assert callable(predicate)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        assert loop.time() < deadline, "timed out"
-        await asyncio.sleep(0.02)
-
-
 def test_an_idle_model_sleeps_by_itself_and_the_next_request_wakes_it() -> None:
     async def body() -> None:
         async with world(swap=IDLE) as w:
+            rec = w.manager.fleet["a"]
             assert w.state("a") is State.RUNNING
-            t0 = asyncio.get_running_loop().time()
-            await until(lambda: w.state("a") is State.SUSPENDED)
-            assert asyncio.get_running_loop().time() - t0 >= 0.25  # not before its time
+            awake_since = rec.snapshot.since
+            await until(lambda: w.state("a") is State.SUSPENDED, w.manager.fleet.changes)
+            # Not before its time: decided at least idle_sleep_s after it was last awake-idle
+            # (read from the record, not from when this test began to look: a busy machine).
+            slept_at = rec.swapping.idle_slept_at
+            assert slept_at is not None
+            assert slept_at - awake_since >= IDLE["idle_sleep_s"]
             # The sleep is counted once its sequence returns, a moment after the state.
             await until(lambda: w.sample("hotswap_sleeps_total", model="a", reason="idle") == 1)
             r = await ask(w, "a")  # the gateway wakes it
             assert r.status_code == 200, r.text
             assert w.state("a") is State.RUNNING
-            await until(lambda: w.state("a") is State.SUSPENDED)  # and idles out again
+            await until(
+                lambda: w.state("a") is State.SUSPENDED, w.manager.fleet.changes
+            )  # and idles out again
             await until(lambda: w.sample("hotswap_sleeps_total", model="a", reason="idle") == 2)
             assert w.sample("hotswap_sleeps_total", model="b", reason="idle") == 0  # asleep
 
@@ -63,7 +62,9 @@ def test_a_model_with_a_request_in_flight_never_idles_out() -> None:
             assert w.state("a") is State.RUNNING
             eng.hold.set()
             assert (await req).status_code == 200
-            await until(lambda: w.state("a") is State.SUSPENDED)  # idle from its end on
+            await until(
+                lambda: w.state("a") is State.SUSPENDED, w.manager.fleet.changes
+            )  # idle from its end on
             await until(lambda: w.sample("hotswap_sleeps_total", model="a", reason="idle") == 1)
 
     run(body)

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from fakevllm import POOL_BYTES, FakeVllm, wire
 from prometheus_client import CollectorRegistry
+from support.wait import until
 
 from controller.config.modelsettings import ModelSettings
 from controller.config.settings import Settings, TimeoutSettings
@@ -137,11 +138,12 @@ class World:
         return self.manager.get(name).snapshot().state
 
     async def until(self, name: str, state: State, timeout_s: float = 5.0) -> None:
-        for _ in range(int(timeout_s / 0.01)):
-            if self.state(name) is state:
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"{name} is {self.state(name).value}, not {state.value}")
+        """Until the model is in `state`, woken by the fleet's changes (nothing polls)."""
+        try:
+            changes = self.manager.fleet.changes
+            await until(lambda: self.state(name) is state, changes, timeout_s=timeout_s)
+        except AssertionError:
+            raise AssertionError(f"{name} is {self.state(name).value}, not {state.value}") from None
 
 
 @asynccontextmanager

@@ -40,7 +40,8 @@ from deploytools import (
 )
 
 if TYPE_CHECKING:
-    from conftest import EngineLauncher, ModelFactory
+    from support.engines import EngineLauncher
+    from support.models import ModelFactory
 
 pytestmark = pytest.mark.vllm
 

@@ -30,6 +30,9 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -365,3 +368,45 @@ def container(
         yield box
     finally:
         box.remove()
+
+
+# ----------------------------------------------------------------------------- the session's builds
+
+
+@dataclass(frozen=True)
+class BuildRecord:
+    what: str
+    seconds: float
+    size_bytes: int | None
+
+
+BUILDS = pytest.StashKey[list[BuildRecord]]()
+
+
+@dataclass
+class Images:
+    """Builds the project's images (once each per session) and records what they cost."""
+
+    logs: Path
+    config: pytest.Config
+    built: dict[str, Build]
+
+    def base(self) -> None:
+        seconds = ensure_standin_base(self.logs / "standin.log")
+        if seconds:
+            self.record(f"stand-in {BASE} (debootstrap + import)", seconds, None)
+
+    def build(self, dockerfile: str, tag: str, **kw: Any) -> Build:
+        if tag not in self.built:
+            self.base()
+            log = self.logs / f"{Path(dockerfile).stem}.build.log"
+            try:
+                done = build(DOCKER / dockerfile, tag, log, **kw)
+            except ImageError as exc:
+                pytest.fail(f"building {dockerfile} failed (full log: {log}):\n{exc}")
+            self.built[tag] = done
+            self.record(f"{tag} (docker/{dockerfile})", done.seconds, done.size_bytes)
+        return self.built[tag]
+
+    def record(self, what: str, seconds: float, size: int | None) -> None:
+        self.config.stash[BUILDS].append(BuildRecord(what, seconds, size))

@@ -16,7 +16,7 @@ import pytest
 from controller.engines.sockets import free_port
 
 if TYPE_CHECKING:
-    from conftest import Images
+    from imagetools import Images
 
 pytestmark = pytest.mark.vllm
 

@@ -18,7 +18,9 @@ from controller.engines.launcher import EngineProcess
 from controller.engines.sockets import free_port
 
 if TYPE_CHECKING:
-    from conftest import EngineLauncher, Images, ModelFactory
+    from imagetools import Images
+    from support.engines import EngineLauncher
+    from support.models import ModelFactory
 
 pytestmark = pytest.mark.vllm
 

@@ -45,7 +45,7 @@ from fault_harness import (
 from controller.engines.launcher import EngineProcess
 
 if TYPE_CHECKING:
-    from conftest import EngineLauncher
+    from support.engines import EngineLauncher
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -18,7 +18,7 @@ from sidecar_harness import Api, Completion, complete, post, sidecar_over
 from controller.engines.launcher import EngineProcess
 
 if TYPE_CHECKING:
-    from conftest import EngineLauncher
+    from support.engines import EngineLauncher
 
 pytestmark = pytest.mark.vllm
 

@@ -16,7 +16,7 @@ from sidecar_harness import Api, complete, post, sidecar_over
 from controller.engines.launcher import EngineProcess
 
 if TYPE_CHECKING:
-    from conftest import EngineLauncher
+    from support.engines import EngineLauncher
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -23,7 +23,7 @@ from sidecar_harness import Completion, complete, http, sidecar_over
 from controller.engines.launcher import EngineProcess
 
 if TYPE_CHECKING:
-    from conftest import EngineLauncher
+    from support.engines import EngineLauncher
 
 pytestmark = pytest.mark.vllm
 

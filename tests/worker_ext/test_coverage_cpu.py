@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ENGINE_ARGS, VLLM_WARNINGS, cycle, engine_env, generate, ok, shutdown
+from inproc import ENGINE_ARGS, VLLM_WARNINGS, cycle, engine_env, generate, ok, shutdown
 
 from benchmarks.coverage import BY_NAME, ROWS, write_model
 

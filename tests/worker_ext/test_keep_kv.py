@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import ENGINE_ARGS, VLLM_WARNINGS, engine_env, generate, ok, rpc, shutdown
+from inproc import ENGINE_ARGS, VLLM_WARNINGS, engine_env, generate, ok, rpc, shutdown
 
 from controller import protocol
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import ENGINE_ARGS, VLLM_WARNINGS, engine_env, generate, ok, shutdown
+from inproc import ENGINE_ARGS, VLLM_WARNINGS, engine_env, generate, ok, shutdown
 
 pytestmark = [pytest.mark.vllm, *VLLM_WARNINGS]
 
