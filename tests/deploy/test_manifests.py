@@ -562,3 +562,20 @@ def test_a_shutdown_has_the_time_to_drain(variant: tuple[str, list[dict[str, Any
     for c in pod["spec"]["containers"]:
         if c is not controller:
             assert _pre_stop_s(c) >= pause + drain, f"{name}: {c['name']} stops before the drain"
+
+
+def test_the_sidecars_probes_cover_its_start_not_its_reconciliation(
+    variant: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """The control port binds before any engine is probed (docs/kubernetes.md): the
+    startupProbe covers the process's own start (60 s for seconds of imports on a loaded
+    node), /livez never waits for an engine, and the start-up reconciliation shows on
+    readiness only, which restarts nothing."""
+    name, docs = variant
+    controller = _controller(_pod(docs))
+    start = controller["startupProbe"]
+    assert start["httpGet"]["path"] == "/livez", name
+    assert start["periodSeconds"] * start["failureThreshold"] >= 60, name
+    live = controller["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] >= 30, name
+    assert controller["readinessProbe"]["httpGet"]["path"] == "/health", name

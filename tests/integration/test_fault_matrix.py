@@ -454,6 +454,14 @@ def test_an_rpc_that_hangs_past_its_timeout(
             assert body["state"] == "FAILED", body
             assert "out of step" in str(body["last_error"]), body
             assert eng.rpc_lines() == sent, "an RPC was sent to an engine out of step"
+            # A restarted sidecar finds the quarantine (kept beside the engine's socket): it
+            # probes that process with no RPC, not even hotswap_info.
+            side.kill()
+            side.start()
+            body = side.wait_settled(NAME, timeout_s=60)
+            assert body["state"] == "FAILED", body
+            assert "out of step" in str(body["last_error"]), body
+            assert eng.rpc_lines() == sent, "a restarted sidecar sent an RPC out of step"
             t0 = time.monotonic()
             eng.restart()
         _back_after_restart(side, eng, watch, baseline, case, t0)
