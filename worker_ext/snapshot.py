@@ -15,6 +15,7 @@ span each and names the differing tensors (or ranges) only on a mismatch.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,14 +90,17 @@ def prepare(
     kernel: str | None = None,
     keep_kv: bool = False,
     copied: Callable[[], None] | None = None,
+    steps: dict[str, float] | None = None,
 ) -> Snapshot:
     """Fingerprint every record but the KV cache; copy the at-risk ones to host memory, or
     with a `protection`, every protected range (on `device`) and fingerprint its unnamed
     ones. `kernel`: the fingerprint check's mode (fingerprint.Plan; None: its default).
     `keep_kv`: the KV cache's storages are fingerprinted too, in a plan of their own.
     `copied`: called once the protected ranges' copies are queued, before the fingerprints
-    (hotswap_sleep queues the rest of the weights' copies then, behind these small ones)."""
+    (hotswap_sleep queues the rest of the weights' copies then, behind these small ones).
+    `steps`: filled with each step's seconds (snap_*_s), to place a slow prepare."""
     snap = Snapshot(level, protection=protection)
+    clock = _Steps(steps)
     # The protected ranges first: their copies go to the copy engine before anything else
     # the caller queues there; nothing writes these bytes, so the order is free.
     if protection is not None and protection.protect:
@@ -108,8 +112,10 @@ def prepare(
             snap.ranges.append(r)
             off += e - s
         snap.host = host
+    clock.step("snap_protect_s")
     if copied is not None:
         copied()
+    clock.step("snap_copied_s")
     if keep_kv:
         kv = [rec for rec in records if rec.is_kv and rec.nbytes]
         snap.kv_names = [rec.name for rec in kv]
@@ -124,7 +130,9 @@ def prepare(
             _Range(s, e, pool, raw_bytes(s, e - s, device)) for s, e, pool in protection.unnamed
         ]
     plan = Plan(aliases + [r.view for r in snap.unnamed], kernel=kernel)
+    clock.step("snap_plan_s")
     base = plan.baseline()
+    clock.step("snap_baseline_s")
     fps = plan.per_tensor(base)[: len(kept)]
     for rec, alias, fp in zip(kept, aliases, fps, strict=True):
         t = rec.tensor
@@ -147,7 +155,22 @@ def prepare(
         # This stream only (the fingerprints and the protected copies are queued on it): a
         # fused sleep's weight copies run on the backend's own streams meanwhile.
         torch.cuda.current_stream(device).synchronize()
+    clock.step("snap_sync_s")
     return snap
+
+
+class _Steps:
+    """Seconds between successive marks, into `into` (nothing when it is None)."""
+
+    def __init__(self, into: dict[str, float] | None) -> None:
+        self._into = into
+        self._t = time.perf_counter()
+
+    def step(self, name: str) -> None:
+        if self._into is not None:
+            now = time.perf_counter()
+            self._into[name] = now - self._t
+            self._t = now
 
 
 def rebind(snap: Snapshot) -> list[str]:

@@ -300,6 +300,7 @@ class CuMemBackend:
         share = STAGE_SHARE if during is not None else 1.0
         copies = Offload(self._coded, self._streams, self._host_for, offload, timings, share)
         overlapped = copies.queue_first()
+        timings["at_queued_first_s"] = time.perf_counter() - t0
         if during is not None:
             t = time.perf_counter()
             try:
@@ -308,6 +309,7 @@ class CuMemBackend:
                 copies.abandon()
                 raise
             timings["prepare_under_copies_s"] = time.perf_counter() - t
+        timings["at_prepared_s"] = time.perf_counter() - t0
         copies.go_on()
         copies.check_reused_plan()
         if level == 2 and WEIGHTS in tags and plan[WEIGHTS] == DISCARDED:
@@ -319,7 +321,9 @@ class CuMemBackend:
                 for _ptr, data in recs[tag]:
                     self._release(data)
         timings["discard_s"] = time.perf_counter() - t
+        timings["at_discarded_s"] = t + timings["discard_s"] - t0
         copies.release_copied(self._release)
+        timings["at_released_s"] = time.perf_counter() - t0
         copies.finish()
         self._layout.update(copies.layout)
         self._suspended.update(plan)

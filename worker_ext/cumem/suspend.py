@@ -165,11 +165,15 @@ class Offload:
         if not self.events:
             return
         t = time.perf_counter()
+        waited = 0.0
         for _ptr, data, done in self.events:
+            w = time.perf_counter()
             for ev in done:
                 ev.synchronize()
+            waited += time.perf_counter() - w
             release(data)
         self._timings["copy_unmap_s"] = time.perf_counter() - t
+        self._timings["copy_wait_s"] = waited
 
     def finish(self) -> None:
         """The coded copy's last piece on the host, its plan kept, its report completed."""

@@ -108,6 +108,7 @@ class SleepRPCs(ExtensionBase):
         t3 = time.perf_counter()
         # by range, the ranges hold every at-risk tensor's bytes: no copy per object
         backups = set() if cover is not None else at_risk
+        steps: dict[str, float] = {}
         snap = snapshot.prepare(
             level,
             records,
@@ -118,12 +119,14 @@ class SleepRPCs(ExtensionBase):
             st.settings.verify_kernel,
             keep_kv=keep,
             copied=copied,
+            steps=steps,
         )
         timings = {
             "records_s": t1 - t0,
             "audit_s": t2 - t1,
             "protect_plan_s": t3 - t2,
             "snapshot_s": time.perf_counter() - t3,
+            **steps,
         }
         return snap, cover, at_risk, timings
 
@@ -366,7 +369,9 @@ class SleepRPCs(ExtensionBase):
             except BaseException as e:
                 agreed = st.quiescer.agree(False)  # so that no other rank releases either
                 raise _PrepareFailed(f"{type(e).__name__}: {e}", agreed["failed_ranks"]) from e
+            t_agree = time.perf_counter()
             agreed = st.quiescer.agree(True)  # every rank's prepare done, before any release
+            timings["agree_s"] = time.perf_counter() - t_agree
             if not agreed["ok"]:
                 why = agreed["error"] or f"the prepare failed on ranks {agreed['failed_ranks']}"
                 raise _PrepareFailed(f"{why}: nothing released", agreed["failed_ranks"])
