@@ -18,13 +18,16 @@ any view offset, contiguous or not):
 Values depend on the process key, so they compare only within one process (a sleep and
 its wake), which is all verify needs.
 
-Spans (the fast check, `Plan.baseline` / `Plan.changed`): storages that are byte-adjacent
+Spans (the eager check, `Plan.baseline` / `Plan.changed`): storages that are byte-adjacent
 on one device (one ends exactly where the next begins, as the caching allocator packs a
 model's weights) are fingerprinted together as one span, read through one raw view, so a
 model's ~550 tensors cost a few dozen reductions instead of one each. A span holds only
 storage bytes (a gap of allocator free space ends it). A span that differs from its
 baseline is re-checked storage by storage, against per-storage baselines taken at the same
-time, to name the tensors; that happens only on a mismatch.
+time, to name the tensors; that happens only on a mismatch. The kernel (below) needs
+neither: it reads each storage as its own range, so what differs is named at once, and
+the baseline reads the bytes it covers once (a per-storage eager pass over every byte was
+most of a prepare's time under a sleep's copies: docs/benchmarks-log.md).
 
 Cost on a GPU: a few kernels per span (or storage) with whole pieces, a handful for the
 short pieces of the whole batch, and one device-to-host copy of the NH values; no
@@ -32,14 +35,15 @@ per-tensor sync.
 
 Kernel (a plan's `kernel`, the worker's HOTSWAP_VERIFY_KERNEL: `auto`, the default, on
 CUDA; `on` also on CPU under Triton's interpreter; `off` never): `Plan.baseline` builds a
-`fpkernel.SpanCheck` over the spans of the CUDA device that holds most of the bytes (spans
-elsewhere, e.g. a runner's CPU tensors, and spans that do not start on 8 bytes, keep the
-eager check), and `Plan.changed` runs it: one Triton launch over all those spans in 2 MiB
-pieces, each piece's (s1, NH) compared on the device, one bool to the host, about one
-memory pass. The check is cross-checked against torch on a sample of pieces when built; if
-Triton is missing or anything about the kernel fails, the eager span check runs instead
-(`kernel_error` says why). The plan's storages keep their addresses across sleep/wake
-(in-place restore), so the kernel's address table stays valid for the plan's life.
+`fpkernel.SpanCheck` over the storages of the CUDA device that holds most of the bytes
+(storages elsewhere, e.g. a runner's CPU tensors, and those that do not start on 8 bytes,
+keep the eager check, by span), and `Plan.changed` runs it: one Triton launch over all those
+storages in 2 MiB pieces, each piece's (s1, NH) compared on the device, one bool to the
+host, about one memory pass. The check is cross-checked against torch on a sample of
+pieces when built; if Triton is missing or anything about the kernel fails, the eager
+span check runs instead (`kernel_error` says why). The plan's storages keep their
+addresses across sleep/wake (in-place restore), so the kernel's address table stays valid
+for the plan's life.
 """
 
 from __future__ import annotations
@@ -188,9 +192,9 @@ class Baseline:
     spans it covers, eager values for the rest, and per-storage fingerprints."""
 
     spans: list[Fp]  # eager values of the spans in `rest` (all spans when rest is None)
-    storages: list[Fp]
+    storages: list[Fp | None]  # per storage; None for those `check` reads (it names them)
     check: SpanCheck | None = None
-    covered: list[int] = field(default_factory=list)  # span indices `check` reads, in order
+    covered: list[int] = field(default_factory=list)  # storage indices `check` reads, in order
     rest: list[int] | None = None  # span indices checked eagerly; None: all of them
 
 
@@ -274,23 +278,24 @@ class Plan:
         return _run_items(self._span_items)
 
     def _kernel_check(self) -> tuple[SpanCheck, list[int]] | None:
-        """A baselined Triton check over the spans of the device holding most of the bytes
-        (a CUDA device; any device when the mode is `on`) and the span indices it covers;
-        None when every span is checked eagerly (`kernel_error` says why, if it failed)."""
+        """A baselined Triton check over the storages of the device holding most of the
+        bytes (a CUDA device; any device when the mode is `on`), each its own range, and the
+        storage indices it covers; None when everything is checked eagerly (`kernel_error`
+        says why, if it failed)."""
         if self._kernel == "off":
             return None
         by_device: dict[Any, list[int]] = {}
-        for k, it in enumerate(self._span_items):
+        for i, it in enumerate(self._items):
             aligned = int(it.raw.data_ptr()) % 8 == 0  # the kernel reads words
             if it.nbytes and aligned and (self._kernel == "on" or it.device.type == "cuda"):
-                by_device.setdefault(it.device, []).append(k)
+                by_device.setdefault(it.device, []).append(i)
         if not by_device:
             return None
         device, covered = max(
-            by_device.items(), key=lambda kv: sum(self._span_items[k].nbytes for k in kv[1])
+            by_device.items(), key=lambda kv: sum(self._items[i].nbytes for i in kv[1])
         )
         try:
-            items = [self._span_items[k] for k in covered]
+            items = [self._items[i] for i in covered]
             check = SpanCheck([(int(it.raw.data_ptr()), it.nbytes) for it in items], device)
             check.baseline()
         except Exception as e:
@@ -300,45 +305,52 @@ class Plan:
         return check, covered
 
     def baseline(self) -> Baseline:
-        """Span and per-storage fingerprints now, for `changed` to compare against; the
-        kernel check (the plan's `kernel`) takes its own baseline values here, and the
-        spans it does not cover (other devices, empty ones) are fingerprinted eagerly."""
+        """Fingerprints now, for `changed` to compare against: the kernel check (the plan's
+        `kernel`) takes its own values of the storages it covers, once; the spans holding
+        any storage it does not (other devices, empty or unaligned ones) are fingerprinted
+        eagerly, with per-storage values of their storages to name them by."""
         self.kernel_error = None
         found = self._kernel_check()
         if found is None:
             return Baseline(self.run_spans(), _run_items(self._items))
         check, covered = found
         taken = set(covered)
-        rest = [k for k in range(len(self._span_items)) if k not in taken]
+        rest = [k for k, m in enumerate(self._span_members) if any(i not in taken for i in m)]
         spans = _run_items([self._span_items[k] for k in rest])
-        return Baseline(spans, _run_items(self._items), check, covered, rest)
+        eager = [i for k in rest for i in self._span_members[k]]
+        storages: list[Fp | None] = [None] * len(self._items)
+        for i, fp in zip(eager, _run_items([self._items[i] for i in eager]), strict=True):
+            storages[i] = fp
+        return Baseline(spans, storages, check, covered, rest)
 
-    def per_tensor(self, base: Baseline) -> list[Fp]:
-        """The baseline's fingerprint of each tensor's storage, in the order given."""
+    def per_tensor(self, base: Baseline) -> list[Fp | None]:
+        """The baseline's fingerprint of each tensor's storage, in the order given (None
+        where the kernel check holds it: its values are per piece, on the device)."""
         return [base.storages[i] for i in self._index]
 
     def changed(self, base: Baseline) -> list[int]:
         """Indices (in the order given) of the tensors whose storage bytes differ from
-        `base`. One batch over the spans; only a differing span is re-read storage by
+        `base`. The kernel's storages in one launch, each differing one named; the rest in
+        one eager batch over their spans, where only a differing span is re-read storage by
         storage to name its tensors (all of them, if its storages all read equal again)."""
-        bad: list[int] = []
+        out: set[int] = set()
         if base.check is not None:
-            bad = [base.covered[i] for i in base.check.differing()]
+            for j in base.check.differing():
+                out.update(self._tensors_of[base.covered[j]])
         rest = list(range(len(self._span_items))) if base.rest is None else base.rest
+        bad: list[int] = []
         if rest:
             now = _run_items([self._span_items[k] for k in rest])
-            bad += [k for k, a, b in zip(rest, now, base.spans, strict=True) if a != b]
-        if not bad:
-            return []
-        storages = [i for k in bad for i in self._span_members[k]]
-        again = _run_items([self._items[i] for i in storages])
-        differ = {i for i, fp in zip(storages, again, strict=True) if fp != base.storages[i]}
-        out: set[int] = set()
-        for k in bad:
-            members = self._span_members[k]
-            hit = [i for i in members if i in differ] or members
-            for i in hit:
-                out.update(self._tensors_of[i])
+            bad = [k for k, a, b in zip(rest, now, base.spans, strict=True) if a != b]
+        if bad:
+            storages = [i for k in bad for i in self._span_members[k]]
+            again = _run_items([self._items[i] for i in storages])
+            differ = {i for i, fp in zip(storages, again, strict=True) if fp != base.storages[i]}
+            for k in bad:
+                members = self._span_members[k]
+                hit = [i for i in members if i in differ] or members
+                for i in hit:
+                    out.update(self._tensors_of[i])
         return sorted(out)
 
 

@@ -36,7 +36,7 @@ class _Entry:
     original: Any  # the tensor object that sat in the first slot
     alias: Any  # a detached view that pins the original storage even if `.data` is swapped
     slot_values: list[Any]  # what each slot held at prepare time
-    fp: tuple[int, int, int]
+    fp: tuple[int, int, int] | None  # None: the plan's kernel check holds it (verify uses the plan)
     backup: Any = None  # host copy of the storage bytes (at-risk only)
 
 
