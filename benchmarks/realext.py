@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from worker_ext import fingerprint
 from worker_ext.extension import HotSwapExtension, rpc
 
 
@@ -55,3 +56,24 @@ class RealWeightsExtension(HotSwapExtension):
             warm(wait=True)
             described = warm(wait=True)
         return {"codec": st.settings.host_codec, "host": described}
+
+    @rpc
+    def hotswap_bench_variant(self, name: str) -> dict[str, Any]:
+        """Bench-only, awake: `storagepass` adds back the prepare's per-storage eager pass
+        over every byte beside the kernel's baseline (what the code did before the kernel
+        read each storage as its own range), `base` the code as it is: before/after on one
+        engine."""
+        if name not in ("base", "storagepass"):
+            raise ValueError(f"variant {name!r}: expected base or storagepass")
+        chosen = _with_storage_pass if name == "storagepass" else _BASELINE
+        fingerprint.Plan.baseline = chosen  # type: ignore[method-assign]
+        return {"variant": name}
+
+
+_BASELINE = fingerprint.Plan.baseline
+
+
+def _with_storage_pass(plan: fingerprint.Plan) -> fingerprint.Baseline:
+    base = _BASELINE(plan)
+    fingerprint._run_items(plan._items)  # the pass, read and thrown away
+    return base

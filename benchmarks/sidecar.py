@@ -2,7 +2,7 @@
 
     python3 -m benchmarks.sidecar [--shape llama3-8b] [--cycles 3] [--graphs 1]
                                   [--ttft-tokens 1000] [--budget-s 420] [--fused 0,1]
-                                  [--serial-boot 0] [--wait-pinned 1]
+                                  [--serial-boot 0] [--wait-pinned 1] [--variants V,...]
 
 Runs on the lent device after the vLLM bundle, with the sidecar's extra wheels on
 PYTHONPATH. First the pinned-copy bandwidth (torch, this process: the bound is weights
@@ -97,6 +97,16 @@ def start_vllm(
         model, port, "llama", util=util, dummy=True, eager=not graphs, env=env, extension=extension
     )
     return launch(spec, f"vllm-{port}")
+
+
+def switch_variant(url: str, name: str) -> dict[str, Any]:
+    """benchmarks/realext.py's hotswap_bench_variant, awake."""
+    with httpx.Client(base_url=url, timeout=60.0) as c:
+        r = c.post(
+            "/collective_rpc", json={"method": "hotswap_bench_variant", "kwargs": {"name": name}}
+        )
+    r.raise_for_status()
+    return dict(r.json())
 
 
 def switch_codec(url: str, codec: str) -> dict[str, Any]:
@@ -249,13 +259,19 @@ def ours(server: EngineProcess, args: argparse.Namespace, deadline: float) -> di
                 res["engine_info"] = wait_pinned(server.base_url, time.monotonic() + 60)
                 log("engine info before the first sleep", json.dumps(res["engine_info"]))
             n = len(res["cycles"])
-            for j, codec in enumerate(args.codec_list or [None]):
+            runs = [(c, v) for c in args.codec_list or [None] for v in args.variant_list]
+            for j, (codec, variant) in enumerate(runs):
                 try:  # a failed codec's run leaves the others' cycles in res
-                    if codec is not None and j:
+                    if codec is not None and j and codec != runs[j - 1][0]:
                         switched = switch_codec(server.base_url, codec)
                         res.setdefault("switched", []).append(switched)
                         log("codec switched", json.dumps(switched))
+                    if variant is not None:
+                        log("variant", json.dumps(switch_variant(server.base_url, variant)))
+                    k = len(res["cycles"])
                     cycles(side, server, args, deadline, fused, res, codec)
+                    for cyc in res["cycles"][k:]:
+                        cyc["variant"] = variant
                 except Exception as exc:
                     res.setdefault("errors", []).append(f"{codec}: {type(exc).__name__}: {exc}")
                     log("ours failed:", res["errors"][-1][-3000:])
@@ -540,7 +556,15 @@ def main() -> int:
         " engine, the codec switched while awake (benchmarks/realext.py; needs --weights"
         " realistic's extension); empty: the environment's setting",
     )
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="benchmarks/realext.py's hotswap_bench_variant per run of ours' cycles (each"
+        " codec with each), comma-separated (e.g. storagepass,base: before/after on one engine);"
+        " empty: none set",
+    )
     args = ap.parse_args()
+    args.variant_list = [v.strip() for v in args.variants.split(",") if v.strip()] or [None]
     args.graphs = bool(args.graphs)
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
     args.asleep = [float(x) for x in args.asleep_s.split(",") if x.strip()] or [ASLEEP_S]
