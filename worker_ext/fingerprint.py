@@ -51,6 +51,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,10 +190,10 @@ def _warn_once(key: str, msg: str) -> None:
 @dataclass(frozen=True)
 class Baseline:
     """What `Plan.changed` compares against, taken at one time: the kernel's values for the
-    spans it covers, eager values for the rest, and per-storage fingerprints."""
+    storages it covers, eager values for the spans of the rest, and their storages'."""
 
     spans: list[Fp]  # eager values of the spans in `rest` (all spans when rest is None)
-    storages: list[Fp | None]  # per storage; None for those `check` reads (it names them)
+    storages: Sequence[Fp | None]  # per storage; None for those `check` reads (it names them)
     check: SpanCheck | None = None
     covered: list[int] = field(default_factory=list)  # storage indices `check` reads, in order
     rest: list[int] | None = None  # span indices checked eagerly; None: all of them
