@@ -195,15 +195,8 @@ def _with_context(model: Path, out: Path, positions: int) -> Path:
 def engine(
     engines: EngineLauncher, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Engine:
-    path = os.pathsep.join([str(REPO), str(REPO / "tests" / "worker_ext")])
     model = _with_context(tiny_llama, tmp_path_factory.mktemp("long") / "m", MAX_MODEL_LEN)
-    proc = engines.start(
-        model,
-        NAME,
-        worker_extension_cls="hsext.HotSwapTestExtension",
-        extra_env={"PYTHONPATH": path},
-        max_model_len=MAX_MODEL_LEN,
-    )
+    proc = engines.start_with_seams(model, NAME, max_model_len=MAX_MODEL_LEN)
     return Engine(engines, proc)
 
 

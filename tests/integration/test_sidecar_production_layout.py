@@ -7,7 +7,6 @@ The measured phase timings land in the session summary.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,20 +24,10 @@ pytestmark = pytest.mark.vllm
 NAME = "tiny-mp"
 
 
-REPO = Path(__file__).resolve().parents[2]
-
-
 @pytest.fixture(scope="module")
 def server(engines: EngineLauncher, tiny_llama: Path) -> EngineProcess:
     # The test extension only adds hotswap_test_* seams (here: hold a wake open).
-    path = os.pathsep.join([str(REPO), str(REPO / "tests" / "worker_ext")])
-    return engines.start(
-        tiny_llama,
-        NAME,
-        uni=False,
-        worker_extension_cls="hsext.HotSwapTestExtension",
-        extra_env={"PYTHONPATH": path},
-    )
+    return engines.start_with_seams(tiny_llama, NAME, uni=False)
 
 
 @pytest.fixture(scope="module")

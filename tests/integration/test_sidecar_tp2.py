@@ -5,7 +5,6 @@ sleep FAILED with that rank named."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,21 +22,13 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 NAME = "tiny-tp2"
 
 
-REPO = Path(__file__).resolve().parents[2]
 QUIESCE_S = 3.0  # the barrier timeout the sidecar sends; a healthy barrier takes milliseconds
 
 
 @pytest.fixture(scope="module")
 def server(engines: EngineLauncher, tiny_llama: Path) -> EngineProcess:
     # The test extension only adds hotswap_test_* seams (here: delay one rank's barrier).
-    path = os.pathsep.join([str(REPO), str(REPO / "tests" / "worker_ext")])
-    return engines.start(
-        tiny_llama,
-        NAME,
-        tp=2,
-        worker_extension_cls="hsext.HotSwapTestExtension",
-        extra_env={"PYTHONPATH": path},
-    )
+    return engines.start_with_seams(tiny_llama, NAME, tp=2)
 
 
 @pytest.fixture(scope="module")

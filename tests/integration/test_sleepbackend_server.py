@@ -11,7 +11,6 @@ the engine: the wake is never answered with success and no completion is answere
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,20 +27,16 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.vllm
 
 NAME = "tiny-backend"
-REPO = Path(__file__).resolve().parents[2]
 FLIPPED = "model.norm.weight"
 
 
 @pytest.fixture(scope="module")
 def server(engines: EngineLauncher, tiny_llama: Path) -> EngineProcess:
-    path = os.pathsep.join([str(REPO), str(REPO / "tests" / "worker_ext")])
-    return engines.start(
+    return engines.start_with_seams(
         tiny_llama,
         NAME,
         uni=False,
-        worker_extension_cls="hsext.HotSwapTestExtension",
         extra_args=("--worker-cls", "worker_ext.HotSwapWorker"),
-        extra_env={"PYTHONPATH": path},
     )
 
 

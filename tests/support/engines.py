@@ -3,6 +3,7 @@ stopped (the `engines` fixture of tests/conftest.py owns one launcher per module
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,11 @@ from typing import Any
 from controller.engines.enginespec import EngineSpec
 from controller.engines.launcher import EngineProcess
 from controller.engines.sockets import socket_path
+
+REPO = Path(__file__).resolve().parents[2]
+# The test extension: the real one plus hotswap_test_* seams (hold a wake open, delay one
+# rank's barrier, poison a pool); vLLM's processes import it by name from tests/worker_ext.
+TEST_EXTENSION = "hsext.HotSwapTestExtension"
 
 
 @dataclass
@@ -51,6 +57,12 @@ class EngineLauncher:
         engine.start()
         engine.wait_ready(ready_timeout_s)
         return engine
+
+    def start_with_seams(self, model: Path, name: str, **spec: Any) -> EngineProcess:
+        """`start` with the test extension (TEST_EXTENSION) in place of the real one."""
+        path = os.pathsep.join([str(REPO), str(REPO / "tests" / "worker_ext")])
+        env = {"PYTHONPATH": path, **spec.pop("extra_env", {})}
+        return self.start(model, name, worker_extension_cls=TEST_EXTENSION, extra_env=env, **spec)
 
     def stop_all(self) -> None:
         while self.started:

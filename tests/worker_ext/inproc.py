@@ -43,6 +43,28 @@ def engine_env(**env: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
+@contextlib.contextmanager
+def in_process_llm(
+    model: str | os.PathLike[str],
+    *,
+    env: dict[str, str] | None = None,
+    plant: float | None = None,
+    **args: Any,
+) -> Iterator[Any]:
+    """A `vllm.LLM` with the test extension (ENGINE_ARGS, then `args`), started under `env`
+    (default: one process), the test scale planted when `plant` is given; always shut down."""
+    with engine_env(**{"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}):
+        from vllm import LLM
+
+        engine = LLM(model=str(model), **{**ENGINE_ARGS, **args})
+    try:
+        if plant is not None:
+            ok(engine, "hotswap_test_plant", plant)
+        yield engine
+    finally:
+        shutdown(engine)
+
+
 def generate(
     llm: Any, prompt: list[int] | None = None, n: int = 8
 ) -> tuple[list[int], list[float]]:

@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from inproc import ENGINE_ARGS, VLLM_WARNINGS, cycle, engine_env, generate, ok, shutdown
+from inproc import (
+    VLLM_WARNINGS,
+    cycle,
+    generate,
+    in_process_llm,
+    ok,
+)
 
 from benchmarks.coverage import BY_NAME, ROWS, write_model
 
@@ -30,14 +36,8 @@ def row_engine(
     path = tmp_path_factory.mktemp(row.name) / "model"
     written = write_model(row, path)
     assert written["checkpoint"], written
-    with engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
-        from vllm import LLM
-
-        engine = LLM(model=str(path), kv_cache_memory_bytes=KV_BYTES, **ENGINE_ARGS)
-    try:
+    with in_process_llm(path, kv_cache_memory_bytes=KV_BYTES) as engine:
         yield row.name, engine
-    finally:
-        shutdown(engine)
 
 
 def test_rows_cover_a_moe_and_a_hybrid() -> None:

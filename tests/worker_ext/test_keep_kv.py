@@ -12,7 +12,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from inproc import ENGINE_ARGS, VLLM_WARNINGS, engine_env, generate, ok, rpc, shutdown
+from inproc import (
+    VLLM_WARNINGS,
+    generate,
+    in_process_llm,
+    ok,
+    rpc,
+)
 
 from controller import protocol
 
@@ -24,20 +30,10 @@ PROMPT = [3 + (i * 37) % 90 for i in range(200)]  # several KV blocks (max_model
 @pytest.fixture(scope="module")
 def llm(tiny_model: Any) -> Iterator[Any]:
     path = tiny_model("llama", 0, False)
-    with engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
-        from vllm import LLM
-
-        engine = LLM(
-            model=str(path),
-            kv_cache_memory_bytes=64 << 20,
-            enable_prefix_caching=True,
-            disable_log_stats=False,
-            **ENGINE_ARGS,
-        )
-    try:
+    with in_process_llm(
+        path, kv_cache_memory_bytes=64 << 20, enable_prefix_caching=True, disable_log_stats=False
+    ) as engine:
         yield engine
-    finally:
-        shutdown(engine)
 
 
 def cached_tokens(llm: Any, prompt: list[int]) -> int:

@@ -6,7 +6,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from inproc import ENGINE_ARGS, VLLM_WARNINGS, cycle, engine_env, generate, ok, rpc, shutdown
+from inproc import (
+    VLLM_WARNINGS,
+    cycle,
+    generate,
+    in_process_llm,
+    ok,
+    rpc,
+)
 
 pytestmark = [pytest.mark.vllm, *VLLM_WARNINGS]
 
@@ -14,15 +21,9 @@ pytestmark = [pytest.mark.vllm, *VLLM_WARNINGS]
 @pytest.fixture(scope="module")
 def llm(tiny_model: Any) -> Iterator[Any]:
     path = tiny_model("llama", 0, False)
-    with engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="1"):
-        from vllm import LLM
-
-        engine = LLM(model=str(path), kv_cache_memory_bytes=32 << 20, **ENGINE_ARGS)
-    ok(engine, "hotswap_test_plant", 1.5)
-    try:
+    multi = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    with in_process_llm(path, env=multi, plant=1.5, kv_cache_memory_bytes=32 << 20) as engine:
         yield engine
-    finally:
-        shutdown(engine)
 
 
 def test_mp_level2_poisoned_cycle_and_failures(llm: Any) -> None:

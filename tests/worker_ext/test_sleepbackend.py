@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from inproc import ENGINE_ARGS, VLLM_WARNINGS, engine_env, generate, ok, shutdown
+from inproc import VLLM_WARNINGS, generate, in_process_llm, ok
 
 pytestmark = [pytest.mark.vllm, *VLLM_WARNINGS]
 
@@ -23,20 +23,10 @@ PLANT = "model.embed_tokens.hotswap_test_scale"
 @pytest.fixture(scope="module")
 def llm(tiny_model: Any) -> Iterator[Any]:
     path = tiny_model("llama", 0, False)
-    with engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
-        from vllm import LLM
-
-        engine = LLM(
-            model=str(path),
-            kv_cache_memory_bytes=64 << 20,
-            worker_cls="worker_ext.HotSwapWorker",
-            **ENGINE_ARGS,
-        )
-    ok(engine, "hotswap_test_plant", 1.5)
-    try:
+    with in_process_llm(
+        path, plant=1.5, kv_cache_memory_bytes=64 << 20, worker_cls="worker_ext.HotSwapWorker"
+    ) as engine:
         yield engine
-    finally:
-        shutdown(engine)
 
 
 def worker(llm: Any) -> Any:

@@ -6,7 +6,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from inproc import ENGINE_ARGS, VLLM_WARNINGS, cycle, engine_env, generate, ok, rpc, shutdown
+from inproc import (
+    VLLM_WARNINGS,
+    cycle,
+    generate,
+    in_process_llm,
+    ok,
+    rpc,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, *VLLM_WARNINGS]
 
@@ -14,21 +21,16 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, *VLLM_WARNINGS]
 @pytest.fixture(scope="module")
 def llm(tiny_model: Any) -> Iterator[Any]:
     path = tiny_model("llama", 0, False)
-    with engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_OMP_THREADS_BIND="0|1"):
-        from vllm import LLM
-
-        engine = LLM(
-            model=str(path),
-            kv_cache_memory_bytes=32 << 20,
-            tensor_parallel_size=2,
-            distributed_executor_backend="mp",
-            **ENGINE_ARGS,
-        )
-    ok(engine, "hotswap_test_plant", 1.5)
-    try:
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    with in_process_llm(
+        path,
+        env=env,
+        plant=1.5,
+        kv_cache_memory_bytes=32 << 20,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+    ) as engine:
         yield engine
-    finally:
-        shutdown(engine)
 
 
 def test_barrier_and_cycles_on_two_ranks(llm: Any, baseline: Any) -> None:

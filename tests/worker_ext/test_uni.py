@@ -11,7 +11,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from inproc import ENGINE_ARGS, VLLM_WARNINGS, cycle, engine_env, generate, ok, rpc, shutdown
+from inproc import (
+    VLLM_WARNINGS,
+    cycle,
+    generate,
+    in_process_llm,
+    ok,
+    rpc,
+)
 
 pytestmark = [pytest.mark.vllm, *VLLM_WARNINGS]
 
@@ -22,16 +29,9 @@ PLANT = "model.embed_tokens.hotswap_test_scale"
 @pytest.fixture(scope="module")
 def llm(tiny_model: Any) -> Iterator[Any]:
     path = tiny_model("llama", 0, False)
-    with engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
-        from vllm import LLM
-
-        engine = LLM(model=str(path), kv_cache_memory_bytes=KV_BYTES, **ENGINE_ARGS)
-    ok(engine, "hotswap_test_plant", 1.5)
-    ok(engine, "hotswap_test_unreachable", 1.0)
-    try:
+    with in_process_llm(path, plant=1.5, kv_cache_memory_bytes=KV_BYTES) as engine:
+        ok(engine, "hotswap_test_unreachable", 1.0)
         yield engine
-    finally:
-        shutdown(engine)
 
 
 def test_info(llm: Any) -> None:
