@@ -12,13 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from inproc import (
-    VLLM_WARNINGS,
-    cycle,
-    generate,
-    in_process_llm,
-    ok,
-)
+from inproc import VLLM_WARNINGS, cycle, generate, in_process_llm, ok
 
 from benchmarks.coverage import BY_NAME, ROWS, write_model
 

@@ -12,13 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from inproc import (
-    VLLM_WARNINGS,
-    generate,
-    in_process_llm,
-    ok,
-    rpc,
-)
+from inproc import VLLM_WARNINGS, generate, in_process_llm, ok, rpc
 
 from controller import protocol
 

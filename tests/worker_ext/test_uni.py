@@ -11,14 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from inproc import (
-    VLLM_WARNINGS,
-    cycle,
-    generate,
-    in_process_llm,
-    ok,
-    rpc,
-)
+from inproc import VLLM_WARNINGS, cycle, generate, in_process_llm, ok, rpc
 
 pytestmark = [pytest.mark.vllm, *VLLM_WARNINGS]
 
