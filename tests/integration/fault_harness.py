@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+from support.metrics import metric_sum
 
 from controller.engines.sockets import free_port
 
@@ -268,12 +268,7 @@ class Watcher:
             text = client.get("/metrics").text
         except (httpx.HTTPError, ValueError, KeyError):
             return None
-        busy = 0.0
-        for fam in text_string_to_metric_families(text):
-            for smp in fam.samples:
-                if smp.name in IN_FLIGHT:
-                    busy += smp.value
-        return paused, int(busy)
+        return paused, int(metric_sum(text, *IN_FLIGHT))
 
     def violations(self) -> list[str]:
         out: list[str] = []

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
+from support.metrics import metric_sum
 
 from controller.config.modelsettings import ModelSettings
 from controller.config.settings import Settings
@@ -256,13 +256,7 @@ class Api:
 
     def metric(self, name: str, **labels: str) -> float:
         """The sum of the samples of `name` whose labels include `labels`."""
-        text = self.get("/metrics").text
-        total = 0.0
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                    total += s.value
-        return total
+        return metric_sum(self.get("/metrics").text, name, **labels)
 
     def transitions_total(self, name: str, kind: str, result: str = "ok") -> float:
         return self.metric("hotswap_transitions_total", model=name, kind=kind, result=result)

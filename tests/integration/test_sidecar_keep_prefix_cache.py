@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from sidecar_harness import Api, http, sidecar_over
+from support.metrics import metric_sum
 
 from controller.engines.launcher import EngineProcess
 
@@ -39,12 +39,7 @@ def prefix_hits(server: EngineProcess) -> float:
     """vLLM's counter of prompt tokens served from its prefix cache, from its /metrics."""
     with http(server) as client:
         text = client.get("/metrics").text
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == "vllm:prefix_cache_hits_total"
-    )
+    return metric_sum(text, "vllm:prefix_cache_hits_total")
 
 
 def prompt_once(server: EngineProcess) -> None:

@@ -37,6 +37,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from support.metrics import metric_sum
 
 from controller.engines.enginespec import EngineSpec, managed_argv
 
@@ -174,15 +175,7 @@ class Sidecar:
         return None
 
     def metric(self, name: str, **labels: str) -> float:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = httpx.get(f"{self.control}/metrics", timeout=10).text
-        total = 0.0
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                    total += s.value
-        return total
+        return metric_sum(httpx.get(f"{self.control}/metrics", timeout=10).text, name, **labels)
 
 
 # ----------------------------------------------------------------------------- clients
