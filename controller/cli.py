@@ -47,6 +47,12 @@ __all__ = ["EXIT_OK", "CliError", "build_parser", "main", "parse_engine", "setti
 
 log = logging.getLogger("hotswap.cli")
 
+# A token given as a flag is in the process's argv: `ps` shows it to every local user.
+TOKEN_IN_ARGV = (
+    "%s on the command line shows in `ps` to every user of this machine: use %s "
+    "(a file, or the environment) instead"
+)
+
 
 # ----------------------------------------------------------------------------- parsing
 
@@ -106,13 +112,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--port", type=int, help="bind port, 0 = any free (env: HOTSWAP_SERVER__PORT)"
     )
     serve.add_argument(
-        "--token", help="bearer token for control endpoints (env: HOTSWAP_AUTH__TOKEN)"
+        "--token",
+        help="bearer token for control endpoints; prefer --token-file or the environment: a "
+        "flag shows in ps (env: HOTSWAP_AUTH__TOKEN)",
     )
     serve.add_argument(
         "--token-file",
         type=Path,
         metavar="PATH",
         help="read the token from a file, e.g. a mounted Secret (env: HOTSWAP_AUTH__TOKEN_FILE)",
+    )
+    serve.add_argument(
+        "--gateway-token-file",
+        type=Path,
+        metavar="PATH",
+        help="the gateway's own tokens, one per line (a mounted Secret): they open /v1 and "
+        "never the control API (env: HOTSWAP_AUTH__GATEWAY_TOKEN_FILE)",
     )
     serve.add_argument(
         "--insecure",
@@ -139,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def client(p: argparse.ArgumentParser) -> None:
         p.add_argument("--url", help=f"sidecar URL (env: HOTSWAP_URL; default {DEFAULT_URL})")
-        p.add_argument("--token", help="bearer token (env: HOTSWAP_TOKEN)")
+        p.add_argument("--token", help="bearer token; prefer HOTSWAP_TOKEN: a flag shows in ps")
         p.add_argument(
             "--timeout",
             type=float,
@@ -186,7 +201,14 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     server = {k: v for k, v in given if v is not None}
     if server:
         overrides["server"] = server
-    auth = {k: v for k, v in (("token", args.token), ("token_file", args.token_file)) if v}
+    if args.token:
+        log.warning(TOKEN_IN_ARGV, "--token", "--token-file or HOTSWAP_AUTH__TOKEN")
+    given_auth = (
+        ("token", args.token),
+        ("token_file", args.token_file),
+        ("gateway_token_file", args.gateway_token_file),
+    )
+    auth = {k: v for k, v in given_auth if v}
     if auth:
         overrides["auth"] = auth
     log_cfg = {k: v for k, v in (("format", args.log_format), ("level", args.log_level)) if v}
@@ -228,6 +250,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     refuse_open_binds(settings)
     configure_logging(settings.log)
+    auth = settings.auth
+    if (
+        settings.gateway_enabled
+        and auth.token
+        and auth.gateway_tokens is None
+        and auth.guard_gateway
+    ):
+        log.warning(
+            "the control token also opens the gateway: a client that may infer can sleep, "
+            "wake and audit models; give the gateway its own (--gateway-token-file, "
+            "HOTSWAP_AUTH__GATEWAY_TOKEN_FILE)"
+        )
     demo = args.demo if args.demo is not None else _env_flag("HOTSWAP_DEMO")
     demo_dir = args.demo_dir
     if demo_dir is None and os.environ.get("HOTSWAP_DEMO_DIR"):
@@ -246,6 +280,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     stream = out if out is not None else sys.stdout
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command != "serve" and args.token:
+        print(f"hotswap: warning: {TOKEN_IN_ARGV % ('--token', 'HOTSWAP_TOKEN')}", file=sys.stderr)
     try:
         if args.command == "serve":
             return cmd_serve(args)

@@ -71,7 +71,20 @@ class AuthSettings(BaseModel):
         "so it is in no environment; stripped like `token`.",
     )
     guard_gateway: bool = Field(
-        True, description="The token (when set) also guards the gateway's /v1 routes."
+        True,
+        description="Without gateway tokens: the control token (when set) also guards the "
+        "gateway's /v1 routes (then an inference client can sleep and audit too).",
+    )
+    gateway_tokens: list[SecretStr] | None = Field(
+        None,
+        description="The gateway's own bearer tokens (any one opens /v1; none opens the "
+        "control API), so a client that may infer cannot sleep, wake or audit. Cleaned like "
+        "`token`. From the environment: a JSON list.",
+    )
+    gateway_token_file: Path | None = Field(
+        None,
+        description="Read the gateway tokens from this file (a mounted Secret): one per "
+        "line, blank lines and lines starting with # skipped.",
     )
 
     @field_validator("token")
@@ -91,6 +104,49 @@ class AuthSettings(BaseModel):
             raise ValueError(f"auth.token_file {self.token_file}: {exc}") from None
         self.token = SecretStr(clean_token(raw, f"auth.token_file {self.token_file}"))
         return self
+
+    @field_validator("gateway_tokens")
+    @classmethod
+    def _clean_all(cls, v: list[SecretStr] | None) -> list[SecretStr] | None:
+        if v is None:
+            return None
+        if not v:
+            raise ValueError("auth.gateway_tokens is empty; unset it to use the control token")
+        return [SecretStr(clean_token(t.get_secret_value(), "auth.gateway_tokens")) for t in v]
+
+    @model_validator(mode="after")
+    def _gateway_from_file(self) -> AuthSettings:
+        path = self.gateway_token_file
+        if path is None:
+            return self
+        if self.gateway_tokens is not None:
+            raise ValueError("set auth.gateway_tokens or auth.gateway_token_file, not both")
+        try:
+            lines = path.read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"auth.gateway_token_file {path}: {exc}") from None
+        source = f"auth.gateway_token_file {path}"
+        tokens = [clean_token(line, source) for line in lines if _a_token(line)]
+        if not tokens:
+            raise ValueError(f"{source} holds no token")
+        self.gateway_tokens = [SecretStr(t) for t in tokens]
+        return self
+
+    def control_secrets(self) -> list[bytes] | None:
+        """What opens the control API (None: it is open)."""
+        return None if self.token is None else [self.token.get_secret_value().encode()]
+
+    def gateway_secrets(self) -> list[bytes] | None:
+        """What opens the gateway (None: it is open): its own tokens, else the control token
+        when `guard_gateway` is on."""
+        if self.gateway_tokens is not None:
+            return [t.get_secret_value().encode() for t in self.gateway_tokens]
+        return self.control_secrets() if self.guard_gateway else None
+
+
+def _a_token(line: str) -> bool:
+    text = line.strip()
+    return bool(text) and not text.startswith("#")
 
 
 class GatewaySettings(BaseModel):

@@ -291,7 +291,8 @@ class Settings(BaseSettings):
         binds = []
         if self.auth.token is None and not is_loopback(self.server.host):
             binds.append(f"the control API on {self.server.host}:{self.server.port}")
-        if self.gateway_enabled and self.auth.token is None and not is_loopback(self.gateway.host):
+        gateway_open = self.auth.token is None and self.auth.gateway_tokens is None
+        if self.gateway_enabled and gateway_open and not is_loopback(self.gateway.host):
             binds.append(f"the gateway on {self.gateway.host}:{self.gateway.port}")
         return binds
 

@@ -1,5 +1,6 @@
 """The HTTP surface: app factory, thin routes, bearer auth; its error answers: apierrors.
 
+Auth is the guard's (controller.http.guard), once per request, before any route runs.
 Routes only translate HTTP to manager calls and snapshots to JSON; every decision lives in
 the manager and the state machine. Readiness (/health) reads snapshots from memory and never
 calls an engine. Nothing here answers 500: anything unexpected becomes a 502 with a reason.
@@ -24,7 +25,6 @@ from controller.config.bounds import HOUR_S
 from controller.config.settings import Settings
 from controller.errors import (
     HotswapError,
-    Unauthorized,
 )
 from controller.fleet.coordinator import Coordinator
 from controller.fleet.supervisor import Supervisor
@@ -35,7 +35,7 @@ from controller.http.apierrors import (
     http_error,
     validation_error,
 )
-from controller.http.guard import Guard, bearer_ok
+from controller.http.guard import Guard
 from controller.http.openapi import control_table, document
 from controller.http.views import (
     compact_dict,
@@ -87,15 +87,6 @@ def get_model(name: str, manager: ManagerDep) -> ModelManager:
 
 
 ModelDep = Annotated[ModelManager, Depends(get_model)]
-
-
-def require_token(request: Request, ctx: ContextDep) -> None:
-    """Bearer auth for control endpoints; a no-op when no token is configured."""
-    token = ctx.settings.auth.token
-    if token is None:
-        return
-    if not bearer_ok(request.headers.get("authorization"), token.get_secret_value().encode()):
-        raise Unauthorized("a valid bearer token is required")
 
 
 # ----------------------------------------------------------------------------- request bodies
@@ -280,7 +271,7 @@ def create_app(
 ) -> FastAPI:
     """The control API over the sidecar's parts; `lifespan` starts and stops them."""
     settings = ctx.settings
-    token = settings.auth.token
+    tokens = settings.auth.control_secrets()
     docs = settings.server.docs  # off by default: the schema maps every route for a caller
     app = FastAPI(
         title="vllm-hotswap",
@@ -299,7 +290,7 @@ def create_app(
     app.add_middleware(
         Guard,
         render=guard_refusal,
-        token=token.get_secret_value().encode() if token is not None else None,
+        tokens=tokens,  # the one auth check of every control request
         is_open=_open_path,
         max_body_bytes=settings.server.max_body_bytes,
         max_json_depth=settings.server.max_json_depth,
@@ -312,11 +303,11 @@ def create_app(
     app.add_api_route("/models/{name}/health", model_health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
 
-    auth = [Depends(require_token)]
-    app.add_api_route("/models", list_models, methods=["GET"], dependencies=auth)
-    app.add_api_route("/models/{name}", get_model_state, methods=["GET"], dependencies=auth)
-    app.add_api_route("/models/{name}/audit", audit_model, methods=["GET"], dependencies=auth)
-    app.add_api_route("/models/{name}/sleep", sleep_model, methods=["POST"], dependencies=auth)
-    app.add_api_route("/models/{name}/wake", wake_model, methods=["POST"], dependencies=auth)
-    document(app, control_table(auth=token is not None))
+    # Token: the guard checked it before the request got here.
+    app.add_api_route("/models", list_models, methods=["GET"])
+    app.add_api_route("/models/{name}", get_model_state, methods=["GET"])
+    app.add_api_route("/models/{name}/audit", audit_model, methods=["GET"])
+    app.add_api_route("/models/{name}/sleep", sleep_model, methods=["POST"])
+    app.add_api_route("/models/{name}/wake", wake_model, methods=["POST"])
+    document(app, control_table(auth=tokens is not None))
     return app

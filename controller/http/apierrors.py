@@ -24,6 +24,9 @@ from controller.http.guard import Refused
 
 log = logging.getLogger("hotswap.api")
 
+# What an unexpected error tells the client: its reason is in the log, with the traceback.
+INTERNAL_ERROR = "internal error (see the sidecar's log)"
+
 
 def error_body(exc: HotswapError, request: Request | None = None) -> dict[str, Any]:
     body = exc.to_dict()
@@ -107,9 +110,9 @@ class NeverFiveHundred:
 
         try:
             await self.app(scope, receive, tracking_send)
-        except Exception as exc:
+        except Exception:
             log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
             if started:
                 raise  # headers are gone: nothing better can be sent
-            body = {"error": type(exc).__name__, "message": f"internal error: {exc}"}
+            body = {"error": "InternalError", "message": INTERNAL_ERROR}
             await JSONResponse(body, status_code=502)(scope, receive, send)

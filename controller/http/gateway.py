@@ -25,13 +25,15 @@ import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive
 
 from controller.config.settings import Settings
 from controller.engines.engine import engine_transport
 from controller.errors import ModelNotFound, Refusal
 from controller.fleet.admission import Admission
 from controller.fleet.swap import SwapCoordinator
-from controller.http.guard import Guard, Refused, bearer_ok
+from controller.http.apierrors import INTERNAL_ERROR
+from controller.http.guard import Guard, Refused
 from controller.http.jsonscan import Shape
 from controller.http.openapi import document, gateway_table
 from controller.models.manager import Manager
@@ -98,9 +100,8 @@ class Gateway:
         self.fleet = manager.fleet
         self.metrics = metrics
         self.admission = Admission(settings.gateway, manager, coordinator, metrics, monotonic)
-        # The bearer token every request is checked against (None: the gateway is open).
-        token = settings.auth.token if settings.auth.guard_gateway else None
-        self._token = token.get_secret_value().encode() if token is not None else None
+        # The tokens the guard checks every request against (None: the gateway is open).
+        self.tokens = settings.auth.gateway_secrets()
         timeout = httpx.Timeout(self.cfg.request_timeout_s, connect=settings.timeouts.control_s)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         # One client per engine: an engine on a Unix socket needs its own transport.
@@ -117,14 +118,6 @@ class Gateway:
         await self.admission.aclose()
         await asyncio.gather(*(c.aclose() for c in self.clients.values()))
 
-    # ---- auth and parsing ------------------------------------------------------------------
-
-    def check_token(self, request: Request) -> None:
-        if self._token is not None and not bearer_ok(
-            request.headers.get("authorization"), self._token
-        ):
-            raise Refusal(401, "unauthorized", "a valid bearer token is required")
-
     # ---- forwarding ------------------------------------------------------------------------
 
     async def forward(self, request: Request, path: str) -> Response:
@@ -135,7 +128,6 @@ class Gateway:
         name, stream = fields.get("model"), fields.get("stream")
         label = name if isinstance(name, str) and name in self.fleet else ""
         try:
-            self.check_token(request)
             if not is_object:
                 raise Refusal(400, None, "the request body must be a JSON object")
             if not isinstance(name, str) or not name:
@@ -169,7 +161,10 @@ class Gateway:
     async def _send(
         self, model: ModelManager, path: str, raw: bytes, request: Request, *, stream: bool
     ) -> Response:
-        """Forward an admitted request; the in-flight count drops when its answer is done."""
+        """Forward an admitted request. Its answer is passed back as it comes, streamed or
+        not (nothing is held whole here); the forward is cancelled, and its connection to
+        the engine closed (vLLM aborts the generation), if the client leaves before the
+        answer's headers; the in-flight count drops when the answer is done."""
         name, rec = model.name, model.record
         headers = {"content-type": "application/json"}
         if accept := request.headers.get("accept"):
@@ -178,18 +173,24 @@ class Gateway:
         req = client.build_request("POST", rec.settings.url + path, content=raw, headers=headers)
         left = _Once(rec.lane.leave)
         try:
-            resp = await client.send(req, stream=stream)
+            resp = await _unless_gone(client.send(req, stream=True), request.receive)
+        except _ClientGone:
+            left()
+            self.metrics.request(name, 499)
+            self.metrics.refused(name, "client_gone")
+            log.info("%s: the client left; forwarding %s cancelled", name, path)
+            return Response(status_code=499)  # nobody is there to read it
         except httpx.HTTPError as exc:
             left()
             # Its engine died or restarts (the supervisor restarts it): retry later.
             self.metrics.request(name, 503)
             self.metrics.refused(name, "engine_unavailable")
-            log.warning("%s: forwarding %s failed: %s", name, path, exc, extra={"model": name})
+            log.warning("%s: forwarding %s failed: %r", name, path, exc, extra={"model": name})
             return openai_error(
                 Refusal(
                     503,
                     "engine_unavailable",
-                    f"{name}: the engine did not answer: {exc}",
+                    f"{name}: the engine did not answer ({type(exc).__name__})",
                     retry_after_s=self.cfg.retry_after_s,
                 )
             )
@@ -198,13 +199,10 @@ class Gateway:
             raise
         self.metrics.request(name, resp.status_code)
         out_headers = {k: v for k, v in resp.headers.items() if k.lower() in _PASS_HEADERS}
-        if not stream:
-            left()
-            return Response(resp.content, status_code=resp.status_code, headers=out_headers)
 
         async def passthrough() -> AsyncIterator[bytes]:
             try:
-                async for chunk in resp.aiter_raw():
+                async for chunk in resp.aiter_bytes():
                     yield chunk
             finally:
                 await resp.aclose()
@@ -248,6 +246,36 @@ _FIELD_MAX = 4096  # bytes of a `model` or `stream` value, blanks included
 _INVALID = object()
 
 
+class _ClientGone(Exception):
+    """The client disconnected before the engine's answer began."""
+
+
+async def _unless_gone(call: Awaitable[httpx.Response], receive: Receive) -> httpx.Response:
+    """`call`'s answer, or _ClientGone as soon as `receive` says the client disconnected
+    (the call is then cancelled: httpx closes its connection to the engine)."""
+    sent = asyncio.ensure_future(call)
+    gone = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait((sent, gone), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        sent.cancel()
+        gone.cancel()
+        raise
+    if sent.done():  # answered, or failed, first
+        gone.cancel()
+        return sent.result()
+    sent.cancel()
+    await asyncio.wait((sent,))
+    if not sent.cancelled() and sent.exception() is None:
+        await sent.result().aclose()  # it came as the client left: nobody to pass it to
+    raise _ClientGone
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 class _Once:
     """Call `fn` at most once (a stream's end and an error path may both try)."""
 
@@ -289,12 +317,7 @@ def create_gateway(gw: Gateway) -> FastAPI:
         return await _guarded(lambda: gw.forward(request, "/v1/chat/completions"))
 
     async def list_models(request: Request) -> Response:
-        try:
-            gw.check_token(request)
-        except Refusal as refusal:
-            gw.metrics.refused("", "unauthorized")
-            return openai_error(refusal)
-        return JSONResponse(gw.models())
+        return JSONResponse(gw.models())  # the token: the guard's one check
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
@@ -315,7 +338,7 @@ def create_gateway(gw: Gateway) -> FastAPI:
     app.add_middleware(
         Guard,
         render=guard_refusal,
-        token=gw._token,
+        tokens=gw.tokens,  # the one auth check of every gateway request
         is_open=lambda path: False,
         max_body_bytes=settings.gateway.max_body_bytes,
         max_json_depth=settings.gateway.max_json_depth,
@@ -326,7 +349,7 @@ def create_gateway(gw: Gateway) -> FastAPI:
     app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     names = [m.name for m in settings.models]
-    document(app, gateway_table(auth=gw._token is not None, models=names))
+    document(app, gateway_table(auth=gw.tokens is not None, models=names))
     return app
 
 
@@ -336,6 +359,7 @@ async def _guarded(call: Callable[[], Awaitable[Response]]) -> Response:
         return await call()
     except ModelNotFound as exc:
         return openai_error(Refusal(404, None, exc.message))
-    except Exception as exc:
+    except Exception:
         log.exception("gateway: unexpected error")
-        return openai_error(Refusal(502, None, f"internal error: {type(exc).__name__}: {exc}"))
+        # The reason is in the log, with its traceback; the client learns nothing internal.
+        return openai_error(Refusal(502, None, INTERNAL_ERROR))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from starlette.datastructures import Headers
@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controller.http.jsonscan import JsonScan, Shape, json_too_deep, member_run
 
-__all__ = ["SLICE", "Guard", "Refused", "bearer_ok", "json_too_deep"]
+__all__ = ["SLICE", "Guard", "Refused", "bearer_in", "bearer_ok", "json_too_deep"]
 
 # Bytes scanned between two yields to the event loop: a few milliseconds of CPU at worst.
 SLICE = 8 << 10
@@ -50,8 +50,18 @@ Render = Callable[[Refused], Response]
 def bearer_ok(authorization: str | None, token: bytes) -> bool:
     """`Authorization: Bearer <token>`, compared in constant time (bytes: no TypeError on
     non-ASCII input); the scheme is case-insensitive, surrounding blanks are ignored."""
+    return bearer_in(authorization, (token,))
+
+
+def bearer_in(authorization: str | None, tokens: Sequence[bytes]) -> bool:
+    """`bearer_ok` against several tokens: each compared (no early exit), so the time says
+    nothing about which one, or how many, came close."""
     scheme, _, given = (authorization or "").strip().partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token)
+    presented = given.strip().encode()
+    matched = False
+    for token in tokens:
+        matched |= hmac.compare_digest(presented, token)
+    return scheme.lower() == "bearer" and matched
 
 
 class _TooLarge(Exception):
@@ -61,8 +71,10 @@ class _TooLarge(Exception):
 class Guard:
     """ASGI middleware: auth from headers, concurrency cap, body cap, JSON depth bound.
 
-    `is_open(path)` names the paths that need no token (probes, metrics); `token` None means
-    no auth at all. `max_concurrent` None: no cap on requests at once.
+    `is_open(path)` names the paths that need no token (probes, metrics); `tokens` are the
+    ones that open the app (any one of them), None means no auth at all. This is the app's
+    one auth check: no route checks the token again. `max_concurrent` None: no cap on
+    requests at once.
     """
 
     def __init__(
@@ -70,7 +82,7 @@ class Guard:
         app: ASGIApp,
         *,
         render: Render,
-        token: bytes | None,
+        tokens: Sequence[bytes] | None,
         is_open: Callable[[str], bool],
         max_body_bytes: int,
         max_json_depth: int,
@@ -79,7 +91,7 @@ class Guard:
     ) -> None:
         self.app = app
         self.render = render
-        self.token = token
+        self.tokens = tokens
         self.is_open = is_open
         self.max_body_bytes = max_body_bytes
         self.max_json_depth = max_json_depth
@@ -95,9 +107,9 @@ class Guard:
         headers = Headers(scope=scope)
         path: str = scope.get("path", "")
         if (
-            self.token is not None
+            self.tokens is not None
             and not self.is_open(path)
-            and not bearer_ok(headers.get("authorization"), self.token)
+            and not bearer_in(headers.get("authorization"), self.tokens)
         ):
             await self._refuse(
                 Refused(401, "Unauthorized", "a valid bearer token is required"),

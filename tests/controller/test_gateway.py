@@ -103,6 +103,8 @@ class World:
     manager: Manager
     coordinator: SwapCoordinator
     registry: CollectorRegistry
+    control_app: Any = None  # the same sidecar's control API (not started: no lifespan)
+    gateway: Any = None  # the Gateway behind `app`
 
     def state(self, name: str) -> State:
         return self.manager.get(name).snapshot().state
@@ -137,7 +139,7 @@ async def world(
             ModelSettings(name=n, url=f"http://{n}.engine.test", **per_model.get(n, {}))
             for n in names
         ],
-        auth={"token": token, "guard_gateway": guard},
+        auth={"token": token, "guard_gateway": guard, **overrides.pop("auth", {})},
         timeouts=timeouts,
         gateway={"enabled": True, **overrides.pop("gateway", {})},
         swap={"max_awake": 1, "min_awake_s": 0.0, **overrides.pop("swap", {})},
@@ -159,7 +161,7 @@ async def world(
             transport=httpx.ASGITransport(app=app), base_url="http://gateway", headers=headers
         ) as client,
     ):
-        yield World(app, client, engines, manager, coordinator, registry)
+        yield World(app, client, engines, manager, coordinator, registry, side.app, side.gateway)
     await manager.stop()
     await side.tasks.aclose()
 

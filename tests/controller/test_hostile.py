@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Coroutine, Iterator
@@ -426,6 +427,156 @@ def test_the_gateway_caps_its_requests_at_once_over_all_models() -> None:
             assert (await second).status_code == 200
             r = await w.client.post("/v1/completions", json=completion("a"))
             assert r.status_code == 200, "the slots came back"
+
+    run(body())
+
+
+# ----------------------------------------------------------------------------- tokens
+
+GATEWAY_TOKEN = "gateway-only-token"
+
+
+def test_a_gateway_token_opens_the_gateway_and_never_the_control_api() -> None:
+    """The issue: one token for inference and control, so any client that may infer could
+    sleep or audit models. With gateway tokens set, each app takes only its own."""
+
+    async def body() -> None:
+        auth = {"gateway_tokens": ["other-client", GATEWAY_TOKEN]}
+        async with world(token=TOKEN, auth=auth) as w:
+            assert w.manager.settings.auth.gateway_tokens is not None
+            control = w.control_app
+            bearer = {"Authorization": f"Bearer {GATEWAY_TOKEN}"}
+            transport = httpx.ASGITransport(app=control)
+            async with httpx.AsyncClient(transport=transport, base_url="http://c") as c:
+                for method, path in (
+                    ("GET", "/models"),
+                    ("GET", "/models/a/audit"),
+                    ("POST", "/models/a/sleep"),
+                    ("POST", "/models/a/wake"),
+                ):
+                    r = await c.request(method, path, headers=bearer)
+                    assert r.status_code == 401, (path, r.text)
+                assert (await c.get("/models", headers=AUTH)).status_code == 200
+            r = await w.client.post("/v1/completions", json=completion("a"), headers=bearer)
+            assert r.status_code == 200, r.text
+            r = await w.client.post("/v1/completions", json=completion("a"), headers=AUTH)
+            assert r.status_code == 401, "the control token no longer opens the gateway"
+            assert w.state("a") is State.RUNNING
+
+    run(body())
+
+
+def test_the_token_is_checked_once_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 27: auth ran twice per request (a middleware and a dependency, in both apps).
+    Now the guard is each app's one check: one comparison per token per request."""
+    compared: list[bytes] = []
+    real = hmac.compare_digest
+
+    def counting(a: Any, b: Any) -> bool:
+        compared.append(b)
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", counting)
+
+    async def body() -> None:
+        async with world(token=TOKEN) as w:
+            control = httpx.ASGITransport(app=w.control_app)
+            async with httpx.AsyncClient(transport=control, base_url="http://c") as c:
+                compared.clear()
+                assert (await c.get("/models", headers=AUTH)).status_code == 200
+                assert len(compared) == 1, compared
+            compared.clear()
+            r = await w.client.post("/v1/completions", json=completion("a"), headers=AUTH)
+            assert r.status_code == 200, r.text
+            assert len(compared) == 1, compared
+            compared.clear()
+            assert (await w.client.get("/v1/models", headers=AUTH)).status_code == 200
+            assert len(compared) == 1, compared
+
+    run(body())
+
+
+def test_a_token_on_the_command_line_warns(caplog: pytest.LogCaptureFixture) -> None:
+    """`--token` shows in `ps`: it still works, with a warning that names the way out."""
+    args = cli.build_parser().parse_args(["serve", "--token", "argv-token"])
+    with caplog.at_level("WARNING"):
+        settings = cli.settings_from_args(args)
+    assert settings.auth.token is not None
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("--token" in m and "ps" in m and "token-file" in m for m in warned), warned
+    assert not any("argv-token" in m for m in warned), "the warning must not echo the token"
+
+
+class _Boom(httpx.AsyncBaseTransport):
+    """An engine transport that fails: a bug (RuntimeError) or an unreachable socket."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.startswith("/v1/"):
+            raise self.error
+        return httpx.Response(404)
+
+
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        (RuntimeError("secret detail: /run/private/engine.sock"), 502),
+        (httpx.ConnectError("[Errno 2] No such file: /run/private/engine.sock"), 503),
+    ],
+)
+def test_an_error_body_carries_no_internal_text(error: Exception, status: int) -> None:
+    """The issue: a 502 answered `internal error: RuntimeError: <the exception's text>` (and a
+    503 the transport error's, with the engine's socket path) to any client."""
+
+    async def body() -> None:
+        async with world() as w:
+            side_router = _Boom(error)
+            for client in w.gateway.clients.values():
+                client._transport = side_router
+            r = await w.client.post("/v1/completions", json=completion("a"))
+            assert r.status_code == status, r.text
+            assert "/run/private" not in r.text
+            assert "secret" not in r.text
+
+    run(body())
+
+
+def test_a_forward_whose_client_left_is_cancelled() -> None:
+    """The issue: a forwarded request whose client disconnected ran on until the engine
+    answered (up to request_timeout_s, 600 s), holding a drain for as long. Now the forward
+    is cancelled at once and the model's count of requests in flight drops."""
+
+    async def body() -> None:
+        async with world() as w, served(w.app, lifespan="off") as port:
+            hold = asyncio.Event()
+            w.engines["a"].hold = hold  # the engine never answers until told
+            payload = json.dumps(completion("a")).encode()
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            lines = [
+                "POST /v1/completions HTTP/1.1",
+                "Host: t",
+                "Content-Type: application/json",
+                f"Content-Length: {len(payload)}",
+            ]
+            writer.write(("\r\n".join(lines) + "\r\n\r\n").encode() + payload)
+            await writer.drain()
+            await asyncio.wait_for(w.engines["a"].arrived.wait(), 5)
+            lane = w.manager.get("a").record.lane
+            assert lane.in_flight == 1
+            writer.close()  # the client leaves
+            for _ in range(300):
+                if lane.in_flight == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert lane.in_flight == 0, "the forward ran on after its client left"
+            assert w.sample("hotswap_gateway_refused_total", model="a", reason="client_gone")
+            sleep = w.coordinator.sleep(w.manager.get("a"))
+            outcome = await asyncio.wait_for(sleep, 5)  # nothing in flight: drains at once
+            assert outcome is not None
+            assert w.state("a") is State.SUSPENDED
+            hold.set()
 
     run(body())
 

@@ -289,16 +289,22 @@ def test_the_token_comes_from_a_secret_file(variant: tuple[str, list[dict[str, A
     pod = _pod(variant[1])
     controller = _controller(pod)
     env = {e["name"]: e for e in controller["env"]}
-    path = env["HOTSWAP_AUTH__TOKEN_FILE"]["value"]
-    mount_dir, _, key = path.rpartition("/")
-    (mount,) = [m for m in controller["volumeMounts"] if m["mountPath"] == mount_dir]
-    assert mount["readOnly"] is True
-    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == mount["name"]]
-    assert volume["secret"]["secretName"]
-    assert [i["path"] for i in volume["secret"]["items"]] == [key]
+    keys = []
+    for variable in ("HOTSWAP_AUTH__TOKEN_FILE", "HOTSWAP_AUTH__GATEWAY_TOKEN_FILE"):
+        path = env[variable]["value"]
+        mount_dir, _, key = path.rpartition("/")
+        (mount,) = [m for m in controller["volumeMounts"] if m["mountPath"] == mount_dir]
+        assert mount["readOnly"] is True
+        (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == mount["name"]]
+        assert volume["secret"]["secretName"]
+        keys.append(key)
+    # Two keys: the gateway's tokens never open the control API (issue 28 item 4).
+    assert [i["path"] for i in volume["secret"]["items"]] == keys
+    assert keys[0] != keys[1]
     for c in pod["spec"]["containers"]:
         names = {e["name"] for e in c.get("env", [])}
         assert "HOTSWAP_AUTH__TOKEN" not in names, c["name"]
+        assert "HOTSWAP_AUTH__GATEWAY_TOKENS" not in names, c["name"]
         assert not any("secretKeyRef" in e.get("valueFrom", {}) for e in c.get("env", []))
 
 
