@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from fakevllm import FakeVllm
 from prometheus_client import CollectorRegistry
+from support.fakevllm import FakeVllm
 
 from controller import cli, client, server
 from controller.config.modelsettings import ModelSettings

@@ -15,8 +15,8 @@ from typing import Any
 
 import httpx
 import pytest
-from fakevllm import FakeVllm
 from prometheus_client import CollectorRegistry
+from support.fakevllm import FakeVllm
 from test_api import make_settings, make_sidecar
 
 from controller.config.modelsettings import ModelSettings

@@ -22,7 +22,6 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-from fakevllm import FakeVllm, wire
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
@@ -34,7 +33,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 from starlette.types import Receive, Scope, Send
-from test_gateway import Chunks, Engine, Router
+from support.fakevllm import FakeVllm, wire
+from support.gatewayworld import Chunks, Engine, Router
 
 from controller.config.modelsettings import ModelSettings
 from controller.config.settings import Settings

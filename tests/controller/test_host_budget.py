@@ -5,8 +5,8 @@ skipped, and the sleep is made at level 2 instead; a CUDA sleeper's pinned copy 
 
 from __future__ import annotations
 
-from fakevllm import POOL_BYTES
-from test_gateway import run, world
+from support.fakevllm import POOL_BYTES
+from support.gatewayworld import run, world
 
 from controller.http.views import fleet_dict
 from controller.state import State

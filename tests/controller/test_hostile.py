@@ -22,12 +22,12 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from fakevllm import FakeVllm
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp
+from support.fakevllm import FakeVllm
+from support.gatewayworld import completion, world
 from test_api import make_settings, make_sidecar
-from test_gateway import completion, world
 
 from controller import cli
 from controller.config.settings import Settings

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_gateway import run, world
+from support.gatewayworld import run, world
 
 from controller.observe import hostmem
 

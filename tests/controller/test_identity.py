@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from fakevllm import FakeVllm
 from prometheus_client import CollectorRegistry
+from support.fakevllm import FakeVllm
 
 from controller.config.modelsettings import ModelSettings
 from controller.config.settings import Settings, TimeoutSettings

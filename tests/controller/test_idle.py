@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+from support.gatewayworld import ask, run, world
 from support.wait import until
-from test_gateway import ask, run, world
 
 from controller.state import State
 

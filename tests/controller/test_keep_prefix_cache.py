@@ -14,8 +14,8 @@ from typing import Any
 
 import httpx
 import pytest
-from fakevllm import FakeVllm
 from pydantic import ValidationError
+from support.fakevllm import FakeVllm
 from test_api import scenario
 from test_manager import FakeClock, Rig, make_rig
 

@@ -9,8 +9,8 @@ import asyncio
 
 import httpx
 import uvicorn
-from fakevllm import FakeVllm, wire
-from test_gateway import Engine, Router, completion, run
+from support.fakevllm import FakeVllm, wire
+from support.gatewayworld import Engine, Router, completion, run
 
 from controller.config.modelsettings import ModelSettings
 from controller.config.settings import Settings, TimeoutSettings

@@ -16,8 +16,8 @@ from typing import Any
 
 import httpx
 import pytest
-from fakevllm import FakeVllm
 from prometheus_client import CollectorRegistry
+from support.fakevllm import FakeVllm
 
 from controller import protocol
 from controller.config.modelsettings import ModelSettings

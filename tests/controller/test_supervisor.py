@@ -14,8 +14,8 @@ from typing import Any
 
 import httpx
 import pytest
-from fakevllm import POOL_BYTES, FakeVllm, wire
 from prometheus_client import CollectorRegistry
+from support.fakevllm import POOL_BYTES, FakeVllm, wire
 from support.wait import until
 
 from controller.config.modelsettings import ModelSettings

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from test_gateway import Engine, Router, World, ask, run, world
+from support.gatewayworld import Engine, Router, World, ask, run, world
 
 from controller.fleet.overlap import Overlap, plan_overlap
 from controller.fleet.policy import Decision, WakePlan
