@@ -19,12 +19,15 @@ import threading
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from controller.config.modelsettings import ModelSettings
 from controller.config.settings import Settings
 from controller.errors import EXIT_OK, EXIT_STARTUP, CliError
+from controller.http.connlimits import protocol
 from controller.sidecar import Sidecar
 
 log = logging.getLogger("hotswap.server")
@@ -96,6 +99,26 @@ class _GatewayServer(uvicorn.Server):
         yield
 
 
+def uvicorn_config(
+    app: ASGIApp, settings: Settings, host: str, port: int, **extra: Any
+) -> uvicorn.Config:
+    """One port's uvicorn config: the connection limits of `server.*` (the head deadline and
+    the cap on head-less connections by controller.http.connlimits, the rest uvicorn's)."""
+    limits = settings.server
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_config=None,  # our root handler formats uvicorn's lines too
+        lifespan="on",
+        timeout_graceful_shutdown=math.ceil(settings.timeouts.shutdown_s),
+        timeout_keep_alive=math.ceil(limits.keep_alive_s),
+        limit_concurrency=limits.max_connections,
+        http=protocol(limits.header_timeout_s, limits.keep_alive_s, limits.max_unauthenticated),
+        **extra,
+    )
+
+
 async def run_server(settings: Settings) -> int:
     """Serve until a signal; the app's lifespan starts and stops the manager (and, in
     managed mode, the engines). With the gateway on, it is served next to it, on its port."""
@@ -105,23 +128,9 @@ async def run_server(settings: Settings) -> int:
     if side.gateway_app is not None:
         gw_app = side.gateway_app
         gateway = _GatewayServer(
-            uvicorn.Config(
-                gw_app,
-                host=settings.gateway.host,
-                port=settings.gateway.port,
-                log_config=None,
-                lifespan="on",
-                timeout_graceful_shutdown=math.ceil(settings.timeouts.shutdown_s),
-            )
+            uvicorn_config(gw_app, settings, settings.gateway.host, settings.gateway.port)
         )
-    config = uvicorn.Config(
-        app,
-        host=settings.server.host,
-        port=settings.server.port,
-        log_config=None,  # our root handler formats uvicorn's lines too
-        lifespan="on",
-        timeout_graceful_shutdown=math.ceil(settings.timeouts.shutdown_s),
-    )
+    config = uvicorn_config(app, settings, settings.server.host, settings.server.port)
     server = _Server(config, drain=side.drain)
     if gateway is None:
         await server.serve()

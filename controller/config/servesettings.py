@@ -38,6 +38,42 @@ class ServerSettings(BaseModel):
     max_json_depth: int = Field(
         16, ge=2, le=256, description="Deepest JSON nesting of a control body; deeper: 400."
     )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=HOUR_S,
+        description="Seconds (both ports) a connection has to send a whole request head; "
+        "then it is closed. A real client sends it in one packet; a slow one holds a socket "
+        "and a file descriptor for nothing.",
+    )
+    body_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=HOUR_S,
+        description="Seconds (both ports) a request has, from its head, to send its whole "
+        "body; then 408 and the connection closes (at the gateway's 4 MiB cap, 70 KB/s).",
+    )
+    keep_alive_s: float = Field(
+        5.0,
+        gt=0,
+        le=HOUR_S,
+        description="Seconds an idle keep-alive connection is kept (uvicorn's timeout_keep_alive).",
+    )
+    max_unauthenticated: int = Field(
+        64,
+        ge=1,
+        le=65_536,
+        description="Connections per port that may wait for their first request head (none "
+        "has shown a token yet); one more is closed at once, so idle sockets cannot use up "
+        "the process's file descriptors.",
+    )
+    max_connections: int = Field(
+        512,
+        ge=1,
+        le=65_536,
+        description="Connections (or requests in progress) per port; past it uvicorn "
+        "answers 503 (limit_concurrency).",
+    )
 
 
 def clean_token(raw: str, source: str) -> str:

@@ -107,6 +107,14 @@ class LogSettings(BaseModel):
         LogFormat.TEXT, description="text for humans, json for log pipelines."
     )
     level: str = Field("INFO", description="Root log level.")
+    max_repeats_per_minute: int = Field(
+        10,
+        ge=1,
+        le=100_000,
+        description="Lines of one message per minute from the accept loop and uvicorn "
+        "(asyncio, uvicorn.error); the rest are dropped and counted in the next line let "
+        "through. Out of file descriptors, the accept loop logs an error per try.",
+    )
 
 
 class SwapSettings(BaseModel):

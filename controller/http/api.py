@@ -294,6 +294,7 @@ def create_app(
         is_open=_open_path,
         max_body_bytes=settings.server.max_body_bytes,
         max_json_depth=settings.server.max_json_depth,
+        body_timeout_s=settings.server.body_timeout_s,
     )
     app.add_middleware(NeverFiveHundred)
 

@@ -73,6 +73,7 @@ _ERROR_TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowed",
+    408: "RequestTimeoutError",
     413: "RequestTooLargeError",
     429: "RateLimitError",
     502: "BadGateway",
@@ -324,7 +325,12 @@ def create_gateway(gw: Gateway) -> FastAPI:
         return openai_error(Refusal(exc.status_code, None, str(exc.detail)))
 
     # The guard's reasons, as counted in hotswap_gateway_refused_total.
-    reasons = {401: "unauthorized", 429: "too_many_requests", 413: "too_large"}
+    reasons = {
+        401: "unauthorized",
+        429: "too_many_requests",
+        413: "too_large",
+        408: "body_timeout",
+    }
 
     def guard_refusal(refused: Refused) -> Response:
         reason = reasons.get(refused.status)
@@ -342,6 +348,7 @@ def create_gateway(gw: Gateway) -> FastAPI:
         is_open=lambda path: False,
         max_body_bytes=settings.gateway.max_body_bytes,
         max_json_depth=settings.gateway.max_json_depth,
+        body_timeout_s=settings.server.body_timeout_s,
         json_fields=frozenset({"model", "stream"}),
         max_concurrent=settings.gateway.max_concurrent,
     )

@@ -4,7 +4,9 @@ In this order, before the app sees anything:
 1. auth, decided from the headers alone: a request without the token is answered 401
    before one byte of its body is read (nothing is buffered or parsed for it);
 2. a body cap: 413 on a Content-Length above it, and on the streamed count of a body sent
-   without one (chunked), the moment it passes the cap;
+   without one (chunked), the moment it passes the cap; and a deadline: a body not whole
+   `body_timeout_s` after its head answers 408 (the head's own deadline is uvicorn's side,
+   controller.http.connlimits);
 3. a bound on JSON nesting (400), checked as the body arrives by a single-pass scanner
    (controller.http.jsonscan) in slices of `SLICE` bytes with a yield to the loop between
    them, so no body holds the event loop for long, whatever its bytes;
@@ -87,6 +89,7 @@ class Guard:
         max_body_bytes: int,
         max_json_depth: int,
         max_concurrent: int | None = None,
+        body_timeout_s: float | None = None,
         json_fields: frozenset[str] = frozenset(),
     ) -> None:
         self.app = app
@@ -96,6 +99,7 @@ class Guard:
         self.max_body_bytes = max_body_bytes
         self.max_json_depth = max_json_depth
         self.max_concurrent = max_concurrent
+        self.body_timeout_s = body_timeout_s  # from the head to the body's last byte
         self.json_fields = json_fields  # top-level keys whose value spans the app reads
         member_run(json_fields, max_json_depth)  # compiled now, not on a request's time
         self.active = 0  # requests between the guard and their response's end
@@ -133,9 +137,16 @@ class Guard:
                 return
         scanner = JsonScan(self.max_json_depth, self.json_fields)
         try:
-            body, gone = await self._read(receive, scanner)
+            async with asyncio.timeout(self.body_timeout_s):
+                body, gone = await self._read(receive, scanner)
         except _TooLarge:
             await self._refuse(self._too_large(), scope, receive, send)
+            return
+        except TimeoutError:
+            slow = Refused(
+                408, "RequestTimeout", f"the body did not arrive within {self.body_timeout_s:g} s"
+            )
+            await self._refuse(slow, scope, receive, send)
             return
         if gone:
             return  # the client left before its body arrived: nobody to answer

@@ -1,6 +1,6 @@
 """Every answer each route can give, with its body, in both apps' OpenAPI documents.
 
-FastAPI documents a route's 200 and its own 422 only; the guard (400, 401, 413, 429), the
+FastAPI documents a route's 200 and its own 422 only; the guard (400, 401, 408, 413, 429), the
 error tree (404, 409, 502, 504), readiness (503) and the gateway (its OpenAI-shaped errors,
 SSE) answer too. `document(app, table)` puts them all in the app's schema, which is what the
 fuzzing (tests/controller/test_fuzz.py) holds every answer to, and what `/openapi.json`
@@ -246,6 +246,7 @@ def control_table(auth: bool) -> dict[tuple[str, str], Route]:
     # The guard's and the catch-all's answers, on every route.
     common = {
         400: err("A bad Content-Length, or JSON nested too deep (server.max_json_depth)."),
+        408: err("The body did not arrive within server.body_timeout_s."),
         413: err("The body is larger than server.max_body_bytes."),
         502: err("The engine failed, or anything unexpected (never a 500)."),
     }
@@ -311,6 +312,7 @@ def gateway_table(auth: bool, models: Sequence[str]) -> dict[tuple[str, str], Ro
 
     common = {
         400: err("A bad Content-Length, or JSON nested too deep (gateway.max_json_depth)."),
+        408: err("The body did not arrive within server.body_timeout_s."),
         413: err("The body is larger than gateway.max_body_bytes."),
         429: err(
             "The model's queue is full, or gateway.max_concurrent requests are being served.",

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import IO, Any
 
@@ -68,6 +70,47 @@ def make_formatter(fmt: LogFormat) -> logging.Formatter:
     return JsonFormatter() if fmt is LogFormat.JSON else TextFormatter()
 
 
+class RateLimit(logging.Filter):
+    """At most `per_minute` records of one message (its format string) per minute; the
+    rest are dropped, and the next one let through says how many were."""
+
+    def __init__(self, per_minute: int, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.per_minute = per_minute
+        self.clock = clock
+        self._windows: dict[str, tuple[float, int, int]] = {}  # msg -> (start, kept, dropped)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = self.clock()
+        key = str(record.msg)
+        start, kept, dropped = self._windows.get(key, (now, 0, 0))
+        if now - start >= 60.0:
+            start, kept = now, 0
+        if kept >= self.per_minute:
+            self._windows[key] = (start, kept, dropped + 1)
+            return False
+        if dropped:
+            record.msg = f"{record.msg} ({dropped} more like it dropped)"
+        self._windows[key] = (start, kept + 1, 0)
+        if len(self._windows) > 1024:  # messages are format strings: few; stay bounded
+            self._windows.pop(next(iter(self._windows)))
+        return True
+
+
+# The loggers whose lines a flood of connections multiplies: the accept loop's
+# ("socket.accept() out of system resource", once per try) and uvicorn's.
+RATE_LIMITED = ("asyncio", "uvicorn.error")
+
+
+def rate_limit(per_minute: int) -> None:
+    """(Re)install one RateLimit on each of RATE_LIMITED."""
+    for name in RATE_LIMITED:
+        logger = logging.getLogger(name)
+        for old in [f for f in logger.filters if isinstance(f, RateLimit)]:
+            logger.removeFilter(old)
+        logger.addFilter(RateLimit(per_minute))
+
+
 def configure_logging(settings: LogSettings, stream: IO[str] | None = None) -> logging.Handler:
     """Install (or replace) the sidecar's handler on the root logger; returns it.
 
@@ -86,4 +129,5 @@ def configure_logging(settings: LogSettings, stream: IO[str] | None = None) -> l
     setattr(handler, _OURS, True)
     root.addHandler(handler)
     root.setLevel(level)
+    rate_limit(settings.max_repeats_per_minute)
     return handler

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from contextlib import asynccontextmanager
@@ -31,6 +32,8 @@ from test_api import make_settings, make_sidecar
 
 from controller import cli
 from controller.config.settings import Settings
+from controller.observe.logs import RateLimit
+from controller.server import uvicorn_config
 from controller.state import State
 
 TOKEN = "hostile-test-token"
@@ -49,9 +52,16 @@ class _Server(uvicorn.Server):
 
 
 @asynccontextmanager
-async def served(app: ASGIApp, *, lifespan: str = "on") -> AsyncIterator[int]:
-    """`app` on a real uvicorn server on a free loopback port; yields the port."""
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, lifespan=lifespan, log_config=None)
+async def served(
+    app: ASGIApp, *, lifespan: str = "on", settings: Settings | None = None
+) -> AsyncIterator[int]:
+    """`app` on a real uvicorn server on a free loopback port; yields the port. With
+    `settings`, configured as `hotswap serve` configures it (its connection limits)."""
+    if settings is None:
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, lifespan=lifespan, log_config=None)
+    else:
+        config = uvicorn_config(app, settings, "127.0.0.1", 0)
+        config.lifespan = lifespan
     server = _Server(config)
     task = asyncio.create_task(server.serve())
     for _ in range(1000):
@@ -429,6 +439,126 @@ def test_the_gateway_caps_its_requests_at_once_over_all_models() -> None:
             assert r.status_code == 200, "the slots came back"
 
     run(body())
+
+
+# ----------------------------------------------------------------------------- slow clients
+
+
+def limited(**server: Any) -> tuple[ASGIApp, Settings]:
+    """The control app and its settings, with `server` limits on top."""
+    fakes = {"a": FakeVllm(name="a")}
+    base = make_settings(fakes, TOKEN)
+    settings = Settings.model_validate(
+        {**base.model_dump(), "server": {**base.server.model_dump(), **server}}
+    )
+    return make_sidecar(settings, fakes, CollectorRegistry()).app, settings
+
+
+async def closed_within(reader: asyncio.StreamReader, timeout_s: float) -> bytes:
+    """What the server sent before it closed the connection (a timeout: it did not)."""
+    return await asyncio.wait_for(_read_all(reader), timeout_s)
+
+
+def test_a_head_sent_too_slowly_is_closed() -> None:
+    """The issue: a half-sent request stayed open for good. Now a connection that has not
+    sent a whole head within server.header_timeout_s is closed."""
+
+    async def body() -> None:
+        app, settings = limited(header_timeout_s=0.5)
+        async with served(app, settings=settings) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /models/a/sleep HTTP/1.1\r\nHost: t\r\n")  # and no more
+            await writer.drain()
+            assert await closed_within(reader, 5) == b""
+            writer.close()
+            # A whole request on a new connection is still served.
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+                assert (await c.get("/livez")).status_code == 200
+
+    run(body())
+
+
+def test_a_body_sent_too_slowly_answers_408() -> None:
+    async def body() -> None:
+        app, settings = limited(body_timeout_s=0.5)
+        async with served(app, settings=settings) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(head("/models/a/sleep", token=TOKEN, length=100) + b'{"level"')
+            await writer.drain()
+            answer = await closed_within(reader, 5)
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+            writer.close()
+
+    run(body())
+
+
+def test_connections_waiting_for_a_head_are_capped() -> None:
+    """The issue: 140 idle connections used up a 128-fd limit. Now at most
+    server.max_unauthenticated connections may wait for their first head; one more is
+    closed at once, and a whole request still gets through once they go."""
+
+    async def body() -> None:
+        app, settings = limited(max_unauthenticated=4, header_timeout_s=30)
+        async with served(app, settings=settings) as port:
+            idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(4)]
+            await asyncio.sleep(0.2)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            assert await closed_within(reader, 5) == b"", "a fifth idle connection was kept"
+            writer.close()
+            for _, w in idle:
+                w.close()
+            await asyncio.sleep(0.2)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+                assert (await c.get("/livez")).status_code == 200
+
+    run(body())
+
+
+def test_half_sent_bodies_hold_no_gateway_slot() -> None:
+    """The issue: 4 half-sent gateway bodies held all max_concurrent slots (the 5th request
+    got 429). A slot is now taken once a body is whole."""
+
+    async def body() -> None:
+        async with (
+            world(gateway={"max_concurrent": 2}) as w,
+            served(w.app, lifespan="off") as port,
+        ):
+            writers = []
+            for _ in range(4):
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(head("/v1/completions", token=None, length=1000) + b'{"model"')
+                await writer.drain()
+                writers.append(writer)
+            await asyncio.sleep(0.3)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+                r = await c.post("/v1/completions", json=completion("a"), timeout=10)
+            assert r.status_code == 200, r.text
+            for writer in writers:
+                writer.close()
+
+    run(body())
+
+
+def test_a_flood_of_one_log_line_is_rate_limited() -> None:
+    """The issue: out of file descriptors, the accept loop logged 102k errors (46 MB) in
+    8 s. At most log.max_repeats_per_minute lines of one message get through a minute; the
+    next one after says how many were dropped."""
+    now = [0.0]
+    records: list[str] = []
+    logger = logging.getLogger("hotswap.test.flood")
+    logger.propagate = False
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    logger.addFilter(RateLimit(10, clock=lambda: now[0]))
+    for _ in range(100_000):
+        logger.error("socket.accept() out of system resource")
+    logger.error("another message")
+    assert len(records) == 11
+    now[0] = 61.0
+    logger.error("socket.accept() out of system resource")
+    assert records[-1].endswith("(99990 more like it dropped)"), records[-1]
+    assert "asyncio" in logging.getLogger("asyncio").name  # the accept loop's logger
 
 
 # ----------------------------------------------------------------------------- tokens
