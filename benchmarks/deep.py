@@ -83,6 +83,8 @@ def timed_wake(side: str, name: str) -> dict[str, Any]:
         th.start()
         sent.wait(10)
         while time.monotonic() - box["t0"] < 120:
+            if "status" in box and box["status"] != 200:
+                break  # the wake failed: it will not become healthy
             if h.get(f"/models/{name}/health").status_code == 200:
                 box["health_s"] = time.monotonic() - box["t0"]
                 break
@@ -158,6 +160,7 @@ def main() -> None:
     ap.add_argument("--threads-variant", type=int, default=1)
     ap.add_argument("--budget-s", type=float, default=480.0)
     ap.add_argument("--boot-s", type=float, default=240.0)
+    ap.add_argument("--level2", type=int, default=0)
     args = ap.parse_args()
     deadline = time.monotonic() + args.budget_s
     work = Path(tempfile.mkdtemp(prefix="bench-deep-"))
@@ -191,9 +194,10 @@ def main() -> None:
         base = side.base_url
         out["sidecar_pss"] = pss(side.pid or 0)
         kinds = ["l1", "deep"] * args.cycles
-        for i, name in enumerate(engines):
-            # the first (small) model also sleeps at level 2; the variant only at level 1
-            ks = [*kinds, "l2"] if i == 0 else kinds
+        for i, name in enumerate(reversed(engines)):  # the last shape (the largest) first
+            # `--level2 1`: the first model also sleeps at level 2 (real weights only: a
+            # dummy-weights engine cannot reload); the variant only at level 1
+            ks = [*kinds, "l2"] if i == 0 and args.level2 else kinds
             ks = ["l1"] if name.endswith("-t1") else ks
             try:
                 out["models"].append(one_model(base, name, socks / f"{name}.sock", ks, deadline))
