@@ -233,6 +233,15 @@ class GatewaySettings(BaseModel):
         description="Requests the gateway serves at once (held, forwarded and streaming, "
         "over all models); one more answers 429.",
     )
+    max_body_buffer_bytes: int = Field(
+        64 * MiB,
+        ge=1024,
+        le=64 * 1024 * MiB,
+        description="Bytes of request bodies the gateway holds at once, over all requests "
+        "(each at most max_body_bytes); a body that would pass it answers 429. The "
+        "gateway's memory is about twice this plus the process: keep it well under the "
+        "pod's limit (deploy/: 512Mi).",
+    )
 
 
 def is_loopback(host: str) -> bool:

@@ -349,6 +349,7 @@ def create_gateway(gw: Gateway) -> FastAPI:
         max_body_bytes=settings.gateway.max_body_bytes,
         max_json_depth=settings.gateway.max_json_depth,
         body_timeout_s=settings.server.body_timeout_s,
+        max_buffered_bytes=settings.gateway.max_body_buffer_bytes,
         json_fields=frozenset({"model", "stream"}),
         max_concurrent=settings.gateway.max_concurrent,
     )

@@ -70,6 +70,39 @@ class _TooLarge(Exception):
     pass
 
 
+class _TooMuchHeld(Exception):
+    pass
+
+
+RETRY = {"Retry-After": "1"}
+
+
+class _Held:
+    """One request's share of the guard's `max_buffered_bytes`: grows to the body's size
+    (its Content-Length at once, or as it streams in), given back when the request ends
+    (the body is held until the app is done with it)."""
+
+    def __init__(self, guard: Guard) -> None:
+        self.guard = guard
+        self.bytes = 0
+
+    def take(self, size: int) -> bool:
+        """Hold `size` bytes in all; False (nothing more taken) when that passes the cap."""
+        more = size - self.bytes
+        cap = self.guard.max_buffered_bytes
+        if more <= 0:
+            return True
+        if cap is not None and self.guard.buffered + more > cap:
+            return False
+        self.guard.buffered += more
+        self.bytes = size
+        return True
+
+    def release(self) -> None:
+        self.guard.buffered -= self.bytes
+        self.bytes = 0
+
+
 class Guard:
     """ASGI middleware: auth from headers, concurrency cap, body cap, JSON depth bound.
 
@@ -90,6 +123,7 @@ class Guard:
         max_json_depth: int,
         max_concurrent: int | None = None,
         body_timeout_s: float | None = None,
+        max_buffered_bytes: int | None = None,
         json_fields: frozenset[str] = frozenset(),
     ) -> None:
         self.app = app
@@ -100,6 +134,8 @@ class Guard:
         self.max_json_depth = max_json_depth
         self.max_concurrent = max_concurrent
         self.body_timeout_s = body_timeout_s  # from the head to the body's last byte
+        self.max_buffered_bytes = max_buffered_bytes  # bodies held at once, all requests
+        self.buffered = 0
         self.json_fields = json_fields  # top-level keys whose value spans the app reads
         member_run(json_fields, max_json_depth)  # compiled now, not on a request's time
         self.active = 0  # requests between the guard and their response's end
@@ -135,10 +171,25 @@ class Guard:
             if int(declared) > self.max_body_bytes:
                 await self._refuse(self._too_large(), scope, receive, send)
                 return
+        held = _Held(self)
+        try:
+            if declared is not None and not held.take(int(declared)):
+                await self._refuse(self._too_many_bytes(), scope, receive, send, RETRY)
+                return
+            await self._check_and_forward(scope, receive, send, held)
+        finally:
+            held.release()
+
+    async def _check_and_forward(
+        self, scope: Scope, receive: Receive, send: Send, held: _Held
+    ) -> None:
         scanner = JsonScan(self.max_json_depth, self.json_fields)
         try:
             async with asyncio.timeout(self.body_timeout_s):
-                body, gone = await self._read(receive, scanner)
+                body, gone = await self._read(receive, scanner, held)
+        except _TooMuchHeld:
+            await self._refuse(self._too_many_bytes(), scope, receive, send, RETRY)
+            return
         except _TooLarge:
             await self._refuse(self._too_large(), scope, receive, send)
             return
@@ -166,7 +217,7 @@ class Guard:
                 "TooManyRequests",
                 f"{self.max_concurrent} requests are already being served; retry shortly",
             )
-            await self._refuse(refusal, scope, receive, send, {"Retry-After": "1"})
+            await self._refuse(refusal, scope, receive, send, RETRY)
             return
         self.active += 1
         try:
@@ -190,7 +241,7 @@ class Guard:
 
         await self.app(scope, replay, send)
 
-    async def _read(self, receive: Receive, scanner: JsonScan) -> tuple[bytes, bool]:
+    async def _read(self, receive: Receive, scanner: JsonScan, held: _Held) -> tuple[bytes, bool]:
         """The whole body, scanned as it arrives; _TooLarge as soon as the count passes the
         cap; (b"", True) when the client disconnected first. The scan stops early once the
         body is known to nest too deep (the body is still read, within the cap)."""
@@ -204,10 +255,19 @@ class Guard:
             size += len(chunk)
             if size > self.max_body_bytes:
                 raise _TooLarge
+            if not held.take(size):
+                raise _TooMuchHeld
             chunks.append(chunk)
             await _scan(scanner, chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks), False
+
+    def _too_many_bytes(self) -> Refused:
+        return Refused(
+            429,
+            "TooManyRequests",
+            f"{self.max_buffered_bytes} bytes of request bodies are already held; retry shortly",
+        )
 
     def _too_large(self) -> Refused:
         return Refused(
