@@ -11,9 +11,15 @@ hung past its timeout, no verification failure, the gateway's own count of 200s 
 clients'. The sidecar's RSS and each awake engine's RSS are sampled every cycle and must stay
 flat (within 10%). At the end the sidecar is SIGKILLed: no engine process may outlive it.
 
-CI runs a bounded form (HOTSWAP_SOAK_CYCLES, default 20, an engine killed at cycle 10);
-`scripts/dev.sh soak` runs the full one (100 cycles, an engine killed every 20) and prints
-the figures docs/reliability.md quotes (also written as JSON to HOTSWAP_SOAK_REPORT if set).
+Under load the whole time (tests/integration/loadgen.py): clients at the gateway's
+`max_concurrent` cap on the cycle's model (the same oracle), bodies at the body and depth
+caps, a stream of half-open and slow connections, and `/livez` probed every 0.1 s: its p99
+must stay within 100 ms, and the sidecar's RSS within the pod's limit in deploy/ (512 MiB).
+
+CI runs a bounded form (HOTSWAP_SOAK_CYCLES, default 20, an engine killed at cycle 10, and
+at least HOTSWAP_SOAK_MIN_S, default 120 s, of cycles); `scripts/dev.sh soak` runs the full
+one (100 cycles and at least 600 s, an engine killed every 20) and prints the figures
+docs/reliability.md quotes (also written as JSON to HOTSWAP_SOAK_REPORT if set).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from loadgen import Load
 from support.metrics import metric_sum
 
 from controller.engines.enginespec import EngineSpec, managed_argv
@@ -53,6 +60,10 @@ MAX_TOKENS = 8
 REQUEST_TIMEOUT_S = 200.0  # one HTTP attempt: hold_timeout_s (120) plus generation, generous
 REQUEST_DEADLINE_S = 400.0  # one logical request, retries included (an engine restart inside)
 RSS_TOLERANCE = 0.10
+MIN_S = float(os.environ.get("HOTSWAP_SOAK_MIN_S", "120"))  # cycles go on at least this long
+MAX_CONCURRENT = 12  # the gateway's cap in this soak; the load keeps it full
+LIVEZ_P99_S = 0.100
+SIDECAR_RSS_LIMIT = 512 * 2**20  # the sidecar container's memory limit in deploy/
 
 
 # ----------------------------------------------------------------------------- processes
@@ -300,6 +311,7 @@ def sidecar(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             "queue_size": 32,
             "hold_timeout_s": 120.0,
             "retry_after_s": 1,
+            "max_concurrent": MAX_CONCURRENT,
         },
         "swap": {"max_awake": 1, "min_awake_s": 0.0},
         "supervisor": {
@@ -353,8 +365,20 @@ def test_soak_swaps_under_load_with_engines_killed(sidecar: Sidecar) -> None:
     engine_rss: dict[str, list[int]] = {m: [] for m in MODELS}
     kills: list[tuple[int, str, float]] = []
     restarts_before = sidecar.metric("hotswap_engine_restarts_total")
+    load = Load(
+        sidecar.gateway,
+        sidecar.control,
+        refs,
+        A,
+        workers=MAX_CONCURRENT,
+        max_body_bytes=4 * 2**20,  # the gateway's default max_body_bytes
+        max_json_depth=64,  # and max_json_depth
+    )
+    load.start()
+    cycles = 0
     with ThreadPoolExecutor(max_workers=CLIENTS + 1) as pool:
-        for cycle in range(CYCLES):
+        while cycles < CYCLES or time.monotonic() - t_start < MIN_S:
+            cycle, cycles = cycles, cycles + 1
             if cycle and cycle % KILL_EVERY == 0:
                 victim = MODELS[(cycle // KILL_EVERY) % 2]
                 pid = sidecar.engine_pid(victim)
@@ -362,6 +386,7 @@ def test_soak_swaps_under_load_with_engines_killed(sidecar: Sidecar) -> None:
                 os.kill(pid, signal.SIGKILL)
                 kills.append((cycle, victim, time.monotonic() - t_start))
             target, other = MODELS[cycle % 2], MODELS[(cycle + 1) % 2]
+            load.target = target
             jobs = [
                 (target, PROMPTS[(cycle + i) % len(PROMPTS)], i % 2 == 1) for i in range(CLIENTS)
             ]
@@ -377,7 +402,9 @@ def test_soak_swaps_under_load_with_engines_killed(sidecar: Sidecar) -> None:
                 pid = sidecar.engine_pid(m)
                 if state == "RUNNING" and pid is not None:
                     engine_rss[m].append(rss_bytes(pid))
+    loaded = load.stop()
     elapsed = time.monotonic() - t_start
+    sidecar_rss.append(rss_bytes(sidecar.proc.pid))
     swaps = sidecar.metric("hotswap_swaps_total", result="ok") - swaps_before
     restarts = sidecar.metric("hotswap_engine_restarts_total") - restarts_before
     gateway_ok = sidecar.metric("hotswap_gateway_requests_total", code="200")
@@ -388,7 +415,7 @@ def test_soak_swaps_under_load_with_engines_killed(sidecar: Sidecar) -> None:
         return (max(steady) - min(steady)) / min(steady) if steady and min(steady) else 0.0
 
     report = {
-        "cycles": CYCLES,
+        "cycles": cycles,
         "kill_every": KILL_EVERY,
         "kills": kills,
         "swaps_ok": swaps,
@@ -411,6 +438,7 @@ def test_soak_swaps_under_load_with_engines_killed(sidecar: Sidecar) -> None:
         },
         "engine_rss_drift": {m: round(drift(v), 3) for m, v in engine_rss.items() if v},
         "problems": tally.problems[:20],
+        "load": loaded,
     }
     print("\nsoak:", json.dumps(report, indent=1))
     if out := os.environ.get("HOTSWAP_SOAK_REPORT"):
@@ -418,10 +446,16 @@ def test_soak_swaps_under_load_with_engines_killed(sidecar: Sidecar) -> None:
 
     bad = {k: n for k, n in tally.outcomes.items() if not (k == "ok" or k.startswith("refused_"))}
     assert not bad, report
-    assert tally.served == len(refs) + CYCLES * (CLIENTS + 1), report
-    assert gateway_ok == tally.outcomes["ok"], report  # the gateway answered nobody else
+    assert tally.served == len(refs) + cycles * (CLIENTS + 1), report
+    load_bad = {k: n for k, n in loaded["outcomes"].items() if k != "ok" and "refused" not in k}
+    assert not load_bad, report  # 0 lost, 0 hung, 0 wrong (an unverified model's answer)
+    assert set(loaded["caps"]) == {"at_cap", "over_cap", "too_deep"}, report
+    assert loaded["livez"]["p99_ms"] <= LIVEZ_P99_S * 1000, report
+    assert max(sidecar_rss) <= SIDECAR_RSS_LIMIT, report
+    # the gateway answered nobody else
+    assert gateway_ok == tally.outcomes["ok"] + loaded["outcomes"].get("ok", 0), report
     assert verify_failures == 0, report
-    assert swaps >= CYCLES, report  # every cycle swapped at least once
+    assert swaps >= cycles, report  # every cycle swapped at least once
     assert restarts == len(kills), report
     assert report["sidecar_rss_drift"] <= RSS_TOLERANCE, report
     for m, d in report["engine_rss_drift"].items():

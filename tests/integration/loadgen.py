@@ -1,0 +1,277 @@
+"""The soak's load: a bounded asyncio + httpx driver run beside the soak's swap cycles.
+
+Four kinds of traffic, all to this machine's loopback, each bounded in count and time and
+stopped by `Load.stop`:
+
+- completions: `workers` clients sending the soak's prompts to the model the soak's cycle
+  is on (`Load.target`), back to back, so that with the soak's own clients the gateway
+  runs at its `max_concurrent` cap; every answer must be 200 with that model's reference
+  output, or 429/503 with Retry-After (then the request is retried after it, as the
+  soak's clients do); anything else is `lost`, `hung` or `wrong`;
+- bodies at the caps: a body of exactly `max_body_bytes` (a valid request for a model
+  nobody serves: 404, read and checked whole), one byte over it (413) and JSON one level
+  deeper than `max_json_depth` (400); any 5xx or transport error is a problem;
+- half-open and slow connections (`slow` at once): connect and send nothing, send the
+  headers a byte at a time, or announce a body and send a part of it; each is held until
+  the server closes it or `hold_s` passes (how many the server closed is reported);
+- `/livez` on the control port every `livez_every_s`: its latency, every sample kept.
+
+Everything is counted in a `Report`; the soak asserts on it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+ATTEMPT_TIMEOUT_S = 200.0  # one HTTP attempt (the soak's REQUEST_TIMEOUT_S)
+DEADLINE_S = 400.0  # one logical request, retries included
+
+
+@dataclass
+class Report:
+    outcomes: Counter[str] = field(default_factory=Counter)
+    problems: list[str] = field(default_factory=list)
+    livez_s: list[float] = field(default_factory=list)
+    slow_opened: int = 0
+    slow_closed_by_server: int = 0
+    caps: Counter[str] = field(default_factory=Counter)
+
+    def problem(self, kind: str, what: str) -> None:
+        self.outcomes[kind] += 1
+        if len(self.problems) < 50:
+            self.problems.append(f"{kind}: {what}")
+
+    def summary(self) -> dict[str, Any]:
+        lat = sorted(self.livez_s)
+
+        def pct(q: float) -> float:
+            return round(lat[min(len(lat) - 1, int(q * len(lat)))] * 1000, 1) if lat else 0.0
+
+        return {
+            "outcomes": dict(self.outcomes),
+            "caps": dict(self.caps),
+            "slow_connections": self.slow_opened,
+            "slow_closed_by_server": self.slow_closed_by_server,
+            "livez": {"n": len(lat), "p50_ms": pct(0.5), "p99_ms": pct(0.99), "max_ms": pct(1.0)},
+            "problems": self.problems[:20],
+        }
+
+
+class Load:
+    """Runs on its own thread and event loop from `start` to `stop`."""
+
+    def __init__(
+        self,
+        gateway: str,
+        control: str,
+        refs: dict[tuple[str, str, bool], str],
+        target: str,
+        *,
+        workers: int,
+        max_body_bytes: int,
+        max_json_depth: int,
+        slow: int = 16,
+        hold_s: float = 20.0,
+        livez_every_s: float = 0.1,
+    ) -> None:
+        self.gateway, self.control, self.refs = gateway, control, refs
+        self.target = target  # the model the soak's cycle is on (the soak sets it)
+        self.workers, self.slow, self.hold_s = workers, slow, hold_s
+        self.max_body_bytes, self.max_json_depth = max_body_bytes, max_json_depth
+        self.livez_every_s = livez_every_s
+        self.report = Report()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="soak-load", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = DEADLINE_S + 30) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self.report.problem("hung", "the load generator did not stop")
+        return self.report.summary()
+
+    def _run(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        limits = httpx.Limits(max_connections=self.workers + 4, max_keepalive_connections=8)
+        async with (
+            httpx.AsyncClient(
+                base_url=self.gateway, timeout=ATTEMPT_TIMEOUT_S, limits=limits
+            ) as gw,
+            httpx.AsyncClient(base_url=self.control, timeout=5.0) as ctl,
+        ):
+            tasks = [asyncio.create_task(self._completions(gw, i)) for i in range(self.workers)]
+            tasks += [asyncio.create_task(self._slow(i)) for i in range(self.slow)]
+            tasks += [asyncio.create_task(self._caps(gw)), asyncio.create_task(self._livez(ctl))]
+            await asyncio.to_thread(self._stop.wait)
+            await asyncio.gather(*tasks)
+
+    # -- completions at the concurrency cap ---------------------------------------------
+
+    async def _completions(self, gw: httpx.AsyncClient, i: int) -> None:
+        rng = random.Random(i)
+        prompts = sorted({p for _, p, _ in self.refs})
+        while not self._stop.is_set():
+            model, prompt, stream = self.target, rng.choice(prompts), rng.random() < 0.5
+            await self._request(gw, model, prompt, stream)
+
+    async def _request(self, gw: httpx.AsyncClient, model: str, prompt: str, stream: bool) -> None:
+        want = self.refs[(model, prompt, stream)]
+        what = f"{model} stream={stream} {prompt!r}"
+        body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+        body.update(ignore_eos=True, stream=stream)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < DEADLINE_S:
+            try:
+                status, text, retry_after = await _attempt(gw, body, stream)
+            except httpx.TimeoutException as exc:
+                return self.report.problem("hung", f"{what}: {exc!r}")
+            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                return self.report.problem("lost", f"{what}: {type(exc).__name__}: {exc}")
+            if status == 200:
+                if text != want:
+                    return self.report.problem("wrong", f"{what}: {text!r} != {want!r}")
+                self.report.outcomes["ok"] += 1
+                return None
+            if status in (429, 503) and retry_after.isdigit():
+                self.report.outcomes[f"refused_{status}"] += 1
+                await asyncio.sleep(min(float(retry_after), 1.0) * random.random() + 0.05)
+                continue
+            return self.report.problem("other", f"{what}: HTTP {status} {text[:200]}")
+        return self.report.problem("lost", f"{what}: not answered in {DEADLINE_S:g} s")
+
+    # -- bodies at the caps ------------------------------------------------------------
+
+    async def _caps(self, gw: httpx.AsyncClient) -> None:
+        head = b'{"model": "no-such-model", "max_tokens": 1, "prompt": "'
+        pad = self.max_body_bytes - len(head) - 2
+        at_cap = head + b"a" * pad + b'"}'
+        over = at_cap[:-2] + b'a"}'
+        depth = self.max_json_depth + 1
+        deep = b'{"model": "x", "prompt": ' + b"[" * depth + b"]" * depth + b"}"
+        cases = [("at_cap", at_cap, 404), ("over_cap", over, 413), ("too_deep", deep, 400)]
+        while not self._stop.is_set():
+            for name, data, want in cases:
+                if self._stop.is_set():
+                    break
+                try:
+                    r = await gw.post(
+                        "/v1/completions",
+                        content=data,
+                        headers={"content-type": "application/json"},
+                        timeout=30.0,
+                    )
+                except httpx.HTTPError as exc:
+                    self.report.problem("caps", f"{name}: {type(exc).__name__}: {exc}")
+                    continue
+                if r.status_code != want:
+                    self.report.problem("caps", f"{name}: HTTP {r.status_code}, want {want}")
+                else:
+                    self.report.caps[name] += 1
+            await asyncio.sleep(0.5)
+
+    # -- half-open and slow connections ----------------------------------------------------
+
+    async def _slow(self, i: int) -> None:
+        url = urlsplit(self.gateway)
+        host, port = url.hostname or "127.0.0.1", url.port or 80
+        kinds = ("idle", "slow_headers", "partial_body")
+        n = 0
+        while not self._stop.is_set():
+            kind = kinds[(i + n) % len(kinds)]
+            n += 1
+            try:
+                reader, writer = await asyncio.open_connection(host, port)
+            except OSError as exc:
+                self.report.problem("slow_connect", f"{kind}: {exc}")
+                await asyncio.sleep(1.0)
+                continue
+            self.report.slow_opened += 1
+            try:
+                if await self._hold(kind, reader, writer):
+                    self.report.slow_closed_by_server += 1
+            finally:
+                writer.close()
+                with contextlib.suppress(OSError):
+                    await writer.wait_closed()
+
+    async def _hold(
+        self, kind: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
+        """Hold one connection as `kind` says; True when the server closed it first."""
+        head = b"POST /v1/completions HTTP/1.1\r\nhost: soak\r\ncontent-type: application/json\r\n"
+        if kind == "partial_body":
+            writer.write(head + b"content-length: 100000\r\n\r\n" + b'{"model": "')
+        deadline = time.monotonic() + self.hold_s
+        sent = 0
+        while time.monotonic() < deadline and not self._stop.is_set():
+            if kind == "slow_headers" and sent < len(head):
+                writer.write(head[sent : sent + 1])  # never reaches the blank line
+                sent += 1
+            try:
+                await writer.drain()
+                got = await asyncio.wait_for(reader.read(4096), timeout=0.5)
+            except TimeoutError:
+                continue
+            except OSError:
+                return True
+            if not got:  # EOF: the server closed it (an answer, e.g. 408, may come first)
+                return True
+        return False
+
+    # -- /livez ------------------------------------------------------------------------
+
+    async def _livez(self, ctl: httpx.AsyncClient) -> None:
+        while not self._stop.is_set():
+            t = time.monotonic()
+            try:
+                r = await ctl.get("/livez")
+                ok = r.status_code == 200
+            except httpx.HTTPError as exc:
+                ok = False
+                self.report.problem("livez", f"{type(exc).__name__}: {exc}")
+            took = time.monotonic() - t
+            self.report.livez_s.append(took)
+            if not ok:
+                self.report.problem("livez", f"not 200 after {took:.3f} s")
+            await asyncio.sleep(max(0.0, self.livez_every_s - took))
+
+
+async def _attempt(
+    gw: httpx.AsyncClient, body: dict[str, Any], stream: bool
+) -> tuple[int, str, str]:
+    """One HTTP attempt: (status, the generated text or the error body, Retry-After)."""
+    if not stream:
+        r = await gw.post("/v1/completions", json=body)
+        text = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
+        return r.status_code, text, r.headers.get("retry-after", "")
+    async with gw.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return r.status_code, r.text, r.headers.get("retry-after", "")
+        parts, done = [], False
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                done = True
+                break
+            parts.append(json.loads(data)["choices"][0]["text"])
+        if not done:
+            raise httpx.RemoteProtocolError("the stream ended without [DONE]")
+        return 200, "".join(parts), ""
