@@ -10,7 +10,10 @@ stopped by `Load.stop`:
   soak's clients do); anything else is `lost`, `hung` or `wrong`;
 - bodies at the caps: a body of exactly `max_body_bytes` (a valid request for a model
   nobody serves: 404, read and checked whole), one byte over it (413) and JSON one level
-  deeper than `max_json_depth` (400); any 5xx or transport error is a problem;
+  deeper than `max_json_depth` (400); 429/503 with Retry-After (the cap is full) count as
+  refused; a connection the server closes while the body is still being sent (it may
+  answer early, before the body, and close) is counted as `closed_early`; any other
+  status, a 5xx or a timeout is a problem;
 - half-open and slow connections (`slow` at once): connect and send nothing, send the
   headers a byte at a time, or announce a body and send a part of it; each is held until
   the server closes it or `hold_s` passes (how many the server closed is reported);
@@ -149,7 +152,7 @@ class Load:
                 return None
             if status in (429, 503) and retry_after.isdigit():
                 self.report.outcomes[f"refused_{status}"] += 1
-                await asyncio.sleep(min(float(retry_after), 1.0) * random.random() + 0.05)
+                await asyncio.sleep(min(float(retry_after), 1.0) * (0.5 + random.random() / 2))
                 continue
             return self.report.problem("other", f"{what}: HTTP {status} {text[:200]}")
         return self.report.problem("lost", f"{what}: not answered in {DEADLINE_S:g} s")
@@ -175,13 +178,22 @@ class Load:
                         headers={"content-type": "application/json"},
                         timeout=30.0,
                     )
+                except httpx.TimeoutException as exc:
+                    self.report.problem("caps", f"{name}: no answer in 30 s: {exc!r}")
+                    continue
+                except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+                    self.report.caps[f"{name}_closed_early"] += 1
+                    continue
                 except httpx.HTTPError as exc:
                     self.report.problem("caps", f"{name}: {type(exc).__name__}: {exc}")
                     continue
-                if r.status_code != want:
-                    self.report.problem("caps", f"{name}: HTTP {r.status_code}, want {want}")
-                else:
+                refused = r.status_code in (429, 503) and r.headers.get("retry-after", "")
+                if r.status_code == want:
                     self.report.caps[name] += 1
+                elif refused:
+                    self.report.caps[f"{name}_refused_{r.status_code}"] += 1
+                else:
+                    self.report.problem("caps", f"{name}: HTTP {r.status_code}, want {want}")
             await asyncio.sleep(0.5)
 
     # -- half-open and slow connections ----------------------------------------------------
