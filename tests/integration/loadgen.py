@@ -17,7 +17,8 @@ stopped by `Load.stop`:
 - half-open and slow connections (`slow` at once): connect and send nothing, send the
   headers a byte at a time, or announce a body and send a part of it; each is held until
   the server closes it or `hold_s` passes (how many the server closed is reported);
-- `/livez` on the control port every `livez_every_s`: its latency, every sample kept.
+- `/livez` on the control port every `livez_every_s`, from a process of its own (stdlib
+  only: the latency is the sidecar's, not this driver's event loop's): every sample kept.
 
 Everything is counted in a `Report`; the soak asserts on it."""
 
@@ -26,7 +27,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -36,6 +41,24 @@ from urllib.parse import urlsplit
 
 import httpx
 
+# The /livez prober: GET every `every` seconds, one "latency_s ok" line per probe, until killed.
+_PROBE = """
+import http.client, sys, time
+host, port, every, out = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+with open(out, "a", buffering=1) as f:
+    while True:
+        t = time.monotonic()
+        try:
+            c = http.client.HTTPConnection(host, port, timeout=5)
+            c.request("GET", "/livez")
+            ok = c.getresponse().status == 200
+            c.close()
+        except OSError:
+            ok = False
+        took = time.monotonic() - t
+        f.write(f"{took:.6f} {int(ok)}\\n")
+        time.sleep(max(0.0, every - took))
+"""
 ATTEMPT_TIMEOUT_S = 200.0  # one HTTP attempt (the soak's REQUEST_TIMEOUT_S)
 DEADLINE_S = 400.0  # one logical request, retries included
 
@@ -97,10 +120,27 @@ class Load:
         self._thread = threading.Thread(target=self._run, name="soak-load", daemon=True)
 
     def start(self) -> None:
+        url = urlsplit(self.control)
+        fd, self._probe_out = tempfile.mkstemp(prefix="livez-", suffix=".txt")
+        os.close(fd)
+        args = [url.hostname or "127.0.0.1", str(url.port or 80), str(self.livez_every_s)]
+        self._probe = subprocess.Popen(
+            [sys.executable, "-c", _PROBE, *args, self._probe_out],
+            stdin=subprocess.DEVNULL,
+        )
         self._thread.start()
 
     def stop(self, timeout_s: float = DEADLINE_S + 30) -> dict[str, Any]:
         self._stop.set()
+        self._probe.kill()
+        self._probe.wait(10)
+        with open(self._probe_out) as f:
+            for line in f.read().splitlines():
+                took, ok = line.split()
+                self.report.livez_s.append(float(took))
+                if ok != "1":
+                    self.report.problem("livez", f"not 200 after {float(took):.3f} s")
+        os.unlink(self._probe_out)
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             self.report.problem("hung", "the load generator did not stop")
@@ -111,15 +151,12 @@ class Load:
 
     async def _main(self) -> None:
         limits = httpx.Limits(max_connections=self.workers + 4, max_keepalive_connections=8)
-        async with (
-            httpx.AsyncClient(
-                base_url=self.gateway, timeout=ATTEMPT_TIMEOUT_S, limits=limits
-            ) as gw,
-            httpx.AsyncClient(base_url=self.control, timeout=5.0) as ctl,
-        ):
+        async with httpx.AsyncClient(
+            base_url=self.gateway, timeout=ATTEMPT_TIMEOUT_S, limits=limits
+        ) as gw:
             tasks = [asyncio.create_task(self._completions(gw, i)) for i in range(self.workers)]
             tasks += [asyncio.create_task(self._slow(i)) for i in range(self.slow)]
-            tasks += [asyncio.create_task(self._caps(gw)), asyncio.create_task(self._livez(ctl))]
+            tasks.append(asyncio.create_task(self._caps(gw)))
             await asyncio.to_thread(self._stop.wait)
             await asyncio.gather(*tasks)
 
@@ -244,23 +281,6 @@ class Load:
             if not got:  # EOF: the server closed it (an answer, e.g. 408, may come first)
                 return True
         return False
-
-    # -- /livez ------------------------------------------------------------------------
-
-    async def _livez(self, ctl: httpx.AsyncClient) -> None:
-        while not self._stop.is_set():
-            t = time.monotonic()
-            try:
-                r = await ctl.get("/livez")
-                ok = r.status_code == 200
-            except httpx.HTTPError as exc:
-                ok = False
-                self.report.problem("livez", f"{type(exc).__name__}: {exc}")
-            took = time.monotonic() - t
-            self.report.livez_s.append(took)
-            if not ok:
-                self.report.problem("livez", f"not 200 after {took:.3f} s")
-            await asyncio.sleep(max(0.0, self.livez_every_s - took))
 
 
 async def _attempt(
