@@ -41,12 +41,14 @@ from urllib.parse import urlsplit
 
 import httpx
 
-# The /livez prober: GET every `every` seconds, one "latency_s ok" line per probe, until killed.
+# The /livez prober: GET every `every` seconds, one "latency_s ok" line per probe, until
+# killed or its parent (the driver) is gone.
 _PROBE = """
-import http.client, sys, time
+import http.client, os, sys, time
 host, port, every, out = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+parent = os.getppid()
 with open(out, "a", buffering=1) as f:
-    while True:
+    while os.getppid() == parent:
         t = time.monotonic()
         try:
             c = http.client.HTTPConnection(host, port, timeout=5)

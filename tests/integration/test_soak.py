@@ -18,7 +18,7 @@ must stay within 100 ms, and the sidecar's RSS within the pod's limit in deploy/
 
 CI runs a bounded form (HOTSWAP_SOAK_CYCLES, default 20, an engine killed at cycle 10, and
 at least HOTSWAP_SOAK_MIN_S, default 120 s, of cycles); `scripts/dev.sh soak` runs the full
-one (100 cycles and at least 600 s, an engine killed every 20) and prints the figures
+one (at least 20 cycles and 600 s, an engine killed every 10 cycles) and prints the figures
 docs/reliability.md quotes (also written as JSON to HOTSWAP_SOAK_REPORT if set).
 """
 
@@ -62,7 +62,11 @@ REQUEST_DEADLINE_S = 400.0  # one logical request, retries included (an engine r
 RSS_TOLERANCE = 0.10
 MIN_S = float(os.environ.get("HOTSWAP_SOAK_MIN_S", "120"))  # cycles go on at least this long
 MAX_CONCURRENT = 12  # the gateway's cap in this soak; the load keeps it full
-LIVEZ_P99_S = 0.100
+# /livez p99: 100 ms in the full form; the CI form (shorter than 600 s) is held to 500 ms
+# unless HOTSWAP_SOAK_LIVEZ_P99_MS says otherwise (docs/reliability.md says why)
+LIVEZ_P99_S = (
+    float(os.environ.get("HOTSWAP_SOAK_LIVEZ_P99_MS", 100 if MIN_S >= 600 else 500)) / 1000
+)
 SIDECAR_RSS_LIMIT = 512 * 2**20  # the sidecar container's memory limit in deploy/
 
 
