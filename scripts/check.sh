@@ -7,6 +7,7 @@
 #                             least 2), the longest first; each lane's output is printed as
 #                             it ends, and the time of each lane at the end
 #   scripts/check.sh ARGS     the static checks, then pytest ARGS (one lane)
+#   scripts/check.sh --lanes  the lanes, one a line: NAME:PYTEST WORDS[:beside]
 #
 # Lanes are separate pytest processes over separate folders: nothing of one reaches another
 # (engines on Unix sockets in private folders, ports bound by the servers themselves, a
@@ -21,6 +22,26 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
+# Every test file is in exactly one lane (tests/test_lanes.py holds it); the longest first.
+# A lane marked "beside" waits on the network almost all its time: it starts at once and
+# does not count against the lanes running at once.
+# A lane's words go to pytest as they are (paths, --ignore=PATH).
+faults="tests/integration/test_fault_matrix.py tests/integration/test_soak.py tests/integration/test_density_cpu.py"
+lanes=(
+  "bootstrap:tests/test_bootstrap.py:beside"
+  "faults:$faults"
+  "integration:tests/integration ${faults//tests\//--ignore=tests/}"
+  "worker:tests/worker_ext"
+  "images:tests/docker"
+  "deploy:tests/deploy"
+  "unit:tests/controller tests/gpu tests/test_docs.py tests/test_lanes.py"
+  "static:"
+)
+if [ "${1:-}" = --lanes ]; then
+  printf '%s\n' "${lanes[@]}"
+  exit 0
+fi
+
 venv=${HOTSWAP_VENV:-$(scripts/bootstrap.sh)}
 # The venv holds dependencies only: this checkout's code comes first on the path.
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
@@ -79,18 +100,6 @@ if [ $# -gt 0 ]; then
   exit "$rc"
 fi
 
-# Every test folder is in exactly one lane (tests/test_lanes.py holds it); the longest first.
-# A lane marked "beside" waits on the network almost all its time: it starts at once and
-# does not count against the lanes running at once.
-lanes=(
-  "bootstrap:tests/test_bootstrap.py:beside"
-  "integration:tests/integration"
-  "worker:tests/worker_ext"
-  "images:tests/docker"
-  "deploy:tests/deploy"
-  "unit:tests/controller tests/gpu tests/test_docs.py tests/test_lanes.py"
-  "static:"
-)
 jobs_max=${HOTSWAP_CHECK_JOBS:-$(nproc)}
 [ "$jobs_max" -ge 2 ] || jobs_max=2
 logs=$run_tmp/lanes

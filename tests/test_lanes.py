@@ -1,30 +1,44 @@
-"""CI's lanes (scripts/check.sh) cover every test: each test folder and each test file at the
-top of tests/ is in exactly one lane, so a new kind of test cannot drop out of CI."""
+"""CI's lanes (scripts/check.sh --lanes) cover every test: each test file under tests/ is in
+exactly one lane (a lane names it or a folder above it, and does not --ignore it), so a new
+test cannot drop out of CI nor run twice."""
 
 from __future__ import annotations
 
-import re
-from collections import Counter
-from pathlib import Path
+import subprocess
+from pathlib import Path, PurePosixPath
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def lanes() -> dict[str, list[str]]:
-    text = (ROOT / "scripts/check.sh").read_text()
-    block = re.search(r"^lanes=\(\n(.*?)^\)", text, re.S | re.M)
-    assert block, "scripts/check.sh has no lanes=( ... ) block"
-    found = re.findall(r'"([a-z_]+):([^":]*)(?::beside)?"', block.group(1))
-    return {name: paths.split() for name, paths in found}
+    out = subprocess.run(
+        ["scripts/check.sh", "--lanes"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    found = {}
+    for line in out.stdout.splitlines():
+        name, words, *_ = line.split(":")
+        found[name] = words.split()
+    return found
 
 
-def test_every_test_folder_and_file_is_in_exactly_one_lane() -> None:
-    tests = ROOT / "tests"
-    wanted = {f"tests/{p.name}" for p in tests.iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
-    wanted |= {f"tests/{p.name}" for p in tests.glob("test_*.py")}
-    named = Counter(path for paths in lanes().values() for path in paths)
-    assert set(named) == wanted, "scripts/check.sh's lanes and the tests differ"
-    assert [p for p, n in named.items() if n > 1] == [], "a path in two lanes runs twice"
+def covers(words: list[str], path: PurePosixPath) -> bool:
+    def under(word: str) -> bool:
+        return PurePosixPath(word) in (path, *path.parents)
+
+    named = any(under(w) for w in words if not w.startswith("--"))
+    ignored = any(under(w.removeprefix("--ignore=")) for w in words if w.startswith("--ignore="))
+    return named and not ignored
+
+
+def test_every_test_file_is_in_exactly_one_lane() -> None:
+    lanes_ = lanes()
+    wrong = {}
+    for file in sorted((ROOT / "tests").rglob("test_*.py")):
+        path = PurePosixPath(file.relative_to(ROOT).as_posix())
+        where = [name for name, words in lanes_.items() if covers(words, path)]
+        if len(where) != 1:
+            wrong[str(path)] = where
+    assert wrong == {}, "each test file must be in exactly one lane of scripts/check.sh"
 
 
 def test_the_static_checks_have_their_own_lane() -> None:
