@@ -68,9 +68,20 @@ def _excerpt(resp: httpx.Response) -> str:
     return resp.text[:_BODY_EXCERPT]
 
 
-def engine_transport(uds: str | None) -> httpx.AsyncHTTPTransport | None:
-    """The transport to an engine on a Unix socket (vLLM's --uds); None: TCP by URL."""
-    return None if uds is None else httpx.AsyncHTTPTransport(uds=uds)
+# vLLM's server (uvicorn) closes a connection idle for 5 s; httpx would reuse one for 5 s
+# too, so a call sent just as the server closes it met "Server disconnected without sending
+# a response". Idle connections are dropped well before the server's limit instead.
+KEEPALIVE_S = 2.0
+ENGINE_POOL = httpx.Limits(
+    max_connections=100, max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_S
+)
+
+
+def engine_transport(
+    uds: str | None, limits: httpx.Limits = ENGINE_POOL
+) -> httpx.AsyncHTTPTransport:
+    """The transport to an engine: on a Unix socket (vLLM's --uds), else TCP by URL."""
+    return httpx.AsyncHTTPTransport(uds=uds, limits=limits)
 
 
 class EngineClient:
@@ -97,9 +108,9 @@ class EngineClient:
     def _new_client(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.base_url, transport=self._new_transport())
 
-    def _new_transport(self) -> httpx.AsyncBaseTransport | None:
+    def _new_transport(self) -> httpx.AsyncBaseTransport:
         # A closed client closes its transport: each new client gets its own socket pool.
-        if self._transport is None and self.uds is not None:
+        if self._transport is None:
             return engine_transport(self.uds)
         return self._transport
 

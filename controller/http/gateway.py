@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive
 
 from controller.config.settings import Settings
-from controller.engines.engine import engine_transport
+from controller.engines.engine import KEEPALIVE_S, engine_transport
 from controller.errors import ModelNotFound, Refusal
 from controller.fleet.admission import Admission
 from controller.fleet.swap import SwapCoordinator
@@ -104,13 +104,14 @@ class Gateway:
         # The tokens the guard checks every request against (None: the gateway is open).
         self.tokens = settings.auth.gateway_secrets()
         timeout = httpx.Timeout(self.cfg.request_timeout_s, connect=settings.timeouts.control_s)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        # One client per engine: an engine on a Unix socket needs its own transport.
+        limits = httpx.Limits(
+            max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S
+        )
+        # One client per engine, each with its own transport (a Unix socket's or TCP).
         self.clients = {
             m.name: httpx.AsyncClient(
-                transport=transport if transport is not None else engine_transport(m.uds),
+                transport=transport if transport is not None else engine_transport(m.uds, limits),
                 timeout=timeout,
-                limits=limits,
             )
             for m in settings.models
         }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
@@ -316,3 +317,43 @@ async def test_process_start_is_read_from_metrics_without_an_rpc(
     assert await e.process_start() == sign
     assert [r.url.path for r in rec.requests] == ["/metrics"]
     await e.aclose()
+
+
+@pytest.mark.anyio
+async def test_an_idle_connection_is_not_reused_as_the_engine_closes_it() -> None:
+    """vLLM's server closes a connection idle for 5 s. A call that reuses one just then meets
+    "Server disconnected without sending a response" (a /resume failed so in a long swap
+    run). This server closes a connection that was idle for 1.5 s when the next request
+    arrives on it, without an answer: the client must have dropped it by then."""
+    idle_close_s = 1.5
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        last = loop.time()
+        try:
+            while await reader.readuntil(b"\r\n\r\n"):
+                if loop.time() - last >= idle_close_s:
+                    break  # closed as the request crossed it: no answer
+                body = b'{"is_paused": false}'
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (len(body), body)
+                )
+                await writer.drain()
+                last = loop.time()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = EngineClient(f"http://127.0.0.1:{port}", timeouts=TimeoutSettings())
+    try:
+        assert await client.is_paused() is False
+        await asyncio.sleep(idle_close_s + 1.0)  # idle past the server's limit
+        assert await client.is_paused() is False
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
