@@ -25,7 +25,7 @@ def dry_run(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1500,  # a resolve beside other CPU-heavy work takes minutes
     )
 
 

@@ -160,7 +160,7 @@ def test_codec_kernels_under_the_triton_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
     cmd += ["-k", "kernel and not interpreter"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
     tail = done.stdout[-3000:] + done.stderr[-2000:]
     assert done.returncode == 0, tail
     assert " passed" in done.stdout, tail
