@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from controller.reports import Phase, RankView
@@ -230,196 +230,265 @@ def _ranks_text(ranks: Iterable[RankView]) -> str:
     return "[" + ", ".join(str(r.rank) for r in ranks) + "]"
 
 
-def reconcile(obs: Observation, mem: Memory) -> Verdict:
-    """The state the engine's reports support, and the one action to take (see RULES)."""
-    new_process = (
-        obs.reachable
-        and obs.process is not None
-        and mem.process is not None
-        and obs.process != mem.process
-    )
-    process = obs.process if obs.process is not None else mem.process
-    desynced = mem.desynced and not new_process
-    boot_ids = mem.boot_ids if not new_process else None
+@dataclass(frozen=True)
+class _Case:
+    """One reconciliation's inputs and what every verdict carries: the process-level facts
+    (derived once) and, once the ranks were read, what they say (`seen`)."""
 
-    def verdict(rule: str, state: State | None, reason: str, **kw: Any) -> Verdict:
+    obs: Observation
+    mem: Memory
+    desynced: bool
+    process: str | None
+    boot_ids: tuple[str | None, ...] | None
+    new_process: bool
+    seen: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, obs: Observation, mem: Memory) -> _Case:
+        new_process = (
+            obs.reachable
+            and obs.process is not None
+            and mem.process is not None
+            and obs.process != mem.process
+        )
+        return cls(
+            obs,
+            mem,
+            desynced=mem.desynced and not new_process,
+            process=obs.process if obs.process is not None else mem.process,
+            boot_ids=mem.boot_ids if not new_process else None,
+            new_process=new_process,
+        )
+
+    @property
+    def ranks(self) -> tuple[RankView, ...]:
+        assert self.obs.ranks is not None
+        return self.obs.ranks
+
+    def verdict(self, rule: str, state: State | None, reason: str, **kw: Any) -> Verdict:
         fields: dict[str, Any] = {
-            "desynced": desynced,
-            "process": process,
-            "boot_ids": boot_ids,
-            "new_process": new_process,
+            "desynced": self.desynced,
+            "process": self.process,
+            "boot_ids": self.boot_ids,
+            "new_process": self.new_process,
         }
+        fields.update(self.seen)
         fields.update(kw)
         return Verdict(rule, state, _BY_ID[rule].do, reason, **fields)
 
+
+def reconcile(obs: Observation, mem: Memory) -> Verdict:
+    """The state the engine's reports support, and the one action to take (see RULES)."""
+    case = _Case.of(obs, mem)
+    verdict = _engine_gone(case) or _unprobed(case) or _info_failed(case)
+    if verdict is not None:
+        return verdict
+    ids = tuple(r.boot_id for r in case.ranks)
+    new_boot = mem.boot_ids is not None and ids != mem.boot_ids
+    case = replace(case, seen={"boot_ids": ids, "new_process": case.new_process or new_boot})
+    verdict = _ranks_disagree(case) or _not_ours(case)
+    if verdict is not None:
+        return verdict
+    served = mem.served
+    if served is None and obs.served:
+        served = obs.served[0]
+    case = replace(
+        case, seen=case.seen | {"model": mem.model or case.ranks[0].model, "served": served}
+    )
+    phase = case.ranks[0].phase
+    if phase is Phase.AWAKE_VERIFIED:
+        return _awake(case)
+    if phase is Phase.SUSPENDED:
+        return _suspended(case)
+    return _resumed_unverified(case)
+
+
+def _engine_gone(case: _Case) -> Verdict | None:
+    """unreachable, dead, desynced: the process itself cannot be asked anything."""
+    obs = case.obs
     if not obs.reachable:
-        return verdict("unreachable", State.FAILED, _with("engine unreachable", obs.detail))
+        return case.verdict("unreachable", State.FAILED, _with("engine unreachable", obs.detail))
     if not obs.alive:
-        return verdict("dead", State.FAILED, _with("/health 503: the engine died", obs.detail))
-    if desynced:
-        return verdict(
+        return case.verdict("dead", State.FAILED, _with("/health 503: the engine died", obs.detail))
+    if case.desynced:
+        return case.verdict(
             "desynced",
             State.FAILED,
             "an RPC to this engine timed out or failed, so its reply queues may be out of "
             "step; nothing is sent to it until a new process answers (restart it)",
         )
-    if obs.ranks is None and obs.info_error is None:
-        awake = not obs.paused and obs.sleeping is not True
-        fits = (mem.state is State.RUNNING and mem.verified and awake) or (
-            mem.state is State.SUSPENDED and obs.paused
-        )
-        known = obs.process is not None and mem.process == obs.process
-        if fits and known and mem.boot_ids is not None and not mem.fresh:
-            return verdict(
-                "cache-fits",
-                mem.state,
-                "the engine is as last probed",
-                verified=mem.state is State.RUNNING,
-            )
-        return verdict("probe", None, "probe every rank")
-    if obs.info_error is not None or obs.ranks is None:
-        # A reply that never came (or a 5xx) may leave the queues out of step.
-        return verdict(
-            "info-failed",
-            State.FAILED,
-            _with("hotswap_info failed", obs.info_error),
-            desynced=obs.info_may_desync,
-        )
-    ranks = obs.ranks
-    ids = tuple(r.boot_id for r in ranks)
-    new_boot = mem.boot_ids is not None and ids != mem.boot_ids
-    seen = {"boot_ids": ids, "new_process": new_process or new_boot}
+    return None
 
+
+def _unprobed(case: _Case) -> Verdict | None:
+    """cache-fits or probe: hotswap_info was not asked yet."""
+    obs, mem = case.obs, case.mem
+    if obs.ranks is not None or obs.info_error is not None:
+        return None
+    awake = not obs.paused and obs.sleeping is not True
+    fits = (mem.state is State.RUNNING and mem.verified and awake) or (
+        mem.state is State.SUSPENDED and obs.paused
+    )
+    known = obs.process is not None and mem.process == obs.process
+    if fits and known and mem.boot_ids is not None and not mem.fresh:
+        return case.verdict(
+            "cache-fits",
+            mem.state,
+            "the engine is as last probed",
+            verified=mem.state is State.RUNNING,
+        )
+    return case.verdict("probe", None, "probe every rank")
+
+
+def _info_failed(case: _Case) -> Verdict | None:
+    """info-failed (no answer): a reply that never came (or a 5xx) may leave the queues
+    out of step."""
+    obs = case.obs
+    if obs.info_error is None and obs.ranks is not None:
+        return None
+    return case.verdict(
+        "info-failed",
+        State.FAILED,
+        _with("hotswap_info failed", obs.info_error),
+        desynced=obs.info_may_desync,
+    )
+
+
+def _ranks_disagree(case: _Case) -> Verdict | None:
+    """info-failed (a rank not ok), ranks-missing, unreported, rank-failed, poisoned, mixed:
+    the ranks' answers do not make one consistent report."""
+    ranks = case.ranks
     bad = [r for r in ranks if not r.ok]
     if bad:
         detail = "; ".join(f"rank {r.rank}: {r.error or 'ok is not true'}" for r in bad)
-        return verdict("info-failed", State.FAILED, f"hotswap_info failed: {detail}", **seen)
+        return case.verdict("info-failed", State.FAILED, f"hotswap_info failed: {detail}")
     sizes = {r.world_size for r in ranks if r.world_size is not None}
     if not ranks or len(sizes) > 1 or (sizes and sizes != {len(ranks)}):
-        return verdict(
+        return case.verdict(
             "ranks-missing",
             State.FAILED,
             f"{len(ranks)} rank reports for a world of size {sorted(sizes) or '?'}",
-            **seen,
         )
     unreported = [r for r in ranks if r.phase is Phase.UNREPORTED]
     if unreported:
-        return verdict(
+        return case.verdict(
             "unreported",
             State.FAILED,
             f"ranks {_ranks_text(unreported)} report no phase: a worker extension "
             "without the rank's own truth cannot be trusted",
-            **seen,
         )
     failed = [r for r in ranks if r.phase is Phase.FAILED]
     if failed:
         why = "; ".join(f"rank {r.rank}: {r.reason or 'failed'}" for r in failed)
-        return verdict("rank-failed", State.FAILED, f"rank failed: {why}", **seen)
+        return case.verdict("rank-failed", State.FAILED, f"rank failed: {why}")
     poisoned = [r for r in ranks if r.poisoned]
     if poisoned:
-        return verdict(
+        return case.verdict(
             "poisoned",
             State.FAILED,
             f"ranks {_ranks_text(poisoned)}: barrier group poisoned by a timed-out quiesce",
-            **seen,
         )
-    shapes = {(r.phase, r.level, r.tags) for r in ranks}
-    if len(shapes) > 1:
+    if len({(r.phase, r.level, r.tags) for r in ranks}) > 1:
         said = ", ".join(
             f"rank {r.rank} {r.phase.value}"
             + (f" L{r.level}" if r.level is not None else "")
             + (f" {list(r.tags)}" if r.tags else "")
             for r in ranks
         )
-        return verdict("mixed", State.FAILED, f"mixed ranks: {said}", **seen)
-    first = ranks[0]
-    if mem.fresh and any(r.transitions > 0 for r in ranks):
+        return case.verdict("mixed", State.FAILED, f"mixed ranks: {said}")
+    return None
+
+
+def _not_ours(case: _Case) -> Verdict | None:
+    """not-ours, not-this-model: the engine that answers is not the one expected."""
+    ranks = case.ranks
+    if case.mem.fresh and any(r.transitions > 0 for r in ranks):
         n = max(r.transitions for r in ranks)
-        return verdict(
+        return case.verdict(
             "not-ours",
             State.FAILED,
             f"the engine that answers made {n} memory steps: not the process just started",
-            **seen,
         )
-    wrong = _not_this_model(obs, mem, ranks)
+    wrong = _not_this_model(case.obs, case.mem, ranks)
     if wrong is not None:
-        return verdict("not-this-model", State.FAILED, wrong, **seen)
-    served = mem.served
-    if served is None and obs.served:
-        served = obs.served[0]
-    seen |= {"model": mem.model or first.model, "served": served}
-    if first.phase is Phase.AWAKE_VERIFIED:
-        unseen = sorted({t for r in ranks for t in r.allocator_asleep})
-        if unseen:
-            return verdict(
-                "asleep-unseen",
-                State.FAILED,
-                f"every rank awake, but pools {unseen} asleep in vLLM's allocator: put to "
-                "sleep through vLLM's own endpoints without the hotswap backend (its wake "
-                "would not be verified); restart it",
-                **seen,
-            )
-        if obs.paused:
-            return verdict(
-                "interrupted-sleep",
-                State.RESUMING,
-                "paused with every rank awake and verified (a sleep stopped before it "
-                "suspended anything): resume it",
-                **seen,
-            )
-        return verdict(
-            "running",
-            State.RUNNING,
-            "every rank awake and verified",
-            verified=True,
-            host_backup_bytes=sum(r.host_backup_bytes for r in ranks),
-            **seen,
+        return case.verdict("not-this-model", State.FAILED, wrong)
+    return None
+
+
+def _awake(case: _Case) -> Verdict:
+    """asleep-unseen, interrupted-sleep, running: every rank awake_verified."""
+    ranks = case.ranks
+    unseen = sorted({t for r in ranks for t in r.allocator_asleep})
+    if unseen:
+        return case.verdict(
+            "asleep-unseen",
+            State.FAILED,
+            f"every rank awake, but pools {unseen} asleep in vLLM's allocator: put to "
+            "sleep through vLLM's own endpoints without the hotswap backend (its wake "
+            "would not be verified); restart it",
         )
-    if first.phase is Phase.SUSPENDED:
-        level = first.level
-        if not obs.paused:
-            return verdict(
-                "suspended-unpaused",
-                State.FAILED,
-                f"the engine is unpaused with pools {list(first.tags)} suspended",
-                **seen,
-            )
-        return verdict(
-            "suspended",
-            State.SUSPENDED,
-            f"every rank suspended at level {level}, pools {list(first.tags)}",
-            level=level,
-            tags=first.tags,
-            resident_bytes=None
-            if any(r.resident_bytes is None for r in ranks)
-            else sum(r.resident_bytes or 0 for r in ranks),
-            wake_scratch_bytes=sum(r.wake_scratch_bytes for r in ranks),
-            host_backup_bytes=sum(r.host_backup_bytes for r in ranks),
-            **seen,
+    if case.obs.paused:
+        return case.verdict(
+            "interrupted-sleep",
+            State.RESUMING,
+            "paused with every rank awake and verified (a sleep stopped before it "
+            "suspended anything): resume it",
         )
-    # resumed_unverified
-    if not obs.paused:
-        return verdict(
+    return case.verdict(
+        "running",
+        State.RUNNING,
+        "every rank awake and verified",
+        verified=True,
+        host_backup_bytes=sum(r.host_backup_bytes for r in ranks),
+    )
+
+
+def _suspended(case: _Case) -> Verdict:
+    """suspended-unpaused, suspended: every rank suspended alike."""
+    ranks = case.ranks
+    first = ranks[0]
+    if not case.obs.paused:
+        return case.verdict(
+            "suspended-unpaused",
+            State.FAILED,
+            f"the engine is unpaused with pools {list(first.tags)} suspended",
+        )
+    return case.verdict(
+        "suspended",
+        State.SUSPENDED,
+        f"every rank suspended at level {first.level}, pools {list(first.tags)}",
+        level=first.level,
+        tags=first.tags,
+        resident_bytes=None
+        if any(r.resident_bytes is None for r in ranks)
+        else sum(r.resident_bytes or 0 for r in ranks),
+        wake_scratch_bytes=sum(r.wake_scratch_bytes for r in ranks),
+        host_backup_bytes=sum(r.host_backup_bytes for r in ranks),
+    )
+
+
+def _resumed_unverified(case: _Case) -> Verdict:
+    """unverified-unpaused, copies-gone, interrupted-wake: every rank resumed_unverified."""
+    ranks = case.ranks
+    if not case.obs.paused:
+        return case.verdict(
             "unverified-unpaused",
             State.FAILED,
             "the engine is unpaused although its wake was never verified",
-            **seen,
         )
     gone = [r for r in ranks if not r.snapshot_held]
     if gone:
-        return verdict(
+        return case.verdict(
             "copies-gone",
             State.FAILED,
             f"resumed but not verified, and ranks {_ranks_text(gone)} no longer hold "
             "their protected copies: the wake cannot be finished",
-            **seen,
         )
-    return verdict(
+    return case.verdict(
         "interrupted-wake",
         State.RESUMING,
         "resumed but not verified, protected copies held: finish the wake (restore_and_verify)",
-        level=first.level,
-        **seen,
+        level=ranks[0].level,
     )
 
 
