@@ -174,149 +174,214 @@ def plan_wake(
         return WakePlan(target, Decision.NOOP, f"already {t.state.value}")
     if t.state is not State.SUSPENDED:
         return WakePlan(target, Decision.REFUSE, f"cannot wake a model in state {t.state.value}")
-    mine = t.placement
-    budgets = {d: _budget_of(budget, d) for d in mine}
-    on = {d: [m for m in models if d in m.placement] for d in mine}
-    # Awake footprints are estimated per device from the models that share it.
-    sizes = {
-        m.name: estimate(m, on[d], budgets[d])
-        for d in mine
-        for m in on[d]
-        if m.name == target or m.holds
-    }
-    peers = [m for m in models if m.name != target and m.holds and set(m.placement) & set(mine)]
-    scratch = max(0, t.wake_scratch_bytes)
-    need_total = sizes[target] + scratch
-    need = {d: _share(need_total, t) for d in mine}
-    # Sleepers the plan takes deep: their leftover is freed (the third tier).
-    deepened: list[str] = []
+    w = _Wake.of(t, models, budget)
+    refused = w.beyond_budget()
+    if refused is not None:
+        return refused
+    if w.fits():
+        return w.plan(Decision.WAKE, _fit_reasons(w.mine, w.used_on, w.need, w.budgets))
+    short = w.over_text()
+    took = w.deepen_sleepers()
+    if took and w.fits():
+        return w.plan(Decision.DEEPEN, f"over budget ({short}): {took}")
+    return w.evict_or_refuse(now, short, took, allow_evict)
 
-    def leftover(d: str) -> int:
+
+class _Wake:
+    """One wake being planned: what the target needs on each of its devices, what the
+    models sharing them hold, and the sleepers taken deep so far (the plan's steps)."""
+
+    def __init__(
+        self,
+        t: ModelView,
+        models: Sequence[ModelView],
+        budgets: dict[str, Budget],
+        sizes: dict[str, int],
+    ) -> None:
+        self.t = t
+        self.models = models
+        self.by_name = {m.name: m for m in models}
+        self.mine = t.placement
+        self.budgets = budgets
+        self.on = {d: [m for m in models if d in m.placement] for d in self.mine}
+        self.sizes = sizes
+        self.peers = [
+            m for m in models if m.name != t.name and m.holds and set(m.placement) & set(self.mine)
+        ]
+        self.scratch = max(0, t.wake_scratch_bytes)
+        self.need_total = sizes[t.name] + self.scratch
+        self.need = {d: _share(self.need_total, t) for d in self.mine}
+        # Sleepers the plan takes deep: their leftover is freed (the third tier).
+        self.deepened: list[str] = []
+
+    @classmethod
+    def of(
+        cls, t: ModelView, models: Sequence[ModelView], budget: Budget | Mapping[str, Budget]
+    ) -> _Wake:
+        mine = t.placement
+        budgets = {d: _budget_of(budget, d) for d in mine}
+        on = {d: [m for m in models if d in m.placement] for d in mine}
+        # Awake footprints are estimated per device from the models that share it.
+        sizes = {
+            m.name: estimate(m, on[d], budgets[d])
+            for d in mine
+            for m in on[d]
+            if m.name == t.name or m.holds
+        }
+        return cls(t, models, budgets, sizes)
+
+    def leftover(self, d: str) -> int:
         """What every live engine on `d` holds besides its pools, evicted or not (the
         target's too), but the sleepers taken deep."""
-        return sum(_share(m.asleep_bytes, m) for m in on[d] if m.leaves and m.name not in deepened)
+        return sum(
+            _share(m.asleep_bytes, m)
+            for m in self.on[d]
+            if m.leaves and m.name not in self.deepened
+        )
 
-    def used_on(d: str, gone: Iterable[str] = ()) -> tuple[int, int]:
+    def used_on(self, d: str, gone: Iterable[str] = ()) -> tuple[int, int]:
         out = set(gone)
-        held = [p for p in peers if d in p.placement and p.name not in out]
-        return sum(_share(sizes[p.name], p) for p in held) + leftover(d), len(held)
+        held = [p for p in self.peers if d in p.placement and p.name not in out]
+        return sum(_share(self.sizes[p.name], p) for p in held) + self.leftover(d), len(held)
 
-    def fits(gone: Iterable[str] = ()) -> bool:
+    def fits(self, gone: Iterable[str] = ()) -> bool:
         gone = tuple(gone)
-        return all(_fits(*used_on(d, gone), need[d], budgets[d]) for d in mine)
+        return all(_fits(*self.used_on(d, gone), self.need[d], self.budgets[d]) for d in self.mine)
 
-    def over(gone: Iterable[str] = ()) -> list[str]:
+    def over(self, gone: Iterable[str] = ()) -> list[str]:
         gone = tuple(gone)
-        return [d for d in mine if not _fits(*used_on(d, gone), need[d], budgets[d])]
+        return [
+            d for d in self.mine if not _fits(*self.used_on(d, gone), self.need[d], self.budgets[d])
+        ]
 
-    def over_text() -> str:
+    def over_text(self) -> str:
         parts = [
-            _over(*used_on(d), need[d], budgets[d]) + ("" if len(mine) == 1 else f" on {d}")
-            for d in over()
+            _over(*self.used_on(d), self.need[d], self.budgets[d])
+            + ("" if len(self.mine) == 1 else f" on {d}")
+            for d in self.over()
         ]
         return "; ".join(parts)
 
-    first = mine[0]
-
     def plan(
-        decision: Decision, why: str, evict: tuple[str, ...] = (), retry: float | None = None
+        self, decision: Decision, why: str, evict: tuple[str, ...] = (), retry: float | None = None
     ) -> WakePlan:
-        deep = tuple(deepened) if decision in (Decision.EVICT, Decision.DEEPEN) else ()
+        mine, need, scratch = self.mine, self.need, self.scratch
+        deep = tuple(self.deepened) if decision in (Decision.EVICT, Decision.DEEPEN) else ()
         # With one device the figures are that device's; with several, the tightest's.
-        dev = max(mine, key=lambda d: used_on(d)[0] + need[d]) if len(mine) > 1 else first
+        dev = max(mine, key=lambda d: self.used_on(d)[0] + need[d]) if len(mine) > 1 else mine[0]
         if scratch:
             why += f" (the need includes {mib(scratch)} of scratch the wake holds while it runs)"
         return WakePlan(
-            target,
+            self.t.name,
             decision,
             why,
             evict,
-            need[dev] if len(mine) > 1 else need_total,
-            used_on(dev)[0],
-            budgets[dev].bytes,
+            need[dev] if len(mine) > 1 else self.need_total,
+            self.used_on(dev)[0],
+            self.budgets[dev].bytes,
             retry,
             devices=mine,
-            scratch_bytes=_share(scratch, t) if len(mine) > 1 else scratch,
+            scratch_bytes=_share(scratch, self.t) if len(mine) > 1 else scratch,
             deepen=deep,
         )
 
-    for d in mine:
-        b = budgets[d]
-        if b.bytes is not None and need[d] > b.bytes:
-            where = "" if len(mine) == 1 else f" on device {d}"
-            why = f"needs {mib(need[d])}{where}, more than the whole budget of {mib(b.bytes)}"
-            return plan(Decision.REFUSE, why)
-        if b.max_awake is not None and b.max_awake < 1:
-            return plan(Decision.REFUSE, "the budget allows no awake model")
-    if fits():
-        return plan(Decision.WAKE, _fit_reasons(mine, used_on, need, budgets))
-    short = over_text()
-    deepable = sorted(
-        (m for m in models if m.name != target and _may_deepen(m) and set(m.placement) & set(mine)),
-        key=lambda m: (m.last_used, m.name),
-    )
-    for m in deepable:
-        if fits():
-            break
-        if set(m.placement) & set(over()):  # frees something where room is short
-            deepened.append(m.name)
-    if deepened:
-        freed = sum(by_name[n].asleep_bytes for n in deepened)
-        took = f"taking {', '.join(deepened)} deep first (frees {mib(freed)} left beside pools)"
-        if fits():
-            return plan(Decision.DEEPEN, f"over budget ({short}): {took}")
+    def beyond_budget(self) -> WakePlan | None:
+        """A refusal when no eviction could ever make room on some device."""
+        for d in self.mine:
+            b = self.budgets[d]
+            if b.bytes is not None and self.need[d] > b.bytes:
+                where = "" if len(self.mine) == 1 else f" on device {d}"
+                why = (
+                    f"needs {mib(self.need[d])}{where}, "
+                    f"more than the whole budget of {mib(b.bytes)}"
+                )
+                return self.plan(Decision.REFUSE, why)
+            if b.max_awake is not None and b.max_awake < 1:
+                return self.plan(Decision.REFUSE, "the budget allows no awake model")
+        return None
 
-    min_awake = max(budgets[d].min_awake_s for d in mine)
-    idle = sorted(
-        (p for p in peers if p.state is State.RUNNING and not p.pinned),
-        key=lambda p: (p.last_used, p.name),
-    )
-    ready = [p for p in idle if _awake_for(p, now) >= min_awake]
-    fresh = [p for p in idle if _awake_for(p, now) < min_awake]
-
-    chosen: list[str] = []
-    for p in ready:
-        if fits(chosen):
-            break
-        if set(p.placement) & set(over(chosen)):  # frees something where room is short
-            chosen.append(p.name)
-    if fits(chosen):
-        names = tuple(chosen)
-        lru = ", ".join(f"{n} (idle {max(0.0, now - by_name[n].last_used):.1f} s)" for n in chosen)
-        if not allow_evict:
-            why = f"does not fit without evicting {', '.join(names)}, and evict=false"
-            return plan(Decision.REFUSE, why, names)
-        why = f"over budget ({short}): " + (f"{took}, then " if deepened else "")
-        return plan(Decision.EVICT, why + f"evicting LRU {lru}", names)
-
-    # Not enough even with every evictable model asleep: would the fresh ones do, later?
-    gone = list(chosen)
-    for p in sorted(fresh, key=lambda p: (min_awake - _awake_for(p, now), p.name)):
-        gone.append(p.name)
-        if fits(gone):
-            wait = min_awake - _awake_for(p, now)
-            young = ", ".join(q.name for q in fresh)
-            why = (
-                f"over budget ({over_text()}): {young} awake for less "
-                f"than min_awake_s={min_awake:g}"
-            )
-            return plan(Decision.REFUSE, why, retry=max(0.0, wait))
-    pinned = [p.name for p in peers if p.pinned]
-    busy = [f"{p.name} ({p.state.value})" for p in peers if p.state is not State.RUNNING]
-    held = "; ".join(
-        part
-        for part in (
-            f"pinned: {', '.join(pinned)}" if pinned else "",
-            f"busy: {', '.join(busy)}" if busy else "",
+    def deepen_sleepers(self) -> str:
+        """Take sleepers deep, least recently used first, until the target fits; what was
+        taken, as the reason says it ("" if none)."""
+        deepable = sorted(
+            (
+                m
+                for m in self.models
+                if m.name != self.t.name and _may_deepen(m) and set(m.placement) & set(self.mine)
+            ),
+            key=lambda m: (m.last_used, m.name),
         )
-        if part
-    )
-    why = f"over budget ({over_text()}) and nothing evictable"
-    if held:
-        why += f" ({held})"
-    # A busy peer settles by itself: worth retrying; pinned ones never move.
-    retry = 1.0 if busy else None
-    return plan(Decision.REFUSE, why, retry=retry)
+        for m in deepable:
+            if self.fits():
+                break
+            if set(m.placement) & set(self.over()):  # frees something where room is short
+                self.deepened.append(m.name)
+        if not self.deepened:
+            return ""
+        freed = sum(self.by_name[n].asleep_bytes for n in self.deepened)
+        return (
+            f"taking {', '.join(self.deepened)} deep first (frees {mib(freed)} left beside pools)"
+        )
+
+    def evict_or_refuse(self, now: float, short: str, took: str, allow_evict: bool) -> WakePlan:
+        """Evict idle awake peers, least recently used first; else refuse, saying when a
+        retry could succeed."""
+        min_awake = max(self.budgets[d].min_awake_s for d in self.mine)
+        idle = sorted(
+            (p for p in self.peers if p.state is State.RUNNING and not p.pinned),
+            key=lambda p: (p.last_used, p.name),
+        )
+        ready = [p for p in idle if _awake_for(p, now) >= min_awake]
+        fresh = [p for p in idle if _awake_for(p, now) < min_awake]
+        chosen: list[str] = []
+        for p in ready:
+            if self.fits(chosen):
+                break
+            if set(p.placement) & set(self.over(chosen)):  # frees something where room is short
+                chosen.append(p.name)
+        if self.fits(chosen):
+            names = tuple(chosen)
+            lru = ", ".join(
+                f"{n} (idle {max(0.0, now - self.by_name[n].last_used):.1f} s)" for n in chosen
+            )
+            if not allow_evict:
+                why = f"does not fit without evicting {', '.join(names)}, and evict=false"
+                return self.plan(Decision.REFUSE, why, names)
+            why = f"over budget ({short}): " + (f"{took}, then " if took else "")
+            return self.plan(Decision.EVICT, why + f"evicting LRU {lru}", names)
+        return self.refuse(now, chosen, fresh, min_awake)
+
+    def refuse(
+        self, now: float, chosen: list[str], fresh: list[ModelView], min_awake: float
+    ) -> WakePlan:
+        """Not enough even with every evictable model asleep: would the fresh ones do, later?"""
+        gone = list(chosen)
+        for p in sorted(fresh, key=lambda p: (min_awake - _awake_for(p, now), p.name)):
+            gone.append(p.name)
+            if self.fits(gone):
+                wait = min_awake - _awake_for(p, now)
+                young = ", ".join(q.name for q in fresh)
+                why = (
+                    f"over budget ({self.over_text()}): {young} awake for less "
+                    f"than min_awake_s={min_awake:g}"
+                )
+                return self.plan(Decision.REFUSE, why, retry=max(0.0, wait))
+        pinned = [p.name for p in self.peers if p.pinned]
+        busy = [f"{p.name} ({p.state.value})" for p in self.peers if p.state is not State.RUNNING]
+        held = "; ".join(
+            part
+            for part in (
+                f"pinned: {', '.join(pinned)}" if pinned else "",
+                f"busy: {', '.join(busy)}" if busy else "",
+            )
+            if part
+        )
+        why = f"over budget ({self.over_text()}) and nothing evictable"
+        if held:
+            why += f" ({held})"
+        # A busy peer settles by itself: worth retrying; pinned ones never move.
+        retry = 1.0 if busy else None
+        return self.plan(Decision.REFUSE, why, retry=retry)
 
 
 def measured_budget(free: int, device: str, models: Sequence[ModelView]) -> int:
