@@ -94,7 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hotswap", description="Sidecar that sleeps and wakes vLLM servers, verified."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve(sub)
+    _add_client(sub.add_parser("status", help="one line per model"))
+    _add_sleep(sub)
+    _add_wake(sub)
+    return parser
 
+
+def _add_serve(sub: Any) -> None:
     serve = sub.add_parser("serve", help="run the sidecar")
     serve.add_argument(
         "--config", type=Path, help="YAML models file (env: HOTSWAP_CONFIG_FILE)", metavar="PATH"
@@ -152,19 +159,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--demo-dir", type=Path, metavar="PATH", help="work dir of --demo (env: HOTSWAP_DEMO_DIR)"
     )
 
-    def client(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--url", help=f"sidecar URL (env: HOTSWAP_URL; default {DEFAULT_URL})")
-        p.add_argument("--token", help="bearer token; prefer HOTSWAP_TOKEN: a flag shows in ps")
-        p.add_argument(
-            "--timeout",
-            type=float,
-            help=f"seconds to wait for an answer (env: HOTSWAP_CLIENT_TIMEOUT; "
-            f"default {DEFAULT_CLIENT_TIMEOUT_S:g})",
-        )
 
-    status = sub.add_parser("status", help="one line per model")
-    client(status)
+def _add_client(p: argparse.ArgumentParser) -> None:
+    """The options every client subcommand shares."""
+    p.add_argument("--url", help=f"sidecar URL (env: HOTSWAP_URL; default {DEFAULT_URL})")
+    p.add_argument("--token", help="bearer token; prefer HOTSWAP_TOKEN: a flag shows in ps")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        help=f"seconds to wait for an answer (env: HOTSWAP_CLIENT_TIMEOUT; "
+        f"default {DEFAULT_CLIENT_TIMEOUT_S:g})",
+    )
 
+
+def _add_sleep(sub: Any) -> None:
     sleep = sub.add_parser("sleep", help="put a model to sleep")
     sleep.add_argument("name")
     sleep.add_argument("--level", type=int, choices=[1, 2], help="default: the model's own")
@@ -178,8 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the KV cache, so the prefix cache hits after the wake (level 1 only)",
     )
     sleep.add_argument("--no-wait", action="store_true", help="return at once (202)")
-    client(sleep)
+    _add_client(sleep)
 
+
+def _add_wake(sub: Any) -> None:
     wake = sub.add_parser("wake", help="wake a model (the policy may put others to sleep)")
     wake.add_argument("name")
     wake.add_argument(
@@ -188,8 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="put nothing else to sleep: refused (409, with the reason) when there is no room",
     )
     wake.add_argument("--no-wait", action="store_true", help="return at once (202)")
-    client(wake)
-    return parser
+    _add_client(wake)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
