@@ -43,6 +43,31 @@ def engine_env(**env: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def _worker_classes() -> list[type[Any]]:
+    """The worker classes an in-process engine may grow: vLLM mixes the worker extension into
+    the worker class's own bases (`worker_extension_cls`), once per process."""
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    from worker_ext import sleepworker
+
+    return [CPUWorker, sleepworker.worker_class("cpu")]
+
+
+@contextlib.contextmanager
+def worker_bases_kept() -> Iterator[None]:
+    """The worker classes' bases as they were before the block: an engine started with the
+    test extension leaves it in CPUWorker's bases, and a later engine with
+    `worker_ext.HotSwapWorker` (a CPUWorker) then inherits it and vLLM refuses the extension
+    as a conflict; so every engine starts from the same classes whatever ran before it."""
+    classes = _worker_classes()
+    kept = [(cls, cls.__bases__) for cls in classes]
+    try:
+        yield
+    finally:
+        for cls, bases in kept:
+            cls.__bases__ = bases
+
+
 @contextlib.contextmanager
 def in_process_llm(
     model: str | os.PathLike[str],
@@ -53,16 +78,17 @@ def in_process_llm(
 ) -> Iterator[Any]:
     """A `vllm.LLM` with the test extension (ENGINE_ARGS, then `args`), started under `env`
     (default: one process), the test scale planted when `plant` is given; always shut down."""
-    with engine_env(**{"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}):
-        from vllm import LLM
+    with worker_bases_kept():
+        with engine_env(**{"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}):
+            from vllm import LLM
 
-        engine = LLM(model=str(model), **{**ENGINE_ARGS, **args})
-    try:
-        if plant is not None:
-            ok(engine, "hotswap_test_plant", plant)
-        yield engine
-    finally:
-        shutdown(engine)
+            engine = LLM(model=str(model), **{**ENGINE_ARGS, **args})
+        try:
+            if plant is not None:
+                ok(engine, "hotswap_test_plant", plant)
+            yield engine
+        finally:
+            shutdown(engine)
 
 
 def generate(
