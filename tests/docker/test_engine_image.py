@@ -106,7 +106,7 @@ def _engine_processes(box: imagetools.Container) -> int:
     found = box.exec(
         "sh",
         "-c",
-        f"{script} | grep -v '[c]ontroller.reaper' | grep -c '[v]llm.entrypoints.openai'",
+        f"{script} | grep -v '[c]ontroller.engines.reaper' | grep -c '[v]llm.entrypoints.openai'",
     )
     return int(found.stdout.strip() or 0)
 
