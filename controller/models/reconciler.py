@@ -240,24 +240,33 @@ class Reconciler:
             )
             return
         if target in (State.RUNNING, State.SUSPENDED):
-            running = target is State.RUNNING
-            kept: dict[str, Any] = {"error": failure, "last_error": failure}
-            if running:
-                kept |= {"verified": True, "level": None, "resident_bytes": None}
-            else:  # what the ranks say they hold asleep, when they say it
-                held = v.resident_bytes if v.resident_bytes is not None else snap.resident_bytes
-                kept |= {"level": v.level, "resident_bytes": held}
-            if snap.state is target:  # e.g. a start-up probe of what was known
-                self.runner.finish_same(run, **kept)
-                return
-            if running:
-                event = Event.STARTED if snap.state is State.STARTING else Event.PROBED_RUNNING
-            else:
-                event, kept["verified"] = Event.PROBED_SUSPENDED, False
-            self.runner.finish(run, event, target, **kept)
+            self._settle(run, v, target, failure)
             return
-        # RESUMING: finish what a sleep or a wake left undone, then RUNNING.
-        self.runner.apply(_EVENT[target], phase="reconcile", verified=False)
+        await self._finish_resuming(run, v, failure)
+
+    def _settle(self, run: Run, v: Verdict, target: State, failure: str | None) -> None:
+        """RUNNING or SUSPENDED: record what the ranks hold, with the event from the state
+        before (none when it stands)."""
+        snap = self.record.snapshot
+        running = target is State.RUNNING
+        kept: dict[str, Any] = {"error": failure, "last_error": failure}
+        if running:
+            kept |= {"verified": True, "level": None, "resident_bytes": None}
+        else:  # what the ranks say they hold asleep, when they say it
+            held = v.resident_bytes if v.resident_bytes is not None else snap.resident_bytes
+            kept |= {"level": v.level, "resident_bytes": held}
+        if snap.state is target:  # e.g. a start-up probe of what was known
+            self.runner.finish_same(run, **kept)
+            return
+        if running:
+            event = Event.STARTED if snap.state is State.STARTING else Event.PROBED_RUNNING
+        else:
+            event, kept["verified"] = Event.PROBED_SUSPENDED, False
+        self.runner.finish(run, event, target, **kept)
+
+    async def _finish_resuming(self, run: Run, v: Verdict, failure: str | None) -> None:
+        """RESUMING: finish what a sleep or a wake left undone, then RUNNING."""
+        self.runner.apply(_EVENT[State.RESUMING], phase="reconcile", verified=False)
         params = protocol.Params(level=v.level or 1, quiesce_timeout_s=self.timeouts.quiesce_s)
         try:
             await self.runner.run(run, finish_steps(v), params)
