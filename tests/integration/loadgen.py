@@ -119,6 +119,9 @@ class Load:
         self.livez_every_s = livez_every_s
         self.report = Report()
         self._stop = threading.Event()
+        self._open = threading.Event()  # cleared by `pause`: no new completion starts
+        self._open.set()
+        self.in_flight = 0  # completions started and not yet answered
         self._thread = threading.Thread(target=self._run, name="soak-load", daemon=True)
 
     def start(self) -> None:
@@ -148,6 +151,19 @@ class Load:
             self.report.problem("hung", "the load generator did not stop")
         return self.report.summary()
 
+    def pause(self, timeout_s: float = 120.0) -> bool:
+        """Start no new completion and wait (bounded) until none is in flight, e.g. before
+        the soak SIGKILLs an engine: a stream cut by a killed engine is the kill's, not the
+        sidecar's. True when none was left in flight."""
+        self._open.clear()
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.in_flight == 0
+
+    def resume(self) -> None:
+        self._open.set()
+
     def _run(self) -> None:
         asyncio.run(self._main())
 
@@ -168,8 +184,15 @@ class Load:
         rng = random.Random(i)
         prompts = sorted({p for _, p, _ in self.refs})
         while not self._stop.is_set():
+            if not self._open.is_set():
+                await asyncio.sleep(0.05)
+                continue
             model, prompt, stream = self.target, rng.choice(prompts), rng.random() < 0.5
-            await self._request(gw, model, prompt, stream)
+            self.in_flight += 1
+            try:
+                await self._request(gw, model, prompt, stream)
+            finally:
+                self.in_flight -= 1
 
     async def _request(self, gw: httpx.AsyncClient, model: str, prompt: str, stream: bool) -> None:
         want = self.refs[(model, prompt, stream)]
