@@ -10,7 +10,8 @@ retries after it). Nothing lost (a transport error, another status, a broken str
 hung past its timeout, no verification failure, the gateway's own count of 200s equal to the
 clients'. The sidecar's RSS and each awake engine's RSS are sampled every cycle; each
 engine's must stay flat (within 10%), the sidecar's within the pod's limit (under load its
-drift is reported). The load pauses (no completion in flight) around each kill. At the end the sidecar is SIGKILLed: no engine process may outlive it.
+drift is reported). The load pauses (no completion in flight) around each kill. At the
+end the sidecar is SIGKILLed: no engine process may outlive it.
 
 Under load the whole time (tests/integration/loadgen.py): clients at the gateway's
 `max_concurrent` cap on the cycle's model (the same oracle), bodies at the body and depth
