@@ -280,8 +280,16 @@ def control_table(auth: bool) -> dict[tuple[str, str], Route]:
             HealthBody,
         ),
     }
+    # A sleep's 422 is also a deep sleep that cannot be done here (the reason, no `details`).
+    sleep = {
+        **transition,
+        422: err(
+            "A parameter or the body is invalid (`details`), or a deep sleep cannot be done "
+            "here (DeepSleepRefused: why; nothing changed)."
+        ),
+    }
     return {
-        ("post", "/models/{name}/sleep"): Route(transition),
+        ("post", "/models/{name}/sleep"): Route(sleep),
         ("post", "/models/{name}/wake"): Route(transition),
         ("get", "/models"): Route({200: Answer("Every model.", ModelsBody), **invalid, **guarded}),
         ("get", "/models/{name}"): Route(
