@@ -382,7 +382,10 @@ def test_sidecar_sigkill(
         assert audit.status_code == 409, audit.text
     sidecar.kill()
     if long is not None:
-        long.join(120)  # the engine finishes it, then stays paused: nobody resumes it
+        # The engine finishes it, then stays paused: nobody resumes it. Waited for to the
+        # end: on a starved machine a request still running would hold the next case's drain.
+        long.join(600)
+        assert not long.is_alive(), "the long request did not end"
     t0 = time.monotonic()
     sidecar.start()
     _settle_and_check(sidecar, eng, baseline, case, t0)
