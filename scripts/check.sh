@@ -34,7 +34,7 @@ lanes=(
   "worker:tests/worker_ext"
   "images:tests/docker"
   "deploy:tests/deploy"
-  "unit:tests/controller tests/gpu tests/test_docs.py tests/test_lanes.py"
+  "unit:tests/controller tests/gpu tests/test_docs.py tests/test_lanes.py tests/test_shape.py"
   "static:"
 )
 if [ "${1:-}" = --lanes ]; then
