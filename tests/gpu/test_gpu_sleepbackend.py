@@ -9,6 +9,7 @@ engine (no completion after it); Gemma3n's level 2 in vLLM's own order keeps its
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -35,14 +36,27 @@ def sums(eng: Engine) -> dict[str, list[float]]:
 
 @pytest.fixture(scope="module")
 def llama(model_dir: Callable[[str], Path], engines: Callable[..., Engine]) -> Engine:
-    return engines(model_dir("llama"), **GRAPHS, **BACKEND)
+    """With HOTSWAP_TEST_UNREACHABLE=1 (gpu_ext plants its unreachable tensors in both
+    pools, before the graphs are captured; tests/gpu/test_gpu_ranges.py)."""
+    old = os.environ.get("HOTSWAP_TEST_UNREACHABLE")
+    os.environ["HOTSWAP_TEST_UNREACHABLE"] = "1"  # the engine's process inherits it
+    try:
+        return engines(model_dir("llama"), **GRAPHS, **BACKEND)
+    finally:
+        if old is None:
+            os.environ.pop("HOTSWAP_TEST_UNREACHABLE", None)
+        else:
+            os.environ["HOTSWAP_TEST_UNREACHABLE"] = old
 
 
 @pytest.mark.parametrize("level", [1, 2])
 def test_vllms_own_sleep_and_wake_with_graphs(llama: Engine, level: int) -> None:
-    base = llama.gen()
-    llama.rpc("hotswap_test_planted", 1.25)
+    llama.rpc("hotswap_test_planted", 1.25)  # read by every forward: a lost one shows
+    llama.llm.reset_prefix_cache()  # no KV cache computed before the fill is reused
     planted = sums(llama)
+    assert set(planted) == {"weights", "kv_cache"}, planted
+    assert all(s == [320.0] * 3 for s in planted.values()), planted
+    base = llama.gen()
     for cycle in range(2):
         llama.llm.sleep(level)
         asleep = llama.rpc("hotswap_info")
