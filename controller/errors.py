@@ -11,6 +11,7 @@ runner, controller.models.runner), and errors are mapped to HTTP status codes in
      ├── Unauthorized                 401
      ├── DrainTimeout                 504  drain=wait gave up; still RUNNING, nothing touched
      ├── Refusal                      4xx/5xx  the gateway answers a /v1 request itself
+     ├── NotAdmitting                 503  starting or shutting down: no sleep or wake now
      ├── EngineStartError             502  an engine process would not start (engines.launcher)
      └── EngineError                  502  the engine answered wrongly: FAILED
           ├── EngineUnavailable       502  not reachable
@@ -169,6 +170,25 @@ class Refusal(HotswapError):
         self.reason = reason  # the hotswap_gateway_refused_total label, when it counts
         self.retry_after_s = retry_after_s
         self.detail = dict(detail or {})
+
+
+class NotAdmitting(HotswapError):
+    """A sleep or wake asked while the sidecar starts (its start-up reconciliation) or shuts
+    down (a SIGTERM's drain and stop): refused before anything is asked of the model."""
+
+    status = 503
+
+    def __init__(
+        self, message: str, *, reason: str, retry_after_s: float, model: str | None = None
+    ) -> None:
+        super().__init__(message, model=model)
+        self.reason = reason  # "starting" or "shutting_down"
+        self.retry_after_s = retry_after_s
+
+    def to_dict(self) -> dict[str, object]:
+        out = super().to_dict()
+        out["reason"] = self.reason
+        return out
 
 
 def http_status(exc: BaseException) -> int:

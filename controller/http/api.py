@@ -25,6 +25,7 @@ from controller.config.bounds import HOUR_S
 from controller.config.settings import Settings
 from controller.errors import (
     HotswapError,
+    NotAdmitting,
 )
 from controller.fleet.coordinator import Coordinator
 from controller.fleet.supervisor import Supervisor
@@ -89,6 +90,21 @@ def get_model(name: str, manager: ManagerDep) -> ModelManager:
 ModelDep = Annotated[ModelManager, Depends(get_model)]
 
 
+def admitting(name: str, ctx: AppContext) -> None:
+    """A sleep's or wake's first step once its input is judged (404, 422 as always): while
+    the sidecar starts or shuts down, 503 NotAdmitting with Retry-After, before anything is
+    asked of the model."""
+    life = ctx.manager.life
+    why = life.reason()
+    if why is not None:
+        raise NotAdmitting(
+            why,
+            reason="shutting_down" if life.stopping else "starting",
+            retry_after_s=ctx.settings.gateway.retry_after_s,
+            model=name,
+        )
+
+
 # ----------------------------------------------------------------------------- request bodies
 
 Level = Annotated[int, Field(ge=1, le=2, strict=True, description="Sleep level: 1 or 2.")]
@@ -143,6 +159,7 @@ async def sleep_model(
     wait: bool = True,
 ) -> Response:
     req = body if body is not None else SleepBody.model_validate({})
+    admitting(name, ctx)
     if req.keep_prefix_cache and (req.level or model.settings.default_level) != 1:
         message = (
             "keep_prefix_cache applies to level 1 only, and this model sleeps at level "
@@ -167,6 +184,7 @@ async def wake_model(
 ) -> Response:
     """Hot-swap mode: the swap policy decides (evicting LRU models unless evict=false, which
     answers 409 with the reason instead); its decision is in the answer's `policy`."""
+    admitting(name, ctx)
     if not wait:
         return _accepted(name, ctx.coordinator.begin_wake(model, evict=evict))
     result = await ctx.coordinator.wake(model, evict=evict)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http
 import logging
+import math
 from typing import Any
 
 from fastapi import Request, Response
@@ -19,7 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from controller.errors import HotswapError, Unauthorized, http_status
+from controller.errors import HotswapError, NotAdmitting, Unauthorized, http_status
 from controller.http.guard import Refused
 
 log = logging.getLogger("hotswap.api")
@@ -48,7 +49,11 @@ async def hotswap_error(request: Request, exc: Exception) -> Response:
             exc.message,
             extra={"model": exc.model or request.path_params.get("name"), "phase": exc.phase},
         )
-    headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else None
+    headers: dict[str, str] | None = None
+    if isinstance(exc, Unauthorized):
+        headers = {"WWW-Authenticate": "Bearer"}
+    elif isinstance(exc, NotAdmitting):
+        headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
     return JSONResponse(error_body(exc, request), status_code=status, headers=headers)
 
 

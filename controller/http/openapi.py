@@ -266,6 +266,12 @@ def control_table(auth: bool) -> dict[tuple[str, str], Route]:
             "Not now: the opposite transition is in flight, the model is FAILED, "
             "or (wake) the policy refuses."
         ),
+        503: Answer(
+            "NotAdmitting: the sidecar is starting (its start-up reconciliation) or shutting "
+            "down (`reason`); nothing changed. Try again after Retry-After.",
+            ErrorBody,
+            headers=["Retry-After"],
+        ),
         504: err("An engine call or the drain timed out."),
         **missing,
         **invalid,

@@ -36,9 +36,10 @@ def sidecar(engines: dict[str, Engine], **settings: object) -> Sidecar:
 
 def test_the_control_port_binds_before_the_start_up_reconciliation() -> None:
     """An engine that takes its time to answer the start-up probe: the port is bound at
-    once, /livez answers, readiness answers 503 with the reason; once the probe is done,
-    200. The reconciliation used to run before the bind (a long one met the
-    startupProbe's limit)."""
+    once, /livez answers, readiness answers 503 with the reason, and so do a sleep and a
+    wake (NotAdmitting, with Retry-After: they answered 409); once the probe is done, 200.
+    The reconciliation used to run before the bind (a long one met the startupProbe's
+    limit)."""
 
     async def body() -> None:
         engines = {"a": Engine(FakeVllm(name="a", world_size=1))}
@@ -61,6 +62,11 @@ def test_the_control_port_binds_before_the_start_up_reconciliation() -> None:
                     r = await client.get(path)
                     assert r.status_code == 503
                     assert r.json()["reason"] == STARTING
+                for verb in ("sleep", "wake"):  # no state change before the probes end
+                    r = await client.post(f"/models/a/{verb}")
+                    assert r.status_code == 503, r.text
+                    assert (r.json()["reason"], r.json()["message"]) == ("starting", STARTING)
+                    assert r.headers["Retry-After"]
                 assert not side.started.is_set()
                 probe.set()
                 await asyncio.wait_for(side.started.wait(), 5)
@@ -137,6 +143,79 @@ def test_a_drain_is_bounded_by_its_grace() -> None:
             assert await side.drain(0.1) == 1  # still in flight when the grace ran out
             hold.set()
             await first
+        await side.stop()
+
+    run(body)
+
+
+def test_a_draining_sidecar_refuses_sleep_and_wake_and_changes_nothing() -> None:
+    """From a SIGTERM on, the control API's state changes answer 503 NotAdmitting with
+    Retry-After and the reason (bad input is still judged first: 404, 422), and nothing is
+    asked of an engine: the awake model stays RUNNING, the sleeping one SUSPENDED. They used to be
+    accepted: a sleep ran (drained, suspended) and a wake resumed an engine the stop was
+    about to take down."""
+
+    async def body() -> None:
+        engines = {
+            "a": Engine(FakeVllm(name="a", world_size=1)),
+            "b": Engine(FakeVllm(name="b", world_size=1).asleep()),
+        }
+        side = sidecar(engines, gateway={"enabled": True, "retry_after_s": 7})
+        assert side.gateway_app is not None
+        await side.start()
+        assert side.manager.get("a").snapshot().state is State.RUNNING
+        assert side.manager.get("b").snapshot().state is State.SUSPENDED
+        hold = engines["a"].hold = asyncio.Event()
+        gw_app = side.gateway_app
+        async with (
+            gw_app.router.lifespan_context(gw_app),
+            httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=gw_app), base_url="http://gateway"
+            ) as gw,
+            httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=side.app), base_url="http://control"
+            ) as control,
+        ):
+            first = asyncio.ensure_future(gw.post("/v1/completions", json=completion("a")))
+            await asyncio.wait_for(engines["a"].arrived.wait(), 5)
+            drain = asyncio.ensure_future(side.drain(10.0))
+            await asyncio.sleep(0.05)
+            assert not drain.done()  # the request in flight holds the drain open
+            before = {n: len(e.fake.calls) for n, e in engines.items()}
+            asks = [
+                ("a", "sleep", {"json": {"level": 1, "drain": "abort"}}),
+                ("a", "sleep", {"params": {"wait": "false"}}),
+                ("a", "wake", {}),
+                ("b", "wake", {}),
+                ("b", "wake", {"params": {"wait": "false", "evict": "false"}}),
+                ("b", "sleep", {"json": {"level": 2}}),
+            ]
+            for name, verb, kw in asks:
+                r = await asyncio.wait_for(control.post(f"/models/{name}/{verb}", **kw), 5)
+                assert r.status_code == 503, (name, verb, r.status_code, r.text)
+                assert r.headers["Retry-After"] == "7"
+                got = r.json()
+                assert (got["error"], got["reason"]) == ("NotAdmitting", "shutting_down")
+                assert (got["message"], got["model"]) == (STOPPING, name)
+            assert side.manager.get("a").snapshot().state is State.RUNNING
+            assert side.manager.get("b").snapshot().state is State.SUSPENDED
+            for name, engine in engines.items():
+                asked = engine.fake.calls[before[name] :]
+                changes = [c for c in asked if c in ("/pause", "/resume") or "sleep" in c]
+                changes += [c for c in asked if "wake" in c or "suspend" in c]
+                assert not changes, (name, asked)
+            judged = [  # bad input is judged first, as always
+                (await control.post("/models/nobody/wake")).status_code,
+                (await control.post("/models/a/sleep", json={"level": 3})).status_code,
+            ]
+            assert judged == [404, 422]
+            reads = await control.get("/models/a")  # reads answer as always
+            assert reads.status_code == 200
+            hold.set()
+            assert (await first).status_code == 200
+            assert await asyncio.wait_for(drain, 5) == 0
+            late = await control.post("/models/b/wake")  # after the drain, in the stop
+            assert late.status_code == 503
         await side.stop()
 
     run(body)
