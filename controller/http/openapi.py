@@ -237,6 +237,15 @@ HEADER_DOCS = {
 }
 
 
+# A sleep or wake while the sidecar starts or shuts down (controller.http.api.admitting).
+NOT_ADMITTING = Answer(
+    "NotAdmitting: the sidecar is starting (its start-up reconciliation) or shutting down "
+    "(`reason`); nothing changed. Try again after Retry-After.",
+    ErrorBody,
+    headers=["Retry-After"],
+)
+
+
 def control_table(auth: bool) -> dict[tuple[str, str], Route]:
     """The control API's routes and every answer each can give; `auth`: a token is set."""
 
@@ -266,12 +275,7 @@ def control_table(auth: bool) -> dict[tuple[str, str], Route]:
             "Not now: the opposite transition is in flight, the model is FAILED, "
             "or (wake) the policy refuses."
         ),
-        503: Answer(
-            "NotAdmitting: the sidecar is starting (its start-up reconciliation) or shutting "
-            "down (`reason`); nothing changed. Try again after Retry-After.",
-            ErrorBody,
-            headers=["Retry-After"],
-        ),
+        503: NOT_ADMITTING,
         504: err("An engine call or the drain timed out."),
         **missing,
         **invalid,
