@@ -90,7 +90,9 @@ class Checkpointer:
         answers: a helper that died or overran is a result with code "helper"."""
         if not pids:
             return CkptResult(False, "no-pids", "no process of the engine can be reached")
-        argv = [self.python, "-m", "controller.engines.cudackpt", op]
+        # -S: no site-packages (the helper is stdlib and ctypes only): its start is on the
+        # path of every deep sleep and deep wake
+        argv = [self.python, "-S", "-m", "controller.engines.cudackpt", op]
         argv += ["--lock-timeout-ms", str(int(self.lock_timeout_s * 1000)), *map(str, pids)]
         proc = await asyncio.create_subprocess_exec(
             *argv,

@@ -9,7 +9,9 @@ OPs: `probe`/`state` (which PIDs hold a CUDA context, their state, and the devic
 holds as NVML counts them), `checkpoint` (lock every PID that holds a context, then checkpoint
 each: every one or none), `restore` (restore each checkpointed PID, then unlock each). It prints
 one JSON object: `ok`, `error` and `code` when not ok, `pids` ({PID: {cuda, state, bytes,
-error}}), `elapsed_s` (the driver calls' own time). Exit 0 when ok, 1 when not, 2 on usage.
+error}}; `bytes` None after a restore, whose wake does not wait for NVML), `elapsed_s` (the
+driver calls' own time), `init_s` (libcuda's load and cuInit), `probe_s` (the states and
+bytes read after the calls). Exit 0 when ok, 1 when not, 2 on usage.
 
 `HOTSWAP_CUDACKPT_FAKE=DIR` replaces the driver with `FakeDriver`, a file-backed stand-in for
 CPU tests: `DIR/cuda` lists the PIDs that hold a context ("PID [BYTES]" a line), `DIR/fail`
@@ -202,9 +204,10 @@ class FakeDriver:
 Driver = CudaDriver | FakeDriver
 
 
-def probe(drv: Driver, pids: list[int]) -> dict[int, dict[str, Any]]:
-    """Per PID: whether it holds a CUDA context (GetState answers), its state, its bytes."""
-    held = drv.device_bytes()
+def probe(drv: Driver, pids: list[int], with_bytes: bool = True) -> dict[int, dict[str, Any]]:
+    """Per PID: whether it holds a CUDA context (GetState answers), its state, its bytes
+    (None unless `with_bytes`: NVML's start and stop cost time a wake waits for)."""
+    held = drv.device_bytes() if with_bytes else None
     out: dict[int, dict[str, Any]] = {}
     for pid in pids:
         try:
@@ -267,7 +270,7 @@ def run(op: str, pids: list[int], timeout_ms: int) -> dict[str, Any]:
         init_s = time.monotonic() - t0
         t0 = time.monotonic()
         if op in ("checkpoint", "restore"):
-            found = probe(drv, pids)
+            found = probe(drv, pids, with_bytes=False)
             cuda = [p for p in pids if found[p]["cuda"]]
             if not cuda:
                 raise DriverError("no-cuda", "no process of the engine holds a CUDA context")
@@ -276,7 +279,16 @@ def run(op: str, pids: list[int], timeout_ms: int) -> dict[str, Any]:
             else:
                 restore(drv, cuda)
         elapsed = time.monotonic() - t0
-        return {"ok": True, "pids": probe(drv, pids), "elapsed_s": elapsed, "init_s": init_s}
+        t0 = time.monotonic()
+        # after a restore the bytes are not asked for (the wake waits on this answer)
+        found = probe(drv, pids, with_bytes=op != "restore")
+        return {
+            "ok": True,
+            "pids": found,
+            "elapsed_s": elapsed,
+            "init_s": init_s,
+            "probe_s": time.monotonic() - t0,
+        }
     except DriverError as exc:
         return {
             "ok": False,

@@ -104,3 +104,41 @@ def test_checkpointer_runs_the_helper_as_a_process(fake: Path) -> None:
         assert none.code == "no-pids"
 
     asyncio.run(go())
+
+
+def test_a_restore_does_not_wait_for_nvml(fake: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[str] = []
+    real = cudackpt.FakeDriver.device_bytes
+
+    def counted(self: cudackpt.FakeDriver) -> dict[int, int] | None:
+        asked.append("nvml")
+        return real(self)
+
+    monkeypatch.setattr(cudackpt.FakeDriver, "device_bytes", counted)
+    out = call("checkpoint", 100, 101, 102)
+    assert out["ok"]
+    assert asked == ["nvml"]
+    assert out["pids"][101]["bytes"] == 0
+    asked.clear()
+    out = call("restore", 100, 101, 102)
+    assert out["ok"]
+    assert asked == []
+    assert out["pids"][101] == {"cuda": True, "state": "running", "bytes": None}
+    assert set(out) >= {"elapsed_s", "init_s", "probe_s"}
+
+
+def test_the_helper_starts_without_site_packages(
+    fake: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[tuple[str, ...]] = []
+    real = asyncio.create_subprocess_exec
+
+    async def spy(*argv: str, **kw: object) -> asyncio.subprocess.Process:
+        seen.append(argv)
+        return await real(*argv, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", spy)
+    res = asyncio.run(Checkpointer(lock_timeout_s=1.0, call_timeout_s=60.0).call("probe", (101,)))
+    assert res.ok
+    assert res.cuda_pids == (101,)
+    assert seen[0][1:4] == ("-S", "-m", "controller.engines.cudackpt")
