@@ -1,5 +1,6 @@
 """The sidecar's side of the driver's process checkpoint: which processes an engine has, and
-one call of the helper (`python -m controller.engines.cudackpt`) per operation.
+one call of the helper (`python -m controller.engines.cudackpt`) per operation, each in a
+helper process started ahead of it (warm: libcuda loaded, cuInit run).
 
 The helper runs in its own process so the sidecar never loads libcuda (docs/contracts.md
 §2.2); each call is bounded by `call_timeout_s` (the helper's lock has its own, shorter,
@@ -70,7 +71,11 @@ class CkptResult:
 
 
 class Checkpointer:
-    """Runs the helper. `env` adds to its environment (HOTSWAP_CUDACKPT_FAKE in CPU tests)."""
+    """Runs the helper, one process per call. After each call the next call's helper is
+    started (`--warm`: libcuda loaded and cuInit run while nothing waits for it), so a deep
+    sleep or wake does not wait for Python's start and cuInit; the spare exits at EOF on its
+    stdin (`aclose`, or this process gone). `env` adds to its environment
+    (HOTSWAP_CUDACKPT_FAKE in CPU tests)."""
 
     def __init__(
         self,
@@ -84,32 +89,67 @@ class Checkpointer:
         self.call_timeout_s = call_timeout_s
         self.env = {**os.environ, **(env or {})}
         self.python = python
+        self._spare: asyncio.subprocess.Process | None = None
+
+    async def _spawn(self) -> asyncio.subprocess.Process:
+        # -S: no site-packages (the helper is stdlib and ctypes only): its start is on the
+        # path of a deep sleep or wake whenever no spare is ready
+        return await asyncio.create_subprocess_exec(
+            *(self.python, "-S", "-m", "controller.engines.cudackpt", "--warm"),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=self.env,
+            cwd=_root(),
+        )
+
+    def _take(self) -> asyncio.subprocess.Process | None:
+        """The spare helper, if one is alive (no await: two calls never share one)."""
+        proc, self._spare = self._spare, None
+        return proc if proc is not None and proc.returncode is None else None
+
+    async def _refill(self) -> None:
+        if self._spare is not None:
+            return
+        proc = await self._spawn()
+        if self._spare is None:
+            self._spare = proc
+        else:  # another call refilled meanwhile: this one ends at EOF
+            await _close(proc)
+
+    async def aclose(self) -> None:
+        """End the spare helper (EOF on its stdin; killed if it does not go)."""
+        proc, self._spare = self._spare, None
+        if proc is not None:
+            await _close(proc)
 
     async def call(self, op: str, pids: tuple[int, ...]) -> CkptResult:
         """`op` (probe, state, checkpoint, restore) on `pids`; never raises for the driver's
         answers: a helper that died or overran is a result with code "helper"."""
         if not pids:
             return CkptResult(False, "no-pids", "no process of the engine can be reached")
-        # -S: no site-packages (the helper is stdlib and ctypes only): its start is on the
-        # path of every deep sleep and deep wake
-        argv = [self.python, "-S", "-m", "controller.engines.cudackpt", op]
-        argv += ["--lock-timeout-ms", str(int(self.lock_timeout_s * 1000)), *map(str, pids)]
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=self.env,
-            cwd=_root(),
-        )
+        proc = self._take() or await self._spawn()
+        line = " ".join([op, str(int(self.lock_timeout_s * 1000)), *map(str, pids)]) + "\n"
         try:
-            out, err = await asyncio.wait_for(proc.communicate(), self.call_timeout_s)
+            out, err = await asyncio.wait_for(proc.communicate(line.encode()), self.call_timeout_s)
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
+            await self._refill()
             why = f"the checkpoint helper ({op}) did not answer within {self.call_timeout_s:g} s"
             return CkptResult(False, "helper", why)
+        await self._refill()  # the next call's helper, warming while nothing waits
         return parse(op, out, err, proc.returncode)
+
+
+async def _close(proc: asyncio.subprocess.Process) -> None:
+    try:
+        await asyncio.wait_for(proc.communicate(b""), 5.0)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
 
 
 def parse(op: str, out: bytes, err: bytes, code: int | None) -> CkptResult:

@@ -4,6 +4,8 @@ The sidecar spawns this per call (docs/contracts.md §2.2) instead of loading li
 a process that ran `cuInit` must not fork a CUDA process, and the sidecar forks engines. This
 one runs `cuInit(0)`, calls the driver's checkpoint API on other processes and forks nothing.
 Standard library and ctypes only, like the keeper (`reaper`): it runs inside the vLLM image too.
+`--warm`: the driver is loaded and cuInit run first, then the one call is read from stdin
+(`OP LOCK_TIMEOUT_MS PID...`); EOF instead ends it quietly (the sidecar's spare helper).
 
 OPs: `probe`/`state` (which PIDs hold a CUDA context, their state, and the device bytes each
 holds as NVML counts them), `checkpoint` (lock every PID that holds a context, then checkpoint
@@ -34,7 +36,8 @@ from typing import Any
 
 USAGE = (
     "usage: python -m controller.engines.cudackpt probe|state|checkpoint|restore "
-    "[--lock-timeout-ms N] PID..."
+    "[--lock-timeout-ms N] PID...\n"
+    "       python -m controller.engines.cudackpt --warm  (then OP LOCK_TIMEOUT_MS PID... on stdin)"
 )
 STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
 SYMBOLS = (
@@ -262,12 +265,26 @@ def restore(drv: Driver, pids: list[int]) -> None:
             drv.unlock(pid)
 
 
-def run(op: str, pids: list[int], timeout_ms: int) -> dict[str, Any]:
+def load() -> Driver:
+    fake = os.environ.get("HOTSWAP_CUDACKPT_FAKE")
+    return FakeDriver(fake) if fake else CudaDriver()
+
+
+def run(
+    op: str,
+    pids: list[int],
+    timeout_ms: int,
+    loaded: Driver | DriverError | None = None,
+    init_s: float | None = None,
+) -> dict[str, Any]:
+    """`op` on `pids`; `loaded`: the driver (or its loading's error) made ahead of the call
+    (`--warm`), else it is made now."""
     t0 = time.monotonic()
     try:
-        fake = os.environ.get("HOTSWAP_CUDACKPT_FAKE")
-        drv: Driver = FakeDriver(fake) if fake else CudaDriver()
-        init_s = time.monotonic() - t0
+        if isinstance(loaded, DriverError):
+            raise loaded
+        drv: Driver = loaded if loaded is not None else load()
+        init_s = time.monotonic() - t0 if init_s is None else init_s
         t0 = time.monotonic()
         if op in ("checkpoint", "restore"):
             found = probe(drv, pids, with_bytes=False)
@@ -298,19 +315,57 @@ def run(op: str, pids: list[int], timeout_ms: int) -> dict[str, Any]:
         }
 
 
-def main(argv: list[str]) -> int:
-    timeout_ms = 10_000
+def parse_call(argv: list[str]) -> tuple[str, int, list[int]] | None:
+    """OP, the lock's timeout (ms) and the PIDs of `OP [--lock-timeout-ms N] PID...`; None
+    when it is not such a call."""
+    timeout = "10000"
     if len(argv) >= 3 and argv[1] == "--lock-timeout-ms":
-        timeout_ms, argv = int(argv[2]), [argv[0], *argv[3:]]
+        timeout, argv = argv[2], [argv[0], *argv[3:]]
     if len(argv) < 2 or argv[0] not in ("probe", "state", "checkpoint", "restore"):
-        print(USAGE, file=sys.stderr)
-        return 2
+        return None
     try:
-        pids = [int(p) for p in argv[1:]]
+        return argv[0], int(timeout), [int(p) for p in argv[1:]]
     except ValueError:
+        return None
+
+
+Loaded = Driver | DriverError | None
+
+
+def warm(stdin: Any) -> tuple[list[str], Loaded, float] | None:
+    """`--warm`: the driver loaded and cuInit run now, then one call read from `stdin` as
+    `OP LOCK_TIMEOUT_MS PID...`: that call's words, the driver (or its loading's error) and
+    the seconds the loading took. The fake is made at the call (its files are read then).
+    None at EOF: the sidecar closed this spare, or is gone."""
+    t0 = time.monotonic()
+    loaded: Loaded = None
+    if not os.environ.get("HOTSWAP_CUDACKPT_FAKE"):
+        try:
+            loaded = CudaDriver()
+        except DriverError as exc:
+            loaded = exc
+    init_s = time.monotonic() - t0
+    words = stdin.readline().split()
+    if not words:
+        return None
+    argv = [words[0], "--lock-timeout-ms", *words[1:]] if len(words) >= 2 else words
+    return argv, loaded, init_s
+
+
+def main(argv: list[str]) -> int:
+    loaded: Loaded = None
+    init_s: float | None = None
+    if argv == ["--warm"]:
+        got = warm(sys.stdin)
+        if got is None:
+            return 0
+        argv, loaded, init_s = got
+    call = parse_call(argv)
+    if call is None:
         print(USAGE, file=sys.stderr)
         return 2
-    result = run(argv[0], pids, timeout_ms)
+    op, timeout_ms, pids = call
+    result = run(op, pids, timeout_ms, loaded, init_s)
     result["pids"] = {str(k): v for k, v in result.get("pids", {}).items()}
     print(json.dumps(result))
     return 0 if result["ok"] else 1

@@ -53,7 +53,8 @@ class Manager:
         self.metrics = metrics
         self.fleet = fleet if fleet is not None else Fleet(settings.models, clock=clock)
         self.tasks = tasks if tasks is not None else Tasks()
-        # The deep sleep's driver seam (§2.2): a helper process per call, never in this one.
+        # The deep sleep's driver seam (§2.2): a helper process per call (started ahead),
+        # never in this one.
         self.checkpointer = Checkpointer(
             lock_timeout_s=settings.timeouts.checkpoint_lock_s,
             call_timeout_s=settings.timeouts.checkpoint_s,
@@ -124,5 +125,7 @@ class Manager:
             _, pending = await asyncio.wait(running, timeout=self.settings.timeouts.shutdown_s)
             await self.tasks.cancel(*pending)
         await asyncio.gather(
-            *(m.engine.aclose() for m in self._models.values()), return_exceptions=True
+            *(m.engine.aclose() for m in self._models.values()),
+            self.checkpointer.aclose(),
+            return_exceptions=True,
         )

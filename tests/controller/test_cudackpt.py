@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 from pathlib import Path
 
@@ -142,3 +143,60 @@ def test_the_helper_starts_without_site_packages(
     assert res.ok
     assert res.cuda_pids == (101,)
     assert seen[0][1:4] == ("-S", "-m", "controller.engines.cudackpt")
+
+
+def test_each_call_is_answered_by_the_helper_started_ahead(fake: Path) -> None:
+    ck = Checkpointer(lock_timeout_s=1.0, call_timeout_s=60.0)
+
+    async def go() -> None:
+        assert (await ck.call("checkpoint", (101, 102))).ok  # cold: none was ready
+        spare = ck._spare
+        assert spare is not None
+        assert spare.returncode is None  # warm, waiting for its call
+        res = await ck.call("restore", (101, 102))
+        assert res.ok
+        assert res.states == {"running"}
+        assert spare.returncode == 0  # it answered that call and ended
+        nxt = ck._spare
+        assert nxt is not None
+        assert nxt is not spare
+        nxt.kill()  # a spare that died is not used: a fresh helper answers
+        await nxt.wait()
+        assert (await ck.call("probe", (101,))).cuda_pids == (101,)
+        last = ck._spare
+        assert last is not None
+        await ck.aclose()  # EOF: the spare ends, nothing left behind
+        assert last.returncode == 0
+        assert ck._spare is None
+
+    asyncio.run(go())
+
+
+def test_a_warm_helper_reads_its_call_from_stdin_and_ends_at_eof(
+    fake: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert cudackpt.main(["--warm"]) == 0
+    assert capsys.readouterr().out == ""  # closed by the sidecar: no call, no answer
+    monkeypatch.setattr("sys.stdin", io.StringIO("checkpoint 500 100 101 102\n"))
+    assert cudackpt.main(["--warm"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"]
+    assert states(fake) == {"101": "checkpointed", "102": "checkpointed"}
+    monkeypatch.setattr("sys.stdin", io.StringIO("freeze 500 101\n"))
+    assert cudackpt.main(["--warm"]) == 2
+
+
+def test_a_warm_helper_without_a_driver_says_so_at_its_call(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("HOTSWAP_CUDACKPT_FAKE", raising=False)
+
+    def absent() -> None:
+        raise cudackpt.DriverError("no-driver", "no CUDA driver: libcuda.so.1 (test)")
+
+    monkeypatch.setattr(cudackpt, "CudaDriver", absent)
+    monkeypatch.setattr("sys.stdin", io.StringIO("checkpoint 500 101\n"))
+    assert cudackpt.main(["--warm"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["code"] == "no-driver"
