@@ -51,6 +51,20 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": True,
         },
     ),
+    "llama32-3b": (
+        "llama",
+        {
+            "vocab_size": 128256,
+            "hidden_size": 3072,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 24,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": 8192,
+            "rope_theta": 500000.0,
+            "tie_word_embeddings": True,
+        },
+    ),
     "llama3-8b": (
         "llama",
         {
@@ -78,7 +92,18 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
 }
-UTIL = {"tiny": 0.05, "llama32-1b": 0.2, "llama3-8b": 0.45, "qwen25-14b": 0.5}
+UTIL = {"tiny": 0.05, "llama32-1b": 0.2, "llama32-3b": 0.3, "llama3-8b": 0.45, "qwen25-14b": 0.5}
+
+
+def weight_bytes(shape: str) -> int:
+    """The shape's bf16 weights in bytes, from its config (embeddings, attention with its
+    key/value heads, the gated MLP, the norms; the output head unless tied)."""
+    _, kw = SHAPES[shape]
+    h, inter, layers = kw["hidden_size"], kw["intermediate_size"], kw["num_hidden_layers"]
+    kv = h // kw["num_attention_heads"] * kw["num_key_value_heads"]
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * inter + 2 * h
+    embed = kw["vocab_size"] * h * (1 if kw.get("tie_word_embeddings") else 2)
+    return 2 * (embed + layers * per_layer + h)
 
 
 def rss() -> int:
@@ -169,10 +194,15 @@ def gpu_engine(
     max_model_len: int = 2048,
     eager: bool = True,
     env: Mapping[str, str] | None = None,
+    kv_bytes: int | None = None,
 ) -> EngineSpec:
     """A CUDA vLLM OpenAI server with sleep mode and the extension, bf16, token ids only;
     `dummy`: random weights (no checkpoint read); `eager` False: vLLM's default compile and
-    CUDA-graph capture (the launcher's argv without `--enforce-eager`)."""
+    CUDA-graph capture (the launcher's argv without `--enforce-eager`); `kv_bytes`: the KV
+    cache's size (vLLM's --kv-cache-memory-bytes), not what the utilization leaves after a
+    profile that counts every process's allocations on the device (engines booting beside
+    it), so it does not depend on them; the utilization is then only vLLM's check of the
+    free memory at start."""
     from controller.engines.enginespec import EngineSpec
 
     spec = EngineSpec(
@@ -181,7 +211,7 @@ def gpu_engine(
         served_model_name=name,
         uni=False,  # the engine's own processes, as in production
         tensor_parallel_size=tensor_parallel_size,
-        kv_cache_memory_bytes=None,  # sized by the utilization
+        kv_cache_memory_bytes=kv_bytes,  # None: sized by the utilization
         max_model_len=max_model_len,
         worker_extension_cls=extension,
         skip_tokenizer_init=True,

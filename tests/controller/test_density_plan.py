@@ -1,0 +1,134 @@
+"""benchmarks/density.py's planning, without engines: the boot waves that fit the device,
+the trace every arm replays cut to the time left, the arms it knows, and what a KV cache of
+fixed size makes of an engine's argv (the GPU run's boot: docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks import common, density
+from benchmarks.common import weight_bytes
+
+GiB = 1 << 30
+
+
+def test_waves_fit_the_room_and_the_count() -> None:
+    plan = [("m0", "big"), ("m1", "small"), ("m2", "small"), ("m3", "big"), ("m4", "small")]
+    need = {"big": 40 * GiB, "small": 10 * GiB}
+    waves = density.plan_waves(plan, need, room=65 * GiB, most=3)
+    assert [[n for n, _ in w] for w in waves] == [["m0", "m1", "m2"], ["m3", "m4"]]
+    for w in waves:
+        assert sum(need[s] for _, s in w) <= 65 * GiB
+    # every engine once, in plan order within a wave
+    assert sorted(n for w in waves for n, _ in w) == [n for n, _ in plan]
+    # first fit: a small one joins a wave a big one did not fit in
+    waves = density.plan_waves(plan, need, room=55 * GiB, most=4)
+    assert [n for n, _ in waves[0]] == ["m0", "m1"]
+    assert [n for n, _ in waves[1]] == ["m2", "m3"]
+
+
+def test_an_engine_bigger_than_the_room_boots_alone_and_no_room_is_no_limit() -> None:
+    plan = [("m0", "huge"), ("m1", "huge")]
+    waves = density.plan_waves(plan, {"huge": 99 * GiB}, room=50 * GiB, most=4)
+    assert [[n for n, _ in w] for w in waves] == [["m0"], ["m1"]]
+    waves = density.plan_waves(plan, {"huge": 99 * GiB}, room=0, most=4)
+    assert [[n for n, _ in w] for w in waves] == [["m0", "m1"]]
+
+
+def test_the_trace_is_cut_to_what_the_budget_leaves_every_arm() -> None:
+    args = density.parse_args(
+        ["--trace-s", "300", "--budget-s", "470", "--reserve-s", "30", "--arm-overhead-s", "30"]
+    )
+    # 200 s booting: 240 s left for 3 arms, 30 s each besides the trace
+    assert density.trace_cut(args, ["static", "l1", "deep"], 200.0) == pytest.approx(50.0)
+    assert density.trace_cut(args, ["l1"], 0.0) == 300.0  # the whole trace fits
+    assert density.trace_cut(args, ["l1", "deep"], 460.0) == 0.0  # nothing left
+    assert density.trace_cut(args, [], 0.0) == 0.0
+
+
+def test_unknown_arms_are_refused_and_vllm_is_named_not_run() -> None:
+    with pytest.raises(SystemExit):
+        density.parse_args(["--arms", "static,bogus"])
+    assert "vllm" in density.NOT_AN_ARM
+    assert "vllm" in density.ARMS
+    assert density.DEEP_SLEEP == {"deep": "always", "pressure": "pressure"}
+
+
+def test_a_fixed_kv_cache_replaces_the_utilization_sizing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(common, "write_config", lambda shape, d: d)  # no transformers here
+    args = density.parse_args(
+        ["--kv-gib", "llama3-8b=24,llama32-1b=6", "--boot-util", "0.05", "--slack-gib", "3"]
+    )
+    assert density.awake_bytes(args, "llama3-8b") == weight_bytes("llama3-8b") + 27 * GiB
+    assert density.awake_bytes(args, "llama32-1b") == weight_bytes("llama32-1b") + 9 * GiB
+    argv = density.engine_argv(args, "llama3-8b", "m00", tmp_path)
+    assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(24 * GiB)
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.05"
+    assert "--enforce-eager" in argv  # --graphs 0: no compile, no capture
+    plain = density.engine_argv(density.parse_args([]), "llama32-1b", "m01", tmp_path)
+    assert "--kv-cache-memory-bytes" not in plain  # sized by its utilization, as before
+    assert plain[plain.index("--gpu-memory-utilization") + 1] == "0.2"
+
+
+def test_weight_bytes_match_the_shapes_parameter_counts() -> None:
+    # Llama 3 8B: 8.03e9 parameters; Llama 3.2 1B: 1.24e9 (tied); 3B: 3.21e9 (tied)
+    assert weight_bytes("llama3-8b") == pytest.approx(2 * 8.03e9, rel=0.01)
+    assert weight_bytes("llama32-1b") == pytest.approx(2 * 1.236e9, rel=0.01)
+    assert weight_bytes("llama32-3b") == pytest.approx(2 * 3.213e9, rel=0.01)
+
+
+class FakeEngine:
+    """An engine process as boot() sees it: up at once, or exited with a log."""
+
+    def __init__(self, name: str, dies: bool) -> None:
+        self.name, self.dies, self.stopped = name, dies, False
+        self.returncode = 1 if dies else None
+
+    def is_alive(self) -> bool:
+        return not self.dies
+
+    def ping(self, timeout_s: float) -> bool:
+        return not self.dies
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "ValueError: Free memory on device ... less than desired (fake)\n" * 3
+
+    def stop(self, grace_s: float | None = None) -> int | None:
+        self.stopped = True
+        return self.returncode
+
+
+def test_an_engine_that_dies_at_boot_is_left_out_with_its_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: dict[str, FakeEngine] = {}
+    slept: list[list[str]] = []
+
+    def launch(name: str, argv: object, sock: Path, env: object, logs: Path) -> FakeEngine:
+        made[name] = FakeEngine(name, dies=name == "m01")
+        return made[name]
+
+    monkeypatch.setattr(density, "launch_on_socket", launch)
+    monkeypatch.setattr(density, "engine_argv", lambda *a: ["vllm"])
+    monkeypatch.setattr(density, "device_query", lambda field: 0)  # no device: no byte limit
+    monkeypatch.setattr(density, "sleep_raw", lambda wave, socks: slept.append(sorted(wave)))
+    args = density.parse_args(["--engine", "cpu", "--models", "5", "--wave", "2"])
+    engines, socks, info = density.boot(args, tmp_path, tmp_path, tmp_path)
+    assert sorted(engines) == ["m00", "m02", "m03", "m04"]
+    assert sorted(socks) == sorted(engines)
+    assert made["m01"].stopped
+    assert "exited 1" in info["failed"]["m01"]
+    assert "Free memory" in (tmp_path / "boot-failed-m01.log").read_text()
+    assert [w["models"] for w in info["waves"]] == [["m00", "m01"], ["m02", "m03"], ["m04"]]
+    assert slept == [["m00"], ["m02", "m03"]]  # each wave asleep before the next, not the last
+    with pytest.raises(RuntimeError, match="fewer than"):
+        density.boot(
+            density.parse_args(["--engine", "cpu", "--models", "2", "--min-models", "2"]),
+            tmp_path,
+            tmp_path,
+            tmp_path,
+        )
