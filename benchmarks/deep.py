@@ -13,8 +13,11 @@ the reference greedy tokens and logprobs, the device bytes (nvidia-smi per proce
 host PSS by process role awake; then per cycle and kind (level 1, deep, ...): POST sleep
 (timed to its answer; the checkpoint phase's own time and the driver's), the device bytes
 and PSS asleep, 1 s asleep, POST wake timed to the model's first /models/NAME/health 200,
-tokens and logprobs compared with the reference. Prints one JSON line per cycle and writes
-$OUT/deep.jsonl.
+tokens and logprobs compared with the reference. After a level-1 sleep the ranks' own account
+of what they still hold (hotswap_info `resident`: torch's blocks, the CUDA-graph pools, the
+context) is kept beside nvidia-smi's figure: it is what a deep sleep's checkpoint copies.
+Host PSS is split by role and by kind (anon, file, shmem). Prints one JSON line per cycle and
+writes $OUT/deep.jsonl.
 """
 
 from __future__ import annotations
@@ -93,11 +96,26 @@ def timed_wake(side: str, name: str) -> dict[str, Any]:
     return box
 
 
+def resident(sock: Path) -> list[Any]:
+    """What each rank says it holds on its device beside its pools (hotswap_info's
+    `resident`: torch's allocated and cached blocks, the CUDA-graph pools, the rest: the
+    context and module images), asked over the engine's socket. Only of a sleeper that is
+    not checkpointed: a checkpointed process answers no CUDA call."""
+    body = {"method": "hotswap_info", "args": [], "kwargs": {}}
+    try:
+        with uds_client(sock, 60.0) as c:
+            r = c.post("/collective_rpc", json=body)
+            return [x.get("resident") for x in r.json().get("results", [])]
+    except (httpx.HTTPError, ValueError, AttributeError) as exc:
+        return [f"{type(exc).__name__}: {exc}"]
+
+
 def phases(tr: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for p in tr.get("phases", []):
         d = p.get("detail") or {}
-        out[p["name"]] = {"s": p["duration_s"], **{k: d[k] for k in ("driver_s",) if k in d}}
+        keep = ("driver_s", "device_bytes")
+        out[p["name"]] = {"s": p["duration_s"], **{k: d[k] for k in keep if k in d}}
     return out
 
 
@@ -113,7 +131,10 @@ def one_model(
         "awake_pss": host_pss(pids),
         "cycles": [],
     }
-    log(name, "awake", json.dumps({k: res[k] for k in ("awake_gpu", "awake_pss")}))
+    res["awake_resident"] = resident(sock)
+    log(
+        name, "awake", json.dumps({k: res[k] for k in ("awake_gpu", "awake_pss", "awake_resident")})
+    )
     with httpx.Client(base_url=side, timeout=600.0) as c:
         for kind in kinds:
             if time.monotonic() > deadline - 30:
@@ -137,7 +158,8 @@ def one_model(
                 "resident_bytes": snap.get("resident_bytes"),
                 "asleep_gpu": gpu_bytes(pids),
                 "asleep_pss": host_pss(pids),
-                "sidecar_pss": None,
+                # what the driver would copy at a checkpoint, by kind (a level-1 sleeper)
+                "asleep_resident": resident(sock) if kind == "l1" else None,
             }
             time.sleep(1.0)
             box = timed_wake(side, name)

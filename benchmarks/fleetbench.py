@@ -97,19 +97,37 @@ def pss(pid: int) -> int:
     return 0
 
 
+def pss_parts(pid: int) -> dict[str, int]:
+    """PSS split by kind in bytes: anonymous (heap, pinned host buffers), file-backed
+    (libraries, mapped files), shared memory; {} when it cannot be read."""
+    out: dict[str, int] = {}
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            key = line.split(":", 1)[0]
+            if key in ("Pss_Anon", "Pss_File", "Pss_Shmem"):
+                out[key[4:].lower()] = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return {}
+    return out
+
+
 def engine_pids(sock: Path) -> tuple[int, ...]:
     return group_pids(peer_group(sock))
 
 
 def host_pss(pids: Sequence[int]) -> dict[str, Any]:
-    """PSS by role over `pids`, with how many processes of each role, and the total."""
+    """PSS by role over `pids`, with how many processes of each role, the total, and the
+    total by kind (anon, file, shmem: what a cut would have to go after)."""
     by: dict[str, int] = {}
     count: dict[str, int] = {}
+    kind: dict[str, int] = {}
     for p in pids:
         r = role(p)
         by[r] = by.get(r, 0) + pss(p)
         count[r] = count.get(r, 0) + 1
-    return {"total": sum(by.values()), "by_role": by, "count": count}
+        for k, v in pss_parts(p).items():
+            kind[f"{r}:{k}"] = kind.get(f"{r}:{k}", 0) + v
+    return {"total": sum(by.values()), "by_role": by, "count": count, "by_kind": kind}
 
 
 def gpu_bytes_by_pid() -> dict[int, int]:
