@@ -8,6 +8,10 @@ wake verified bit for bit. It adds no memory logic of its own.
 
 A wake that cannot be verified ends the process (fail closed): the call never returns, so
 vLLM never resumes its scheduler and no token is served from unverified memory.
+
+`state()` is read from the rank's truth, whoever moved it; `vllm_sleep` says whether vLLM's
+own sleep is in force (its executor holds itself asleep), which the sidecar's RPCs cannot
+end: its wake ends it through vLLM's `/wake_up` (docs/contracts.md §1.5).
 """
 
 from __future__ import annotations
@@ -45,12 +49,20 @@ class HotSwapSleepBackend(_Base):
     def __init__(self, worker: Any = None) -> None:
         super().__init__()
         self._worker = worker
-        self._state: State = "RUNNING"
+        self._resuming = False
+        # vLLM's own sleep is in force: a suspend vLLM's sleep() asked for passed, and no
+        # resume vLLM's wake_up() asked for has brought every pool back since
+        self.vllm_sleep = False
 
     # -- vLLM's interface --------------------------------------------------------------
 
     def state(self) -> State:
-        return self._state
+        """The rank's truth, whoever moved it (vLLM through here, or the sidecar's RPCs)."""
+        if self._resuming:
+            return "RESUMING"
+        if self._worker is not None and self._asleep(self._worker):
+            return "SUSPENDED"
+        return "RUNNING"
 
     def suspend(self, level: int = 1) -> None:
         """Refused (Refused, nothing released) or done; failed after release: the process
@@ -59,7 +71,7 @@ class HotSwapSleepBackend(_Base):
         if level not in (1, 2):
             raise Refused(f"sleep level must be 1 or 2, not {level!r}")
         asleep = self._asleep(w)
-        if self._state != "RUNNING" or asleep:
+        if asleep:
             raise Refused(f"already asleep (pools {sorted(asleep)}): wake it first")
         quiet = w.hotswap_quiesce(QUIESCE_TIMEOUT_S)
         if not quiet.get("ok"):
@@ -69,7 +81,7 @@ class HotSwapSleepBackend(_Base):
             if rep.get("failed_step") == "suspend":
                 self._fail_closed("suspend", rep)
             raise Refused(f"sleep refused, nothing released: {rep.get('error')}")
-        self._state = "SUSPENDED"
+        self.vllm_sleep = True
         log.info(
             "hotswap: asleep at level %s (%s protected bytes, %s fingerprinted)",
             level,
@@ -87,19 +99,28 @@ class HotSwapSleepBackend(_Base):
         if wrong:
             raise Refused(f"not asleep: {wrong} (asleep: {sorted(asleep)})")
         if not chosen:
-            return  # nothing asleep (a wake the sidecar already made): nothing to do
-        self._state = "RESUMING"
-        rest = asleep - set(chosen)
+            # nothing asleep: the sidecar's RPCs woke and verified it; vLLM's wake only
+            # ends vLLM's own sleep here (docs/contracts.md §1.5)
+            if self.vllm_sleep:
+                log.info("hotswap: vLLM's wake of a sleep already woken and verified")
+            self.vllm_sleep = False
+            return
+        self._resuming = True
+        try:
+            self._resume(w, chosen, rest=asleep - set(chosen))
+        finally:
+            self._resuming = False
+
+    def _resume(self, w: Any, chosen: list[str], rest: set[str]) -> None:
         if rest:  # a tag-split wake: map these back, verify with the last
             self._step(w, "resume", w.hotswap_resume(chosen))
-            self._state = "SUSPENDED"
             return
         if self._level(w) == 2 and "weights" in chosen:
             # the weights come back last: nobody else can reload them in between
             self._step(w, "resume", w.hotswap_resume(["weights"]))
             self._step(w, "reload", w.hotswap_reload())
         self._step(w, "wake", w.hotswap_wake())
-        self._state = "RUNNING"
+        self.vllm_sleep = False
         log.info("hotswap: awake and verified")
 
     def discard(self, tags: tuple[str, ...]) -> None:

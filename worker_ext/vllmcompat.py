@@ -121,6 +121,13 @@ def bind_backend(worker: Any, backend: Any) -> None:
     setattr(worker, WORKER_BACKEND_ATTR, backend)
 
 
+def vllm_sleep(worker: Any) -> bool:
+    """Whether vLLM's own sleep is in force on this worker: its bound `hotswap` backend says
+    so (docs/contracts.md §1.1 `vllm_sleep`); False with any other backend, or none yet."""
+    backend = getattr(worker, WORKER_BACKEND_ATTR, None)
+    return getattr(backend, "vllm_sleep", False) is True
+
+
 def worker_base(plat: str) -> type[Any]:
     """vLLM's own worker class for the platform, the base of `HotSwapWorker`."""
     if plat == "cpu":

@@ -108,6 +108,49 @@ def test_level2_one_wake_reloads_itself(llm: Any, baseline: Any) -> None:
     assert generate(llm) == baseline
 
 
+def executor_asleep(llm: Any) -> bool:
+    """vLLM's own sleep flag (what `/is_sleeping` reads besides the scheduler's pause)."""
+    return bool(llm.llm_engine.engine_core.engine_core.model_executor.is_sleeping)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_the_sidecars_wake_of_vllms_sleep_then_vllms_wake_up_agree(
+    llm: Any, baseline: Any, level: int
+) -> None:
+    """vLLM slept through the backend, the sidecar's RPCs woke and verified it: the ranks
+    say vLLM's own sleep is still in force (vLLM's executor never saw that wake) until
+    vLLM's wake_up, which then moves no memory and only ends it; vLLM's next sleep and
+    wake run the backend again (docs/contracts.md §1.5). The old backend kept its own
+    state SUSPENDED past that wake and refused vLLM's next sleep as a second one."""
+    backend = worker(llm)._sleep_mode_backend
+    llm.sleep(level=level)
+    assert info(llm)["vllm_sleep"] is True
+    assert executor_asleep(llm)
+    if level == 2:  # the sidecar's level-2 wake: weights, reload, then the rest verified
+        ok(llm, "hotswap_resume", ["weights"])
+        ok(llm, "hotswap_reload")
+    (woke,) = ok(llm, "hotswap_wake")
+    assert woke["vllm_sleep"] is True  # the verify's reply says it: the sidecar reads it there
+    awake = info(llm)
+    assert awake["phase"] == "awake_verified"
+    assert awake["vllm_sleep"] is True
+    assert executor_asleep(llm)  # vLLM still holds itself asleep
+    assert backend.state() == "RUNNING"  # the rank's truth: every pool awake, verified
+    t = awake["transitions"]
+    llm.wake_up()  # what the sidecar's resume_engine sends (/wake_up) reaches the backend
+    after = info(llm)
+    assert after["vllm_sleep"] is False
+    assert after["transitions"] == t  # no memory moved
+    assert not executor_asleep(llm)
+    llm.sleep(level=1)  # vLLM's own sleep and wake work again, through the backend
+    assert info(llm)["phase"] == "suspended"
+    llm.wake_up()
+    assert info(llm)["phase"] == "awake_verified"
+    assert not executor_asleep(llm)
+    assert planted(llm) == 1.5
+    assert generate(llm) == baseline
+
+
 def test_bad_input_is_refused_before_any_memory_moves(llm: Any, baseline: Any) -> None:
     from worker_ext.sleepbackend import Refused
 

@@ -61,6 +61,30 @@ def test_no_allocator_pool_is_asleep_without_cuda() -> None:
     assert vllmcompat.allocator_asleep() == []
 
 
+def test_vllm_sleep_is_the_bound_hotswap_backends_flag_only() -> None:
+    """A worker whose sleep-mode backend is none yet, vLLM's cumem (no such flag), or the
+    hotswap backend: only the last says vLLM's own sleep is in force, and only when set."""
+    from worker_ext.sleepbackend import HotSwapSleepBackend
+
+    class Worker:
+        pass
+
+    class Cumem:
+        pass
+
+    w = Worker()
+    assert vllmcompat.vllm_sleep(w) is False  # no backend attribute (not a vLLM worker)
+    setattr(w, vllmcompat.WORKER_BACKEND_ATTR, None)  # vLLM's worker before its first sleep
+    assert vllmcompat.vllm_sleep(w) is False
+    setattr(w, vllmcompat.WORKER_BACKEND_ATTR, Cumem())
+    assert vllmcompat.vllm_sleep(w) is False
+    backend = HotSwapSleepBackend(w)
+    setattr(w, vllmcompat.WORKER_BACKEND_ATTR, backend)
+    assert vllmcompat.vllm_sleep(w) is False
+    backend.vllm_sleep = True
+    assert vllmcompat.vllm_sleep(w) is True
+
+
 def test_hotswap_worker_refuses_to_start_on_an_untested_vllm(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

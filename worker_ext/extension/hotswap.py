@@ -51,6 +51,7 @@ class HotSwapExtension(SleepRPCs, WakeRPCs, HostMemoryRPCs, ExtensionBase):
             "device_memory": st.backend.memory(),
             "suspended": st.backend.suspended(),
             "allocator_asleep": vllmcompat.allocator_asleep(),  # vLLM's own sleep shows here
+            "vllm_sleep": vllmcompat.vllm_sleep(self),  # vLLM's sleep through our backend
             "resident": st.backend.resident(),
             "level": st.level,
             "poisoned": st.quiescer.poisoned,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any, cast
 
-from worker_ext import snapshot
+from worker_ext import snapshot, vllmcompat
 from worker_ext.extension.base import ExtensionBase, mem_value
 from worker_ext.extension.rpc import log, rank_of, rpc
 from worker_ext.pools import WEIGHTS
@@ -147,6 +147,8 @@ class WakeRPCs(ExtensionBase):
             "kv_verified_bytes": snap.kv_bytes,
             "mismatched": mismatched,
             "mismatched_ranges": bad_ranges,
+            # vLLM's own sleep still in force: the sidecar ends it through vLLM's /wake_up
+            "vllm_sleep": vllmcompat.vllm_sleep(self),
             "ok": not mismatched,
             "timings": {"rebind_s": t1 - t0, "restore_s": t2 - t1, "verify_s": t3 - t2},
         }
