@@ -222,6 +222,11 @@ class EngineClient:
     async def resume(self) -> None:
         await self._send("POST", "/resume", timeout_s=self.timeouts.control_s)
 
+    async def wake_up(self) -> None:
+        """POST /wake_up (no tags): vLLM's own wake, which ends vLLM's own sleep (its
+        executor's flag) and resumes its scheduler (docs/contracts.md §1.5)."""
+        await self._send("POST", "/wake_up", timeout_s=self.timeouts.control_s)
+
     async def reset_prefix_cache(self) -> bool:
         """POST /reset_prefix_cache (running requests preempted, as a clearing pause does):
         True when vLLM says the cache was reset; it refuses while blocks are held."""

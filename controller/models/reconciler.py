@@ -166,6 +166,7 @@ class Reconciler:
             if isinstance(err, RankError):
                 return dataclasses.replace(obs, ranks=ranks_from_info(err.ranks))
             return dataclasses.replace(obs, info_error=err.message, info_may_desync=err.may_desync)
+        run.reports[protocol.INFO.phase] = reports  # read by a resume_engine that follows
         ranks = ranks_from_info([r.raw for r in reports])
         try:  # which names the API server serves: the engine's identity (no RPC)
             served: tuple[str, ...] | None = await self.engine.served_models()

@@ -2,7 +2,8 @@
 
 A sleep is `drain` followed by `protocol.sleep_steps(level)` (fused: quiesce, then one
 `hotswap_sleep`); a wake is
-`protocol.wake_steps(level)` followed by `/resume` and a warm-up; the start-up probe is
+`protocol.wake_steps(level)` followed by `/resume` (after vLLM's own `/wake_up` where a rank
+says vLLM's own sleep is in force) and a warm-up; the start-up probe is
 `/health` then `hotswap_info`. Each engine-level step returns its phase's detail.
 
 An overlapped swap (controller.fleet.swap) runs the evicted model's sleep split by pool, with a
@@ -27,7 +28,7 @@ from typing import Any, Literal
 from controller import protocol
 from controller.errors import DrainTimeout, EngineError, EngineTimeout, HotswapError
 from controller.models.runner import AnyStep, EngineStep, Runner
-from controller.reports import kv_decision
+from controller.reports import RankReport, kv_decision
 
 DrainMode = Literal["wait", "abort"]
 
@@ -83,14 +84,36 @@ def drain(mode: DrainMode, grace_s: float, clear_cache: bool = True) -> EngineSt
 async def _resume_engine(r: Runner) -> Mapping[str, Any]:
     # The warm-up goes out now, beside /resume: the paused engine holds it until then
     # (measured), so its HTTP and preprocessing overlap this step. The verify has passed.
+    detail: dict[str, Any] = {}
     if r.current is not None:
         served = await _served_model(r)
         r.current.send_ahead(WARMUP.phase, lambda: r.engine.warmup(served))
         await asyncio.sleep(0)  # let it go out first
+        if _vllm_sleep(r.current.reports):
+            await _end_vllm_sleep(r)
+            detail["vllm_wake_up"] = True
     await r.engine.resume()
     if await r.engine.is_paused():
         raise EngineError("the engine is still paused after /resume")
-    return {}
+    return detail
+
+
+def _vllm_sleep(reports: Mapping[str, Iterable[RankReport]]) -> bool:
+    """Whether a rank of this transition said vLLM's own sleep is in force (its verify's
+    reply, or the probe before a reconciliation's resume; docs/contracts.md §1.1)."""
+    return any(rep.raw.get("vllm_sleep") is True for reps in reports.values() for rep in reps)
+
+
+async def _end_vllm_sleep(r: Runner) -> None:
+    """vLLM's executor still holds itself asleep after our verified wake: end it through
+    vLLM's own /wake_up (its workers' backends find nothing asleep), so that vLLM's sleep
+    state agrees (docs/contracts.md §1.5)."""
+    await r.engine.wake_up()
+    if await r.engine.is_sleeping():
+        raise EngineError(
+            "vLLM's /is_sleeping still answers true after its /wake_up ended the sleep "
+            "vLLM made (the verified wake is done; vLLM's own sleep state disagrees)"
+        )
 
 
 async def _served_model(r: Runner) -> str:

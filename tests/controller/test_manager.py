@@ -200,6 +200,14 @@ async def test_start_probes_suspended_engine_and_keeps_its_level() -> None:
     [
         # A sleep stopped before it suspended anything (its sidecar died): resumed.
         (True, {"snapshot_held": True}, State.RUNNING, ["/resume", "/is_paused"]),
+        # ... and a wake of vLLM's own sleep stopped after its verify (its sidecar died):
+        # vLLM's executor still holds itself asleep; vLLM's /wake_up ends that first.
+        (
+            True,
+            {"vllm_sleep": True},
+            State.RUNNING,
+            ["/wake_up", "/is_sleeping", "/resume", "/is_paused"],
+        ),
         # A wake stopped before its verify: finished.
         (
             True,
@@ -516,6 +524,62 @@ async def test_a_failed_fused_wake_is_failed_and_never_resent(failure: str) -> N
     assert not snap.ready
     assert snap.state in (State.FAILED, State.SUSPENDED)  # SUSPENDED: read back, untouched
     assert _rpc_errors(rig, "hotswap_wake") == 1
+    await rig.manager.stop()
+
+
+def _vllms_own_sleep(world: FakeVllm, level: int = 1) -> None:
+    """As vLLM's /sleep through the hotswap backend leaves it: paused, every rank suspended
+    and saying vLLM's own sleep is in force (docs/contracts.md §1.5)."""
+    world.asleep(level)
+    world.set_truth(vllm_sleep=True)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("fused", [True, False])
+async def test_the_sidecars_wake_of_vllms_own_sleep_ends_it_through_vllms_wake_up(
+    fused: bool,
+) -> None:
+    """The verify's replies say vLLM's own sleep is in force: after them, vLLM's /wake_up
+    (its executor's flag cleared, its scheduler resumed) and /is_sleeping false, then the
+    usual /resume. The old wake sent /resume only and left vLLM asleep by its own flag."""
+    rig = make_rig(fused=fused)
+    _vllms_own_sleep(rig.world)
+    await rig.manager.start()
+    assert rig.m.snapshot().state is State.SUSPENDED
+    rig.world.calls.clear()
+    out = await rig.m.wake()
+    assert (out.snapshot.state, out.snapshot.verified) == (State.RUNNING, True)
+    tail = ["/v1/completions", "/wake_up", "/is_sleeping", "/resume", "/is_paused"]
+    assert rig.world.calls[-len(tail) :] == tail
+    assert not rig.world.vllm_asleep()
+    assert out.transition is not None
+    (resumed,) = [p for p in out.transition.phases if p.name == "resume_engine"]
+    assert resumed.detail == {"vllm_wake_up": True}
+    # the next wake of the sidecar's own sleep sends no /wake_up
+    await rig.m.sleep(1)
+    rig.world.calls.clear()
+    await rig.m.wake()
+    assert "/wake_up" not in rig.world.calls
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
+async def test_vllm_still_sleeping_after_its_wake_up_fails_the_wake_with_the_reason() -> None:
+    rig = make_rig()
+    _vllms_own_sleep(rig.world)
+    await rig.manager.start()
+
+    async def ignored(r: httpx.Request) -> httpx.Response:
+        return httpx.Response(200)  # answered, but vLLM's flag stays set
+
+    rig.world.overrides["/wake_up"] = ignored
+    with pytest.raises(HotswapError, match="is_sleeping still answers true"):
+        await rig.m.wake()
+    snap = rig.m.snapshot()
+    assert snap.state is State.FAILED
+    assert snap.last_error is not None
+    assert "is_sleeping" in snap.last_error
+    assert "/resume" not in rig.world.calls
     await rig.manager.stop()
 
 

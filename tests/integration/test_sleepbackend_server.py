@@ -102,6 +102,35 @@ def test_the_sidecar_sees_vllms_own_sleep_and_wake(
     assert complete(server, NAME) == baseline
 
 
+def test_the_sidecars_wake_of_vllms_own_sleep_leaves_vllm_awake(
+    server: EngineProcess, baseline: Completion
+) -> None:
+    """vLLM's /sleep, then the sidecar's own wake (its RPCs, verified): it ends vLLM's own
+    sleep through vLLM's /wake_up, so /is_sleeping answers false and vLLM's next /sleep and
+    /wake_up run the backend again (docs/contracts.md §1.5). The old wake sent /resume only:
+    vLLM's executor kept its flag (/is_sleeping true) and took its next /sleep for a second
+    one (a warning, nothing released)."""
+    with sidecar_over(NAME, server, timeouts={"reprobe_interval_s": 0.5}) as api:
+        assert api.wait_state(NAME, "RUNNING")["verified"]
+        assert call(server, "POST", "/sleep", params={"level": 1}).status_code == 200
+        assert api.wait_state(NAME, "SUSPENDED", timeout_s=60)["level"] == 1
+        woke = api.wake(NAME)
+        assert woke.status_code == 200, woke.text
+        assert api.wait_state(NAME, "RUNNING", timeout_s=60)["verified"]
+        assert not sleeping(server), "vLLM still holds itself asleep after the sidecar's wake"
+        assert rank0(server, "hotswap_info")["vllm_sleep"] is False
+        assert complete(server, NAME) == baseline
+    t = rank0(server, "hotswap_info")["transitions"]
+    assert call(server, "POST", "/sleep", params={"level": 1}).status_code == 200
+    asleep = rank0(server, "hotswap_info")
+    assert asleep["phase"] == "suspended", asleep
+    assert asleep["transitions"] > t
+    assert call(server, "POST", "/wake_up").status_code == 200
+    assert not sleeping(server)
+    assert rank0(server, "hotswap_info")["phase"] == "awake_verified"
+    assert complete(server, NAME) == baseline
+
+
 def test_a_flipped_byte_fails_closed(server: EngineProcess, baseline: Completion) -> None:
     """Last in the module: it ends the engine."""
     assert call(server, "POST", "/sleep", params={"level": 1}).status_code == 200

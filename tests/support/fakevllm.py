@@ -102,6 +102,11 @@ class FakeVllm:
             "pid": 1000 + rank,
         }
 
+    def vllm_asleep(self) -> bool:
+        """vLLM's executor holds itself asleep: a rank says vLLM's own sleep is in force
+        (`set_truth(vllm_sleep=True)`: a sleep vLLM made through the hotswap backend)."""
+        return any(r.get("vllm_sleep") is True for r in self.ranks)
+
     def set_truth(self, **truth: Any) -> None:
         """What every rank reports of itself from now on (e.g. phase="suspended")."""
         for r in self.ranks:
@@ -219,9 +224,14 @@ class FakeVllm:
         if path == "/is_paused":
             return httpx.Response(200, json={"is_paused": self.paused})
         if path == "/is_sleeping":
-            return httpx.Response(200, json={"is_sleeping": self.paused or bool(self.suspended)})
+            asleep = self.paused or bool(self.suspended) or self.vllm_asleep()
+            return httpx.Response(200, json={"is_sleeping": asleep})
         if path == "/pause":
             return self._pause(request)
+        if path == "/wake_up":  # vLLM's own wake: its workers' backends end vLLM's sleep
+            for r in self.ranks:
+                r["vllm_sleep"] = False
+            path = "/resume"  # then vLLM resumes its scheduler (nothing asleep any more)
         if path == "/resume":
             self.paused = False
             self._resumed().set()
@@ -413,6 +423,7 @@ class FakeVllm:
         elif method == "hotswap_restore_and_verify":
             mismatched = ["model.embed_scale"] if failure == "mismatch" else []
             out.update(restored=1, rebound=[], verified=2, mismatched=mismatched)
+            out["vllm_sleep"] = me.get("vllm_sleep", False)
             me["snapshot_held"] = False
             if mismatched:
                 out.update(ok=False, error="fingerprint mismatch: model.embed_scale")
