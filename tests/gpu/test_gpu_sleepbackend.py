@@ -3,7 +3,8 @@
 
 `LLM.sleep(level)` and `LLM.wake_up(tags)` reach the backend through vLLM's engine core,
 executor and worker. Levels 1 and 2 with CUDA graphs give the same tokens and logprobs, the
-tensors planted where no walk reaches survive; a weight flipped before the verify ends the
+tensors planted where no walk reaches survive; the sidecar's wake of vLLM's sleep leaves
+vLLM's own state awake after vLLM's wake_up; a weight flipped before the verify ends the
 engine (no completion after it); Gemma3n's level 2 in vLLM's own order keeps its scales.
 """
 
@@ -73,6 +74,37 @@ def test_vllms_own_sleep_and_wake_with_graphs(llama: Engine, level: int) -> None
         assert awake["verified_transition"] == awake["transitions"]
         assert sums(llama) == planted, f"level {level} cycle {cycle}"
         assert llama.gen() == base, f"level {level} cycle {cycle}"
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_the_sidecars_wake_of_vllms_sleep_then_vllms_wake_up(llama: Engine, level: int) -> None:
+    """vLLM sleeps through the backend, the sidecar's RPCs wake and verify; the ranks say
+    vLLM's own sleep is still in force until vLLM's wake_up (what the sidecar's
+    resume_engine sends as /wake_up), which maps nothing and runs vLLM's own steps after
+    it (level 2: its saved buffers copied back); then vLLM's own cycle runs the backend
+    again (docs/contracts.md §1.5)."""
+    planted = sums(llama)
+    base = llama.gen()
+    llama.llm.sleep(level)
+    assert llama.rpc("hotswap_info")["vllm_sleep"] is True
+    if level == 2:  # the sidecar's level-2 wake: the weights, their reload, then the rest
+        llama.rpc("hotswap_resume", ["weights"])
+        llama.rpc("hotswap_reload")
+    woke = llama.rpc("hotswap_wake")
+    assert woke["mismatched"] == [], woke["mismatched"]
+    assert woke["vllm_sleep"] is True
+    t = llama.rpc("hotswap_info")["transitions"]
+    llama.llm.wake_up()
+    after = llama.rpc("hotswap_info")
+    assert after["vllm_sleep"] is False
+    assert after["transitions"] == t  # nothing mapped or written by the backend
+    assert sums(llama) == planted
+    assert llama.gen() == base
+    llama.llm.sleep(1)
+    assert llama.rpc("hotswap_info")["phase"] == "suspended"
+    llama.llm.wake_up()
+    assert llama.rpc("hotswap_info")["phase"] == "awake_verified"
+    assert llama.gen() == base
 
 
 def test_gemma3n_level2_through_vllms_calls_three_cycles(
