@@ -11,7 +11,8 @@ In this order, before the app sees anything:
    (controller.http.jsonscan) in slices of `SLICE` bytes with a yield to the loop between
    them, so no body holds the event loop for long, whatever its bytes;
 4. a cap on requests served at once (429), so held and streaming requests cannot pile up,
-   taken only once the body is complete and checked: a half-sent body holds no slot.
+   taken only once the body is complete and checked: a half-sent body holds no slot; a
+   request that finds every slot taken is refused from its head, its body never read.
 An admitted body (at most the cap) is read here and replayed to the app, its scan's `Shape`
 in `scope["state"]["json"]`; later `receive` calls go to the server's own, so the app still
 sees the client's disconnect.
@@ -171,6 +172,9 @@ class Guard:
             if int(declared) > self.max_body_bytes:
                 await self._refuse(self._too_large(), scope, receive, send)
                 return
+        if self._full():  # refused now rather than after reading and scanning its body
+            await self._refuse(self._busy(), scope, receive, send, RETRY)
+            return
         held = _Held(self)
         try:
             if declared is not None and not held.take(int(declared)):
@@ -211,13 +215,8 @@ class Guard:
             )
             await self._refuse(deep, scope, receive, send)
             return
-        if self.max_concurrent is not None and self.active >= self.max_concurrent:
-            refusal = Refused(
-                429,
-                "TooManyRequests",
-                f"{self.max_concurrent} requests are already being served; retry shortly",
-            )
-            await self._refuse(refusal, scope, receive, send, RETRY)
+        if self._full():
+            await self._refuse(self._busy(), scope, receive, send, RETRY)
             return
         self.active += 1
         try:
@@ -261,6 +260,16 @@ class Guard:
             await _scan(scanner, chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks), False
+
+    def _full(self) -> bool:
+        return self.max_concurrent is not None and self.active >= self.max_concurrent
+
+    def _busy(self) -> Refused:
+        return Refused(
+            429,
+            "TooManyRequests",
+            f"{self.max_concurrent} requests are already being served; retry shortly",
+        )
 
     def _too_many_bytes(self) -> Refused:
         return Refused(

@@ -441,6 +441,35 @@ def test_the_gateway_caps_its_requests_at_once_over_all_models() -> None:
     run(body())
 
 
+def test_a_request_that_finds_the_cap_full_is_refused_before_its_body_is_read() -> None:
+    """With every slot taken, a new request is answered 429 + Retry-After from its head:
+    its body (here 4 MiB announced, none sent) is neither waited for nor read and scanned.
+    It used to be read and scanned whole, then refused: under the soak's load most of the
+    gateway's CPU went to 4 MiB bodies refused 429 that way."""
+
+    async def body() -> None:
+        async with (
+            world(gateway={"max_concurrent": 2}, swap={"max_awake": 2}) as w,
+            served(w.app, lifespan="off") as port,
+        ):
+            await w.coordinator.wake(w.manager.get("b"))
+            hold = asyncio.Event()
+            for e in w.engines.values():
+                e.hold = hold
+            first = asyncio.create_task(w.client.post("/v1/completions", json=completion("a")))
+            second = asyncio.create_task(w.client.post("/v1/completions", json=completion("b")))
+            for e in w.engines.values():
+                await asyncio.wait_for(e.arrived.wait(), 5)
+            status, answer = await raw(port, head("/v1/completions", token=None, length=4 << 20))
+            assert status == 429, answer
+            assert b"retry-after: 1" in answer.lower()
+            hold.set()
+            assert (await first).status_code == 200
+            assert (await second).status_code == 200
+
+    run(body())
+
+
 # ----------------------------------------------------------------------------- slow clients
 
 
