@@ -43,7 +43,10 @@ host, about one memory pass. The check is cross-checked against torch on a sampl
 pieces when built; if Triton is missing or anything about the kernel fails, the eager
 span check runs instead (`kernel_error` says why). The plan's storages keep their
 addresses across sleep/wake (in-place restore), so the kernel's address table stays valid
-for the plan's life.
+for the plan's life; a check once built and proven is kept for its ranges (device,
+address and length of each, in order), and a later plan over exactly those ranges reuses
+it (`kernel_reused`): no table to build, no cross-check with its host syncs, but the bytes
+are read again for every baseline (each baseline holds its own values).
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ from typing import Any
 
 import torch
 
-from worker_ext.fpkernel import SpanCheck, nh_terms, process_key
+from worker_ext import fpkernel
+from worker_ext.fpkernel import SpanCheck, Values, nh_terms, process_key
 from worker_ext.rawmem import raw_bytes
 
 PIECE_WORDS = 1 << 15  # 256 KiB pieces: each one NH value to the host (a 16 GB span: 64K)
@@ -67,6 +71,11 @@ _WARNED: set[str] = set()
 _MASK = (1 << 64) - 1
 _LAYOUTS: OrderedDict[tuple[Any, ...], tuple[Any, Any, Any]] = OrderedDict()
 _MAX_LAYOUTS = 8  # prepare and verify share them; a few models or levels share the cache
+# Kernel checks already built and proven, by (device, piece size, ranges): a prepare over
+# the same ranges as an earlier one (the weights keep their addresses across sleeps) reuses
+# the address table and its proof, and reads the bytes again for its own baseline.
+_CHECKS: OrderedDict[tuple[Any, ...], SpanCheck] = OrderedDict()
+_MAX_CHECKS = 4  # a level-1 and a level-2 plan, a kept KV cache's, the warm prepare's
 
 Fp = tuple[int, int, int]
 
@@ -197,6 +206,7 @@ class Baseline:
     check: SpanCheck | None = None
     covered: list[int] = field(default_factory=list)  # storage indices `check` reads, in order
     rest: list[int] | None = None  # span indices checked eagerly; None: all of them
+    values: Values | None = None  # the check's values at this baseline (on its device)
 
 
 class Plan:
@@ -210,6 +220,7 @@ class Plan:
     ) -> None:
         self._kernel = DEFAULT_KERNEL if kernel is None else kernel
         self.kernel_error: str | None = None  # why the last baseline checks eagerly
+        self.kernel_reused = False  # the last baseline's check was built by an earlier plan
         self._index: list[int] = []  # tensor i -> its storage's item
         seen: dict[tuple[str, int, int], int] = {}
         self._items: list[_Item] = []
@@ -278,11 +289,13 @@ class Plan:
         """(nbytes, s1, s2) of each span (the fast check's values)."""
         return _run_items(self._span_items)
 
-    def _kernel_check(self) -> tuple[SpanCheck, list[int]] | None:
+    def _kernel_check(self) -> tuple[SpanCheck, list[int], Values] | None:
         """A baselined Triton check over the storages of the device holding most of the
-        bytes (a CUDA device; any device when the mode is `on`), each its own range, and the
-        storage indices it covers; None when everything is checked eagerly (`kernel_error`
-        says why, if it failed)."""
+        bytes (a CUDA device; any device when the mode is `on`), each its own range, the
+        storage indices it covers and its baseline values; None when everything is checked
+        eagerly (`kernel_error` says why, if it failed). A check built and proven earlier
+        for exactly these ranges is reused (`kernel_reused`): its values are taken anew."""
+        self.kernel_reused = False
         if self._kernel == "off":
             return None
         by_device: dict[Any, list[int]] = {}
@@ -295,15 +308,24 @@ class Plan:
         device, covered = max(
             by_device.items(), key=lambda kv: sum(self._items[i].nbytes for i in kv[1])
         )
+        ranges = tuple((int(self._items[i].raw.data_ptr()), self._items[i].nbytes) for i in covered)
+        key = (str(device), fpkernel.PIECE_WORDS, ranges)
+        check = _CHECKS.get(key)
+        if check is not None:
+            _CHECKS.move_to_end(key)
+            self.kernel_reused = True
+            return check, covered, check.baseline(prove=False)
         try:
-            items = [self._items[i] for i in covered]
-            check = SpanCheck([(int(it.raw.data_ptr()), it.nbytes) for it in items], device)
-            check.baseline()
+            check = SpanCheck(list(ranges), device)
+            values = check.baseline()
         except Exception as e:
             self.kernel_error = f"{type(e).__name__}: {e}"
             _warn_once("kernel", f"verify: Triton span check unavailable, checking eagerly: {e}")
             return None
-        return check, covered
+        _CHECKS[key] = check
+        while len(_CHECKS) > _MAX_CHECKS:
+            _CHECKS.popitem(last=False)
+        return check, covered, values
 
     def baseline(self) -> Baseline:
         """Fingerprints now, for `changed` to compare against: the kernel check (the plan's
@@ -314,7 +336,7 @@ class Plan:
         found = self._kernel_check()
         if found is None:
             return Baseline(self.run_spans(), _run_items(self._items))
-        check, covered = found
+        check, covered, values = found
         taken = set(covered)
         rest = [k for k, m in enumerate(self._span_members) if any(i not in taken for i in m)]
         spans = _run_items([self._span_items[k] for k in rest])
@@ -322,7 +344,7 @@ class Plan:
         storages: list[Fp | None] = [None] * len(self._items)
         for i, fp in zip(eager, _run_items([self._items[i] for i in eager]), strict=True):
             storages[i] = fp
-        return Baseline(spans, storages, check, covered, rest)
+        return Baseline(spans, storages, check, covered, rest, values)
 
     def per_tensor(self, base: Baseline) -> list[Fp | None]:
         """The baseline's fingerprint of each tensor's storage, in the order given (None
@@ -336,7 +358,7 @@ class Plan:
         storage to name its tensors (all of them, if its storages all read equal again)."""
         out: set[int] = set()
         if base.check is not None:
-            for j in base.check.differing():
+            for j in base.check.differing(base.values):
                 out.update(self._tensors_of[base.covered[j]])
         rest = list(range(len(self._span_items))) if base.rest is None else base.rest
         bad: list[int] = []
@@ -353,6 +375,11 @@ class Plan:
                 for i in hit:
                     out.update(self._tensors_of[i])
         return sorted(out)
+
+
+def forget_checks() -> None:
+    """Drop the kept kernel checks (tests; a process that frees what they cover for good)."""
+    _CHECKS.clear()
 
 
 def fingerprints(tensors: list[Any]) -> list[Fp]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -153,6 +154,15 @@ def _reference(ptr: int, nwords: int, device: Any) -> tuple[int, int]:
     return int(s1) & _MASK, int(s2) & _MASK
 
 
+@dataclass(frozen=True)
+class Values:
+    """A check's values at one time, on its device: (s1, NH) per piece and the tail bytes.
+    Each baseline has its own, so checks shared by several plans never mix them."""
+
+    pieces: Any
+    tail: Any
+
+
 class SpanCheck:
     """Per-piece sums of fixed byte ranges on one device, in one launch.
 
@@ -194,8 +204,7 @@ class SpanCheck:
         self._out = torch.zeros((max(1, len(ptrs)), 2), dtype=torch.int64, device=device)
         self._key = process_key(device)
         self._tails = tails
-        self._base: Any = None
-        self._base_tail: Any = None
+        self._base: Values | None = None  # the last baseline (differing's default)
 
     def _run(self) -> tuple[Any, Any]:
         if self.n_pieces:
@@ -229,11 +238,16 @@ class SpanCheck:
         rows = out[: self.n_pieces].cpu().tolist()
         return [(int(a) & _MASK, int(b) & _MASK) for a, b in rows]
 
-    def baseline(self) -> None:
-        """Take the values later checks compare against, after proving a sample of pieces
-        (first, last, the shortest, spread between) equal to torch's sums of them."""
-        got = self.sums()
-        if self.n_pieces:
+    def baseline(self, prove: bool = True) -> Values:
+        """Take values later checks compare against (kept as the default for `differing`,
+        and returned). With `prove` (a new check), a sample of pieces (first, last, the
+        shortest, spread between) is first proven equal to torch's sums of them; a check
+        already proven for these ranges (fingerprint's reuse) takes its values with no host
+        sync: one launch, queued on the current stream."""
+        out, tail = self._run()
+        if prove and self.n_pieces:
+            rows = out[: self.n_pieces].cpu().tolist()
+            got = [(int(a) & _MASK, int(b) & _MASK) for a, b in rows]
             shortest = min(range(self.n_pieces), key=self._nwords_host.__getitem__)
             picks = {0, self.n_pieces - 1, shortest}
             step = max(1, self.n_pieces // SAMPLE)
@@ -242,20 +256,21 @@ class SpanCheck:
                 want = _reference(self._ptrs_host[i], self._nwords_host[i], self.device)
                 if got[i] != want:
                     raise Unavailable(f"kernel piece {i} gave {got[i]}, torch {want}")
-        out, tail = self._run()
-        self._base = out.clone()
-        self._base_tail = tail.clone() if tail is not None else None
+        self._base = Values(out.clone(), tail)  # `tail` is a new tensor on every run
+        return self._base
 
-    def differing(self) -> list[int]:
-        """Indices of the ranges whose bytes differ from the baseline (one host sync)."""
-        if self._base is None:
+    def differing(self, base: Values | None = None) -> list[int]:
+        """Indices of the ranges whose bytes differ from `base` (default: the last
+        baseline), in one host sync."""
+        base = self._base if base is None else base
+        if base is None:
             raise RuntimeError("SpanCheck.differing before baseline")
         out, tail = self._run()
-        diff = torch.ne(out, self._base).any(dim=1)
+        diff = torch.ne(out, base.pieces).any(dim=1)
         flag = diff.any()
         tdiff = None
         if tail is not None:
-            tdiff = torch.ne(tail, self._base_tail)
+            tdiff = torch.ne(tail, base.tail)
             flag = flag | tdiff.any()
         if not bool(flag):  # the one host sync
             return []

@@ -133,6 +133,8 @@ def prepare(
     clock.step("snap_plan_s")
     base = plan.baseline()
     clock.step("snap_baseline_s")
+    if steps is not None:  # 1.0: the kernel check was an earlier prepare's (not built here)
+        steps["snap_check_reused"] = float(plan.kernel_reused)
     fps = plan.per_tensor(base)[: len(kept)]
     for rec, alias, fp in zip(kept, aliases, fps, strict=True):
         t = rec.tensor
