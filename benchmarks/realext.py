@@ -61,12 +61,12 @@ class RealWeightsExtension(HotSwapExtension):
     def hotswap_bench_variant(self, name: str) -> dict[str, Any]:
         """Bench-only, awake: `storagepass` adds back the prepare's per-storage eager pass
         over every byte beside the kernel's baseline (what the code did before the kernel
-        read each storage as its own range), `base` the code as it is: before/after on one
-        engine."""
-        if name not in ("base", "storagepass"):
-            raise ValueError(f"variant {name!r}: expected base or storagepass")
-        chosen = _with_storage_pass if name == "storagepass" else _BASELINE
-        fingerprint.Plan.baseline = chosen  # type: ignore[method-assign]
+        read each storage as its own range); `rebuild` builds and proves the kernel check
+        anew in every prepare (what the code did before checks were kept for their ranges);
+        `base` the code as it is: before/after on one engine."""
+        if name not in VARIANTS:
+            raise ValueError(f"variant {name!r}: expected one of {sorted(VARIANTS)}")
+        fingerprint.Plan.baseline = VARIANTS[name]  # type: ignore[method-assign,assignment]
         return {"variant": name}
 
 
@@ -77,3 +77,11 @@ def _with_storage_pass(plan: fingerprint.Plan) -> fingerprint.Baseline:
     base = _BASELINE(plan)
     fingerprint._run_items(plan._items)  # the pass, read and thrown away
     return base
+
+
+def _rebuilt(plan: fingerprint.Plan) -> fingerprint.Baseline:
+    fingerprint.forget_checks()  # no check kept: this one is built and proven anew
+    return _BASELINE(plan)
+
+
+VARIANTS = {"base": _BASELINE, "storagepass": _with_storage_pass, "rebuild": _rebuilt}

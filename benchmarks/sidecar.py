@@ -478,8 +478,33 @@ def report_ours(out: dict[str, Any], run: dict[str, Any], label: str) -> None:
         ph = " | ".join(f4(c["sleep_phases"].get(p)) for p in SLEEP_PHASES)
         t = c["sleep_transition_s"]
         print(f"| cycle {i + 1} | {f3(c['sleep_post_s'])} | {f3(t)} | {x(t, d2h)} | {ph} |")
+    for i, c in enumerate(cyc):  # the rank's own sleep: where its prepare ends, by step
+        ranks = {
+            name: {
+                "elapsed_s": r.get("elapsed_s"),
+                **{k: v for k, v in (r.get("timings") or {}).items() if k in SLEEP_RANK_KEYS},
+            }
+            for name, r in (c.get("sleep_ranks") or {}).items()
+        }
+        print(f"cycle {i + 1} ({c.get('variant')}) sleep ranks: {json.dumps(ranks)}")
     print(f"\nours{label}: first token, never slept: {run.get('ttft_never_slept_s')}")
     print(f"ours{label}: engine before the first sleep: {run.get('engine_info')}")
+
+
+# The rank's sleep timings printed per cycle (all of them are in sidecar.jsonl).
+SLEEP_RANK_KEYS = (
+    "sleep_s",
+    "at_queued_first_s",
+    "at_prepared_s",
+    "at_discarded_s",
+    "at_released_s",
+    "copy_wait_s",
+    "snap_copied_s",
+    "snap_plan_s",
+    "snap_baseline_s",
+    "snap_check_reused",
+    "snap_sync_s",
+)
 
 
 def report_raw(out: dict[str, Any]) -> None:
