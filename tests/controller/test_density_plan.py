@@ -4,6 +4,7 @@ fixed size makes of an engine's argv (the GPU run's boot: docs/benchmarks.md).""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -162,3 +163,20 @@ def test_an_engine_that_dies_at_boot_is_left_out_with_its_log(
             started,  # type: ignore[arg-type]
         )
     assert list(started) == ["m00"]  # the one up is the caller's to stop
+
+
+def test_replot_draws_every_request_of_every_arm(tmp_path: Path) -> None:
+    recs = [
+        {"arm": "static", "t": 0.5, "model": "m00", "status": 200, "ttft_s": 0.05},
+        {"arm": "static", "t": 1.0, "model": "m07", "status": 503, "ttft_s": None},
+        {"arm": "deep", "t": 2.0, "model": "m07", "status": 200, "ttft_s": 2.4},
+    ]
+    src = tmp_path / "density-requests.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = density.main(["--replot", str(src), "--out", str(tmp_path), "--engine", "gpu"])
+    assert set(out) == {"png"}  # a plot only: nothing booted
+    text = (tmp_path / "density.svg").read_text()
+    assert text.count("<circle") == 2  # the served ones
+    assert text.count('fill="red">x<') == 1  # the one not served
+    assert ">static<" in text
+    assert ">deep<" in text

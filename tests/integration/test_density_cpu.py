@@ -48,3 +48,7 @@ def test_density_on_cpu(tmp_path: Path) -> None:
     lines = (tmp_path / "density-requests.jsonl").read_text().splitlines()
     assert len(lines) == 3 * n
     assert json.loads((tmp_path / "density.json").read_text())["arms"]
+    assert (tmp_path / "density.svg").read_text().count("<circle") == sum(
+        a["served"] for a in arms.values()
+    )  # the plot without matplotlib: every request served, per arm
+    assert (tmp_path / "sidecar-deep.log").read_text()  # each arm's sidecar log kept
