@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import math
 import shutil
@@ -119,10 +120,23 @@ def uvicorn_config(
     )
 
 
+def settle_heap() -> int:
+    """Collect once, then move every object alive now (the imported modules, the apps, the
+    settings: what the process keeps for good) out of the cyclic collector's reach
+    (`gc.freeze`). A full collection walked them all, holding the event loop for tens of
+    milliseconds of CPU each time (up to 72 ms in the soak's loop profile); now it walks
+    only what was made since. Returns how many objects were frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 async def run_server(settings: Settings) -> int:
     """Serve until a signal; the app's lifespan starts and stops the manager (and, in
     managed mode, the engines). With the gateway on, it is served next to it, on its port."""
     side = Sidecar(settings)
+    frozen = settle_heap()  # the process's long-lived objects are built: before serving
+    log.debug("%d start-up objects frozen out of the garbage collector's full passes", frozen)
     app = side.app
     gateway: _GatewayServer | None = None
     if side.gateway_app is not None:
