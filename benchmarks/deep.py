@@ -116,6 +116,8 @@ def phases(tr: dict[str, Any]) -> dict[str, Any]:
         d = p.get("detail") or {}
         keep = ("driver_s", "device_bytes")
         out[p["name"]] = {"s": p["duration_s"], **{k: d[k] for k in keep if k in d}}
+        if "pids" in d:  # the processes the driver checkpointed or restored, one after another
+            out[p["name"]]["cuda_processes"] = len(d["pids"])
     return out
 
 
