@@ -4,8 +4,8 @@ The sidecar spawns this per call (docs/contracts.md §2.2) instead of loading li
 a process that ran `cuInit` must not fork a CUDA process, and the sidecar forks engines. This
 one runs `cuInit(0)`, calls the driver's checkpoint API on other processes and forks nothing.
 Standard library and ctypes only, like the keeper (`reaper`): it runs inside the vLLM image too.
-`--warm`: the driver is loaded and cuInit run first, then the one call is read from stdin
-(`OP LOCK_TIMEOUT_MS PID...`); EOF instead ends it quietly (the sidecar's spare helper).
+`--warm`: the driver is loaded, cuInit and nvmlInit run first, then the one call is read
+from stdin (`OP LOCK_TIMEOUT_MS PID...`); EOF instead ends it quietly (the sidecar's spare).
 
 OPs: `probe`/`state` (which PIDs hold a CUDA context, their state, and the device bytes each
 holds as NVML counts them), `checkpoint` (lock every PID that holds a context, then checkpoint
@@ -85,6 +85,7 @@ class CudaDriver:
         rc = self.lib.cuInit(0)
         if rc != 0:
             raise DriverError("no-driver", f"cuInit(0) failed: {self._name(rc)}")
+        self._nvml: Any = None  # loaded when first asked (nvml())
 
     def _name(self, rc: int) -> str:
         name = ctypes.c_char_p()
@@ -115,13 +116,21 @@ class CudaDriver:
     def unlock(self, pid: int) -> None:
         self._call("unlock", "cuCheckpointProcessUnlock", pid, None)
 
+    def nvml(self) -> Any:
+        """libnvidia-ml loaded and initialised, once per helper (`--warm` does it ahead of
+        the call); None where there is none. Never shut down: the helper ends after its call."""
+        if self._nvml is None:
+            try:
+                lib = ctypes.CDLL("libnvidia-ml.so.1")
+                self._nvml = lib if lib.nvmlInit_v2() == 0 else False
+            except (OSError, AttributeError):
+                self._nvml = False
+        return self._nvml or None
+
     def device_bytes(self) -> dict[int, int] | None:
         """Device bytes per PID over every GPU, as nvidia-smi shows them (None: no NVML)."""
-        try:
-            nvml = ctypes.CDLL("libnvidia-ml.so.1")
-            if nvml.nvmlInit_v2() != 0:
-                return None
-        except (OSError, AttributeError):
+        nvml = self.nvml()
+        if nvml is None:
             return None
         try:
             get = getattr(nvml, "nvmlDeviceGetComputeRunningProcesses_v3", None)
@@ -141,8 +150,8 @@ class CudaDriver:
                 for p in infos[: n.value]:
                     held[p.pid] = held.get(p.pid, 0) + int(p.usedGpuMemory)
             return held
-        finally:
-            nvml.nvmlShutdown()
+        except AttributeError:  # an NVML without these calls
+            return None
 
 
 class FakeDriver:
@@ -342,6 +351,7 @@ def warm(stdin: Any) -> tuple[list[str], Loaded, float] | None:
     if not os.environ.get("HOTSWAP_CUDACKPT_FAKE"):
         try:
             loaded = CudaDriver()
+            loaded.nvml()  # NVML's start too, off the call's path
         except DriverError as exc:
             loaded = exc
     init_s = time.monotonic() - t0

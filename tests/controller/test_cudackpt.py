@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -200,3 +201,37 @@ def test_a_warm_helper_without_a_driver_says_so_at_its_call(
     assert cudackpt.main(["--warm"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["code"] == "no-driver"
+
+
+class FakeNvml:
+    """libnvidia-ml as ctypes sees it: one device, one process (pid 7, 5 MiB)."""
+
+    def __init__(self) -> None:
+        self.inits = 0
+
+    def nvmlInit_v2(self) -> int:  # the library's names
+        self.inits += 1
+        return 0
+
+    def nvmlDeviceGetCount_v2(self, ref: Any) -> int:
+        ref._obj.value = 1
+        return 0
+
+    def nvmlDeviceGetHandleByIndex_v2(self, i: int, ref: Any) -> int:
+        return 0
+
+    def nvmlDeviceGetComputeRunningProcesses_v3(self, dev: Any, n: Any, infos: Any) -> int:
+        n._obj.value = 1
+        infos[0].pid, infos[0].usedGpuMemory = 7, 5 << 20
+        return 0
+
+
+def test_nvml_is_started_once_per_helper(monkeypatch: pytest.MonkeyPatch) -> None:
+    lib = FakeNvml()
+    monkeypatch.setattr(cudackpt.ctypes, "CDLL", lambda name: lib)
+    drv = object.__new__(cudackpt.CudaDriver)  # no libcuda on this machine
+    drv._nvml = None
+    assert drv.nvml() is lib  # what --warm does ahead of the call
+    assert drv.device_bytes() == {7: 5 << 20}
+    assert drv.device_bytes() == {7: 5 << 20}
+    assert lib.inits == 1  # not started again on the call's path, never shut down
