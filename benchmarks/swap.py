@@ -330,6 +330,7 @@ def run_once(
             )
         res["swaps_s"] = time.monotonic() - t_swaps
         res["swaps"] = swaps
+        res["overlap_reasons"] = overlap_reasons(side.log_path)
         res["models_end"] = ctl.get("/models").json()
         metrics = ctl.get("/metrics").text
         res["metrics_swap"] = [ln for ln in metrics.splitlines() if "hotswap_swap" in ln][:40]
@@ -400,6 +401,8 @@ def report(res: dict[str, Any]) -> None:
             for k, v in r[side]["phases"].items():
                 ph.setdefault(f"{side}.{k}", []).append(v)
     print("phases (median over swaps):", {k: round(statistics.median(v), 4) for k, v in ph.items()})
+    print("ranks' timings (median over swaps):", rank_medians(swaps))
+    print("the sidecar's overlap decisions:", res.get("overlap_reasons"))
     print(
         f"\nswaps: {len(times)}; p50 {pct(times, 50):.3f} s, p95 {pct(times, 95):.3f} s,"
         f" max {max(times):.3f} s; max(sleep, wake) alone {max(sw, ss):.3f} s, their sum"
@@ -411,6 +414,42 @@ def report(res: dict[str, Any]) -> None:
         f" {pct(times, 50) / (sw + ss + warm):.2f}",
         flush=True,
     )
+
+
+def overlap_reasons(path: Path) -> list[str]:
+    """The distinct reasons the sidecar logged for its swaps (overlapped or not, and which
+    earlier starts the byte budget allowed: controller.fleet.swap)."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError as exc:
+        return [f"(no log: {exc})"]
+    out: list[str] = []
+    for ln in lines:
+        i = max(ln.find("swap overlapped"), ln.find("swap one after the other"))
+        if i >= 0 and ln[i:] not in out:
+            out.append(ln[i:][:600])
+    return out[:4]
+
+
+# The ranks' timings printed as medians over the swaps, by (side, phase): the victim's
+# prepare (its snapshot's steps) and the woken model's copies.
+SWAP_RANK_KEYS = {
+    ("sleep", "prepare"): ("snapshot_s", "snap_plan_s", "snap_baseline_s", "snap_check_reused"),
+    ("sleep", "suspend_kv_cache"): ("discard_s", "trim_s"),
+    ("sleep", "prepare_and_suspend"): ("at_prepared_s", "at_released_s", "snap_check_reused"),
+    ("wake", "resume_and_verify"): ("wait_copies_s", "copies_gpu_s", "verify_s"),
+}
+
+
+def rank_medians(swaps: list[dict[str, Any]]) -> dict[str, float]:
+    got: dict[str, list[float]] = {}
+    for r in swaps:
+        for (side, phase), keys in SWAP_RANK_KEYS.items():
+            t = ((r[side].get("ranks") or {}).get(phase) or {}).get("timings") or {}
+            for k in keys:
+                if isinstance(t.get(k), int | float):
+                    got.setdefault(f"{side}.{phase}.{k}", []).append(float(t[k]))
+    return {k: round(statistics.median(v), 4) for k, v in got.items()}
 
 
 def _rows(models: Any) -> list[dict[str, Any]]:
