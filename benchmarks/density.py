@@ -267,19 +267,23 @@ def replot(requests: Path, out_dir: Path) -> bool:
 
 def fleet_state(side: str) -> dict[str, dict[str, Any]]:
     with httpx.Client(base_url=side, timeout=30.0) as c:
-        return {m["name"]: m for m in c.get("/models").json()["models"]}
+        # the full entries: the compact ones do not say `deep`
+        return {m["name"]: m for m in c.get("/models", params={"detail": "full"}).json()["models"]}
 
 
-def normalize(side: str, names: Sequence[str]) -> None:
-    """Every model asleep at level 1, not deep (each arm starts from the same fleet)."""
+def normalize(side: str, names: Sequence[str], deep: bool = False) -> None:
+    """Every model asleep at level 1, deep or not as `deep` says (each arm starts from the
+    same fleet; the deep arm's sleepers all deep, so the bytes they leave are the arm's)."""
     with httpx.Client(base_url=side, timeout=600.0) as c:
         for name in names:
             snap = c.get(f"/models/{name}").json()
-            if snap["state"] == "SUSPENDED" and snap.get("deep"):
+            if snap["state"] == "SUSPENDED" and bool(snap.get("deep")) and not deep:
                 c.post(f"/models/{name}/wake").raise_for_status()
                 snap = c.get(f"/models/{name}").json()
-            if snap["state"] == "RUNNING":
-                r = c.post(f"/models/{name}/sleep", json={"level": 1, "deep": False})
+            if snap["state"] == "RUNNING" or (
+                snap["state"] == "SUSPENDED" and deep and not snap.get("deep")
+            ):  # a sleeper asked deep is taken deep (checkpointed) where it sleeps
+                r = c.post(f"/models/{name}/sleep", json={"level": 1, "deep": deep})
                 r.raise_for_status()
 
 
@@ -354,7 +358,7 @@ def run_arm(
     try:
         side.wait_ready(timeout_s=180)
         base = side.base_url
-        normalize(base, names)
+        normalize(base, names, deep=DEEP_SLEEP.get(arm) == "always")
         served = static_partition(base, names) if arm == "static" else None
         before = swaps(base)
         log(arm, "starting the trace", f"served={sorted(served) if served else 'all'}")

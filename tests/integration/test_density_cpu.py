@@ -45,6 +45,9 @@ def test_density_on_cpu(tmp_path: Path) -> None:
     assert arms["static"]["codes"].get("503", 0) > 0  # the others are not served
     assert arms["l1"]["served"] == n  # ours serves every model
     assert arms["deep"]["served"] == n
+    assert arms["deep"]["asleep"] >= 1
+    assert arms["deep"]["deep"] == arms["deep"]["asleep"]  # every sleeper deep, from the start
+    assert arms["l1"]["deep"] == 0
     lines = (tmp_path / "density-requests.jsonl").read_text().splitlines()
     assert len(lines) == 3 * n
     assert json.loads((tmp_path / "density.json").read_text())["arms"]
