@@ -118,6 +118,17 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+def sched(pid: int) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) of `pid`'s main thread
+    (/proc/PID/schedstat): how much of a slow answer was the machine's, not the sidecar's."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            on_cpu_ns, waiting_ns, _ = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    return on_cpu_ns / 1e9, waiting_ns / 1e9
+
+
 def alive(pid: int) -> bool:
     st = _stat(pid)
     return st is not None and st[0] != "Z"
@@ -381,6 +392,7 @@ def test_soak_swaps_under_load_with_engines_killed(sidecar: Sidecar) -> None:
         max_json_depth=64,  # and max_json_depth
     )
     load.start()
+    sched_before = sched(sidecar.proc.pid)
     cycles = 0
     with ThreadPoolExecutor(max_workers=CLIENTS + 1) as pool:
         while cycles < CYCLES or time.monotonic() - t_start < MIN_S:
@@ -410,6 +422,7 @@ def test_soak_swaps_under_load_with_engines_killed(sidecar: Sidecar) -> None:
                 pid = sidecar.engine_pid(m)
                 if state == "RUNNING" and pid is not None:
                     engine_rss[m].append(rss_bytes(pid))
+    sched_after = sched(sidecar.proc.pid)
     loaded = load.stop()
     elapsed = time.monotonic() - t_start
     sidecar_rss.append(rss_bytes(sidecar.proc.pid))
@@ -437,6 +450,12 @@ def test_soak_swaps_under_load_with_engines_killed(sidecar: Sidecar) -> None:
         },
         "gateway_200": gateway_ok,
         "verification_failures": verify_failures,
+        # Under load: the sidecar's event loop thread on a CPU, and runnable but waiting for
+        # one (the machine's share of /livez's latency, not the sidecar's).
+        "sidecar_loop_s": {
+            "on_cpu": round(sched_after[0] - sched_before[0], 1),
+            "waiting_for_cpu": round(sched_after[1] - sched_before[1], 1),
+        },
         "sidecar_rss_mib": [round(min(sidecar_rss) / 2**20, 1), round(max(sidecar_rss) / 2**20, 1)],
         "sidecar_rss_drift": round(drift(sidecar_rss), 3),
         "engine_rss_mib": {
