@@ -221,6 +221,9 @@ class Plan:
         self._kernel = DEFAULT_KERNEL if kernel is None else kernel
         self.kernel_error: str | None = None  # why the last baseline checks eagerly
         self.kernel_reused = False  # the last baseline's check was built by an earlier plan
+        # what the kernel saw when `changed` found a mismatch (SpanCheck.last_recheck), the
+        # ranges named by tensor; None when it saw none
+        self.kernel_recheck: dict[str, Any] | None = None
         self._index: list[int] = []  # tensor i -> its storage's item
         seen: dict[tuple[str, int, int], int] = {}
         self._items: list[_Item] = []
@@ -357,9 +360,13 @@ class Plan:
         one eager batch over their spans, where only a differing span is re-read storage by
         storage to name its tensors (all of them, if its storages all read equal again)."""
         out: set[int] = set()
+        self.kernel_recheck = None
         if base.check is not None:
             for j in base.check.differing(base.values):
                 out.update(self._tensors_of[base.covered[j]])
+            seen = base.check.last_recheck
+            if seen is not None:
+                self.kernel_recheck = self._named(seen, base.covered)
         rest = list(range(len(self._span_items))) if base.rest is None else base.rest
         bad: list[int] = []
         if rest:
@@ -375,6 +382,18 @@ class Plan:
                 for i in hit:
                     out.update(self._tensors_of[i])
         return sorted(out)
+
+    def _named(self, seen: dict[str, Any], covered: list[int]) -> dict[str, Any]:
+        """SpanCheck.last_recheck with each range as the index of its first tensor."""
+
+        def tensor(r: int) -> int:
+            return self._tensors_of[covered[r]][0]
+
+        out = dict(seen)
+        out["first_read"] = [tensor(r) for r in seen["first_read"]]
+        out["second_read"] = [tensor(r) for r in seen["second_read"]]
+        out["pieces_by_range"] = {tensor(r): v for r, v in seen["pieces_by_range"].items()}
+        return out
 
 
 def forget_checks() -> None:

@@ -199,38 +199,59 @@ class SpanCheck:
         self.n_pieces = len(ptrs)
         self._ptrs_host = ptrs
         self._nwords_host = nwords
-        self._ptrs = torch.tensor(ptrs, dtype=torch.int64).to(device)
-        self._nwords = torch.tensor(nwords, dtype=torch.int32).to(device)
-        self._out = torch.zeros((max(1, len(ptrs)), 2), dtype=torch.int64, device=device)
+        # The address table stays on the host (pinned on CUDA) and goes to the device at
+        # every run, into fresh memory, as does the output: a check kept across sleeps
+        # holds no device state of its own that a run depends on but the process key.
+        ptrs_h = torch.tensor(ptrs, dtype=torch.int64)
+        nwords_h = torch.tensor(nwords, dtype=torch.int32)
+        if device.type == "cuda":  # copied to the device without a host wait
+            ptrs_h, nwords_h = ptrs_h.pin_memory(), nwords_h.pin_memory()
+        self._ptrs_h, self._nwords_h = ptrs_h, nwords_h
         self._key = process_key(device)
         self._tails = tails
         self._base: Values | None = None  # the last baseline (differing's default)
+        self.last_recheck: dict[str, Any] | None = None  # differing's evidence on a mismatch
+
+    def _sync(self, device_wide: bool) -> None:
+        """Wait (CUDA; nothing on CPU) for what is queued on the current stream, or with
+        `device_wide` on every stream of the check's device."""
+        if self.device.type != "cuda":
+            return
+        if device_wide:
+            torch.cuda.synchronize(self.device)
+        else:
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _run(self) -> tuple[Any, Any]:
+        """One launch over every piece, queued on the current stream: (out, tail), both
+        new tensors (out: (s1, NH) per piece; tail: the ranges' last bytes, or None)."""
+        out = torch.zeros((max(1, self.n_pieces), 2), dtype=torch.int64, device=self.device)
         if self.n_pieces:
             grid = (self.n_pieces,)
             if self.device.type == "cuda":
                 with torch.cuda.device(self.device):
+                    ptrs = self._ptrs_h.to(self.device, non_blocking=True)
+                    nwords = self._nwords_h.to(self.device, non_blocking=True)
                     self._kernel[grid](
-                        self._ptrs,
-                        self._nwords,
+                        ptrs,
+                        nwords,
                         self._key,
-                        self._out,
+                        out,
                         BLOCK=BLOCK,
                         ALIGNED=self.aligned,
                         num_warps=NUM_WARPS,
                     )
             else:
                 self._kernel[grid](
-                    self._ptrs,
-                    self._nwords,
+                    self._ptrs_h,
+                    self._nwords_h,
                     self._key,
-                    self._out,
+                    out,
                     BLOCK=BLOCK,
                     ALIGNED=self.aligned,
                 )
         tail = torch.cat(self._tails) if self._tails else None
-        return self._out, tail
+        return out, tail
 
     def sums(self) -> list[tuple[int, int]]:
         """(s1, s2) per piece now, on the host (tests and the cross-check)."""
@@ -241,9 +262,12 @@ class SpanCheck:
     def baseline(self, prove: bool = True) -> Values:
         """Take values later checks compare against (kept as the default for `differing`,
         and returned). With `prove` (a new check), a sample of pieces (first, last, the
-        shortest, spread between) is first proven equal to torch's sums of them; a check
-        already proven for these ranges (fingerprint's reuse) takes its values with no host
-        sync: one launch, queued on the current stream."""
+        shortest, spread between) is first proven equal to torch's sums of them. Either
+        way the run starts after what is queued on the current stream is done (a host wait,
+        where the cross-check made one before the baseline's run: not device-wide, so a
+        fused sleep's copies on their own streams go on): a check reused for these ranges
+        (fingerprint's reuse) skips the table build and the proof, not that wait."""
+        self._sync(device_wide=False)
         out, tail = self._run()
         if prove and self.n_pieces:
             rows = out[: self.n_pieces].cpu().tolist()
@@ -256,15 +280,12 @@ class SpanCheck:
                 want = _reference(self._ptrs_host[i], self._nwords_host[i], self.device)
                 if got[i] != want:
                     raise Unavailable(f"kernel piece {i} gave {got[i]}, torch {want}")
-        self._base = Values(out.clone(), tail)  # `tail` is a new tensor on every run
+        self._base = Values(out, tail)  # both new tensors on every run
         return self._base
 
-    def differing(self, base: Values | None = None) -> list[int]:
-        """Indices of the ranges whose bytes differ from `base` (default: the last
-        baseline), in one host sync."""
-        base = self._base if base is None else base
-        if base is None:
-            raise RuntimeError("SpanCheck.differing before baseline")
+    def _compare(self, base: Values) -> tuple[list[int], Any, Any]:
+        """(differing ranges, differing piece indices, the run's values): one run, one
+        host sync."""
         out, tail = self._run()
         diff = torch.ne(out, base.pieces).any(dim=1)
         flag = diff.any()
@@ -273,11 +294,53 @@ class SpanCheck:
             tdiff = torch.ne(tail, base.tail)
             flag = flag | tdiff.any()
         if not bool(flag):  # the one host sync
-            return []
-        bad = {self.owner[i] for i in diff.nonzero().flatten().tolist() if i < self.n_pieces}
+            return [], [], out
+        pieces = [i for i in diff.nonzero().flatten().tolist() if i < self.n_pieces]
+        bad = {self.owner[i] for i in pieces}
         if tdiff is not None:
             bad.update(self.tail_owner[i] for i in tdiff.nonzero().flatten().tolist())
-        return sorted(bad)
+        return sorted(bad), pieces, out
+
+    def differing(self, base: Values | None = None) -> list[int]:
+        """Indices of the ranges whose bytes differ from `base` (default: the last
+        baseline), in one host sync when they all agree. The run starts after every stream
+        of the device is done (whatever its caller waited for). A mismatch is read again
+        after another device-wide wait, with torch's sums of its first differing piece;
+        only what still differs then is returned, and `last_recheck` says what was seen
+        (a difference gone on the second read means bytes still being written at the first:
+        a missing wait, reported, never the bytes' fault)."""
+        base = self._base if base is None else base
+        if base is None:
+            raise RuntimeError("SpanCheck.differing before baseline")
+        self.last_recheck = None
+        self._sync(device_wide=True)
+        first, pieces, _ = self._compare(base)
+        if not first:
+            return []
+        self._sync(device_wide=True)
+        again, pieces2, out2 = self._compare(base)
+        evidence: dict[str, Any] = {
+            "first_read": first,
+            "second_read": again,
+            "pieces_differing": len(pieces),
+            "pieces_differing_again": len(pieces2),
+            "pieces_by_range": {
+                r: [sum(1 for i in pieces2 if self.owner[i] == r), self.owner.count(r)]
+                for r in again
+            },
+        }
+        if pieces2:
+            i = pieces2[0]
+            evidence["piece"] = i
+            evidence["piece_baseline"] = [int(v) & _MASK for v in base.pieces[i].tolist()]
+            evidence["piece_kernel_now"] = [int(v) & _MASK for v in out2[i].tolist()]
+            try:
+                torch_now = _reference(self._ptrs_host[i], self._nwords_host[i], self.device)
+                evidence["piece_torch_now"] = list(torch_now)
+            except Exception as e:  # evidence only
+                evidence["piece_torch_now"] = f"{type(e).__name__}: {e}"
+        self.last_recheck = evidence
+        return again
 
 
 def warm(device: Any) -> dict[str, Any]:

@@ -27,7 +27,16 @@ from worker_ext.ownership import TensorRecord, storage_key
 from worker_ext.protect import Protection
 from worker_ext.rawmem import raw_bytes
 
-__all__ = ["Snapshot", "fingerprint", "prepare", "rebind", "restore", "storage_bytes", "verify"]
+__all__ = [
+    "Snapshot",
+    "fingerprint",
+    "prepare",
+    "rebind",
+    "recheck",
+    "restore",
+    "storage_bytes",
+    "verify",
+]
 
 
 @dataclass
@@ -250,3 +259,33 @@ def verify(snap: Snapshot) -> tuple[int, list[str], list[dict[str, Any]]]:
         near = f", near {d['nearest']}" if d.get("nearest") else ""
         names.append(f"<unnamed {d['pool']} {d['range']} ({d['bytes']} bytes{near})>")
     return n + len(snap.unnamed) + len(snap.kv_names), names, ranges
+
+
+def recheck(snap: Snapshot) -> dict[str, Any] | None:
+    """What the last `verify`'s kernel check saw when it found a mismatch (its first read,
+    its second after a device-wide wait, pieces and sums: fpkernel.SpanCheck.differing),
+    tensors by name; None when it found none."""
+    plans = [(snap.plan, None), (snap.kv_plan, snap.kv_names)]
+    out: dict[str, Any] | None = None
+    for plan, kv in plans:
+        seen = plan.kernel_recheck if plan is not None else None
+        if seen is None:
+            continue
+
+        def name(i: int, kv: list[str] | None = kv) -> str:
+            if kv is not None:
+                return f"{kv[i]} (KV cache kept)"
+            if i < len(snap.entries):
+                return snap.entries[i].record.name
+            r = snap.unnamed[i - len(snap.entries)]
+            return f"<unnamed {r.pool} {r.start:#x}-{r.end:#x}>"
+
+        named = dict(seen)
+        named["first_read"] = [name(i) for i in seen["first_read"]]
+        named["second_read"] = [name(i) for i in seen["second_read"]]
+        named["pieces_by_range"] = {name(i): v for i, v in seen["pieces_by_range"].items()}
+        if out is None:
+            out = named
+        else:
+            out["kv_cache"] = named
+    return out

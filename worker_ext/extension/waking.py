@@ -137,6 +137,14 @@ class WakeRPCs(ExtensionBase):
             t2 = time.perf_counter()
             verified, mismatched, bad_ranges = snapshot.verify(snap)
             t3 = time.perf_counter()
+            seen = snapshot.recheck(snap)
+            if seen is not None and not mismatched:
+                log.warning(
+                    "hotswap: verify on rank %s: a difference seen at the first read was gone "
+                    "after a device-wide wait (bytes still being written): %s",
+                    rank_of(self),
+                    seen,
+                )
         st.snap = None
         st.level = None
         out: dict[str, Any] = {
@@ -150,11 +158,15 @@ class WakeRPCs(ExtensionBase):
             # vLLM's own sleep still in force: the sidecar ends it through vLLM's /wake_up
             "vllm_sleep": vllmcompat.vllm_sleep(self),
             "ok": not mismatched,
+            # the kernel check's two reads when its first saw a difference (None: it saw none)
+            "verify_recheck": seen,
             "timings": {"rebind_s": t1 - t0, "restore_s": t2 - t1, "verify_s": t3 - t2},
         }
         if mismatched:
             what = "tensor(s) or range(s)" if bad_ranges else "tensor(s)"
             out["error"] = f"{len(mismatched)} {what} differ after resume: {mismatched[:8]}"
+            if seen is not None:
+                out["error"] += f" (kernel check: {_evidence(seen)})"
             ph.failed(f"restore_and_verify: {out['error']}")
         else:
             ph.verified()
@@ -162,3 +174,19 @@ class WakeRPCs(ExtensionBase):
         del snap  # the snapshot's last reference: its views, plans and host copies go now
         out["timings"]["release_s"] = time.perf_counter() - t4
         return out
+
+
+def _evidence(seen: dict[str, Any]) -> str:
+    """The kernel check's two reads of a mismatch, in one line for the rank's error."""
+    parts = [
+        f"pieces differing {seen.get('pieces_differing')} then "
+        f"{seen.get('pieces_differing_again')} after a device-wide wait"
+    ]
+    for name, (k, n) in list(seen.get("pieces_by_range", {}).items())[:4]:
+        parts.append(f"{name}: {k}/{n} pieces")
+    if "piece" in seen:
+        parts.append(
+            f"piece {seen['piece']}: baseline {seen.get('piece_baseline')}, kernel now "
+            f"{seen.get('piece_kernel_now')}, torch now {seen.get('piece_torch_now')}"
+        )
+    return "; ".join(parts)
