@@ -402,6 +402,7 @@ def report(res: dict[str, Any]) -> None:
                 ph.setdefault(f"{side}.{k}", []).append(v)
     print("phases (median over swaps):", {k: round(statistics.median(v), 4) for k, v in ph.items()})
     print("ranks' timings (median over swaps):", rank_medians(swaps))
+    print("wakes whose verify read again after a first read that differed:", rechecked(swaps))
     print("the sidecar's overlap decisions:", res.get("overlap_reasons"))
     print(
         f"\nswaps: {len(times)}; p50 {pct(times, 50):.3f} s, p95 {pct(times, 95):.3f} s,"
@@ -450,6 +451,18 @@ def rank_medians(swaps: list[dict[str, Any]]) -> dict[str, float]:
                 if isinstance(t.get(k), int | float):
                     got.setdefault(f"{side}.{phase}.{k}", []).append(float(t[k]))
     return {k: round(statistics.median(v), 4) for k, v in got.items()}
+
+
+def rechecked(swaps: list[dict[str, Any]]) -> list[int]:
+    """The swaps (1-based) whose wake's verify read its kernel check again (the rank's
+    `verify_rechecked` timing: a first read that differed, docs/contracts.md §1.4)."""
+    out = []
+    for i, r in enumerate(swaps):
+        for rank in (r["wake"].get("ranks") or {}).values():
+            if ((rank or {}).get("timings") or {}).get("verify_rechecked"):
+                out.append(i + 1)
+                break
+    return out
 
 
 def _rows(models: Any) -> list[dict[str, Any]]:

@@ -160,7 +160,13 @@ class WakeRPCs(ExtensionBase):
             "ok": not mismatched,
             # the kernel check's two reads when its first saw a difference (None: it saw none)
             "verify_recheck": seen,
-            "timings": {"rebind_s": t1 - t0, "restore_s": t2 - t1, "verify_s": t3 - t2},
+            "timings": {
+                "rebind_s": t1 - t0,
+                "restore_s": t2 - t1,
+                "verify_s": t3 - t2,
+                # 1.0: the kernel check's first read saw a difference and read again (§1.4)
+                "verify_rechecked": float(seen is not None),
+            },
         }
         if mismatched:
             what = "tensor(s) or range(s)" if bad_ranges else "tensor(s)"
