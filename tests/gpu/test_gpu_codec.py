@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks import realweights
-from worker_ext import codec
+from worker_ext import codec, devmodels
 from worker_ext.rawmem import raw_bytes
 
 pytestmark = [
@@ -22,7 +21,7 @@ def _data(kind: str, n_words: int) -> torch.Tensor:
     g = torch.Generator(device="cuda").manual_seed(11)
     if kind == "realistic":
         t = torch.empty(n_words, dtype=torch.bfloat16, device="cuda")
-        realweights.fill_(t, "mlp.up_proj", 3)
+        devmodels.realistic_fill_(t, "mlp.up_proj", 3)
         w = t.view(torch.int16)
         w[::4099] = 0x7FC1  # NaN
         w[1::4111] = 0xFF80 - 65536  # -Inf

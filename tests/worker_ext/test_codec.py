@@ -15,8 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from benchmarks import realweights
-from worker_ext import codec
+from worker_ext import codec, devmodels
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interp = pytest.mark.skipif(not INTERP, reason="run in a child with TRITON_INTERPRET=1")
@@ -117,7 +116,7 @@ def test_noise_and_fp8_stay_raw_realistic_compresses() -> None:
         assert int(piece[: codec.META_BYTES].view(torch.int32)[codec.K]) == 0
         assert piece.numel() <= data.numel() + codec.header_bytes(1) + codec.PIECE_ALIGN
     t = torch.empty(codec.CHUNK_WORDS, dtype=torch.bfloat16)
-    realweights.fill_(t, "mlp.down_proj", 5)
+    devmodels.realistic_fill_(t, "mlp.down_proj", 5)
     [(_, piece)] = _roundtrip(t.view(torch.uint8))
     ratio = piece.numel() / (2 * t.numel())
     assert ratio <= 0.72, ratio

@@ -15,8 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from benchmarks import realweights
-from worker_ext import codec, disktier
+from worker_ext import codec, devmodels, disktier
 
 SIZES = (3 * codec.BLOCK * 2 + 10, codec.CHUNK_WORDS * 2 + 4 * codec.BLOCK)  # bytes, even
 
@@ -25,7 +24,7 @@ def _records() -> list[torch.Tensor]:
     out = []
     for i, n in enumerate(SIZES):
         t = torch.empty(n // 2, dtype=torch.bfloat16)
-        realweights.fill_(t, f"layers.{i}.mlp.down_proj", 7 + i)
+        devmodels.realistic_fill_(t, f"layers.{i}.mlp.down_proj", 7 + i)
         out.append(t.view(torch.uint8).clone())
     out[1][5::1000] = 0xFF  # some bytes that are no bf16 pattern (NaNs and -NaNs)
     return out
