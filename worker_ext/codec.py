@@ -833,14 +833,28 @@ Copy = Any  # (host offset, device address, bytes, to_host, raw cudaStream_t) ->
 SLEEP_SLOTS = 2  # a sleep's double buffer (it runs while the KV cache is still mapped)
 
 
+def _order_after(after: Any, streams: tuple[Any, ...]) -> None:
+    """A queue's streams wait for `after` (the stream its caller works on) once the queue's
+    scratch is made: `slots()` zeroes its per-piece counts there on first use, and an
+    encode that ran before that zeroing landed (the streams ordered earlier) read counts
+    the zeroing then overwrote: the first piece's escapes at wrong offsets, 8 MiB of the
+    first range wrong in its host copy. `after=None`: the caller orders the streams."""
+    if after is not None:
+        for s in streams:
+            s.wait_stream(after)
+
+
 class SleepQueue:
     """Encode pieces into the staging slots on `enc` and copy each to the host on `copy`
     (double-buffered: piece j + slots waits for piece j's copy to leave its slot)."""
 
-    def __init__(self, gc: GpuCodec, plan: Plan, copy: Copy, enc: Any, dma: Any) -> None:
+    def __init__(
+        self, gc: GpuCodec, plan: Plan, copy: Copy, enc: Any, dma: Any, after: Any = None
+    ) -> None:
         self.gc, self.plan, self._copy = gc, plan, copy
         self.enc, self.dma = enc, dma
         self._slots = gc.slots(SLEEP_SLOTS)
+        _order_after(after, (enc, dma))
         self._free: list[Any] = [None] * len(self._slots)
         self._j = 0
 
@@ -886,11 +900,19 @@ class WakeQueue:
     decoder behind)."""
 
     def __init__(
-        self, gc: GpuCodec, plan: Plan, copy: Copy, dma: Any, dec: Any, profile: bool = False
+        self,
+        gc: GpuCodec,
+        plan: Plan,
+        copy: Copy,
+        dma: Any,
+        dec: Any,
+        profile: bool = False,
+        after: Any = None,
     ) -> None:
         self.gc, self.plan, self._copy = gc, plan, copy
         self.dma, self.dec = dma, dec
         self._slots = gc.slots()
+        _order_after(after, (dma, dec))
         self._free: list[Any] = [None] * len(self._slots)
         self._j = 0
         self._prof: list[tuple[Any, ...]] | None = [] if profile else None

@@ -450,6 +450,91 @@ def test_wake_queue_reuses_a_slot_after_its_decode(
         assert f"dec waits {copied}" in log[c:dj]
 
 
+class _ZeroingCodec(_Codec):
+    """slots() zeroes its per-piece counts on the caller's stream, as GpuCodec._scratch
+    does the first time after a release."""
+
+    def slots(self, n: int | None = None) -> list[_Slot]:
+        self.log.append("current zeroes the scratch")
+        return super().slots(n)
+
+    def encode_into(self, plan: object, piece: codec.Piece, slot: _Slot) -> None:
+        self.log.append(f"encode p{piece.first} into slot {slot.i}")
+
+
+class _Ordered(_Stream):
+    def wait_stream(self, other: _Stream) -> None:
+        self.log.append(f"{self.cuda_stream} waits {other.cuda_stream}")
+
+
+@pytest.mark.parametrize("kind", ["sleep", "wake"])
+def test_a_queue_orders_its_streams_after_the_scratch_it_zeroes(
+    monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """A queue's streams wait for the caller's stream after its scratch was made there:
+    the H200's 2x8B swap and 12-model density runs (2026-12-02) failed wakes on the first
+    8 MiB of the first range, and the sleep's queue was ordered after the current stream
+    before the per-piece counts its encode reads were zeroed on that stream."""
+    log: list[str] = []
+    monkeypatch.setattr(codec.torch.cuda, "Event", lambda **_: _Ev(log))
+    monkeypatch.setattr(codec.torch.cuda, "stream", lambda _s: contextlib.nullcontext())
+    a, b, current = _Ordered("a", log), _Ordered("b", log), _Stream("current", log)
+    gc = _ZeroingCodec(log, 2)
+    piece = codec.Piece(0, 0, 8, 0, 1, 4, 0)
+
+    def copy(host_off: int, dev: int, n: int, to_host: bool, stream: str) -> None:
+        log.append(f"{stream} copies")
+
+    if kind == "sleep":
+        codec.SleepQueue(gc, None, copy, a, b, after=current).queue(piece)  # type: ignore[arg-type]
+        first = "encode p0 into slot 0"
+    else:
+        codec.WakeQueue(gc, None, copy, a, b, after=current).queue(piece)  # type: ignore[arg-type]
+        first = "decode p0 from slot 0"
+    zeroed = log.index("current zeroes the scratch")
+    for name in ("a", "b"):
+        assert zeroed < log.index(f"{name} waits current") < log.index(first), log
+
+
+def test_the_coded_copies_order_their_queues_after_the_current_stream() -> None:
+    """The backend's queues are made with the worker's current stream to wait for (the
+    ordering is the queue's, after its scratch), not ordered before they are made."""
+    from worker_ext.cumem.coded import CodedCopies
+
+    log: list[str] = []
+    current = _Stream("current", log)
+
+    class _Streams:
+        def all(self) -> list[_Stream]:
+            return [_Ordered("a", log), _Ordered("b", log)]
+
+        def current(self) -> _Stream:
+            return current
+
+        def after_current(self, streams: list[_Stream]) -> None:
+            log.append("ordered before the queue was made")
+
+        def copier(self, host: int) -> object:
+            return lambda *_a: None
+
+    class _Host:
+        ptr = 0
+
+    coded = CodedCopies(None, "cpu", _Streams(), lambda: None)  # type: ignore[arg-type]
+    coded._gc = _ZeroingCodec(log, 2)  # type: ignore[assignment]
+    coded.sleep_queue(coded._gc, None, _Host())  # type: ignore[arg-type]
+    coded.wake_queue(None, _Host())  # type: ignore[arg-type]
+    assert "ordered before the queue was made" not in log
+    assert log == [
+        "current zeroes the scratch",
+        "a waits current",
+        "b waits current",
+        "current zeroes the scratch",
+        "a waits current",
+        "b waits current",
+    ]
+
+
 def test_rates_by_part_splits_pieces_in_order() -> None:
     # 8 pieces of 1 GB: the first two slow (as right after a large release), the rest fast
     secs = [1 / 28, 1 / 28] + [1 / 55] * 6

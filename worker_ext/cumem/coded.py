@@ -112,9 +112,10 @@ class CodedCopies:
         """A sleep's queue: encodes on the first copy stream, copies on the second, both
         after the worker's current stream."""
         enc, dma = self._streams.all()[:2]
-        self._streams.after_current([enc, dma])
         self._scratch = True
-        return codec.SleepQueue(gc, plan, self._streams.copier(host.ptr), enc, dma)
+        # ordered after the current stream by the queue, once its scratch is zeroed there
+        after = self._streams.current()
+        return codec.SleepQueue(gc, plan, self._streams.copier(host.ptr), enc, dma, after)
 
     def wake_queue(self, plan: codec.Plan, host: HostBuffer, track: bool = True) -> codec.WakeQueue:
         """A wake's queue: copies from the host on the first copy stream, decodes on the
@@ -122,7 +123,13 @@ class CodedCopies:
         assert self._gc is not None
         dma, dec = self._streams.all()[:2]
         wq = codec.WakeQueue(
-            self._gc, plan, self._streams.copier(host.ptr), dma, dec, profile=self.profile
+            self._gc,
+            plan,
+            self._streams.copier(host.ptr),
+            dma,
+            dec,
+            profile=self.profile,
+            after=self._streams.current(),
         )
         self._scratch = True
         if track:
