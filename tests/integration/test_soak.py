@@ -19,8 +19,8 @@ caps, a stream of half-open and slow connections, and `/livez` probed every 0.1 
 must stay within 100 ms, and the sidecar's RSS within the pod's limit in deploy/ (512 MiB).
 
 CI runs a bounded form (HOTSWAP_SOAK_CYCLES, default 10, an engine killed at cycle 5, and
-at least HOTSWAP_SOAK_MIN_S, default 60 s, of cycles: every kind of cycle, kill and probe,
-fewer times); `scripts/dev.sh soak` runs the full
+at least HOTSWAP_SOAK_MIN_S, default 120 s, the 2 minutes the issue asks of CI, of cycles:
+every kind of cycle, kill and probe, fewer times); `scripts/dev.sh soak` runs the full
 one (at least 20 cycles and 600 s, an engine killed every 10 cycles) and prints the figures
 docs/reliability.md quotes (also written as JSON to HOTSWAP_SOAK_REPORT if set).
 """
@@ -63,7 +63,7 @@ MAX_TOKENS = 8
 REQUEST_TIMEOUT_S = 200.0  # one HTTP attempt: hold_timeout_s (120) plus generation, generous
 REQUEST_DEADLINE_S = 400.0  # one logical request, retries included (an engine restart inside)
 RSS_TOLERANCE = 0.10
-MIN_S = float(os.environ.get("HOTSWAP_SOAK_MIN_S", "60"))  # cycles go on at least this long
+MIN_S = float(os.environ.get("HOTSWAP_SOAK_MIN_S", "120"))  # cycles go on at least this long
 MAX_CONCURRENT = 12  # the gateway's cap in this soak; the load keeps it full
 # /livez p99: 100 ms in the full form; the CI form (shorter than 600 s) is held to 500 ms
 # unless HOTSWAP_SOAK_LIVEZ_P99_MS says otherwise (docs/reliability.md says why)
