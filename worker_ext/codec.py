@@ -837,8 +837,9 @@ def _order_after(after: Any, streams: tuple[Any, ...]) -> None:
     """A queue's streams wait for `after` (the stream its caller works on) once the queue's
     scratch is made: `slots()` zeroes its per-piece counts there on first use, and an
     encode that ran before that zeroing landed (the streams ordered earlier) read counts
-    the zeroing then overwrote: the first piece's escapes at wrong offsets, 8 MiB of the
-    first range wrong in its host copy. `after=None`: the caller orders the streams."""
+    the zeroing then overwrote: the first piece's escapes at wrong offsets, that whole
+    piece (64 MiB at the default piece size) of the first range wrong in its host copy.
+    `after=None`: the caller orders the streams."""
     if after is not None:
         for s in streams:
             s.wait_stream(after)

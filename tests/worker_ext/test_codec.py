@@ -473,8 +473,9 @@ def test_a_queue_orders_its_streams_after_the_scratch_it_zeroes(
 ) -> None:
     """A queue's streams wait for the caller's stream after its scratch was made there:
     the H200's 2x8B swap and 12-model density runs (2026-12-02) failed wakes on the first
-    8 MiB of the first range, and the sleep's queue was ordered after the current stream
-    before the per-piece counts its encode reads were zeroed on that stream."""
+    64 MiB of the first range (32 of the verify's 2 MiB pieces: one codec piece), and the
+    sleep's queue was ordered after the current stream before the per-piece counts its
+    encode reads were zeroed on that stream."""
     log: list[str] = []
     monkeypatch.setattr(codec.torch.cuda, "Event", lambda **_: _Ev(log))
     monkeypatch.setattr(codec.torch.cuda, "stream", lambda _s: contextlib.nullcontext())
