@@ -10,11 +10,8 @@ here, as a reminder to shrink the list.
 
 from __future__ import annotations
 
+import contextlib
 import math
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,13 +28,13 @@ from deploytools import (
     contract_metrics,
     dashboard,
     exported_metric_names,
-    free_port,
     grafana_to_promql,
     panel_queries,
     panels,
     prometheus,
     promql_metric_names,
 )
+from support.sidecar import SidecarProcess
 
 if TYPE_CHECKING:
     from support.engines import EngineLauncher
@@ -69,76 +66,35 @@ class Observed:
         return f"{math.ceil(time.time() - self.started) + 5}s"
 
 
-class Sidecar:
-    """`python -m controller serve` attached to the given engines, as a pod runs it, with the
-    gateway on and a budget of one awake model (so wakes evict and requests swap)."""
+def start_sidecar(engines: dict[str, str], log_path: Path) -> SidecarProcess:
+    """`hotswap serve` attached to the given engines, as a pod runs it, with the gateway on
+    and a budget of one awake model (so wakes evict and requests swap); returned once every
+    engine is probed (awake or asleep, as the budget left it)."""
+    side = SidecarProcess(log_path, engines=engines, env={"HOTSWAP_SWAP__MAX_AWAKE": "1"})
+    side.start()
+    deadline = time.monotonic() + 120
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            states = {n: m["state"] for n, m in side.models().items()}
+            if set(states) == set(MODELS) and set(states.values()) <= {"RUNNING", "SUSPENDED"}:
+                return side
+        if time.monotonic() > deadline:
+            side.stop()
+            pytest.fail(f"hotswap serve did not settle in 120 s:\n{side.log_tail()}")
+        time.sleep(0.2)
 
-    def __init__(self, engines: dict[str, str], log_path: Path) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.gateway_url = f"http://127.0.0.1:{free_port()}"
-        argv = [sys.executable, "-m", "controller", "serve", "--host", "127.0.0.1"]
-        argv += ["--port", str(self.port)]
-        for name, url in engines.items():
-            argv += ["--engine", f"{name}={url}"]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("HOTSWAP_")}
-        env |= {
-            "HOTSWAP_GATEWAY__ENABLED": "true",
-            "HOTSWAP_GATEWAY__HOST": "127.0.0.1",
-            "HOTSWAP_GATEWAY__PORT": self.gateway_url.rsplit(":", 1)[1],
-            "HOTSWAP_SWAP__MAX_AWAKE": "1",
-        }
-        self._log_path = log_path
-        with log_path.open("wb") as log:
-            self._proc = subprocess.Popen(
-                argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-            )
 
-    def states(self) -> dict[str, str]:
-        models = httpx.get(f"{self.base_url}/models", timeout=5).json()["models"]
-        return {m["name"]: m["state"] for m in models}
+def _call(side: SidecarProcess, path: str, **body: Any) -> dict[str, Any]:
+    resp = side.post(path, json=body, params={"wait": "true"})
+    assert resp.status_code == 200, f"{path}: {resp.status_code} {resp.text}"
+    data: dict[str, Any] = resp.json()
+    return data
 
-    def wait_settled(self, timeout_s: float = 120.0) -> None:
-        """Up, and every engine probed (awake or asleep, as the budget left it)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                pytest.fail(f"hotswap serve exited {self._proc.returncode}:\n{self.log_tail()}")
-            try:
-                states = self.states()
-                if set(states) == set(MODELS) and set(states.values()) <= {
-                    "RUNNING",
-                    "SUSPENDED",
-                }:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        pytest.fail(f"hotswap serve did not settle in {timeout_s:.0f} s:\n{self.log_tail()}")
 
-    def post(self, path: str, **body: Any) -> dict[str, Any]:
-        resp = httpx.post(f"{self.base_url}{path}", json=body, params={"wait": "true"}, timeout=300)
-        assert resp.status_code == 200, f"{path}: {resp.status_code} {resp.text}"
-        data: dict[str, Any] = resp.json()
-        return data
-
-    def complete(self, model: str) -> httpx.Response:
-        """One short completion through the gateway."""
-        body = {"model": model, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
-        return httpx.post(f"{self.gateway_url}/v1/completions", json=body, timeout=300)
-
-    def log_tail(self, lines: int = 40) -> str:
-        text = self._log_path.read_text(errors="replace") if self._log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def stop(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGTERM)
-            try:
-                self._proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(10)
+def _complete(side: SidecarProcess, model: str) -> httpx.Response:
+    """One short completion through the gateway."""
+    body = {"model": model, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    return httpx.post(f"{side.gateway_url}/v1/completions", json=body, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -150,10 +106,9 @@ def observed(
         for seed, name in enumerate(MODELS)
     }
     work = tmp_path_factory.mktemp("observe")
-    sidecar = Sidecar(urls, work / "sidecar.log")
+    sidecar = start_sidecar(urls, work / "sidecar.log")
     try:
-        sidecar.wait_settled()
-        target = sidecar.base_url.removeprefix("http://")
+        target = sidecar.url.removeprefix("http://")
         with prometheus(work, targets=[target]) as prom:
             prom.wait_scrapes(JOB, 2, timeout_s=30)
             started = time.time()
@@ -174,17 +129,18 @@ def observed(
             for action, name, level in steps:
                 if action == "sleep":
                     assert (
-                        sidecar.post(f"/models/{name}/sleep", level=level)["state"] == "SUSPENDED"
+                        _call(sidecar, f"/models/{name}/sleep", level=level)["state"] == "SUSPENDED"
                     )
                 elif action == "wake":
-                    assert sidecar.post(f"/models/{name}/wake")["state"] == "RUNNING"
+                    assert _call(sidecar, f"/models/{name}/wake")["state"] == "RUNNING"
                 else:
-                    resp = sidecar.complete(name)
+                    resp = _complete(sidecar, name)
                     expected = 200 if name in MODELS else 404
                     assert resp.status_code == expected, resp.text
                 prom.wait_scrapes(JOB, 3, timeout_s=30)
-            assert sidecar.states() == {"alpha": "SUSPENDED", "beta": "RUNNING"}
-            exposition = httpx.get(f"{sidecar.base_url}/metrics", timeout=10).text
+            states = {n: m["state"] for n, m in sidecar.models().items()}
+            assert states == {"alpha": "SUSPENDED", "beta": "RUNNING"}
+            exposition = sidecar.get("/metrics", timeout=10).text
             yield Observed(prom, started, time.time(), exposition)
     finally:
         sidecar.stop()

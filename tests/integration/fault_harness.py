@@ -1,4 +1,4 @@
-"""The fault matrix's tools: the real sidecar as a subprocess (so it can be SIGKILLed), a
+"""The fault matrix's tools (the sidecar runs as support.sidecar.SidecarProcess): a
 watcher that polls the sidecar's readiness and the engine's pause flag and in-flight count
 throughout, a gateway client, and direct calls to the test extension's seams.
 
@@ -12,22 +12,17 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 from support.metrics import metric_sum
-
-from controller.engines.sockets import free_port
+from support.sidecar import SidecarProcess
 
 IN_FLIGHT = ("vllm:num_requests_running", "vllm:num_requests_waiting")
-ENDED = ("RUNNING", "SUSPENDED", "FAILED")
 
 
 def engine_http(url: str, timeout_s: float = 60.0) -> httpx.Client:
@@ -53,150 +48,6 @@ def rpc(base_url: str, method: str, *args: Any, timeout_s: float = 60.0) -> list
 def hold_next(base_url: str, point: str, seconds: float, skip: int = 0) -> None:
     """Hold every rank at the fault point of the next (after `skip`) call that reaches it."""
     rpc(base_url, "hotswap_test_hold_next", point, seconds, skip)
-
-
-class SidecarProcess:
-    """`python -m controller serve` attached to the given engines, with the gateway on."""
-
-    def __init__(
-        self,
-        engines: Mapping[str, str],
-        log_path: Path,
-        env: Mapping[str, str] | None = None,
-    ) -> None:
-        self.engines = dict(engines)
-        self.log_path = log_path
-        self.env = dict(env or {})
-        self.port = 0
-        self.gateway_port = 0
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts = 0
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def gateway_url(self) -> str:
-        return f"http://127.0.0.1:{self.gateway_port}"
-
-    def start(self, timeout_s: float = 120.0) -> SidecarProcess:
-        """Start it; a port taken between choosing and binding means a new try with new ports."""
-        deadline = time.monotonic() + timeout_s
-        for _ in range(5):
-            if not self.port:
-                self.port, self.gateway_port = free_port(), free_port()
-            self._spawn()
-            if self._wait_up(deadline):
-                return self
-            self.kill()
-            self.port = 0  # bind failed (or too slow): other ports next time
-            if time.monotonic() > deadline:
-                break
-        raise TimeoutError(f"the sidecar did not start; log: {self.log_tail()}")
-
-    def _spawn(self) -> None:
-        argv = [sys.executable, "-m", "controller", "serve", "--host", "127.0.0.1"]
-        argv += ["--port", str(self.port)]
-        for name, url in self.engines.items():
-            argv += ["--engine", f"{name}={url}"]
-        env = {
-            **os.environ,
-            "HOTSWAP_GATEWAY__ENABLED": "true",
-            "HOTSWAP_GATEWAY__HOST": "127.0.0.1",
-            "HOTSWAP_GATEWAY__PORT": str(self.gateway_port),
-            "HOTSWAP_LOG__LEVEL": "INFO",
-            **self.env,
-        }
-        self.starts += 1
-        log = self.log_path.open("ab")
-        log.write(f"\n==== start #{self.starts} on port {self.port}\n".encode())
-        log.flush()
-        self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-
-    def _wait_up(self, deadline: float) -> bool:
-        assert self.proc is not None
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                return False
-            try:
-                if httpx.get(f"{self.url}/livez", timeout=2.0).status_code == 200:
-                    httpx.get(f"{self.gateway_url}/v1/models", timeout=2.0)
-                    return True
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        return False
-
-    def kill(self) -> None:
-        """SIGKILL: no shutdown of any kind runs."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(30)
-        self.proc = None
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
-        self.proc = None
-
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    # ---- the API ------------------------------------------------------------------------
-
-    def get(self, path: str, **kw: Any) -> httpx.Response:
-        return httpx.get(f"{self.url}{path}", timeout=kw.pop("timeout", 60.0), **kw)
-
-    def post(self, path: str, **kw: Any) -> httpx.Response:
-        return httpx.post(f"{self.url}{path}", timeout=kw.pop("timeout", 300.0), **kw)
-
-    def model(self, name: str) -> dict[str, Any]:
-        r = self.get(f"/models/{name}")
-        r.raise_for_status()
-        body: dict[str, Any] = r.json()
-        return body
-
-    def wait_for(
-        self, name: str, pred: Any, timeout_s: float = 120.0, what: str = ""
-    ) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        body: dict[str, Any] = {}
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                body = self.model(name)
-                if pred(body):
-                    return body
-            time.sleep(0.05)
-        raise TimeoutError(f"{name}: not {what} after {timeout_s:.0f} s: {body}\n{self.log_tail()}")
-
-    def wait_phase(self, name: str, phase: str, timeout_s: float = 60.0) -> dict[str, Any]:
-        return self.wait_for(name, lambda b: phase_of(b) == phase, timeout_s, f"in phase {phase}")
-
-    def wait_settled(self, name: str, timeout_s: float = 120.0) -> dict[str, Any]:
-        """The model in an end state (RUNNING, SUSPENDED or FAILED) with nothing in flight."""
-        return self.wait_for(
-            name,
-            lambda b: b["state"] in ENDED and phase_of(b) is None,
-            timeout_s,
-            "settled",
-        )
-
-
-def phase_of(body: Mapping[str, Any]) -> str | None:
-    phase = body.get("phase")
-    if phase is None:
-        phase = (body.get("extra") or {}).get("phase")
-    return str(phase) if phase is not None else None
 
 
 @dataclass(frozen=True)
@@ -255,7 +106,7 @@ class Watcher:
         self._loop(self._engine_once)
 
     def _health_once(self, client: httpx.Client) -> int:
-        if not self.sidecar.port:
+        if not self.sidecar.url:
             return 0
         try:
             return client.get(f"{self.sidecar.url}/models/{self.name}/health").status_code
@@ -328,7 +179,7 @@ class GatewayClient:
 
     def once(self) -> tuple[int, str]:
         """(status, what): 200 with the right tokens is "ok"; 0 = no sidecar to talk to."""
-        if not self.sidecar.port:
+        if not self.sidecar.gateway_url:
             return 0, "no sidecar"
         t0 = time.monotonic()
         try:

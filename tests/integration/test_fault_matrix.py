@@ -31,16 +31,15 @@ import httpx
 import pytest
 from fault_harness import (
     GatewayClient,
-    SidecarProcess,
     Watcher,
     completion_body,
     engine_http,
     greedy,
     hold_next,
-    phase_of,
     rpc,
     stopped,
 )
+from support.sidecar import SidecarProcess, phase_of
 
 from controller.engines.launcher import EngineProcess
 
@@ -221,7 +220,7 @@ def healthy(engine: Engine) -> Engine:
 
 @pytest.fixture
 def sidecar(engine: Engine, tmp_path: Path) -> Iterator[SidecarProcess]:
-    side = SidecarProcess({NAME: engine.url}, tmp_path / "sidecar.log", SIDECAR_ENV)
+    side = SidecarProcess(tmp_path / "sidecar.log", engines={NAME: engine.url}, env=SIDECAR_ENV)
     try:
         yield side
     finally:
@@ -432,7 +431,7 @@ def test_an_rpc_that_hangs_past_its_timeout(
     new process answers."""
     eng = healthy
     env = {**SIDECAR_ENV, "HOTSWAP_TIMEOUTS__RPC_S": "4", "HOTSWAP_TIMEOUTS__CONTROL_S": "2"}
-    side = SidecarProcess({NAME: eng.url}, tmp_path / "sidecar.log", env)
+    side = SidecarProcess(tmp_path / "sidecar.log", engines={NAME: eng.url}, env=env)
     try:
         _started(side)
         _begin(side, eng, case)

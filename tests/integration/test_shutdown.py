@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from test_soak import Sidecar, alive, descendants
+from support.procs import alive, descendants
+from support.sidecar import SidecarProcess
 
 from controller.engines.enginespec import EngineSpec, managed_argv
 
@@ -67,23 +68,24 @@ def test_sigterm_stops_admitting_and_lets_the_stream_in_flight_finish(
     }
     path = tmp_path / "models.yaml"
     path.write_text(yaml.safe_dump(config))
-    side = Sidecar(path, tmp_path / "sidecar.log")
+    side = SidecarProcess(tmp_path / "sidecar.log", config=path)
     try:
-        side.wait_up()
+        side.start()
         deadline = time.monotonic() + 300
         while side.models()[NAME]["state"] != "RUNNING":
             assert time.monotonic() < deadline, side.log_tail()
             time.sleep(0.5)
-        everything = [side.proc.pid, *descendants(side.proc.pid)]
+        everything = [side.pid, *descendants(side.pid)]
         chunks: list[dict[str, Any]] = []
         first = threading.Event()
-        reader = threading.Thread(target=_stream, args=(side.gateway, chunks, first))
+        reader = threading.Thread(target=_stream, args=(side.gateway_url, chunks, first))
         reader.start()
         assert first.wait(60), side.log_tail()
+        assert side.proc is not None
         side.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         late = httpx.post(
-            f"{side.gateway}/v1/completions",
+            f"{side.gateway_url}/v1/completions",
             json={"model": NAME, "prompt": "hello", "max_tokens": 4},
             timeout=30,
         )
@@ -101,5 +103,4 @@ def test_sigterm_stops_admitting_and_lets_the_stream_in_flight_finish(
             time.sleep(0.1)
         assert [p for p in everything if alive(p)] == []
     finally:
-        side.proc.kill()
-        side.proc.wait(10)
+        side.kill()

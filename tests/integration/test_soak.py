@@ -29,11 +29,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -47,7 +44,8 @@ import httpx
 import pytest
 import yaml
 from loadgen import Load
-from support.metrics import metric_sum
+from support.procs import alive, children, cmdline, descendants, engine_pid, rss_bytes
+from support.sidecar import SidecarProcess
 
 from controller.engines.enginespec import EngineSpec, managed_argv
 
@@ -73,52 +71,6 @@ LIVEZ_P99_S = (
 SIDECAR_RSS_LIMIT = 512 * 2**20  # the sidecar container's memory limit in deploy/
 
 
-# ----------------------------------------------------------------------------- processes
-
-
-def _stat(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    return raw[raw.rfind(b")") + 2 :].decode().split()
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (st := _stat(int(entry))) is not None and int(st[1]) == pid:
-            out.append(int(entry))
-    return out
-
-
-def descendants(pid: int) -> list[int]:
-    out = []
-    for child in children(pid):
-        out += [child, *descendants(child)]
-    return out
-
-
-def cmdline(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except OSError:
-        return []
-
-
-def rss_bytes(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def sched(pid: int) -> tuple[float, float]:
     """(seconds on a CPU, seconds runnable but waiting for one) of `pid`'s main thread
     (/proc/PID/schedstat): how much of a slow answer was the machine's, not the sidecar's."""
@@ -128,83 +80,6 @@ def sched(pid: int) -> tuple[float, float]:
     except (OSError, ValueError):
         return 0.0, 0.0
     return on_cpu_ns / 1e9, waiting_ns / 1e9
-
-
-def alive(pid: int) -> bool:
-    st = _stat(pid)
-    return st is not None and st[0] != "Z"
-
-
-class Sidecar:
-    """`python -m controller serve --config FILE` with its control API and gateway on ports
-    they bind themselves (read back from its log)."""
-
-    def __init__(self, config: Path, log_path: Path) -> None:
-        self.log_path = log_path
-        env = {k: v for k, v in os.environ.items() if not k.startswith("HOTSWAP_")}
-        with log_path.open("wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "controller", "serve", "--config", str(config)],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
-        self.control = ""
-        self.gateway = ""
-
-    def log_tail(self, lines: int = 60) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def wait_up(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"hotswap serve exited {self.proc.returncode}:\n{self.log_tail()}")
-            ports = re.findall(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", self.log_tail(400))
-            if len(ports) == 2:
-                for port in ports:
-                    url = f"http://127.0.0.1:{port}"
-                    try:
-                        livez = httpx.get(f"{url}/livez", timeout=5).status_code == 200
-                    except httpx.HTTPError:
-                        break
-                    if livez:
-                        self.control = url
-                    else:
-                        self.gateway = url
-                if self.control and self.gateway:
-                    return
-            time.sleep(0.2)
-        pytest.fail(f"hotswap serve did not come up in {timeout_s:.0f} s:\n{self.log_tail()}")
-
-    def models(self) -> dict[str, dict[str, Any]]:
-        body = httpx.get(f"{self.control}/models", timeout=10).json()
-        return {m["name"]: m for m in body["models"]}
-
-    def wait_booted(self, timeout_s: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"hotswap serve exited {self.proc.returncode}:\n{self.log_tail()}")
-            states = {m["state"] for m in self.models().values()}
-            if states <= {"RUNNING", "SUSPENDED"} and "SUSPENDED" in states:
-                return
-            time.sleep(0.5)
-        pytest.fail(f"the engines did not boot in {timeout_s:.0f} s:\n{self.log_tail()}")
-
-    def engine_pid(self, name: str) -> int | None:
-        """The engine (API server) under the keeper the sidecar started for `name`."""
-        for keeper in children(self.proc.pid):
-            argv = cmdline(keeper)
-            if "controller.engines.reaper" in argv and name in argv:
-                kids = children(keeper)
-                return kids[0] if kids else None
-        return None
-
-    def metric(self, name: str, **labels: str) -> float:
-        return metric_sum(httpx.get(f"{self.control}/metrics", timeout=10).text, name, **labels)
 
 
 # ----------------------------------------------------------------------------- clients
@@ -307,7 +182,7 @@ def request(
 
 
 @pytest.fixture(scope="module")
-def sidecar(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
+def sidecar(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
     work = tmp_path_factory.mktemp("soak")
     models = []
     for seed, name in enumerate(MODELS):
@@ -343,18 +218,17 @@ def sidecar(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     }
     path = work / "models.yaml"
     path.write_text(yaml.safe_dump(config))
-    side = Sidecar(path, work / "sidecar.log")
+    side = SidecarProcess(work / "sidecar.log", config=path)
     try:
-        side.wait_up()
-        side.wait_booted()
+        side.start()
+        wait_booted(side)
         yield side
     finally:
         # The end of the soak is a SIGKILL of the sidecar: no engine, keeper or engine child
         # may outlive it (the keepers' parent-death signal ends their process groups).
-        keepers = children(side.proc.pid)
+        keepers = children(side.pid)
         groups = {k: [k, *descendants(k)] for k in keepers}
-        side.proc.kill()
-        side.proc.wait(10)
+        side.kill()
         everything = [p for ps in groups.values() for p in ps]
         deadline = time.monotonic() + 30
         while any(alive(p) for p in everything) and time.monotonic() < deadline:
@@ -364,7 +238,18 @@ def sidecar(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         assert not left, f"outlived the SIGKILLed sidecar: {left}"
 
 
-def test_soak_swaps_under_load_with_engines_killed(sidecar: Sidecar) -> None:
+def wait_booted(side: SidecarProcess, timeout_s: float = 600.0) -> None:
+    """Every engine booted: awake or asleep, at least one asleep (one awake at a time)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = {m["state"] for m in side.models().values()}
+        if states <= {"RUNNING", "SUSPENDED"} and "SUSPENDED" in states:
+            return
+        time.sleep(0.5)
+    pytest.fail(f"the engines did not boot in {timeout_s:.0f} s:\n{side.log_tail()}")
+
+
+def test_soak_swaps_under_load_with_engines_killed(sidecar: SidecarProcess) -> None:
     tally = Tally()
     t_start = time.monotonic()
     # References: each model's greedy output for each prompt, from engines verified at boot.
@@ -372,7 +257,7 @@ def test_soak_swaps_under_load_with_engines_killed(sidecar: Sidecar) -> None:
     for model in MODELS:
         for prompt in PROMPTS:
             for stream in (False, True):
-                got = request(sidecar.gateway, model, prompt, stream, None, tally)
+                got = request(sidecar.gateway_url, model, prompt, stream, None, tally)
                 assert got is not None, tally.problems
                 refs[(model, prompt, stream)] = got
     for prompt in PROMPTS:
@@ -384,8 +269,8 @@ def test_soak_swaps_under_load_with_engines_killed(sidecar: Sidecar) -> None:
     kills: list[tuple[int, str, float]] = []
     restarts_before = sidecar.metric("hotswap_engine_restarts_total")
     load = Load(
-        sidecar.gateway,
-        sidecar.control,
+        sidecar.gateway_url,
+        sidecar.url,
         refs,
         A,
         workers=MAX_CONCURRENT,
@@ -393,14 +278,14 @@ def test_soak_swaps_under_load_with_engines_killed(sidecar: Sidecar) -> None:
         max_json_depth=64,  # and max_json_depth
     )
     load.start()
-    sched_before = sched(sidecar.proc.pid)
+    sched_before = sched(sidecar.pid)
     cycles = 0
     with ThreadPoolExecutor(max_workers=CLIENTS + 1) as pool:
         while cycles < CYCLES or time.monotonic() - t_start < MIN_S:
             cycle, cycles = cycles, cycles + 1
             if cycle and cycle % KILL_EVERY == 0:
                 victim = MODELS[(cycle // KILL_EVERY) % 2]
-                pid = sidecar.engine_pid(victim)
+                pid = engine_pid(sidecar.pid, victim)
                 assert pid is not None, f"no engine for {victim}:\n{sidecar.log_tail()}"
                 load.pause()  # like the soak's own bursts: no stream in flight at the kill
                 os.kill(pid, signal.SIGKILL)
@@ -413,20 +298,20 @@ def test_soak_swaps_under_load_with_engines_killed(sidecar: Sidecar) -> None:
             ]
             jobs.append((other, PROMPTS[cycle % len(PROMPTS)], cycle % 2 == 0))
             futures = [
-                pool.submit(request, sidecar.gateway, m, p, s, refs[(m, p, s)], tally)
+                pool.submit(request, sidecar.gateway_url, m, p, s, refs[(m, p, s)], tally)
                 for m, p, s in jobs
             ]
             for f in futures:
                 f.result()
-            sidecar_rss.append(rss_bytes(sidecar.proc.pid))
+            sidecar_rss.append(rss_bytes(sidecar.pid))
             for m, state in ((m, d["state"]) for m, d in sidecar.models().items()):
-                pid = sidecar.engine_pid(m)
+                pid = engine_pid(sidecar.pid, m)
                 if state == "RUNNING" and pid is not None:
                     engine_rss[m].append(rss_bytes(pid))
-    sched_after = sched(sidecar.proc.pid)
+    sched_after = sched(sidecar.pid)
     loaded = load.stop()
     elapsed = time.monotonic() - t_start
-    sidecar_rss.append(rss_bytes(sidecar.proc.pid))
+    sidecar_rss.append(rss_bytes(sidecar.pid))
     swaps = sidecar.metric("hotswap_swaps_total", result="ok") - swaps_before
     restarts = sidecar.metric("hotswap_engine_restarts_total") - restarts_before
     gateway_ok = sidecar.metric("hotswap_gateway_requests_total", code="200")

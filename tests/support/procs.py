@@ -1,0 +1,66 @@
+"""Process trees from /proc: a sidecar's keepers and engines, their memory, whether any
+outlived it (Linux only, stdlib only)."""
+
+from __future__ import annotations
+
+import os
+
+# ----------------------------------------------------------------------------- processes
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    return raw[raw.rfind(b")") + 2 :].decode().split()
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (st := _stat(int(entry))) is not None and int(st[1]) == pid:
+            out.append(int(entry))
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    out = []
+    for child in children(pid):
+        out += [child, *descendants(child)]
+    return out
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def alive(pid: int) -> bool:
+    st = _stat(pid)
+    return st is not None and st[0] != "Z"
+
+
+def engine_pid(sidecar_pid: int, name: str) -> int | None:
+    """The engine (API server) under the keeper a sidecar started for model `name`."""
+    for keeper in children(sidecar_pid):
+        argv = cmdline(keeper)
+        if "controller.engines.reaper" in argv and name in argv:
+            kids = children(keeper)
+            return kids[0] if kids else None
+    return None
