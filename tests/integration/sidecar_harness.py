@@ -45,6 +45,65 @@ def bound_port(server: uvicorn.Server) -> int:
     return port
 
 
+class EngineHost:
+    """Keeps a models source's engines (e.g. controller.demo.demo_engines) running on a thread
+    of its own until `stop()`, so several sidecars, one after the other, can attach to them
+    (the engines' keepers die with the thread that started them: it outlives every sidecar)."""
+
+    def __init__(self, models_source: ModelsSource) -> None:
+        self._source = models_source
+        self.models: list[ModelSettings] = []
+        self.error: BaseException | None = None
+        self._ready = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-host", daemon=True)
+
+    def _run(self) -> None:
+        async def main() -> None:
+            async with self._source() as models:
+                self.models = list(models)
+                self._ready.set()
+                await asyncio.to_thread(self._stop.wait)
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self._ready.set()
+
+    def start(self, timeout_s: float = 900.0) -> EngineHost:
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"the engines were not up after {timeout_s:.0f} s")
+        if self.error is not None:
+            raise RuntimeError(f"the engines did not start: {self.error!r}")
+        return self
+
+    def stop(self, timeout_s: float = 180.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+
+@dataclass(frozen=True)
+class DemoPair:
+    """The demo's two engines (attached, kept by an EngineHost) and each one's greedy answer
+    as it booted."""
+
+    models: dict[str, ModelSettings]
+    baseline: dict[str, Completion]
+
+
+def leave_awake(side: SidecarThread) -> None:
+    """Wake every model `side` holds asleep, so the next sidecar over the same engines (a
+    shared EngineHost) finds them as they booted: awake."""
+    api = Api(side.base_url)
+    for m in side.models:
+        if api.state(m.name)["state"] != "RUNNING":
+            r = api.wake(m.name)
+            assert r.status_code == 200, r.text
+
+
 class SidecarThread:
     """Runs `models_source` (e.g. controller.demo.demo_engines) and the sidecar app over the models
     it yields, in one event loop on a background thread, like `hotswap serve` does: the
@@ -150,9 +209,9 @@ class SidecarThread:
             time.sleep(0.05)
 
 
-def attach(name: str, engine: EngineProcess, **model: Any) -> ModelSettings:
-    """The settings of a model served by `engine` (someone else's process, on its socket);
-    `model`: more of its ModelSettings (e.g. fused_sleep)."""
+def attach(name: str, engine: EngineProcess | ModelSettings, **model: Any) -> ModelSettings:
+    """The settings of a model served by `engine` (someone else's process, or a model
+    attached to one, on its socket); `model`: more of its ModelSettings (e.g. fused_sleep)."""
     return ModelSettings.model_validate(
         {"name": name, "uds": str(engine.uds), "served_model_name": name, **model}
     )
@@ -160,7 +219,10 @@ def attach(name: str, engine: EngineProcess, **model: Any) -> ModelSettings:
 
 @contextlib.contextmanager
 def sidecar_over(
-    name: str, engine: EngineProcess, model: dict[str, Any] | None = None, **settings: Any
+    name: str,
+    engine: EngineProcess | ModelSettings,
+    model: dict[str, Any] | None = None,
+    **settings: Any,
 ) -> Iterator[Api]:
     """The sidecar attached to one running engine that serves `name`, as its API client;
     `model`: more of the model's settings; `settings` go to the sidecar's Settings (e.g.

@@ -14,20 +14,19 @@ from typing import Any
 import httpx
 import pytest
 from fault_harness import engine_http
-from sidecar_harness import Api, SidecarThread, attach, attached
+from sidecar_harness import Api, DemoPair, SidecarThread, attached, leave_awake
+
+from controller.config.modelsettings import ModelSettings
 
 pytestmark = pytest.mark.vllm
 
-A, B = "host-a", "host-b"
+A, B = "tiny-a", "tiny-b"  # the demo pair's engines (conftest.demo_pair), shared
 PROMPT = {"prompt": "hello world, this is", "max_tokens": 8, "temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
-def engines_ab(engines: Any, tiny_model: Any) -> dict[str, Any]:
-    return {
-        A: engines.start(tiny_model("llama", 0, True), A),
-        B: engines.start(tiny_model("llama", 1, True), B),
-    }
+def engines_ab(demo_pair: DemoPair) -> dict[str, ModelSettings]:
+    return {A: demo_pair.models[A], B: demo_pair.models[B]}
 
 
 def _answer(side: SidecarThread, name: str) -> str:
@@ -40,11 +39,9 @@ def _answer(side: SidecarThread, name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def weights(engines_ab: dict[str, Any]) -> int:
+def weights(engines_ab: dict[str, ModelSettings]) -> int:
     """Host bytes one level-1 sleeper holds: its weights, as a sidecar without a budget sees."""
-    side = SidecarThread(
-        attached([attach(n, e) for n, e in engines_ab.items()]), gateway={"enabled": True}
-    ).start()
+    side = SidecarThread(attached(list(engines_ab.values())), gateway={"enabled": True}).start()
     try:
         api = Api(side.base_url)
         r = api.sleep(A, 1)
@@ -58,15 +55,16 @@ def weights(engines_ab: dict[str, Any]) -> int:
 
 
 @pytest.fixture(scope="module")
-def sidecar(engines_ab: dict[str, Any], weights: int) -> Iterator[SidecarThread]:
+def sidecar(engines_ab: dict[str, ModelSettings], weights: int) -> Iterator[SidecarThread]:
     side = SidecarThread(
-        attached([attach(n, e) for n, e in engines_ab.items()]),
+        attached(list(engines_ab.values())),
         gateway={"enabled": True},
         swap={"host_budget": weights + weights // 2, "min_awake_s": 0.0},
     )
     side.start()
     try:
         yield side
+        leave_awake(side)
     finally:
         side.stop()
 
@@ -119,7 +117,7 @@ def _truth(engine: Any) -> tuple[Any, ...]:
 
 
 def test_a_woken_cpu_engine_keeps_no_backup_and_drop_backup_frees_nothing(
-    sidecar: SidecarThread, engines_ab: dict[str, Any]
+    sidecar: SidecarThread, engines_ab: dict[str, ModelSettings]
 ) -> None:
     api = Api(sidecar.base_url)
     before = _answer(sidecar, A)  # awake (woken by the previous test's request, or now)

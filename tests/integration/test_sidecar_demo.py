@@ -13,14 +13,21 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
-from sidecar_harness import Api, Completion, HealthPoller, SidecarThread, complete
+from sidecar_harness import (
+    Api,
+    Completion,
+    DemoPair,
+    HealthPoller,
+    SidecarThread,
+    attached,
+    complete,
+    leave_awake,
+)
 
 from controller.config.modelsettings import ModelSettings
-from controller.demo import demo_engines
 
 pytestmark = pytest.mark.vllm
 
@@ -28,11 +35,11 @@ A, B = "tiny-a", "tiny-b"
 
 
 @pytest.fixture(scope="module")
-def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarThread]:
-    workdir: Path = tmp_path_factory.mktemp("demo")
-    side = SidecarThread(lambda: demo_engines(workdir)).start()
+def sidecar(demo_pair: DemoPair) -> Iterator[SidecarThread]:
+    side = SidecarThread(attached(list(demo_pair.models.values()))).start()
     try:
         yield side
+        leave_awake(side)
     finally:
         side.stop()
 
@@ -43,9 +50,9 @@ def api(sidecar: SidecarThread) -> Api:
 
 
 @pytest.fixture(scope="module")
-def baseline(sidecar: SidecarThread) -> dict[str, Completion]:
-    """Greedy outputs of both models before anything slept."""
-    return {m.name: complete(m, m.name) for m in sidecar.models}
+def baseline(demo_pair: DemoPair) -> dict[str, Completion]:
+    """Greedy outputs of both models before anything slept: as each engine booted."""
+    return demo_pair.baseline
 
 
 def _url(sidecar: SidecarThread, name: str) -> ModelSettings:

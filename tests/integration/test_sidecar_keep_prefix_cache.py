@@ -6,43 +6,40 @@ says whether a prompt seen before the sleep hits the cache after the wake.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pytest
-from sidecar_harness import Api, http, sidecar_over
+from sidecar_harness import Api, DemoPair, http, sidecar_over
 from support.metrics import metric_sum
 
-from controller.engines.launcher import EngineProcess
-
-if TYPE_CHECKING:
-    from support.engines import EngineLauncher
+from controller.config.modelsettings import ModelSettings
 
 pytestmark = pytest.mark.vllm
 
-NAME = "tiny-kv"
+NAME = "tiny-a"
 PROMPT = [3 + (i * 37) % 90 for i in range(200)]  # token ids: several KV blocks
 
 
 @pytest.fixture(scope="module")
-def server(engines: EngineLauncher, tiny_llama: Path) -> EngineProcess:
-    return engines.start(tiny_llama, NAME, extra_args=("--enable-prefix-caching",))
+def server(demo_pair: DemoPair) -> ModelSettings:
+    """The demo pair's first engine (shared; vLLM caches prefixes by default, and the first
+    test checks that it does)."""
+    return demo_pair.models[NAME]
 
 
 @pytest.fixture(scope="module")
-def api(server: EngineProcess) -> Iterator[Api]:
+def api(server: ModelSettings) -> Iterator[Api]:
     with sidecar_over(NAME, server) as api:
         yield api
 
 
-def prefix_hits(server: EngineProcess) -> float:
+def prefix_hits(server: ModelSettings) -> float:
     """vLLM's counter of prompt tokens served from its prefix cache, from its /metrics."""
     with http(server) as client:
         text = client.get("/metrics").text
     return metric_sum(text, "vllm:prefix_cache_hits_total")
 
 
-def prompt_once(server: EngineProcess) -> None:
+def prompt_once(server: ModelSettings) -> None:
     with http(server) as client:
         r = client.post(
             "/v1/completions",
@@ -51,7 +48,7 @@ def prompt_once(server: EngineProcess) -> None:
     r.raise_for_status()
 
 
-def hits_after(api: Api, server: EngineProcess, **body: object) -> tuple[float, dict[str, object]]:
+def hits_after(api: Api, server: ModelSettings, **body: object) -> tuple[float, dict[str, object]]:
     """The prompt, a level-1 sleep with `body`, a wake, the prompt again: the hit tokens of
     the second prompt, and the sleep's kv phase (empty when there is none)."""
     prompt_once(server)
@@ -65,7 +62,7 @@ def hits_after(api: Api, server: EngineProcess, **body: object) -> tuple[float, 
     return prefix_hits(server) - before, phases.get("kv", {})
 
 
-def test_a_kept_sleep_hits_the_prefix_cache_after_the_wake(api: Api, server: EngineProcess) -> None:
+def test_a_kept_sleep_hits_the_prefix_cache_after_the_wake(api: Api, server: ModelSettings) -> None:
     prompt_once(server)
     before = prefix_hits(server)
     prompt_once(server)
@@ -77,7 +74,7 @@ def test_a_kept_sleep_hits_the_prefix_cache_after_the_wake(api: Api, server: Eng
     assert (state["state"], state["verified"]) == ("RUNNING", True)
 
 
-def test_the_default_sleep_clears_it(api: Api, server: EngineProcess) -> None:
+def test_the_default_sleep_clears_it(api: Api, server: ModelSettings) -> None:
     hits, kv = hits_after(api, server)
     assert kv == {}
     assert hits == 0
