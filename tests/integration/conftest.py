@@ -24,10 +24,10 @@ def tiny_llama(tiny_model: Callable[..., Path]) -> Path:
 def demo_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoPair]:
     """The embedded default's two tiny models on two real CPU vLLM servers, exactly what
     `hotswap serve --demo` runs (controller.demo.demo_engines: tiny-a and tiny-b, llama
-    seeds 0 and 1), booted once for the session: the attached-mode modules over two models
-    (test_fleet_host, test_sidecar_demo) each start their own sidecar over them, and leave
-    them awake (sidecar_harness.leave_awake). An engine boot is most of such a module's cost:
-    about 20 s of CPU, two processes importing vLLM."""
+    seeds 0 and 1), booted once for the session: the attached-mode modules (test_fleet_host,
+    test_fleet_idle, test_sidecar_demo, test_sidecar_keep_prefix_cache) each start their own
+    sidecar over them, and leave them awake (sidecar_harness.leave_awake). An engine boot is
+    most of such a module's cost: about 20 s of CPU, two processes importing vLLM."""
     host = EngineHost(lambda: demo_engines(tmp_path_factory.mktemp("demo"))).start()
     try:
         models = {m.name: m for m in host.models}

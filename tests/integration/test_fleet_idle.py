@@ -7,30 +7,32 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-from sidecar_harness import Api, SidecarThread, attach, attached
+from sidecar_harness import Api, DemoPair, SidecarThread, attached, sidecar_over
 
 pytestmark = pytest.mark.vllm
 
-NAME = "idle-a"
+NAME = "tiny-b"  # the demo pair's second engine (conftest.demo_pair), shared
 IDLE_S = 0.3  # shorter than the 240-token stream below takes on a CPU
 
 
 @pytest.fixture(scope="module")
-def sidecar(engines: Any, tiny_llama: Path) -> Iterator[SidecarThread]:
-    engine = engines.start(tiny_llama, NAME)
-    side = SidecarThread(
-        attached([attach(NAME, engine)]), swap={"idle_sleep_s": IDLE_S, "min_awake_s": 0.0}
-    )
+def sidecar(demo_pair: DemoPair) -> Iterator[SidecarThread]:
+    model = demo_pair.models[NAME]
+    side = SidecarThread(attached([model]), swap={"idle_sleep_s": IDLE_S, "min_awake_s": 0.0})
     side.start()
     try:
         yield side
     finally:
         side.stop()
+    # It idles out again after any wake: woken by a sidecar that never idles, for the next
+    # module over the shared engine.
+    with sidecar_over(NAME, model) as api:
+        if api.state(NAME)["state"] != "RUNNING":
+            r = api.wake(NAME)
+            assert r.status_code == 200, r.text
 
 
 def _ask(side: SidecarThread, max_tokens: int, stream: bool = False) -> httpx.Response:
