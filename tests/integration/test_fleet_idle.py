@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from sidecar_harness import Api, DemoPair, SidecarThread, attached, sidecar_over
+from support.sidecarthread import Api, DemoPair, SidecarThread, attached, sidecar_over
 
 pytestmark = pytest.mark.vllm
 

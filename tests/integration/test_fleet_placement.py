@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from sidecar_harness import Api, SidecarThread, attached
+from support.sidecarthread import Api, SidecarThread, attached
 
 from controller.config.settings import ModelSettings
 from controller.engines.enginespec import EngineSpec, managed_argv

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from sidecar_harness import Api, SidecarThread, attached, post
+from support.sidecarthread import Api, SidecarThread, attached, post
 
 from controller.config.modelsettings import ModelSettings
 from controller.engines.enginespec import EngineSpec, managed_argv

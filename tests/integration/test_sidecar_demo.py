@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from sidecar_harness import (
+from support.sidecarthread import (
     Api,
     Completion,
     DemoPair,

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from sidecar_harness import Api, DemoPair, http, sidecar_over
 from support.metrics import metric_sum
+from support.sidecarthread import Api, DemoPair, http, sidecar_over
 
 from controller.config.modelsettings import ModelSettings
 

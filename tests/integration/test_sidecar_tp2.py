@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from sidecar_harness import Api, complete, post, sidecar_over
+from support.sidecarthread import Api, complete, post, sidecar_over
 
 from controller.engines.launcher import EngineProcess
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from sidecar_harness import Completion, complete, http, sidecar_over
+from support.sidecarthread import Completion, complete, http, sidecar_over
 
 from controller.engines.launcher import EngineProcess
 

@@ -2,7 +2,7 @@
 so a test can SIGKILL it, SIGTERM it, and start it again. Its control API and gateway bind
 ports of their own choosing (port 0: a port chosen free beforehand can be taken before it is
 bound), read back from its log at each start. The in-process form (the same `Sidecar` in a
-thread, for tests that read its records) is integration/sidecar_harness.SidecarThread.
+thread, for tests that read its records) is support.sidecarthread.SidecarThread.
 """
 
 from __future__ import annotations

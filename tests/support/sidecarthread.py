@@ -1,6 +1,9 @@
 """The real sidecar (the `Sidecar` that `hotswap serve` builds: its control app, and its
 gateway app when the settings turn it on, served by uvicorn on loopback) in a background
-thread, a /health poller, and small clients for the sidecar's API and for vLLM's completions.
+thread of the test process, for tests that read its records (the other way to run it, as a
+process of its own, is support.sidecar.SidecarProcess); engines kept across sidecars
+(EngineHost), a /health poller, and small clients for the sidecar's API and for vLLM's
+completions.
 
 Everything talks real HTTP over 127.0.0.1, so concurrency (probes during a wake, wakes
 racing each other) is what a deployment sees.
@@ -19,12 +22,12 @@ from typing import Any
 
 import httpx
 import uvicorn
-from support.metrics import metric_sum
 
 from controller.config.modelsettings import ModelSettings
 from controller.config.settings import Settings
 from controller.engines.launcher import EngineProcess
 from controller.sidecar import Sidecar
+from support.metrics import metric_sum
 
 ModelsSource = Callable[[], AbstractAsyncContextManager[list[ModelSettings]]]
 
