@@ -224,6 +224,9 @@ class Plan:
         # what the kernel saw when `changed` found a mismatch (SpanCheck.last_recheck), the
         # ranges named by tensor; None when it saw none
         self.kernel_recheck: dict[str, Any] | None = None
+        # the kernel's differing pieces at `changed`'s mismatch: (address, bytes, baseline
+        # s1, s2) each (SpanCheck.last_differing); empty when it saw none
+        self.kernel_differing: list[tuple[int, int, int, int]] = []
         self._index: list[int] = []  # tensor i -> its storage's item
         seen: dict[tuple[str, int, int], int] = {}
         self._items: list[_Item] = []
@@ -361,12 +364,14 @@ class Plan:
         storage to name its tensors (all of them, if its storages all read equal again)."""
         out: set[int] = set()
         self.kernel_recheck = None
+        self.kernel_differing = []
         if base.check is not None:
             for j in base.check.differing(base.values):
                 out.update(self._tensors_of[base.covered[j]])
             seen = base.check.last_recheck
             if seen is not None:
                 self.kernel_recheck = self._named(seen, base.covered)
+                self.kernel_differing = list(base.check.last_differing)
         rest = list(range(len(self._span_items))) if base.rest is None else base.rest
         bad: list[int] = []
         if rest:

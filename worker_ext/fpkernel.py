@@ -42,6 +42,7 @@ PIECE_WORDS = 1 << 18  # 2 MiB per program: enough pieces to fill the GPU, few t
 BLOCK = 2048  # words per loop step in one program
 NUM_WARPS = 8
 SAMPLE = 8  # pieces cross-checked against torch when a check is built
+DIFFERING_KEPT = 64  # differing pieces a mismatch keeps the address and baseline of
 _MASK = (1 << 64) - 1
 _KERNELS: dict[bool, Any] = {}  # interpreted? -> the jitted kernel
 _LO = 0xFFFFFFFF
@@ -148,8 +149,15 @@ def _kernel() -> Any:
 
 def _reference(ptr: int, nwords: int, device: Any) -> tuple[int, int]:
     """(s1, NH) of one piece with torch, for the cross-check."""
-    v = raw_bytes(ptr, nwords * 8, device).view(torch.int64)
-    nh = nh_terms(v, process_key(device)[:nwords]).sum()
+    return piece_sums(raw_bytes(ptr, nwords * 8, device))
+
+
+def piece_sums(data: Any) -> tuple[int, int]:
+    """(s1, NH) of one piece's bytes (a uint8 tensor of whole words, at most PIECE_WORDS of
+    them, on any device), with torch: what the kernel writes for a piece of these bytes,
+    wherever they lie (a piece's word i is keyed by key[i] whatever its address)."""
+    v = data.view(torch.int64)
+    nh = nh_terms(v, process_key(data.device)[: int(v.numel())]).sum()
     s1, s2 = torch.stack((v.sum(), nh)).cpu().tolist()
     return int(s1) & _MASK, int(s2) & _MASK
 
@@ -211,6 +219,9 @@ class SpanCheck:
         self._tails = tails
         self._base: Values | None = None  # the last baseline (differing's default)
         self.last_recheck: dict[str, Any] | None = None  # differing's evidence on a mismatch
+        # the pieces still differing at differing's second read, at most DIFFERING_KEPT:
+        # (address, bytes, baseline s1, baseline s2) each, for a look at where they came from
+        self.last_differing: list[tuple[int, int, int, int]] = []
 
     def _sync(self, device_wide: bool) -> None:
         """Wait (CUDA; nothing on CPU) for what is queued on the current stream, or with
@@ -313,6 +324,7 @@ class SpanCheck:
         if base is None:
             raise RuntimeError("SpanCheck.differing before baseline")
         self.last_recheck = None
+        self.last_differing = []
         self._sync(device_wide=True)
         first, pieces, _ = self._compare(base)
         if not first:
@@ -330,6 +342,12 @@ class SpanCheck:
             },
         }
         if pieces2:
+            kept = pieces2[:DIFFERING_KEPT]
+            rows = base.pieces[torch.tensor(kept, device=base.pieces.device)].cpu().tolist()
+            self.last_differing = [
+                (self._ptrs_host[i], 8 * self._nwords_host[i], int(a) & _MASK, int(b) & _MASK)
+                for i, (a, b) in zip(kept, rows, strict=True)
+            ]
             i = pieces2[0]
             evidence["piece"] = i
             evidence["piece_baseline"] = [int(v) & _MASK for v in base.pieces[i].tolist()]

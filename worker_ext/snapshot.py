@@ -29,6 +29,7 @@ from worker_ext.rawmem import raw_bytes
 
 __all__ = [
     "Snapshot",
+    "differing_pieces",
     "fingerprint",
     "prepare",
     "rebind",
@@ -288,4 +289,14 @@ def recheck(snap: Snapshot) -> dict[str, Any] | None:
             out = named
         else:
             out["kv_cache"] = named
+    return out
+
+
+def differing_pieces(snap: Snapshot) -> list[tuple[int, int, int, int]]:
+    """The pieces the last `verify`'s kernel check still saw differ (address, bytes,
+    baseline s1, s2), its plans' in turn (the KV cache kept last); empty when it saw none."""
+    out: list[tuple[int, int, int, int]] = []
+    for plan in (snap.plan, snap.kv_plan):
+        if plan is not None:
+            out.extend(plan.kernel_differing)
     return out

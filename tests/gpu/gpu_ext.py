@@ -147,6 +147,40 @@ class GpuTestExtension(HotSwapExtension):
         return {}
 
     @rpc
+    def hotswap_test_spoil_host_copy(self, undo: bool = False) -> dict[str, Any]:
+        """Asleep at level 1, the weights offloaded: XOR 0x55 into the first data byte of
+        the weights' host copy (the first coded piece's first chunk: an s byte or a raw
+        one; else the first raw record's), so the wake brings the first byte of that range
+        back XORed the same way. `undo` (awake after that wake): both bytes back."""
+        import ctypes
+
+        from worker_ext import codec
+        from worker_ext.rawmem import raw_bytes
+
+        b = self._hotswap_state().backend
+        if undo:
+            host, dev = self._hotswap_test_spoiled
+            ctypes.c_uint8.from_address(host).value ^= 0x55
+            raw_bytes(dev, 1, b.device).bitwise_xor_(0x55)
+            torch.cuda.synchronize()
+            return {}
+        buf = b._host.buf
+        if buf is None:
+            raise RuntimeError("no host copy of the weights")
+        if b._coded.pieces:
+            plan = b._coded.plan
+            p = plan.pieces[0]
+            host = buf.ptr + p.host_off + int(plan.meta_h[p.first][codec.OFF])
+            dev = plan.ranges[p.rng][0] + p.dev_off
+        else:
+            mine = [(off, ptr) for ptr, (base, off, _n) in b._layout.items() if base == buf.ptr]
+            off, dev = min(mine)
+            host = buf.ptr + off
+        ctypes.c_uint8.from_address(host).value ^= 0x55
+        self._hotswap_test_spoiled = (host, dev)
+        return {"host": host, "device": dev}
+
+    @rpc
     def hotswap_test_checksum(self) -> dict[str, Any]:
         """float64 sum of every parameter: a cheap "did the weights move" probe."""
         model = self._hotswap_model()

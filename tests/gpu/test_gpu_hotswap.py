@@ -166,9 +166,41 @@ def test_one_flipped_weight_element_after_resume_is_named(llama: Engine) -> None
     assert not v["ok"]
     assert v["mismatched"] == [flip["name"]], v
     assert flip["name"] in v["error"]
+    # the bit flipped on the device after the copies back: the host copy holds the baseline
+    hc = v["host_copy_check"]
+    assert hc is not None, v
+    assert hc["error"] is None, hc
+    assert (hc["pieces"], hc["host_good"], hc["host_bad"], hc["not_in_copy"]) == (1, 1, 0, 0), hc
+    assert hc["equal_to_device"] == 0, hc
+    assert "(host copy: " in v["error"], v["error"]
     llama.rpc("hotswap_test_flip", flip["name"])  # undo: the same bit back
     assert llama.gen() == base
     # the next cycle verifies clean again
+    llama.sleep(1)
+    assert llama.wake(1)["verify"]["mismatched"] == []
+    assert llama.gen() == base
+
+
+def test_a_wrong_host_copy_is_told_from_a_wrong_restore(llama: Engine) -> None:
+    """A byte of the weights' host copy changed while asleep: the wake brings it back
+    wrong, the verify fails, and its host copy check says the host copy does not hold the
+    baseline (the sleep's fault) and is what the device holds now; both bytes put back,
+    the engine serves as before and the next cycle verifies clean."""
+    base = llama.gen()
+    llama.sleep(1)
+    llama.rpc("hotswap_test_spoil_host_copy")
+    llama.rpc("hotswap_resume", ["weights"])
+    llama.rpc("hotswap_resume", ["kv_cache"])
+    v = llama.rpc("hotswap_restore_and_verify", ok=False)
+    assert not v["ok"], v
+    hc = v["host_copy_check"]
+    assert hc is not None, v
+    assert hc["error"] is None, hc
+    assert (hc["pieces"], hc["host_good"], hc["host_bad"], hc["not_in_copy"]) == (1, 0, 1, 0), hc
+    assert hc["equal_to_device"] == 1, hc
+    assert "the sleep wrote the host copy wrong" in v["error"], v["error"]
+    llama.rpc("hotswap_test_spoil_host_copy", True)
+    assert llama.gen() == base
     llama.sleep(1)
     assert llama.wake(1)["verify"]["mismatched"] == []
     assert llama.gen() == base

@@ -556,3 +556,122 @@ def test_warm_kernel_proves_the_codec_and_its_reuse_check() -> None:
     gc, report = codec.warm("cpu")
     assert report["ok"], report
     assert gc is not None
+
+
+# -- after a verify's mismatch: the host copy against the baseline (cumem/hostcheck) --------
+
+SUMS_BYTES = 64 << 10  # the differing pieces' size here (the verify's are 2 MiB)
+
+
+def _coded_copy(data: torch.Tensor) -> tuple[codec.GpuCodec, codec.Plan, torch.Tensor]:
+    """`data` coded as a sleep codes it (one chunk a piece), laid out in a host buffer."""
+    gc = codec.GpuCodec("cpu", piece_chunks=1)
+    plan = gc.plan([(int(data.data_ptr()), int(data.numel()))])
+    host = torch.zeros(plan.total, dtype=torch.uint8)
+    for piece, got in zip(plan.pieces, _encode_all(gc, plan), strict=True):
+        host[piece.host_off : piece.host_off + piece.size] = got
+    return gc, plan, host
+
+
+def _pieces(data: torch.Tensor, offsets: list[int]) -> list[tuple[int, int, int, int]]:
+    """The verify's differing pieces at these offsets: address, bytes, baseline sums."""
+    from worker_ext import fpkernel
+
+    ptr = int(data.data_ptr())
+    return [(ptr + o, SUMS_BYTES, *fpkernel.piece_sums(data[o : o + SUMS_BYTES])) for o in offsets]
+
+
+def _wake(gc: codec.GpuCodec, plan: codec.Plan, host: torch.Tensor) -> None:
+    """Decode the host copy into place, as the wake does."""
+    for p in plan.pieces:
+        at = plan.ranges[p.rng][0] + p.dev_off
+        gc.decode_to(host[p.host_off : p.host_off + p.size], p.n_chunks, at, p.raw_bytes)
+
+
+# the first piece's start, the middle, and one across the first two coded pieces
+OFFSETS = [0, 1 << 20, 2 * codec.CHUNK_WORDS - SUMS_BYTES // 2]
+
+
+@needs_interp
+def test_host_copy_check_kernel_tells_a_wrong_restore_from_a_wrong_host_copy() -> None:
+    """After a verify's mismatch, each differing piece's host copy is decoded on the
+    device and compared with its baseline: a host copy that holds it says the wake wrote
+    the device wrong; one that does not (its escapes overwritten: what the sleep's
+    encode with wrong per-block counts wrote) says the sleep wrote it wrong."""
+    from worker_ext.cumem import hostcheck
+
+    data = torch.cat(
+        [
+            _bf16_words("normal", codec.CHUNK_WORDS, 3, 0.02),
+            _bf16_words("normal", 8 * codec.BLOCK, 4, 0.05),
+        ]
+    )
+    gc, plan, host = _coded_copy(data)
+    bad = _pieces(data, OFFSETS)
+    coded = (gc, plan, int(host.data_ptr()))
+    # the wake wrote the device wrong: the host copy still decodes to the baseline
+    wrong = data.clone()
+    data.view(torch.int16)[:: 4096 * 7] ^= 0x0100
+    res = hostcheck.check(bad, "cpu", coded, {})
+    assert res["error"] is None, res
+    assert (res["pieces"], res["host_good"], res["host_bad"]) == (3, 3, 0)
+    assert res["equal_to_device"] == 0
+    assert res["decoded"] == 2
+    assert res["rows"][0]["bits_differing"] == "0x0100"  # what changed: one exponent bit
+    assert res["rows"][0]["words_differing"] == len(range(0, SUMS_BYTES // 2, 4096 * 7))
+    assert "holds the baseline in 3 " in res["summary"]
+    assert "in bits 0x0100" in res["summary"]
+    # the sleep wrote the host copy wrong: every escape of the first piece overwritten
+    data.copy_(wrong)
+    first = plan.pieces[0]
+    row = plan.meta_h[first.first]
+    assert int(row[codec.NEXC]) > 0
+    at = first.host_off + int(row[codec.OFF]) + int(row[codec.EXC])
+    host[at : at + int(row[codec.NEXC])] = 0
+    _wake(gc, plan, host)  # the wake restores exactly what the host copy holds
+    res = hostcheck.check(bad, "cpu", coded, {})
+    assert res["error"] is None, res
+    assert (res["host_good"], res["host_bad"]) == (0, 3)  # the third reads piece 0 too
+    assert res["equal_to_device"] == 3
+    assert "and not in 3 (the sleep wrote" in res["summary"]
+
+
+def test_host_copy_check_reads_raw_copies_and_bounds_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A raw host copy is read as it is; what no copy covers is counted so; the coded
+    pieces decoded stop at MAX_DECODED; a look that fails says so and never raises."""
+    from worker_ext.cumem import hostcheck
+
+    g = torch.Generator().manual_seed(5)
+    data = torch.randint(0, 256, (4 * SUMS_BYTES,), generator=g, dtype=torch.int32)
+    data = data.to(torch.uint8)
+    host = data.clone()
+    ptr = int(data.data_ptr())
+    raw = {ptr: (int(host.data_ptr()), 0, 2 * SUMS_BYTES)}  # the first half copied raw
+    bad = _pieces(data, [0, SUMS_BYTES, 2 * SUMS_BYTES])
+    data[5] ^= 1
+    res = hostcheck.check(bad, "cpu", None, raw)
+    assert (res["pieces"], res["host_good"], res["not_in_copy"]) == (3, 2, 1), res
+    assert res["equal_to_device"] == 1  # the second piece was not changed
+    assert [r["host"] for r in res["rows"]] == ["baseline", "baseline", "none"]
+
+    class Broken:
+        def decode_to(self, *args: object) -> None:
+            raise RuntimeError("no kernels here")
+
+    plan = codec.Plan(
+        ranges=[(ptr, 4 * SUMS_BYTES)],
+        pieces=[codec.Piece(0, 0, 4 * SUMS_BYTES, 0, 1, 64, 0)],
+        meta=None,
+        inv=None,
+        total=64,
+        raw_total=4 * SUMS_BYTES,
+    )
+    coded = (Broken(), plan, int(host.data_ptr()))
+    res = hostcheck.check(bad, "cpu", coded, {})  # type: ignore[arg-type]
+    assert res["error"] == "RuntimeError: no kernels here"
+    assert "error: RuntimeError" in res["summary"]
+    monkeypatch.setattr(hostcheck, "MAX_DECODED", 0)
+    res = hostcheck.check(bad, "cpu", coded, {})  # type: ignore[arg-type]
+    assert (res["pieces"], res["error"]) == (0, None)

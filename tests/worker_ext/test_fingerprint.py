@@ -624,6 +624,20 @@ def test_snapshot_verify_names_a_kernel_mismatch_and_its_recheck(
     assert seen is not None
     assert seen["first_read"] == seen["second_read"] == ["p2"]
     assert seen["pieces_by_range"]["p2"][0] == 1
+    # the differing piece's address and baseline, for a look at the host copy after it
+    [(addr, n, s1, s2)] = snapshot.differing_pieces(snap)
+    raw = storage_bytes(model.p2)
+    assert int(raw.data_ptr()) <= addr
+    assert addr + n <= int(raw.data_ptr()) + raw.numel()
+    assert n == 64 * 8
+    from worker_ext.rawmem import raw_bytes
+
+    now = raw_bytes(addr, n, raw.device)
+    assert fpkernel.piece_sums(now) != (s1, s2)
+    model.p2.data.view(torch.int32).view(-1)[ROW_WORDS] ^= 1  # the baseline's bytes again
+    assert fpkernel.piece_sums(now) == (s1, s2)
+    assert snapshot.verify(snap) == (4, [], [])
+    assert snapshot.differing_pieces(snap) == []
 
 
 # -- the kernel itself (Triton's CPU interpreter) ---------------------------------------

@@ -122,3 +122,45 @@ def test_late_ranks_parsed_from_gloo_message() -> None:
     assert late_from_error(msg, [4, 5, 6, 7]) == [5, 7]
     assert late_from_error("Rank 2 failed to pass monitoredBarrier in 5 ms", [0, 1, 2]) == [2]
     assert late_from_error("connection reset", [0, 1]) == []
+
+
+def test_a_verify_mismatch_asks_the_backend_about_its_host_copy() -> None:
+    """After a mismatch the extension hands the kernel's differing pieces (the weights'
+    plan's, then a kept KV cache's) to the backend's host copy check; no pieces or no such
+    backend: None; a check that raises: its error, never the RPC's."""
+    from types import SimpleNamespace
+
+    from worker_ext.extension.waking import WakeRPCs
+
+    class _Rank(WakeRPCs):
+        def __init__(self, backend: Any) -> None:
+            self._backend = backend
+
+        def _hotswap_state(self) -> Any:
+            return SimpleNamespace(backend=self._backend)
+
+    asked: list[Any] = []
+
+    class _Backend:
+        def check_host_copy(self, bad: Any) -> dict[str, Any]:
+            asked.append(list(bad))
+            return {"pieces": len(bad), "summary": "looked"}
+
+    snap: Any = SimpleNamespace(
+        plan=SimpleNamespace(kernel_differing=[(64, 16, 1, 2)]),
+        kv_plan=SimpleNamespace(kernel_differing=[(128, 8, 3, 4)]),
+    )
+    assert _Rank(_Backend())._hotswap_host_copy_check(snap) == {"pieces": 2, "summary": "looked"}
+    assert asked == [[(64, 16, 1, 2), (128, 8, 3, 4)]]
+    assert _Rank(object())._hotswap_host_copy_check(snap) is None  # the host backend
+    none: Any = SimpleNamespace(plan=SimpleNamespace(kernel_differing=[]), kv_plan=None)
+    assert _Rank(_Backend())._hotswap_host_copy_check(none) is None  # the eager check
+
+    class _Failing:
+        def check_host_copy(self, bad: Any) -> dict[str, Any]:
+            raise RuntimeError("boom")
+
+    out = _Rank(_Failing())._hotswap_host_copy_check(snap)
+    assert out is not None
+    assert out["error"] == "RuntimeError: boom"
+    assert out["summary"] == "not checked: boom"

@@ -33,6 +33,8 @@ class Onload:
         self._weights_host = weights_host
         self.start: Any = None
         self._k = 0  # the raw copies' round-robin position
+        # ptr -> (host buffer address, offset, size) of every record copied back raw here
+        self.raw_done: dict[int, tuple[int, int, int]] = {}
         self.wq: codec.WakeQueue | None = None
 
     def map_back(self, records: list[tuple[int, Any]], mode: str, driver: Driver) -> int:
@@ -64,7 +66,7 @@ class Onload:
             for piece in pieces:
                 self.wq.queue(piece)
             return
-        base, off, n = self._layout.pop(ptr)
+        base, off, n = self.raw_done[ptr] = self._layout.pop(ptr)
         self._k = self._streams.queue(ptr, base, off, n, False, self._k)
 
 

@@ -160,6 +160,8 @@ class WakeRPCs(ExtensionBase):
             "ok": not mismatched,
             # the kernel check's two reads when its first saw a difference (None: it saw none)
             "verify_recheck": seen,
+            # on a mismatch: whether the host copy holds the differing pieces' baseline (§1.4)
+            "host_copy_check": None,
             "timings": {
                 "rebind_s": t1 - t0,
                 "restore_s": t2 - t1,
@@ -173,6 +175,10 @@ class WakeRPCs(ExtensionBase):
             out["error"] = f"{len(mismatched)} {what} differ after resume: {mismatched[:8]}"
             if seen is not None:
                 out["error"] += f" (kernel check: {_evidence(seen)})"
+            checked = self._hotswap_host_copy_check(snap)
+            out["host_copy_check"] = checked
+            if checked is not None:
+                out["error"] += f" (host copy: {checked.get('summary')})"
             ph.failed(f"restore_and_verify: {out['error']}")
         else:
             ph.verified()
@@ -180,6 +186,20 @@ class WakeRPCs(ExtensionBase):
         del snap  # the snapshot's last reference: its views, plans and host copies go now
         out["timings"]["release_s"] = time.perf_counter() - t4
         return out
+
+    def _hotswap_host_copy_check(self, snap: snapshot.Snapshot) -> dict[str, Any] | None:
+        """After a mismatch: the backend's look at its host copy of the differing pieces
+        (None: no per-piece evidence, or a backend without a host copy to read). Never
+        raises: a look that fails says so."""
+        try:
+            bad = snapshot.differing_pieces(snap)
+            look = getattr(self._hotswap_state().backend, "check_host_copy", None)
+            if not bad or not callable(look):
+                return None
+            return cast(dict[str, Any], look(bad))
+        except Exception as e:
+            log.exception("hotswap: the host copy check failed on rank %s", rank_of(self))
+            return {"error": f"{type(e).__name__}: {e}", "summary": f"not checked: {e}"}
 
 
 def _evidence(seen: dict[str, Any]) -> str:
