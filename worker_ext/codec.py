@@ -838,7 +838,8 @@ def _order_after(after: Any, streams: tuple[Any, ...]) -> None:
     scratch is made: `slots()` zeroes its per-piece counts there on first use, and an
     encode that ran before that zeroing landed (the streams ordered earlier) read counts
     the zeroing then overwrote: the first piece's escapes at wrong offsets, that whole
-    piece (64 MiB at the default piece size) of the first range wrong in its host copy.
+    piece (64 MiB at the default piece size) of the first range wrong in its host copy
+    (in its exponents only: the H200's failed wakes' sums differ in exponent bits only).
     `after=None`: the caller orders the streams."""
     if after is not None:
         for s in streams:

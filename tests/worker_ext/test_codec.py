@@ -675,3 +675,42 @@ def test_host_copy_check_reads_raw_copies_and_bounds_itself(
     monkeypatch.setattr(hostcheck, "MAX_DECODED", 0)
     res = hostcheck.check(bad, "cpu", coded, {})  # type: ignore[arg-type]
     assert (res["pieces"], res["error"]) == (0, None)
+
+
+def test_the_last_wake_s_host_copy_is_read_only_while_its_buffer_is_the_backend_s() -> None:
+    """What the last wake copied back from (cumem/hostcheck.WokeFrom): read after the
+    backend's wait, only where its buffer is still one of the backend's (a buffer released,
+    ptr 0, or another pinned in its place counts as no copy); a resume that decoded nothing
+    leaves the coded copy as it was; a wait that fails is the answer's error."""
+    from worker_ext.cumem import hostcheck
+
+    data = torch.arange(2 * SUMS_BYTES, dtype=torch.int32).to(torch.uint8)
+    host = data.clone()
+
+    class _Buf:
+        def __init__(self, ptr: int) -> None:
+            self.ptr = ptr
+
+    buf = _Buf(int(host.data_ptr()))
+    woke = hostcheck.WokeFrom()
+    woke.add({int(data.data_ptr()): (buf.ptr, 0, 2 * SUMS_BYTES)}, None, None, buf)  # type: ignore[arg-type]
+    woke.add({}, None, None, buf)  # type: ignore[arg-type]  # the KV cache's resume: no copy
+    assert woke.coded is None
+    bad = _pieces(data, [SUMS_BYTES])
+    waits: list[int] = []
+    res = woke.check(bad, "cpu", lambda: waits.append(1), [buf])  # type: ignore[list-item]
+    assert waits == [1]
+    assert (res["pieces"], res["host_good"], res["equal_to_device"]) == (1, 1, 1), res
+    other = _Buf(buf.ptr + 4096)  # another buffer pinned in its place
+    res = woke.check(bad, "cpu", lambda: None, [other, None])  # type: ignore[list-item]
+    assert (res["pieces"], res["not_in_copy"]) == (1, 1), res
+    buf.ptr = 0  # released
+    res = woke.check(bad, "cpu", lambda: None, [buf])  # type: ignore[list-item]
+    assert res["not_in_copy"] == 1, res
+
+    def fails() -> None:
+        raise RuntimeError("copies failed")
+
+    res = woke.check(bad, "cpu", fails, [buf])  # type: ignore[list-item]
+    assert res["error"] == "RuntimeError: copies failed"
+    assert res["summary"] == "not checked: RuntimeError: copies failed"

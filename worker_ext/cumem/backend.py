@@ -49,11 +49,7 @@ class CuMemBackend:
         # ptr -> (host buffer address, offset, size) of every record offloaded raw now
         self._layout: dict[int, tuple[int, int, int]] = {}
         self._release_host_after_pending = False
-        # What the last wake copied back from (hostcheck, after a verify's mismatch): the
-        # coded copy (codec, plan, its buffer) and each raw record's (host address, offset,
-        # size); forgotten at the next suspend.
-        self._woke_coded: tuple[Any, Any, HostBuffer] | None = None
-        self._woke_raw: dict[int, tuple[int, int, int]] = {}
+        self._woke = hostcheck.WokeFrom()  # what the last wake copied back from
         self._coded = CodedCopies(torch, self.device, self._streams, lambda: self.settings)
         index = self.device.index or 0
 
@@ -293,7 +289,7 @@ class CuMemBackend:
         replaces `rewritten`. If it raises, every queued copy is waited for, nothing is
         released, and the error is raised again."""
         tags = self._check_suspend(level, tags)
-        self._woke_coded, self._woke_raw = None, {}
+        self._woke = hostcheck.WokeFrom()
         plan = {t: policy(level, t, keep_kv) for t in tags}
         recs = {t: self._records.of(t) for t in tags}
         t0 = time.perf_counter()
@@ -349,21 +345,9 @@ class CuMemBackend:
         }
 
     def check_host_copy(self, bad: Sequence[hostcheck.Bad]) -> dict[str, Any]:
-        """After a verify's mismatch: whether the host copy the last wake copied back from
-        holds each differing piece's baseline (worker_ext/cumem/hostcheck.py); a copy
-        released since (or a buffer pinned anew) counts as none. Never raises."""
-        try:
-            self.synchronize()
-            live = {b.ptr: b for b in (self._host.buf, self._kv_host.buf) if b is not None}
-            coded = None
-            if self._woke_coded is not None:
-                gc, plan, buf = self._woke_coded
-                if buf.ptr and live.get(buf.ptr) is buf:
-                    coded = (gc, plan, buf.ptr)
-            raw = {p: e for p, e in self._woke_raw.items() if e[0] and e[0] in live}
-        except Exception as e:
-            return {"pieces": 0, "error": f"{type(e).__name__}: {e}", "summary": str(e)}
-        return hostcheck.check(bad, self.device, coded, raw)
+        """A verify's mismatch: the last wake's host copy of each differing piece read."""
+        live = [self._host.buf, self._kv_host.buf]
+        return self._woke.check(bad, self.device, self.synchronize, live)
 
     def _mapper(self) -> Driver:
         """The driver that maps records back (exportable memory, as vLLM asks), its
@@ -417,10 +401,7 @@ class CuMemBackend:
             for step, spent in driver.take_spent().items():
                 timings[f"{tag}_{step}_s"] = spent
             del self._suspended[tag]
-        self._woke_raw.update(copies.raw_done)
-        gc, host = self._coded.made, self._host.buf
-        if copies.wq is not None and gc is not None and host is not None:
-            self._woke_coded = (gc, copies.wq.plan, host)
+        self._woke.add(copies.raw_done, self._coded.made, copies.wq, self._host.buf)
         if copies.start is not None:
             self._streams.hand_over(copies.start)
             if not self.settings.keep_host_backup:

@@ -15,12 +15,14 @@ time), read-only, and never raising: what it could not read is its `error`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from worker_ext import codec
+from worker_ext.cudart import HostBuffer
 from worker_ext.fpkernel import piece_sums
 from worker_ext.rawmem import raw_bytes
 
@@ -30,6 +32,52 @@ Coded = tuple[codec.GpuCodec, codec.Plan, int]
 MAX_DECODED = 4  # coded pieces decoded into scratch (each of its raw size, 64 MiB by default)
 MAX_ROWS = 4  # pieces described one by one
 _CPU = torch.device("cpu")
+
+
+@dataclass
+class WokeFrom:
+    """What the backend's last wake copied back from (a suspend starts a new one): the
+    coded copy (codec, plan, the buffer it lies in) and each raw record's (host address,
+    offset, size)."""
+
+    coded: tuple[codec.GpuCodec, codec.Plan, HostBuffer] | None = None
+    raw: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+
+    def add(
+        self,
+        raw: Mapping[int, tuple[int, int, int]],
+        gc: codec.GpuCodec | None,
+        wq: codec.WakeQueue | None,
+        host: HostBuffer | None,
+    ) -> None:
+        """One resume's copies: its raw records, and its coded ones if it decoded any."""
+        self.raw.update(raw)
+        if wq is not None and gc is not None and host is not None:
+            self.coded = (gc, wq.plan, host)
+
+    def check(
+        self,
+        bad: Sequence[Bad],
+        device: Any,
+        settle: Callable[[], None],
+        live: Sequence[HostBuffer | None],
+    ) -> dict[str, Any]:
+        """`check` over what is still there once `settle` (the backend's wait for its
+        copies) returns: a buffer released since, or pinned anew, counts as no copy
+        (`live`: the backend's buffers now). Never raises."""
+        try:
+            settle()
+            now = {b.ptr: b for b in live if b is not None and b.ptr}
+            coded = None
+            if self.coded is not None:
+                gc, plan, buf = self.coded
+                if buf.ptr and now.get(buf.ptr) is buf:
+                    coded = (gc, plan, buf.ptr)
+            raw = {p: e for p, e in self.raw.items() if e[0] in now}
+        except Exception as e:
+            err = f"{type(e).__name__}: {e}"
+            return {"pieces": 0, "error": err, "summary": f"not checked: {err}"}
+        return check(bad, device, coded, raw)
 
 
 class _Source:
