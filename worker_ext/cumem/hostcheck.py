@@ -192,6 +192,9 @@ def check(
             if len(out["rows"]) < MAX_ROWS:
                 out["rows"].append(row)
         out["decoded"] = src.decoded
+        del src  # its decoded pieces: the device's scratch goes back to the driver
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
     except Exception as e:  # a look after the fact: it reports, it never fails the verify
         out["error"] = f"{type(e).__name__}: {e}"
     out["summary"] = summary(out)
