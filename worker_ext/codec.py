@@ -618,11 +618,14 @@ class GpuCodec:
     def _scratch(self, n_slots: int) -> None:
         while len(self._slots) < n_slots:
             self._slots.append(torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device))
-        if self._counts is None:
-            self._counts = torch.zeros(
+        if self._counts is None:  # not zeroed: no kernel on the caller's stream
+            # (the encode writes every count of a coded chunk, the cumsum every offset; a
+            # raw chunk's are never read: a zeroing on the caller's stream, racing the
+            # encode stream, is what wrote the H200's wrong host copies)
+            self._counts = torch.empty(
                 (self.piece_chunks, CHUNK_BLOCKS), dtype=torch.int32, device=self.device
             )
-            self._boff = torch.zeros_like(self._counts)
+            self._boff = torch.empty_like(self._counts)
 
     def scratch_bytes(self, plan: Plan | None = None, slots: int | None = None) -> int:
         """Device bytes the pipeline holds while it runs (`slots` staging slots, default
@@ -835,7 +838,8 @@ SLEEP_SLOTS = 2  # a sleep's double buffer (it runs while the KV cache is still 
 
 def _order_after(after: Any, streams: tuple[Any, ...]) -> None:
     """A queue's streams wait for `after` (the stream its caller works on) once the queue's
-    scratch is made: `slots()` zeroes its per-piece counts there on first use, and an
+    scratch is made there (allocated on that stream: the caching allocator's order). Its
+    per-piece counts were zeroed there on first use (now made without a kernel), and an
     encode that ran before that zeroing landed (the streams ordered earlier) read counts
     the zeroing then overwrote: the first piece's escapes at wrong offsets, that whole
     piece (64 MiB at the default piece size) of the first range wrong in its host copy
