@@ -115,6 +115,13 @@ class LogSettings(BaseModel):
         "(asyncio, uvicorn.error); the rest are dropped and counted in the next line let "
         "through. Out of file descriptors, the accept loop logs an error per try.",
     )
+    probe_access: bool = Field(
+        False,
+        description="Log the probes that succeed (a GET or HEAD of /livez, /health, "
+        "/models/{name}/health or /metrics answered below 400) in the access log too; off, "
+        "only their failures are (the kubelet's probes and Prometheus' scrapes would be a "
+        "line each, every few seconds).",
+    )
 
 
 class SwapSettings(BaseModel):

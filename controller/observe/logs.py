@@ -111,6 +111,50 @@ def rate_limit(per_minute: int) -> None:
         logger.addFilter(RateLimit(per_minute))
 
 
+# The open routes that the kubelet and Prometheus call every few seconds (docs/contracts.md).
+PROBE_PATHS = frozenset(("/livez", "/health", "/metrics"))
+
+
+def is_probe_path(path: str) -> bool:
+    """/livez, /health, /metrics, or /models/{name}/health (a query string aside)."""
+    path = path.partition("?")[0]
+    if path in PROBE_PATHS:
+        return True
+    name, sep, rest = path.removeprefix("/models/").partition("/")
+    return path.startswith("/models/") and bool(name) and sep == "/" and rest == "health"
+
+
+class QuietProbes(logging.Filter):
+    """Drops uvicorn's access lines of probes that succeeded (a GET or HEAD of a probe path
+    answered below 400). uvicorn logs `'%s - "%s %s HTTP/%s" %d'` with the args (client,
+    method, path with query, HTTP version, status); a record of another shape passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not isinstance(args, tuple) or len(args) != 5:
+            return True
+        _client, method, path, _version, status = args
+        return not (
+            method in ("GET", "HEAD")
+            and isinstance(status, int)
+            and status < 400
+            and isinstance(path, str)
+            and is_probe_path(path)
+        )
+
+
+ACCESS_LOGGER = "uvicorn.access"
+
+
+def quiet_probes(on: bool) -> None:
+    """(Re)install or remove the QuietProbes filter on uvicorn's access logger."""
+    logger = logging.getLogger(ACCESS_LOGGER)
+    for old in [f for f in logger.filters if isinstance(f, QuietProbes)]:
+        logger.removeFilter(old)
+    if on:
+        logger.addFilter(QuietProbes())
+
+
 def configure_logging(settings: LogSettings, stream: IO[str] | None = None) -> logging.Handler:
     """Install (or replace) the sidecar's handler on the root logger; returns it.
 
@@ -130,4 +174,5 @@ def configure_logging(settings: LogSettings, stream: IO[str] | None = None) -> l
     root.addHandler(handler)
     root.setLevel(level)
     rate_limit(settings.max_repeats_per_minute)
+    quiet_probes(not settings.probe_access)
     return handler

@@ -2,26 +2,36 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import io
 import json
 import logging
 from collections.abc import Iterator
+from typing import Any
 
+import httpx
 import pytest
+import uvicorn
+from starlette.types import Receive, Scope, Send
 
-from controller.config.settings import LogFormat, LogSettings
+from controller.config.settings import LogFormat, LogSettings, Settings
 from controller.observe.logs import configure_logging
+from controller.server import uvicorn_config
 
 
 @pytest.fixture
 def restore_root() -> Iterator[None]:
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
+    access = logging.getLogger("uvicorn.access")
+    access_filters = list(access.filters)
     yield
     for h in list(root.handlers):
         if h not in handlers:
             root.removeHandler(h)
     root.setLevel(level)
+    access.filters[:] = access_filters
 
 
 @pytest.mark.usefixtures("restore_root")
@@ -72,3 +82,86 @@ def test_text_lines_show_context_and_reconfigure_replaces() -> None:
 def test_bad_level_refused() -> None:
     with pytest.raises(ValueError, match="log level"):
         configure_logging(LogSettings(level="LOUD"), stream=io.StringIO())
+
+
+async def _status_app(scope: Scope, receive: Receive, send: Send) -> None:
+    """Answers every request with the status in its `?status=` (200 without one)."""
+    if scope["type"] != "http":
+        return
+    query = dict(p.split("=", 1) for p in scope["query_string"].decode().split("&") if "=" in p)
+    status = int(query.get("status", "200"))
+    await send({"type": "http.response.start", "status": status, "headers": []})
+    await send({"type": "http.response.body", "body": b""})
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # the test owns the process's signals
+
+
+def _access_lines(probe_access: bool, requests: list[tuple[str, str]]) -> list[str]:
+    """uvicorn.access lines of `requests` (method, path) served as `hotswap serve` serves
+    (its uvicorn config, its logging set-up)."""
+    out = io.StringIO()
+    configure_logging(LogSettings(probe_access=probe_access), stream=out)
+
+    async def body() -> None:
+        config = uvicorn_config(_status_app, Settings(), "127.0.0.1", 0)
+        config.lifespan = "off"
+        server = _Server(config)
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            assert not task.done(), "uvicorn did not start"
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                for method, path in requests:
+                    await client.request(method, path)
+        finally:
+            server.should_exit = True
+            await task
+
+    asyncio.run(asyncio.wait_for(body(), 30))
+    return [line for line in out.getvalue().splitlines() if "uvicorn.access" in line]
+
+
+PROBES = [
+    ("GET", "/livez"),
+    ("GET", "/health"),
+    ("HEAD", "/health"),
+    ("GET", "/models/a/health"),
+    ("GET", "/metrics"),
+    ("GET", "/metrics?name[]=x"),
+]
+NOT_PROBES: list[tuple[str, Any]] = [
+    ("GET", "/health?status=503"),  # a failed readiness probe
+    ("GET", "/livez?status=500"),
+    ("GET", "/models/a/health?status=503"),
+    ("GET", "/models/a"),
+    ("POST", "/models/a/sleep"),
+    ("POST", "/livez"),  # not what a probe sends
+    ("GET", "/models/a/b/health"),
+    ("GET", "/livez/"),
+    ("GET", "/v1/models"),
+]
+
+
+@pytest.mark.usefixtures("restore_root")
+def test_the_access_log_leaves_out_successful_probes() -> None:
+    """The kubelet probes /livez and /health every few seconds and Prometheus scrapes
+    /metrics: a line each was noise (and most of a probe's CPU). Those that succeed are not
+    logged; a failed probe and every other request are."""
+    lines = _access_lines(False, PROBES + NOT_PROBES)
+    assert len(lines) == len(NOT_PROBES), lines
+    for (method, path), line in zip(NOT_PROBES, lines, strict=True):
+        assert f'"{method} {path} HTTP/1.1"' in line, (path, line)
+
+
+@pytest.mark.usefixtures("restore_root")
+def test_probe_access_logs_the_successful_probes_too() -> None:
+    lines = _access_lines(True, PROBES + NOT_PROBES)
+    assert len(lines) == len(PROBES) + len(NOT_PROBES), lines
+    # Reconfigured without it, the probes are left out again (the filter is not doubled).
+    assert len(_access_lines(False, PROBES)) == 0
