@@ -1,12 +1,14 @@
-"""Connection limits uvicorn has no setting for: a deadline on the request head and a cap on
-connections that have not sent one yet.
+"""Connection limits uvicorn has no setting for: a deadline on the request head, a cap on
+its size, and a cap on connections that have not sent one yet.
 
-uvicorn bounds an idle keep-alive connection (`timeout_keep_alive`), a head's size (h11's
-16 KiB) and the connections at once (`limit_concurrency`, 503), but not how long a head may
-take: a client that sends a byte every few seconds holds its socket for good, and many
-such clients use up the process's file descriptors before any of them reached the auth
-check (which needs the whole head). `protocol(...)` gives uvicorn's h11 protocol both
-bounds; the body's deadline is the guard's (it reads the body).
+uvicorn bounds an idle keep-alive connection (`timeout_keep_alive`) and the connections at
+once (`limit_concurrency`, 503), but not how long a head may take: a client that sends a
+byte every few seconds holds its socket for good, and many such clients use up the
+process's file descriptors before any of them reached the auth check (which needs the
+whole head). Its httptools protocol (the C parser: a fraction of h11's CPU per request)
+does not bound a head's size either, where h11 did (16 KiB). `protocol(...)` gives
+uvicorn's httptools protocol all three bounds; the body's deadline is the guard's (it
+reads the body).
 """
 
 from __future__ import annotations
@@ -15,18 +17,36 @@ import asyncio
 import logging
 from typing import Any
 
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger("hotswap.http")
 
 
-class HeadLimits(H11Protocol):
-    """uvicorn's h11 protocol with a head deadline and a cap on head-less connections.
+# The largest request head (line and headers) answered: h11's default, which uvicorn's h11
+# protocol applied before this module chose httptools.
+MAX_HEAD_BYTES = 16 << 10
+
+_TOO_LARGE = b"Request header fields too large"
+_TOO_LARGE_ANSWER = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+    b"content-type: text/plain; charset=utf-8\r\n"
+    b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_TOO_LARGE), _TOO_LARGE)
+)
+
+
+class HeadTooLarge(Exception):
+    """A whole request head over the cap (raised inside the parser's callback)."""
+
+
+class HeadLimits(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a head deadline, a head size cap and a cap on
+    head-less connections.
 
     Subclassed per server by `protocol` (the class attributes below); `waiting` holds this
     server's connections that have not sent a whole first head.
     """
 
+    max_head_bytes: int = MAX_HEAD_BYTES
     head_timeout_s: float = 10.0
     keep_alive_s: float = 5.0
     max_waiting: int = 64
@@ -36,6 +56,13 @@ class HeadLimits(H11Protocol):
         super().__init__(*args, **kwargs)
         self._head_timer: asyncio.TimerHandle | None = None
         self._armed_for: object = None  # the cycle in place when the deadline was armed
+        # Bytes received of the head being sent; None while a body or an answer is (the
+        # parser's callbacks move it). A message completed within a read leaves the next
+        # head's first bytes in that read uncounted: a head is held to the cap plus at most
+        # one read, never more.
+        self._head_bytes: int | None = 0
+        self._completed_in_read = False
+        self._head_over = False
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
@@ -47,9 +74,48 @@ class HeadLimits(H11Protocol):
         self._arm(self.head_timeout_s)
 
     def data_received(self, data: bytes) -> None:
+        self._completed_in_read = False
         super().data_received(data)
         if self._head_timer is not None and self.cycle is not self._armed_for:
             self._disarm()  # a whole head arrived (it made a new request cycle)
+        if self._head_bytes is not None and not self._completed_in_read:
+            self._head_bytes += len(data)
+            if self._head_bytes > self.max_head_bytes and not self.transport.is_closing():
+                self._head_too_large()
+
+    def on_headers_complete(self) -> None:
+        self._head_bytes = None
+        # The head's size as parsed (line and headers, their separators counted): a head
+        # that came whole within one read was not counted by data_received.
+        size = len(self.parser.get_method()) + len(self.url) + 14  # " ", " HTTP/1.1\r\n\r\n"
+        size += sum(len(name) + len(value) + 4 for name, value in self.headers)
+        if size > self.max_head_bytes:
+            self._head_over = True
+            # The parser turns it into an HttpParserError, which uvicorn answers with
+            # send_400_response (here the 431), before a request cycle exists.
+            raise HeadTooLarge(size)
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._head_bytes = 0
+        self._completed_in_read = True
+
+    def send_400_response(self, msg: str) -> None:
+        if not self._head_over:
+            super().send_400_response(msg)
+            return
+        log.debug("closing a connection: a request head over %d bytes", self.max_head_bytes)
+        self._disarm()
+        self.transport.write(_TOO_LARGE_ANSWER)
+        self.transport.close()
+
+    def _head_too_large(self) -> None:
+        log.debug("closing a connection: a request head over %d bytes", self.max_head_bytes)
+        self._disarm()
+        if self.cycle is None or self.cycle.response_complete:  # no answer is being sent
+            self.transport.write(_TOO_LARGE_ANSWER)
+        self.transport.close()
 
     def on_response_complete(self) -> None:
         before = self.cycle

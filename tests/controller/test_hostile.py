@@ -507,6 +507,87 @@ def test_a_head_sent_too_slowly_is_closed() -> None:
     run(body())
 
 
+def _get_head(pad: int) -> bytes:
+    """A GET /livez head of 16 KiB + `pad` bytes (negative: that much under)."""
+    start = b"GET /livez HTTP/1.1\r\nHost: t\r\nConnection: close\r\nX-Pad: "
+    size = (16 << 10) + pad - len(start) - 4
+    return start + b"p" * size + b"\r\n\r\n"
+
+
+@pytest.mark.parametrize("pieces", [1, 64], ids=["one-write", "in-pieces"])
+def test_a_request_head_over_16_kib_is_refused_and_closed(pieces: int) -> None:
+    """A request head is held to 16 KiB (h11's cap, which httptools does not have): one
+    byte under is served; one byte over answers 431 and closes, sent at once or in pieces;
+    a 1 MiB head is cut off (the 431 may be lost to the reset of a close with unread bytes),
+    and in pieces the connection closes before the client has sent it all."""
+
+    async def send(port: int, data: bytes) -> tuple[bytes, int]:
+        """(what the server answered before it closed, the bytes the client got to send)."""
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        step, sent = -(-len(data) // pieces), 0
+        try:
+            for i in range(0, len(data), step):
+                if reader.at_eof() or writer.is_closing():
+                    break
+                try:
+                    writer.write(data[i : i + step])
+                    await writer.drain()
+                except ConnectionError:
+                    break
+                sent = i + step
+                await asyncio.sleep(0.002 if pieces > 1 else 0)
+            return await closed_within(reader, 5), sent
+        finally:
+            writer.close()
+
+    async def body() -> None:
+        app, settings = limited()
+        async with served(app, settings=settings) as port:
+            answer, _ = await send(port, _get_head(-1))
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:100]
+            answer, _ = await send(port, _get_head(1))
+            assert answer.startswith(b"HTTP/1.1 431"), answer[:100]
+            assert answer.endswith(b"Request header fields too large"), answer[-100:]
+            answer, sent = await send(port, _get_head(1 << 20))
+            assert answer == b"" or answer.startswith(b"HTTP/1.1 431"), answer[:100]
+            if pieces > 1:
+                assert sent < (1 << 20), "the server read a 1 MiB head whole"
+            # The server still serves.
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+                assert (await c.get("/livez")).status_code == 200
+
+    run(body())
+
+
+def test_a_head_after_a_body_on_one_connection_gets_its_own_16_kib() -> None:
+    """Keep-alive: the head count starts again with each request, and a body's bytes are
+    not a head's (a 60 KiB body sent with its head in one write is no head over 16 KiB)."""
+
+    async def body() -> None:
+        app, settings = limited()
+        async with served(app, settings=settings) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            payload = b'{"level": 1, "pad": "' + b"x" * (60 << 10) + b'"}'
+            first = (
+                b"POST /models/a/sleep HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s"
+                % (TOKEN.encode(), len(payload), payload)
+            )
+            writer.write(first)
+            await writer.drain()
+            line = await asyncio.wait_for(reader.readline(), 5)
+            assert not line.startswith(b"HTTP/1.1 431"), line
+            while (await asyncio.wait_for(reader.readline(), 5)) != b"\r\n":
+                pass  # the rest of the first answer's head
+            writer.write(_get_head(-1))  # ends with Connection: close
+            await writer.drain()
+            rest = await closed_within(reader, 5)
+            assert b"HTTP/1.1 200" in rest, rest[-300:]
+            writer.close()
+
+    run(body())
+
+
 def test_a_body_sent_too_slowly_answers_408() -> None:
     async def body() -> None:
         app, settings = limited(body_timeout_s=0.5)
