@@ -19,8 +19,7 @@ from controller.errors import EngineError, HotswapError
 from controller.fleet.hostpolicy import HostBudget, HostPlan, host_budget_bytes, plan_host
 from controller.fleet.policy import ModelView
 from controller.fleet.swapview import SwapView
-from controller.models.manager import Manager
-from controller.models.modelmanager import Outcome
+from controller.models.modelmanager import ModelManager, Outcome
 from controller.models.record import ModelRecord
 from controller.observe import hostmem
 
@@ -30,12 +29,11 @@ log = logging.getLogger("hotswap.swap")
 class HostMemory:
     """Host RAM within `swap.host_budget`, over the swap view's records."""
 
-    def __init__(self, view: SwapView, manager: Manager) -> None:
+    def __init__(self, view: SwapView) -> None:
         self.view = view
         self.fleet = view.fleet
         self.settings = view.settings
         self.metrics = view.metrics
-        self.manager = manager
         self.lock = asyncio.Lock()
         ram = hostmem.read()
         self._ram = ram.total
@@ -51,41 +49,44 @@ class HostMemory:
     def budget(self) -> HostBudget:
         return HostBudget(host_budget_bytes(self.settings.swap.host_budget, self._ram))
 
-    async def room(self, rec: ModelRecord, level: int | None) -> int | None:
+    async def room(self, mm: ModelManager, level: int | None) -> int | None:
         """Holding the host lock, before a sleep of the model: the level it may sleep at within
         the host budget, dropping awake models' backups and then demoting LRU level-1
         sleepers first (controller.fleet.hostpolicy)."""
         budget = self.budget()
         if budget.bytes is None:
             return level
-        asked = level if level is not None else rec.settings.default_level
-        plan = await self._enforce(rec.name, asked, budget)
+        asked = level if level is not None else mm.settings.default_level
+        plan = await self._enforce(mm, asked, budget)
         return plan.level
 
-    async def _enforce(self, name: str | None, level: int | None, budget: HostBudget) -> HostPlan:
-        """Plan host memory (for a sleep of `name`, or the fleet as it is) and do what the
+    async def _enforce(
+        self, mm: ModelManager | None, level: int | None, budget: HostBudget
+    ) -> HostPlan[ModelManager]:
+        """Plan host memory (for a sleep of `mm`, or the fleet as it is) and do what the
         plan says: backups dropped first, then demotions; a step refused is planned again
         without that model."""
+        name = mm.name if mm is not None else None
         fields = {"model": name or "-", "phase": "host"}
-        refused: set[str] = set()
-        plan = plan_host(name, level, self._views(refused), budget)
+        refused: set[ModelManager] = set()
+        plan = plan_host(mm, level, self._views(refused), budget)
         for _ in range(len(self.fleet) + 1):
             what = f"{name}: host plan (level {plan.level})" if name else "host plan (fleet)"
             log.info("%s: %s", what, plan.reason, extra=fields)
-            done = [await self.drop_backup(awake) for awake in plan.drop_backup]
-            done += [await self.demote(victim) for victim in plan.demote]
+            done = [await self.drop_backup(awake.model) for awake in plan.drop_backup]
+            done += [await self.demote(victim.model) for victim in plan.demote]
             if all(done):
                 break
             asked = (*plan.drop_backup, *plan.demote)
-            refused |= {n for n, ok in zip(asked, done, strict=True) if not ok}
-            plan = plan_host(name, level, self._views(refused), budget)
+            refused |= {v.model for v, ok in zip(asked, done, strict=True) if not ok}
+            plan = plan_host(mm, level, self._views(refused), budget)
         return plan
 
-    def _views(self, refused: set[str]) -> list[ModelView]:
+    def _views(self, refused: set[ModelManager]) -> list[ModelView[ModelManager]]:
         """The policy's views, with models whose drop or demotion was just refused kept as
         they are (counted, never chosen again in this plan)."""
         views = self.view.views()
-        return [dataclasses.replace(v, pinned=True) if v.name in refused else v for v in views]
+        return [dataclasses.replace(v, pinned=True) if v.model in refused else v for v in views]
 
     def woke(self, rec: ModelRecord, outcome: Outcome) -> bool:
         """After a wake: the host bytes it keeps (its backup, as its resumes said); True when
@@ -97,7 +98,7 @@ class HostMemory:
             return False
         return sum(r.holdings.host_bytes for r in self.fleet.values()) > cap
 
-    async def enforce(self) -> HostPlan | None:
+    async def enforce(self) -> HostPlan[ModelManager] | None:
         """Holding the host lock: the fleet as it is within the host budget (backups
         dropped, then demotions); None without a budget."""
         budget = self.budget()
@@ -106,11 +107,10 @@ class HostMemory:
         async with self.lock:
             return await self._enforce(None, None, budget)
 
-    async def drop_backup(self, name: str) -> bool:
+    async def drop_backup(self, mm: ModelManager) -> bool:
         """Release an awake model's kept host backup; False, logged, when it could not be
-        (it is no longer RUNNING, or its engine answered no). `name`: the host plan's."""
-        mm = self.manager.get(name)
-        held = mm.record.holdings
+        (it is no longer RUNNING, or its engine answered no)."""
+        name, held = mm.name, mm.record.holdings
         fields = {"model": name, "phase": protocol.DROP_BACKUP.phase}
         try:
             reports = await mm.drop_backup()
@@ -135,12 +135,11 @@ class HostMemory:
         )
         return True
 
-    async def demote(self, name: str) -> bool:
+    async def demote(self, mm: ModelManager) -> bool:
         """Demote a level-1 sleeper to level 2 (its host copy released); False, logged, when
         it cannot be (a wake came first, or every rank refused: then not asked again until
-        a sleep's prepare says it can). `name`: the host plan's."""
-        mm = self.manager.get(name)
-        held = mm.record.holdings
+        a sleep's prepare says it can)."""
+        name, held = mm.name, mm.record.holdings
         fields = {"model": name, "phase": "demote"}
         try:
             await mm.demote()

@@ -52,7 +52,7 @@ class IdleSleeper:
         idle_s, level = self.settings.idle_sleep(rec.settings)
         fields = {"model": name, "phase": "idle"}
         while True:
-            plan = plan_idle(self.coordinator.view(rec), idle_s, self._clock())
+            plan = plan_idle(self.coordinator.view(mm), idle_s, self._clock())
             if not plan.sleep:
                 log.debug("%s: no idle sleep: %s", name, plan.reason, extra=fields)
                 await self._next_change(rec, plan.due_in_s)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from controller.fleet.policy import Decision, WakePlan, mib
 
@@ -25,7 +26,7 @@ class Overlap:
 
 
 def plan_overlap(
-    plan: WakePlan,
+    plan: WakePlan[Any],
     victim_pools: Mapping[str, int],
     target_pools: Mapping[str, int],
     victim_counted: int,

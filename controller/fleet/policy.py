@@ -7,14 +7,19 @@ unpinned models to sleep first; pinned models are never evicted, and a model awa
 than the minimum awake time is not evicted either (no thrash). A FAILED or UNKNOWN model
 counts at its footprint until its engine process is known to be gone. Every plan carries its
 reason.
+
+The policy speaks of models through their views: each `ModelView` carries the caller's own
+object for its model (`model`: the coordinator's `ModelManager`, a test's name), never read
+here, and a plan hands back the views it chose, so the caller acts on its objects without
+looking a name up (names are resolved once, at the HTTP edge).
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 from controller.state import State
 
@@ -32,9 +37,13 @@ class Decision(enum.StrEnum):
     REFUSE = "refuse"  # does not fit (or may not evict); `reason` says why
 
 
+M = TypeVar("M")
+
+
 @dataclass(frozen=True)
-class ModelView:
-    """What the policy knows about one model; built from a snapshot plus the gateway's use."""
+class ModelView(Generic[M]):
+    """What the policy knows about one model; built from a snapshot plus the gateway's use.
+    `model`: the caller's object for it, handed back in plans, never looked into."""
 
     name: str
     state: State
@@ -67,6 +76,7 @@ class ModelView:
     in_flight: int = 0
     queued: int = 0
     busy: bool = False
+    model: M = field(kw_only=True, compare=False, repr=False)
 
     @property
     def placement(self) -> tuple[str, ...]:
@@ -95,18 +105,21 @@ class Budget:
 
 
 @dataclass(frozen=True)
-class WakePlan:
+class WakePlan(Generic[M]):
+    """The wake of `model` (its name, for the report): the decision, why, and the views of
+    the models it evicts (`evict`) and takes deep first (`deepen`), each with its object."""
+
     model: str
     decision: Decision
     reason: str
-    evict: tuple[str, ...] = ()
+    evict: tuple[ModelView[M], ...] = ()
     need_bytes: int = 0  # the target's footprint as the plan counted it
     used_bytes: int = 0  # what the other awake models on the device hold now
     budget_bytes: int | None = None
     retry_after_s: float | None = None  # a refusal that goes away by itself after this long
     devices: tuple[str, ...] = ()  # the target's devices (the plan looked at these only)
     scratch_bytes: int = 0  # of need_bytes, what the wake holds only while it runs
-    deepen: tuple[str, ...] = ()  # sleepers taken deep first (their leftover bytes freed)
+    deepen: tuple[ModelView[M], ...] = ()  # sleepers taken deep first (their leftover freed)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -114,13 +127,13 @@ class WakePlan:
             "devices": list(self.devices),
             "decision": self.decision.value,
             "reason": self.reason,
-            "evict": list(self.evict),
+            "evict": [v.name for v in self.evict],
             "need_bytes": self.need_bytes,
             "used_bytes": self.used_bytes,
             "budget_bytes": self.budget_bytes,
             "retry_after_s": self.retry_after_s,
             "scratch_bytes": self.scratch_bytes,
-            "deepen": list(self.deepen),
+            "deepen": [v.name for v in self.deepen],
         }
 
 
@@ -128,7 +141,7 @@ def mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
-def estimate(view: ModelView, peers: Iterable[ModelView], budget: Budget) -> int:
+def estimate(view: ModelView[Any], peers: Iterable[ModelView[Any]], budget: Budget) -> int:
     """The footprint to count: measured, else the largest measured on the device, else the
     whole byte budget (an unmeasured model is assumed to need the device to itself)."""
     if view.footprint_bytes is not None:
@@ -150,14 +163,15 @@ def _budget_of(budget: Budget | Mapping[str, Budget], device: str) -> Budget:
 
 
 def plan_wake(
-    target: str,
-    models: Sequence[ModelView],
+    target: M,
+    models: Sequence[ModelView[M]],
     budget: Budget | Mapping[str, Budget],
     now: float,
     *,
     allow_evict: bool = True,
-) -> WakePlan:
-    """Decide how `target` can wake within the budget of each of its devices.
+) -> WakePlan[M]:
+    """Decide how `target` (a view's `model`) can wake within the budget of each of its
+    devices.
 
     `budget` is one Budget for every device, or one per device. A model on several devices
     (tensor parallel) needs its share (footprint / devices) on each; only models that share a
@@ -166,14 +180,11 @@ def plan_wake(
     (`ModelView.asleep_bytes`, its share per device), the target's own included, awake or
     asleep; an awake one adds its footprint. The target needs its footprint plus its
     wake's scratch (`wake_scratch_bytes`)."""
-    by_name = {m.name: m for m in models}
-    if target not in by_name:
-        raise KeyError(target)
-    t = by_name[target]
+    t = view_of(target, models)
     if t.state in (State.RUNNING, State.RESUMING):
-        return WakePlan(target, Decision.NOOP, f"already {t.state.value}")
+        return WakePlan(t.name, Decision.NOOP, f"already {t.state.value}")
     if t.state is not State.SUSPENDED:
-        return WakePlan(target, Decision.REFUSE, f"cannot wake a model in state {t.state.value}")
+        return WakePlan(t.name, Decision.REFUSE, f"cannot wake a model in state {t.state.value}")
     w = _Wake.of(t, models, budget)
     refused = w.beyond_budget()
     if refused is not None:
@@ -187,14 +198,23 @@ def plan_wake(
     return w.evict_or_refuse(now, short, took, allow_evict)
 
 
-class _Wake:
+def view_of(target: M, models: Sequence[ModelView[M]]) -> ModelView[M]:
+    """The view whose `model` is `target` (KeyError: none)."""
+    for m in models:
+        if m.model == target:
+            return m
+    raise KeyError(target)
+
+
+class _Wake(Generic[M]):
     """One wake being planned: what the target needs on each of its devices, what the
-    models sharing them hold, and the sleepers taken deep so far (the plan's steps)."""
+    models sharing them hold, and the sleepers taken deep so far (the plan's steps). Within
+    one plan, views are told apart by name."""
 
     def __init__(
         self,
-        t: ModelView,
-        models: Sequence[ModelView],
+        t: ModelView[M],
+        models: Sequence[ModelView[M]],
         budgets: dict[str, Budget],
         sizes: dict[str, int],
     ) -> None:
@@ -216,8 +236,11 @@ class _Wake:
 
     @classmethod
     def of(
-        cls, t: ModelView, models: Sequence[ModelView], budget: Budget | Mapping[str, Budget]
-    ) -> _Wake:
+        cls,
+        t: ModelView[M],
+        models: Sequence[ModelView[M]],
+        budget: Budget | Mapping[str, Budget],
+    ) -> _Wake[M]:
         mine = t.placement
         budgets = {d: _budget_of(budget, d) for d in mine}
         on = {d: [m for m in models if d in m.placement] for d in mine}
@@ -263,10 +286,11 @@ class _Wake:
         return "; ".join(parts)
 
     def plan(
-        self, decision: Decision, why: str, evict: tuple[str, ...] = (), retry: float | None = None
-    ) -> WakePlan:
+        self, decision: Decision, why: str, evict: Sequence[str] = (), retry: float | None = None
+    ) -> WakePlan[M]:
         mine, need, scratch = self.mine, self.need, self.scratch
-        deep = tuple(self.deepened) if decision in (Decision.EVICT, Decision.DEEPEN) else ()
+        taken = self.deepened if decision in (Decision.EVICT, Decision.DEEPEN) else []
+        deep = tuple(self.by_name[n] for n in taken)
         # With one device the figures are that device's; with several, the tightest's.
         dev = max(mine, key=lambda d: self.used_on(d)[0] + need[d]) if len(mine) > 1 else mine[0]
         if scratch:
@@ -275,7 +299,7 @@ class _Wake:
             self.t.name,
             decision,
             why,
-            evict,
+            tuple(self.by_name[n] for n in evict),
             need[dev] if len(mine) > 1 else self.need_total,
             self.used_on(dev)[0],
             self.budgets[dev].bytes,
@@ -285,7 +309,7 @@ class _Wake:
             deepen=deep,
         )
 
-    def beyond_budget(self) -> WakePlan | None:
+    def beyond_budget(self) -> WakePlan[M] | None:
         """A refusal when no eviction could ever make room on some device."""
         for d in self.mine:
             b = self.budgets[d]
@@ -323,7 +347,7 @@ class _Wake:
             f"taking {', '.join(self.deepened)} deep first (frees {mib(freed)} left beside pools)"
         )
 
-    def evict_or_refuse(self, now: float, short: str, took: str, allow_evict: bool) -> WakePlan:
+    def evict_or_refuse(self, now: float, short: str, took: str, allow_evict: bool) -> WakePlan[M]:
         """Evict idle awake peers, least recently used first; else refuse, saying when a
         retry could succeed."""
         min_awake = max(self.budgets[d].min_awake_s for d in self.mine)
@@ -352,8 +376,8 @@ class _Wake:
         return self.refuse(now, chosen, fresh, min_awake)
 
     def refuse(
-        self, now: float, chosen: list[str], fresh: list[ModelView], min_awake: float
-    ) -> WakePlan:
+        self, now: float, chosen: list[str], fresh: list[ModelView[M]], min_awake: float
+    ) -> WakePlan[M]:
         """Not enough even with every evictable model asleep: would the fresh ones do, later?"""
         gone = list(chosen)
         for p in sorted(fresh, key=lambda p: (min_awake - _awake_for(p, now), p.name)):
@@ -384,7 +408,7 @@ class _Wake:
         return self.plan(Decision.REFUSE, why, retry=retry)
 
 
-def measured_budget(free: int, device: str, models: Sequence[ModelView]) -> int:
+def measured_budget(free: int, device: str, models: Sequence[ModelView[Any]]) -> int:
     """A device's byte budget from its free memory measured with every unpinned model
     asleep: plus what `plan_wake` counts for the models on it then (the pinned ones'
     footprint, every live engine's `asleep_bytes`), so that nothing is counted twice."""
@@ -393,20 +417,20 @@ def measured_budget(free: int, device: str, models: Sequence[ModelView]) -> int:
     return free + pinned + sum(_share(m.asleep_bytes, m) for m in on if m.leaves)
 
 
-def _may_deepen(m: ModelView) -> bool:
+def _may_deepen(m: ModelView[Any]) -> bool:
     """A sleeper the policy may take deep: asleep, not deep, allowed and not known unable,
     at rest, and holding something beside its pools to free."""
     at_rest = m.state is State.SUSPENDED and not m.busy and not m.process_gone
     return at_rest and m.deepable and not m.deep and m.asleep_bytes > 0
 
 
-def _share(total: int, view: ModelView) -> int:
+def _share(total: int, view: ModelView[Any]) -> int:
     """A model's bytes on each of its devices (tensor parallel shards evenly)."""
     n = len(view.placement)
     return total if n <= 1 else -(-total // n)
 
 
-def _awake_for(view: ModelView, now: float) -> float:
+def _awake_for(view: ModelView[Any], now: float) -> float:
     return float("inf") if view.awake_since is None else now - view.awake_since
 
 
@@ -465,7 +489,7 @@ class IdlePlan:
         }
 
 
-def plan_idle(view: ModelView, idle_sleep_s: float | None, now: float) -> IdlePlan:
+def plan_idle(view: ModelView[Any], idle_sleep_s: float | None, now: float) -> IdlePlan:
     """Idle sleep: a RUNNING, unpinned model with nothing in flight or queued and no
     transition, idle (no request, and awake) for `idle_sleep_s`, sleeps; never otherwise."""
     name = view.name

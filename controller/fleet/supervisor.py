@@ -245,7 +245,7 @@ class Supervisor:
             if free is None:
                 continue
             for d in placement:  # the tightest rank's free memory, for each of its devices
-                views = [self.coordinator.view(p.record) for p in self.models]
+                views = [self.coordinator.view(p) for p in self.models]
                 self.coordinator.set_measured_budget(d, measured_budget(free, d, views))
 
     # ---- watch and restart ---------------------------------------------------------------

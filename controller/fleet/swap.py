@@ -52,7 +52,7 @@ class SwapResult:
     """What a wake did: the policy's plan (decision and reason; None: no policy, a sidecar
     without hot swap), the wake, and timings."""
 
-    plan: WakePlan | None
+    plan: WakePlan[ModelManager] | None
     outcome: Outcome | None
     evicted: tuple[str, ...] = ()
     evict_s: float = 0.0
@@ -87,8 +87,8 @@ class SwapCoordinator(SwapView):
     ) -> None:
         self.manager = manager
         self._mono = monotonic
-        super().__init__(manager.fleet, settings, metrics, clock=clock)
-        self.host = HostMemory(self, manager)
+        super().__init__(manager.fleet, manager.models(), settings, metrics, clock=clock)
+        self.host = HostMemory(self)
 
     # ---- wake ----------------------------------------------------------------------------
 
@@ -98,7 +98,7 @@ class SwapCoordinator(SwapView):
         sidecar's."""
         now = _decide_now(mm, Request.WAKE)
         if not evict and now.action is Action.BEGIN:
-            plan = self.plan(mm.record, allow_evict=False)  # no room and no eviction: say so now
+            plan = self.plan(mm, allow_evict=False)  # no room and no eviction: say so now
             if plan.decision is Decision.REFUSE:
                 raise _refused(mm.name, plan)
         self.manager.tasks.spawn(self.wake(mm, evict=evict), name=f"hotswap-api-wake-{mm.name}")
@@ -127,7 +127,7 @@ class SwapCoordinator(SwapView):
         name, rec = mm.name, mm.record
         async with self._device_locks(rec):
             await self._settle(rec)
-            plan = await self._deepened_plan(rec, evict)
+            plan = await self._deepened_plan(mm, evict)
             fields = {"model": name, "phase": "policy"}
             held = plan.decision is Decision.REFUSE and plan.retry_after_s is not None
             if held:  # a refusal that passes (min_awake_s): its caller asks again then
@@ -157,7 +157,7 @@ class SwapCoordinator(SwapView):
             t0 = self._mono()
             evicted: list[str] = []
             try:
-                victims = [self.manager.get(v) for v in plan.evict]  # the policy speaks names
+                victims = [v.model for v in plan.evict]
                 if overlap.ok:
                     outcome, t1, evict_s = await self._overlapped(mm, victims[0], overlap)
                     evicted.append(victims[0].name)
@@ -201,26 +201,26 @@ class SwapCoordinator(SwapView):
             )
             return result
 
-    async def _deepened_plan(self, rec: ModelRecord, evict: bool) -> WakePlan:
+    async def _deepened_plan(self, mm: ModelManager, evict: bool) -> WakePlan[ModelManager]:
         """The wake's plan once the sleepers it takes deep are deep (the third tier: before
         anything awake is evicted). A sleeper that did not go deep is marked unable, with
         its reason, and the wake is planned again without it."""
-        plan = self.plan(rec, allow_evict=evict)
+        plan = self.plan(mm, allow_evict=evict)
         for _ in range(3):
             if not plan.deepen:
                 return plan
-            log.info("%s: wake plan %s: %s", rec.name, plan.decision.value, plan.reason)
-            for sleeper in plan.deepen:  # the policy speaks names
-                mm = self.manager.get(sleeper)
+            log.info("%s: wake plan %s: %s", mm.name, plan.decision.value, plan.reason)
+            for view in plan.deepen:
+                sleeper = view.model
                 try:
-                    snap = await mm.deepen()
+                    snap = await sleeper.deepen()
                 except (DeepSleepRefused, TransitionConflict) as exc:
-                    snap = mm.record.snapshot
-                    mm.record.ckpt.unable(exc.message)
+                    snap = sleeper.record.snapshot
+                    sleeper.record.ckpt.unable(exc.message)
                 if not snap.deep:
-                    mm.record.ckpt.unable(mm.record.ckpt.refused or snap.deep_error)
-                    log.warning("%s: not deep: %s", sleeper, mm.record.ckpt.refused)
-            plan = self.plan(rec, allow_evict=evict)
+                    sleeper.record.ckpt.unable(sleeper.record.ckpt.refused or snap.deep_error)
+                    log.warning("%s: not deep: %s", sleeper.name, sleeper.record.ckpt.refused)
+            plan = self.plan(mm, allow_evict=evict)
         return plan
 
     def _host_after_wake(self, mm: ModelManager, outcome: Outcome) -> None:
@@ -230,7 +230,7 @@ class SwapCoordinator(SwapView):
             task = self.manager.tasks.spawn(self.host.enforce(), f"hotswap-host-{mm.name}")
             mm.record.swapping.enforcing_host(task)
 
-    def overlap(self, mm: ModelManager, plan: WakePlan) -> Overlap:
+    def overlap(self, mm: ModelManager, plan: WakePlan[ModelManager]) -> Overlap:
         """Whether this evicting wake may overlap the evicted model's offload with the
         target's load (controller.fleet.overlap.plan_overlap over the records' measured pools)."""
         if plan.decision is not Decision.EVICT or len(plan.evict) != 1:
@@ -238,7 +238,7 @@ class SwapCoordinator(SwapView):
         mode = self.settings.swap.overlap
         if mode == "never":
             return Overlap(False, "swap.overlap is never")
-        evicted = self.manager.get(plan.evict[0]).record  # the policy speaks names
+        evicted = plan.evict[0].model.record
         held = evicted.holdings
         if mode == "auto" and not held.copied_bytes:
             why = "not seen to copy" if held.copied_bytes is None else "copies"
@@ -247,7 +247,7 @@ class SwapCoordinator(SwapView):
                 f"{evicted.name}'s sleep {why} no weights off the device: nothing to overlap",
             )
         views = self.views()
-        victim = next(v for v in views if v.name == evicted.name)
+        victim = next(v for v in views if v.model is plan.evict[0].model)
         peers = [v for v in views if set(v.placement) & set(victim.placement)]
         counted = estimate(victim, peers, self.budget(victim.device))
         scratch = held.codec_scratch  # its encode, beside the wake's
@@ -339,19 +339,19 @@ class SwapCoordinator(SwapView):
         # A boot maps no host copy back: no wake scratch.
         views = [
             dataclasses.replace(v, state=State.SUSPENDED, wake_scratch_bytes=0)
-            if v.name == name
+            if v.model is mm
             else v
             for v in self.views()
         ]
-        plan = plan_wake(name, views, self.budgets(mm.record), self._clock())
+        plan = plan_wake(mm, views, self.budgets(mm.record), self._clock())
         fields = {"model": name, "phase": "policy"}
         log.info("%s: start plan %s: %s", name, plan.decision.value, plan.reason, extra=fields)
         evicted = []
         if plan.decision is Decision.EVICT:
-            for victim in plan.evict:
-                await self.sleep(self.manager.get(victim), drain="wait", reason="evict")
-                self.metrics.eviction(victim, "restart")
-                evicted.append(victim)
+            for view in plan.evict:
+                await self.sleep(view.model, drain="wait", reason="evict")
+                self.metrics.eviction(view.name, "restart")
+                evicted.append(view.name)
         return tuple(evicted)
 
     async def _settle(self, rec: ModelRecord) -> None:
@@ -442,7 +442,7 @@ class SwapCoordinator(SwapView):
             # With a host budget, host plans and the sleeps they admit never race.
             budgeted = self.settings.swap.host_budget is not None
             async with self.host.lock if budgeted else contextlib.nullcontext():
-                level = await self.host.room(rec, level)
+                level = await self.host.room(mm, level)
                 outcome = await mm.sleep(
                     level,
                     drain,
@@ -468,7 +468,7 @@ class SwapCoordinator(SwapView):
         return self.host.budget().bytes
 
 
-def _refused(name: str, plan: WakePlan) -> WakeRefused:
+def _refused(name: str, plan: WakePlan[ModelManager]) -> WakeRefused:
     return WakeRefused(
         f"cannot wake {name}: {plan.reason}",
         plan=plan.to_dict(),

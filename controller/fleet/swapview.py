@@ -1,4 +1,5 @@
-"""What the swap policy sees: the fleet's records read as `policy.ModelView`s, each
+"""What the swap policy sees: the fleet's models read as `policy.ModelView`s (each view
+carries its `ModelManager`, which the policy's plans hand back), each
 device's budget (configured, or measured at boot), the measured awake footprints, and one
 lock per device under which plans run.
 
@@ -12,12 +13,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from controller.config.settings import Settings
 from controller.fleet.policy import Budget, ModelView, WakePlan, plan_wake
 from controller.models.footprints import footprint_from_info
+from controller.models.modelmanager import ModelManager
 from controller.models.record import Fleet, ModelRecord
 from controller.observe.swapmetrics import FleetRow, SwapMetrics
 from controller.state import State
@@ -28,17 +30,19 @@ Clock = Callable[[], float]
 
 
 class SwapView:
-    """The policy's inputs over the fleet's records, and the device locks."""
+    """The policy's inputs over the fleet's models, and the device locks."""
 
     def __init__(
         self,
         fleet: Fleet,
+        models: Sequence[ModelManager],
         settings: Settings,
         metrics: SwapMetrics,
         *,
         clock: Clock = time.time,
     ) -> None:
         self.fleet = fleet
+        self.models = tuple(models)  # every model, in the order of the settings
         self.settings = settings
         self.metrics = metrics
         self._clock = clock  # the manager's clock: snapshots' `since` is on it
@@ -85,13 +89,15 @@ class SwapView:
     def learn_from_info(self, rec: ModelRecord, ranks: list[dict[str, Any]]) -> None:
         self.learn_footprint(rec, footprint_from_info(ranks), "hotswap_info pools")
 
-    def views(self) -> list[ModelView]:
-        return [self.view(rec) for rec in self.fleet.values()]
+    def views(self) -> list[ModelView[ModelManager]]:
+        return [self.view(mm) for mm in self.models]
 
-    def view(self, rec: ModelRecord) -> ModelView:
+    def view(self, mm: ModelManager) -> ModelView[ModelManager]:
         """What the policy knows of one model, read from its record now."""
+        rec = mm.record
         held = rec.holdings
         return ModelView(
+            model=mm,
             name=rec.name,
             state=rec.state,
             footprint_bytes=held.footprint,
@@ -120,10 +126,9 @@ class SwapView:
     def _engine_gone(rec: ModelRecord) -> bool:
         return rec.settings.managed and not rec.process.alive()
 
-    def plan(self, rec: ModelRecord, *, allow_evict: bool = True) -> WakePlan:
-        return plan_wake(
-            rec.name, self.views(), self.budgets(rec), self._clock(), allow_evict=allow_evict
-        )
+    def plan(self, mm: ModelManager, *, allow_evict: bool = True) -> WakePlan[ModelManager]:
+        budgets = self.budgets(mm.record)
+        return plan_wake(mm, self.views(), budgets, self._clock(), allow_evict=allow_evict)
 
     def _lock(self, device: str) -> asyncio.Lock:
         return self._locks.setdefault(device, asyncio.Lock())

@@ -1,6 +1,9 @@
 """The fleet of models: one `ModelManager` (controller.models.modelmanager) per configured model,
 over the fleet's records; probing at start, the periodic reconcile of attached engines,
 and a bounded stop.
+
+A model's `ModelManager` is its object below the HTTP edge: the edge resolves a name once
+(`Manager.get`), and every part after it is handed the object, never the name.
 """
 
 from __future__ import annotations
@@ -60,36 +63,39 @@ class Manager:
             call_timeout_s=settings.timeouts.checkpoint_s,
         )
         self.life = Lifecycle()  # starting, serving or stopping: what readiness says
-        self._models: dict[str, ModelManager] = {
-            m.name: ModelManager(
-                self.fleet[m.name],
+        self._models = tuple(
+            ModelManager(
+                rec,
                 settings.timeouts,
-                engine_factory(m, settings.timeouts),
+                engine_factory(rec.settings, settings.timeouts),
                 metrics,
                 self.tasks,
                 clock=clock,
                 monotonic=monotonic,
                 checkpointer=self.checkpointer,
             )
-            for m in settings.models
-        }
-        for m in settings.models:  # a quarantine a sidecar before this one left
-            self.fleet[m.name].facts.keep_quarantine_in(Quarantine.for_model(m, settings.state_dir))
-        for name in self._models:
-            metrics.register_model(name)
+            for rec in self.fleet.values()
+        )
+        # The HTTP edge's one lookup by name (`get`).
+        self._by_name = {mm.name: mm for mm in self._models}
+        for mm in self._models:  # a quarantine a sidecar before this one left
+            quarantine = Quarantine.for_model(mm.settings, settings.state_dir)
+            mm.record.facts.keep_quarantine_in(quarantine)
+            metrics.register_model(mm.name)
         if not metrics.bound:
             metrics.read_from(self.snapshots)
         self._watcher: asyncio.Task[None] | None = None
 
     def get(self, name: str) -> ModelManager:
+        """The model named `name`: the HTTP edge resolves a request's name here, once."""
         try:
-            return self._models[name]
+            return self._by_name[name]
         except KeyError:
             raise ModelNotFound(f"no model named {name!r}", model=name) from None
 
     def models(self) -> list[ModelManager]:
         """Every model's manager, in the order of the settings."""
-        return list(self._models.values())
+        return list(self._models)
 
     def snapshots(self) -> dict[str, ModelSnapshot]:
         return self.fleet.snapshots()
@@ -100,7 +106,7 @@ class Manager:
         engines are then reconciled every `reprobe_interval_s` in every state but a
         transition in flight (`check_recovered`): someone else's process, restarted or
         replaced without a word to us, whose truth is read back (docs/ARCHITECTURE.md)."""
-        attached = [m for m in self._models.values() if not m.settings.managed]
+        attached = [m for m in self._models if not m.settings.managed]
         await asyncio.gather(*(m.probe() for m in attached))
         if attached:
             self._watcher = self.tasks.spawn(self._watch(attached), name="watch-attached")
@@ -115,7 +121,7 @@ class Manager:
     async def stop(self) -> None:
         """Wait up to timeouts.shutdown_s for transitions in flight, cancel the rest, close."""
         await self.tasks.cancel(self._watcher)
-        running = [t for m in self._models.values() if (t := m.task) is not None]
+        running = [t for m in self._models if (t := m.task) is not None]
         if running:
             log.info(
                 "waiting up to %g s for %d transitions",
@@ -125,7 +131,7 @@ class Manager:
             _, pending = await asyncio.wait(running, timeout=self.settings.timeouts.shutdown_s)
             await self.tasks.cancel(*pending)
         await asyncio.gather(
-            *(m.engine.aclose() for m in self._models.values()),
+            *(m.engine.aclose() for m in self._models),
             self.checkpointer.aclose(),
             return_exceptions=True,
         )

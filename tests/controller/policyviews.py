@@ -1,7 +1,10 @@
 """The policy's view of one model, for the pure policy's table tests (test_policy.py,
-test_policy_fleet.py): a compact constructor in MiB, with the fleet fields."""
+test_policy_fleet.py): a compact constructor in MiB, with the fleet fields. A test's object
+for a model is its name: a plan's views hand it back (`handed`)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from controller.fleet.policy import ModelView
 from controller.state import State
@@ -29,9 +32,10 @@ def v(
     busy: bool = False,
     scratch_mib: int = 0,
     gone: bool = False,
-) -> ModelView:
+) -> ModelView[str]:
     devices = tuple(on.split(","))
     return ModelView(
+        model=name,
         name=name,
         state=state,
         footprint_bytes=None if mib is None else mib * MIB,
@@ -51,3 +55,8 @@ def v(
         queued=queued,
         busy=busy,
     )
+
+
+def handed(views: Iterable[ModelView[str]]) -> tuple[str, ...]:
+    """The objects a plan's views hand back (a test's are the models' names)."""
+    return tuple(view.model for view in views)

@@ -208,11 +208,11 @@ def test_models_shows_what_the_device_policy_counts() -> None:
             w.engines["b"].fake.wake_scratch = 64
             await w.coordinator.sleep(w.manager.get("b"))
             rec, settings = w.coordinator.fleet["b"], w.coordinator.settings
-            shown, seen = fleet_dict(rec, settings), w.coordinator.view(w.manager.fleet["b"])
+            shown, seen = fleet_dict(rec, settings), w.coordinator.view(w.manager.get("b"))
             assert (shown["asleep_bytes"], shown["wake_scratch_bytes"]) == (100, 64)
             assert (seen.asleep_bytes, seen.wake_scratch_bytes) == (100, 64)
             await w.coordinator.wake(w.manager.get("b"))
-            shown, seen = fleet_dict(rec, settings), w.coordinator.view(w.manager.fleet["b"])
+            shown, seen = fleet_dict(rec, settings), w.coordinator.view(w.manager.get("b"))
             assert (shown["asleep_bytes"], shown["wake_scratch_bytes"]) == (100, 0)
             assert (seen.asleep_bytes, seen.wake_scratch_bytes) == (100, 0)
             assert rec.holdings.codec_scratch == 64  # its next sleep encodes through it: kept

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from policyviews import MIB, NOW, S, v
+from policyviews import MIB, NOW, S, handed, v
 
 from controller.fleet.policy import Budget, Decision, ModelView, plan_wake, restart_delay
 from controller.models.footprints import budget_from_info, footprint_from_info, footprint_from_sleep
@@ -184,7 +184,7 @@ CASES = [
 def test_plan_wake(case: Case) -> None:
     plan = plan_wake(case.target, case.models, case.budget, NOW, allow_evict=case.allow_evict)
     assert plan.decision is case.decision, plan.reason
-    assert plan.evict == case.evict
+    assert handed(plan.evict) == case.evict
     assert case.reason_has in plan.reason
     assert plan.retry_after_s == case.retry
     assert plan.to_dict()["decision"] == case.decision.value
@@ -263,7 +263,12 @@ def test_failed_and_unknown_count_until_their_process_is_gone(
     models = (
         v("a", S.SUSPENDED, 100),
         ModelView(
-            "b", peer, None if mib is None else mib * MIB, awake_since=0.0, process_gone=gone
+            "b",
+            peer,
+            None if mib is None else mib * MIB,
+            awake_since=0.0,
+            process_gone=gone,
+            model="b",
         ),
     )
     plan = plan_wake("a", models, Budget(150 * MIB), NOW)
@@ -275,7 +280,7 @@ def test_failed_and_unknown_count_until_their_process_is_gone(
 
 
 def test_a_failed_model_counts_toward_max_awake_too() -> None:
-    models = (v("a"), ModelView("b", S.FAILED, 100 * MIB))
+    models = (v("a"), ModelView("b", S.FAILED, 100 * MIB, model="b"))
     assert plan_wake("a", models, Budget(max_awake=1), NOW).decision is Decision.REFUSE
-    gone = (v("a"), ModelView("b", S.FAILED, 100 * MIB, process_gone=True))
+    gone = (v("a"), ModelView("b", S.FAILED, 100 * MIB, process_gone=True, model="b"))
     assert plan_wake("a", gone, Budget(max_awake=1), NOW).decision is Decision.WAKE

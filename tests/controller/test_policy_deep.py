@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from policyviews import MIB, NOW, S, v
+from policyviews import MIB, NOW, S, handed, v
 
 from controller.fleet.policy import Budget, Decision, ModelView, plan_wake
 
 
-def deepable(view: ModelView, deep: bool = False) -> ModelView:
+def deepable(view: ModelView[str], deep: bool = False) -> ModelView[str]:
     return dataclasses.replace(view, deepable=not deep, deep=deep)
 
 
@@ -27,8 +27,8 @@ def test_sleepers_go_deep_before_anything_awake_is_evicted() -> None:
     # 400 awake + 300 leftover + 400 need > 1000; taking s1 deep frees 150: fits
     plan = plan_wake("t", models, BUDGET, NOW)
     assert plan.decision is Decision.DEEPEN
-    assert plan.deepen == ("s1",)
-    assert plan.evict == ()
+    assert handed(plan.deepen) == ("s1",)
+    assert handed(plan.evict) == ()
     assert "deep" in plan.reason
 
 
@@ -40,8 +40,8 @@ def test_evicts_only_when_deepening_is_not_enough() -> None:
     ]
     plan = plan_wake("t", models, BUDGET, NOW)
     assert plan.decision is Decision.EVICT
-    assert plan.evict == ("awake",)
-    assert plan.deepen == ("s1",)
+    assert handed(plan.evict) == ("awake",)
+    assert handed(plan.deepen) == ("s1",)
 
 
 def test_a_sleeper_not_deepable_is_not_taken_deep() -> None:
@@ -52,7 +52,7 @@ def test_a_sleeper_not_deepable_is_not_taken_deep() -> None:
     ]
     plan = plan_wake("t", models, BUDGET, NOW)
     assert plan.decision is Decision.EVICT
-    assert plan.deepen == ()
+    assert handed(plan.deepen) == ()
 
 
 def test_a_deep_sleeper_counts_what_was_measured() -> None:
@@ -73,4 +73,4 @@ def test_a_busy_sleeper_is_not_taken_deep() -> None:
         v("awake", S.RUNNING, 400, used=NOW - 1),
         deepable(dataclasses.replace(v("s1", asleep_mib=300), busy=True)),
     ]
-    assert plan_wake("t", models, BUDGET, NOW).deepen == ()
+    assert handed(plan_wake("t", models, BUDGET, NOW).deepen) == ()

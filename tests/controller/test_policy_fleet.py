@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 
 import pytest
-from policyviews import MIB, NOW, S, v
+from policyviews import MIB, NOW, S, handed, v
 
 from controller.config.placement import Want, place
 from controller.fleet.hostpolicy import HostBudget, host_budget_bytes, plan_host
@@ -183,7 +183,7 @@ WAKE_CASES = [
 def test_plan_wake_per_device(case: WakeCase) -> None:
     plan = plan_wake(case.target, case.models, case.budget, NOW)
     assert plan.decision is case.decision, plan.reason
-    assert plan.evict == case.evict, plan.reason
+    assert handed(plan.evict) == case.evict, plan.reason
     assert case.reason_has in plan.reason, plan.reason
     assert plan.to_dict()["devices"] == list(case.models[0].placement)
     assert plan.scratch_bytes == case.models[0].wake_scratch_bytes
@@ -468,8 +468,8 @@ def test_plan_host(case: HostCase) -> None:
     budget = HostBudget(None if case.budget_mib is None else case.budget_mib * MIB)
     plan = plan_host(case.target, case.level, case.models, budget)
     assert plan.level == case.out_level, plan.reason
-    assert plan.drop_backup == case.drop, plan.reason
-    assert plan.demote == case.demote, plan.reason
+    assert handed(plan.drop_backup) == case.drop, plan.reason
+    assert handed(plan.demote) == case.demote, plan.reason
     assert case.reason_has in plan.reason
     assert plan.to_dict()["demote"] == list(case.demote)
 

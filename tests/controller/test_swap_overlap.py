@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from policyviews import v
 from support.gatewayworld import Engine, Router, World, ask, run, world
 
 from controller.fleet.overlap import Overlap, plan_overlap
@@ -239,7 +240,7 @@ def test_plan_overlap(
     counted: int,
     ok: bool,
 ) -> None:
-    plan = WakePlan("b", Decision.EVICT, "", ("a",), 6144, used, budget, devices=("0",))
+    plan = WakePlan("b", Decision.EVICT, "", (v("a"),), 6144, used, budget, devices=("0",))
     got = plan_overlap(plan, victim, target, counted)
     assert isinstance(got, Overlap)
     assert got.ok is ok, got.reason
@@ -247,9 +248,9 @@ def test_plan_overlap(
 
 def test_plan_overlap_only_for_one_eviction_on_one_device() -> None:
     pools = {"weights": 10}
-    two = WakePlan("c", Decision.EVICT, "", ("a", "b"), 10, 20, 1000, devices=("0",))
+    two = WakePlan("c", Decision.EVICT, "", (v("a"), v("b")), 10, 20, 1000, devices=("0",))
     assert not plan_overlap(two, pools, pools, 10).ok
-    tp = WakePlan("c", Decision.EVICT, "", ("a",), 10, 20, 1000, devices=("0", "1"))
+    tp = WakePlan("c", Decision.EVICT, "", (v("a"),), 10, 20, 1000, devices=("0", "1"))
     assert not plan_overlap(tp, pools, pools, 10).ok
     fits = WakePlan("c", Decision.WAKE, "", (), 10, 0, 1000, devices=("0",))
     assert not plan_overlap(fits, pools, pools, 10).ok
@@ -262,7 +263,7 @@ def test_plan_overlap_counts_the_wake_scratch_at_the_peak() -> None:
             "b",
             Decision.EVICT,
             "",
-            ("a",),
+            (v("a"),),
             6144,
             6144,
             8_192,
@@ -276,7 +277,7 @@ def test_plan_overlap_counts_the_wake_scratch_at_the_peak() -> None:
 
 def test_plan_overlap_counts_the_victims_encode_scratch_too() -> None:
     pools = {"weights": 4096}
-    plan = WakePlan("b", Decision.EVICT, "", ("a",), 6144, 6144, 8_200, devices=("0",))
+    plan = WakePlan("b", Decision.EVICT, "", (v("a"),), 6144, 6144, 8_200, devices=("0",))
     plan = dataclasses.replace(plan, scratch_bytes=4)
     assert plan_overlap(plan, pools, pools, 6144, victim_scratch=4).ok  # 8192 + 8 <= 8200
     late = plan_overlap(plan, pools, pools, 6144, victim_scratch=5)
@@ -300,7 +301,7 @@ def test_plan_overlap_says_where_the_earlier_starts_fit(
 ) -> None:
     """early: the other models' bytes + the victim whole + the target's weights; kv_early:
     the others + the victim's weights + the target whole (docs/contracts.md)."""
-    plan = WakePlan("b", Decision.EVICT, "", ("a",), 6144, used, budget, devices=("0",))
+    plan = WakePlan("b", Decision.EVICT, "", (v("a"),), 6144, used, budget, devices=("0",))
     got = plan_overlap(plan, victim, {"weights": 4096}, counted)
     assert got.ok, got.reason
     assert (got.early, got.kv_early) == (early, kv_early), got.reason
