@@ -77,7 +77,7 @@ def wait_up(proc: EngineProcess, deadline: float) -> float:
     return proc.wait_ready(timeout_s=max(1.0, deadline - time.monotonic()))
 
 
-REAL_EXT = "benchmarks.realext.RealWeightsExtension"
+REAL_EXT = "worker_ext.devext.RealWeightsExtension"
 
 
 def start_vllm(
@@ -100,7 +100,7 @@ def start_vllm(
 
 
 def switch_variant(url: str, name: str) -> dict[str, Any]:
-    """benchmarks/realext.py's hotswap_bench_variant, awake."""
+    """worker_ext/devext.py's hotswap_bench_variant, awake."""
     with httpx.Client(base_url=url, timeout=60.0) as c:
         r = c.post(
             "/collective_rpc", json={"method": "hotswap_bench_variant", "kwargs": {"name": name}}
@@ -110,7 +110,7 @@ def switch_variant(url: str, name: str) -> dict[str, Any]:
 
 
 def switch_codec(url: str, codec: str) -> dict[str, Any]:
-    """The engine's host codec becomes `codec` (benchmarks/realext.py's RPC), awake."""
+    """The engine's host codec becomes `codec` (worker_ext/devext.py's RPC), awake."""
     with httpx.Client(base_url=url, timeout=120.0) as e:
         r = e.post(
             "/collective_rpc", json={"method": "hotswap_bench_codec", "kwargs": {"codec": codec}}
@@ -123,7 +123,7 @@ def switch_codec(url: str, codec: str) -> dict[str, Any]:
 
 
 def realistic(url: str, seed: int = 1) -> dict[str, Any]:
-    """Redraw the engine's weights like a trained model's (benchmarks/realext.py's RPC;
+    """Redraw the engine's weights like a trained model's (worker_ext/devext.py's RPC;
     the dummy loader's uniform values code smaller than trained weights do)."""
     with httpx.Client(base_url=url, timeout=120.0) as e:
         r = e.post(
@@ -572,19 +572,19 @@ def main() -> int:
         choices=("realistic", "dummy"),
         default="realistic",
         help="realistic: every engine's weights redrawn like a trained model's once it is up"
-        " (benchmarks/realext.py's RPC; the host codec's ratio depends on them); dummy: vLLM's",
+        " (worker_ext/devext.py's RPC; the host codec's ratio depends on them); dummy: vLLM's",
     )
     ap.add_argument(
         "--codecs",
         default="",
         help="HOTSWAP_HOST_CODEC per run of ours' cycles, comma-separated (e.g. exp,none): one"
-        " engine, the codec switched while awake (benchmarks/realext.py; needs --weights"
+        " engine, the codec switched while awake (worker_ext/devext.py; needs --weights"
         " realistic's extension); empty: the environment's setting",
     )
     ap.add_argument(
         "--variants",
         default="",
-        help="benchmarks/realext.py's hotswap_bench_variant per run of ours' cycles (each"
+        help="worker_ext/devext.py's hotswap_bench_variant per run of ours' cycles (each"
         " codec with each), comma-separated (e.g. storagepass,base: before/after on one engine);"
         " empty: none set",
     )
@@ -609,7 +609,7 @@ def main() -> int:
         "bandwidth": bandwidth(),
         "weights": args.weights,
     }
-    # the bench's RPCs (redraw the weights, switch the codec) live in benchmarks/realext.py
+    # the bench's RPCs (redraw the weights, switch the codec) live in worker_ext/devext.py
     ext = REAL_EXT if args.weights == "realistic" or codecs else "worker_ext.HotSwapExtension"
     model = write_config(args.shape, tempfile.mkdtemp(prefix=f"{args.shape}-"))
     rc = 0

@@ -1,9 +1,10 @@
-"""Bench-only worker extension: HotSwapExtension plus one RPC that redraws the weights.
+"""Bench-only worker extension: HotSwapExtension plus the RPCs that redraw the weights,
+switch the host codec and swap in an earlier prepare (a before/after on one engine).
 
-Loaded by the benches' HTTP engines as `benchmarks.realext.RealWeightsExtension` (the
-repo root on PYTHONPATH), so a server started with vLLM's dummy loader can be given
-weights drawn like a trained model's (benchmarks/realweights.py) before it is measured:
-the host codec's ratio, and so a coded wake's bytes, depend on them. Never for serving.
+Loaded by the benches' HTTP engines as `worker_ext.devext.RealWeightsExtension`, so a server
+started with vLLM's dummy loader can be given weights drawn like a trained model's
+(worker_ext.devmodels.realistic_fill_model_) before it is measured: the host codec's ratio,
+and so a coded wake's bytes, depend on them. Never for serving.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 
 from worker_ext import fingerprint
+from worker_ext.devmodels import realistic_fill_model_
 from worker_ext.extension import HotSwapExtension, rpc
 
 
@@ -21,13 +23,11 @@ class RealWeightsExtension(HotSwapExtension):
     def hotswap_bench_realistic_weights(self, seed: int = 1) -> dict[str, Any]:
         """Redraw every floating parameter (awake only), then size the host buffer again
         for the new weights' coded copy (it was pinned for the dummy weights' at start)."""
-        from benchmarks import realweights
-
         st = self._hotswap_state()
         if st.backend.suspended():
             raise RuntimeError("asleep: the weights are not mapped")
         model = self._hotswap_model()
-        n = realweights.fill_model_(model.named_parameters(), seed=int(seed))
+        n = realistic_fill_model_(model.named_parameters(), seed=int(seed))
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         warm = getattr(st.backend, "warm_host", None)

@@ -1,5 +1,6 @@
-"""benchmarks/realext.py: the bench-only RPCs that redraw an engine's weights and switch
-its host codec (benchmarks.sidecar uses them), over a fake backend on CPU tensors."""
+"""worker_ext/devext.py: the bench-only RPCs that redraw an engine's weights and switch
+its host codec (benchmarks.sidecar loads them into its engines), over a fake backend on CPU
+tensors."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.realext import RealWeightsExtension
 from worker_ext import cudart
+from worker_ext.devext import RealWeightsExtension
 from worker_ext.extension import _HotswapState
 from worker_ext.settings import WorkerSettings
 
