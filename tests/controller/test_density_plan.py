@@ -1,6 +1,7 @@
-"""benchmarks/density.py's planning, without engines: the boot waves that fit the device,
-the trace every arm replays cut to the time left, the arms it knows, and what a KV cache of
-fixed size makes of an engine's argv (the GPU run's boot: docs/benchmarks.md)."""
+"""benchmarks/density.py's planning, without engines: the seeded trace, the boot waves that
+fit the device, the trace every arm replays cut to the time left, the arms it knows, and
+what a KV cache of fixed size makes of an engine's argv (the GPU run's boot:
+docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,15 @@ from benchmarks import common, density
 from benchmarks.common import weight_bytes
 
 GiB = 1 << 30
+
+
+def test_the_trace_is_seeded_and_replayable() -> None:
+    a = density.make_trace(["x", "y", "z"], 30.0, 2.0, seed=7)
+    assert a == density.make_trace(["x", "y", "z"], 30.0, 2.0, seed=7)
+    assert a != density.make_trace(["x", "y", "z"], 30.0, 2.0, seed=8)
+    assert all(0 <= r.t < 30.0 for r in a)
+    counts = {m: sum(r.model == m for r in a) for m in "xyz"}
+    assert counts["x"] > counts["z"]  # Zipf: the first model is the most popular
 
 
 def test_waves_fit_the_room_and_the_count() -> None:

