@@ -156,14 +156,14 @@ class SwapCoordinator(SwapView):
                 )
             t0 = self._mono()
             evicted: list[str] = []
+            victims = [v.model for v in plan.evict]
             try:
-                victims = [v.model for v in plan.evict]
                 if overlap.ok:
                     outcome, t1, evict_s = await self._overlapped(mm, victims[0], overlap)
                     evicted.append(victims[0].name)
                 else:
                     for victim in victims:
-                        await self.sleep(victim, drain="wait", reason="evict")
+                        await self.sleep(victim, drain="wait", reason="evict", deep=False)
                         evicted.append(victim.name)
                         self.metrics.eviction(victim.name, "lru")
                     t1 = self._mono()
@@ -172,6 +172,8 @@ class SwapCoordinator(SwapView):
             except HotswapError:
                 self.metrics.swap(name, "failed", self._mono() - t0)
                 raise
+            finally:
+                _deepen_later(self.manager, victims)
             t2 = self._mono()
             # Awake: its host copy is back on the device; what it keeps there (a CUDA
             # engine's pinned backup) is what its resumes said.
@@ -272,7 +274,7 @@ class SwapCoordinator(SwapView):
         released = asyncio.Event()
         t0 = self._mono()
         sleep = self.manager.tasks.spawn(
-            self.sleep(victim, drain="wait", reason="evict", kv_released=released.set),
+            self.sleep(victim, drain="wait", reason="evict", kv_released=released.set, deep=False),
             name=f"hotswap-evict-{victim.name}",
         )
 
@@ -466,6 +468,26 @@ class SwapCoordinator(SwapView):
 
     def host_budget_bytes(self) -> int | None:
         return self.host.budget().bytes
+
+
+def _deepen_later(manager: Manager, evicted: list[ModelManager]) -> None:
+    """The checkpoint of every evicted model whose `deep_sleep` is "always", each in a task
+    of its own after the swap (docs/contracts.md §2.2): the woken model does not wait for the
+    driver's copy."""
+    for mm in evicted:
+        if mm.record.settings.deep_sleep == "always":
+            task = manager.tasks.spawn(_deepen(mm), f"hotswap-deepen-{mm.name}")
+            mm.record.swapping.deepening(task)
+
+
+async def _deepen(mm: ModelManager) -> None:
+    try:
+        await mm.deepen()
+    except (DeepSleepRefused, TransitionConflict) as exc:
+        # refused (marked unable), or woken or failed meanwhile: it stays as it is
+        log.info("%s: not taken deep after its eviction: %s", mm.name, exc.message)
+    except HotswapError as exc:  # the runner has recorded what happened to it
+        log.warning("%s: its checkpoint after its eviction failed: %s", mm.name, exc)
 
 
 def _refused(name: str, plan: WakePlan[ModelManager]) -> WakeRefused:

@@ -119,7 +119,14 @@ class SwapView:
             deepable=rec.settings.deep_sleep != "off" and rec.ckpt.deepable is not False,
             in_flight=rec.lane.in_flight,
             queued=rec.lane.held,
-            busy=rec.in_flight_task() is not None or rec.swapping.in_flight() is not None,
+            busy=any(
+                t is not None
+                for t in (
+                    rec.in_flight_task(),
+                    rec.swapping.in_flight(),
+                    rec.swapping.deepening_now(),
+                )
+            ),
         )
 
     @staticmethod

@@ -100,13 +100,14 @@ class Lane(Part):
 
 class Swapping(Part):
     """The coordinator's tasks for one model: the evicting wake in flight (concurrent callers
-    share it), the host budget enforced after its last wake kept a backup, and when an idle
-    sleep was last decided."""
+    share it), the host budget enforced after its last wake kept a backup, its checkpoint
+    after an eviction, and when an idle sleep was last decided."""
 
     def __init__(self, changes: Changes) -> None:
         super().__init__(changes)
         self.swap: asyncio.Task[Any] | None = None
         self.host_task: asyncio.Task[Any] | None = None
+        self.deepen_task: asyncio.Task[Any] | None = None
         self.idle_slept_at: float | None = None
 
     def in_flight(self) -> asyncio.Task[Any] | None:
@@ -120,6 +121,15 @@ class Swapping(Part):
     def enforcing_host(self, task: asyncio.Task[Any]) -> None:
         self.host_task = task
         self._changed()
+
+    def deepening(self, task: asyncio.Task[Any]) -> None:
+        """The checkpoint of an evicted model, after the swap that evicted it."""
+        self.deepen_task = task
+        self._changed()
+
+    def deepening_now(self) -> asyncio.Task[Any] | None:
+        t = self.deepen_task
+        return t if t is not None and not t.done() else None
 
     def idle_slept(self, at: float) -> None:
         self.idle_slept_at = at

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import AsyncIterator
+import subprocess
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 from support.fakevllm import FakeVllm
+from support.wait import until
 from test_api import make_settings, make_sidecar
 
 from controller.config.modelsettings import ModelSettings
@@ -38,6 +40,15 @@ def driver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "cuda").write_text(f"{os.getpid()} 123456\n")
     monkeypatch.setenv("HOTSWAP_CUDACKPT_FAKE", str(tmp_path))
     return tmp_path
+
+
+@pytest.fixture
+def other_group() -> Iterator[subprocess.Popen[bytes]]:
+    """A process in a process group of its own: a second engine's for the fake driver."""
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    yield proc
+    proc.kill()
+    proc.wait(5)
 
 
 def driver_states(driver: Path) -> set[str]:
@@ -235,3 +246,44 @@ async def test_under_pressure_a_sleeper_goes_deep_before_an_eviction(driver: Pat
         assert (states["b"]["state"], states["b"]["deep"]) == ("SUSPENDED", True)
         assert states["b"]["last_transition"]["kind"] == "deepen"
         assert states["c"]["state"] == "RUNNING"
+
+
+async def test_an_evicted_model_is_taken_deep_after_the_swap(
+    driver: Path, other_group: subprocess.Popen[bytes]
+) -> None:
+    """deep_sleep "always", room for one model: b's wake evicts a, whose sleep has no
+    checkpoint (b does not wait for the driver's copy); a is taken deep right after."""
+    fakes = {n: FakeVllm(name=n, resident_bytes=1000) for n in "ab"}
+    settings = Settings(
+        models=[
+            ModelSettings(name=n, url=f"http://{n}.engine.test", deep_sleep="always") for n in fakes
+        ],
+        swap={"budget_bytes": 20_000, "min_awake_s": 0},
+        timeouts=TimeoutSettings(drain_s=5.0, shutdown_s=2.0),
+    )
+    sc = make_sidecar(settings, fakes, CollectorRegistry())
+    # b's "engine": a process group of its own, so each model's checkpoint is its own
+    other = other_group
+    (driver / "cuda").write_text(f"{os.getpid()}\n{other.pid}\n")
+    sc.fleet["a"].process.engine = GroupOf(os.getpgid(0))  # type: ignore[assignment]
+    sc.fleet["b"].process.engine = GroupOf(other.pid)  # type: ignore[assignment]
+    app = sc.app
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s") as client,
+    ):
+        await sc.started.wait()
+        assert (await client.post("/models/b/sleep")).status_code == 200
+        r = await client.post("/models/b/wake")
+        assert r.status_code == 200, r.text
+        assert r.json()["policy"]["evicted"] == ["a"]
+        a = sc.fleet["a"]
+        evicted = a.snapshot.last_transition
+        assert evicted is not None
+        assert evicted.kind == "sleep"
+        assert "checkpoint" not in [p.name for p in evicted.phases]
+        await until(lambda: a.snapshot.deep, sc.fleet.changes, timeout_s=10.0)
+        snap = (await client.get("/models/a")).json()
+        assert (snap["state"], snap["deep"]) == ("SUSPENDED", True)
+        assert snap["last_transition"]["kind"] == "deepen"
+        assert (await client.get("/models/b")).json()["state"] == "RUNNING"
