@@ -195,7 +195,7 @@ def plan_wake(
     took = w.deepen_sleepers()
     if took and w.fits():
         return w.plan(Decision.DEEPEN, f"over budget ({short}): {took}")
-    return w.evict_or_refuse(now, short, took, allow_evict)
+    return w.evict_sparing_checkpoints(now, short, took, allow_evict)
 
 
 def view_of(target: M, models: Sequence[ModelView[M]]) -> ModelView[M]:
@@ -346,6 +346,25 @@ class _Wake(Generic[M]):
         return (
             f"taking {', '.join(self.deepened)} deep first (frees {mib(freed)} left beside pools)"
         )
+
+    def evict_sparing_checkpoints(
+        self, now: float, short: str, took: str, allow_evict: bool
+    ) -> WakePlan[M]:
+        """Deepening alone was not enough: an eviction is needed anyway. Each checkpoint
+        sits on this wake's path and frees only what a sleeper left beside its pools, so
+        the sleepers go deep only where that spares an eviction (fewer evicted than without
+        them); else the plan evicts alone."""
+        if not took:
+            return self.evict_or_refuse(now, short, took, allow_evict)
+        deepened, self.deepened = self.deepened, []
+        alone = self.evict_or_refuse(now, short, "", allow_evict)
+        self.deepened = deepened
+        both = self.evict_or_refuse(now, short, took, allow_evict)
+        if alone.decision is Decision.EVICT and (
+            both.decision is not Decision.EVICT or len(alone.evict) <= len(both.evict)
+        ):
+            return alone
+        return both
 
     def evict_or_refuse(self, now: float, short: str, took: str, allow_evict: bool) -> WakePlan[M]:
         """Evict idle awake peers, least recently used first; else refuse, saying when a

@@ -41,6 +41,22 @@ def test_evicts_only_when_deepening_is_not_enough() -> None:
     plan = plan_wake("t", models, BUDGET, NOW)
     assert plan.decision is Decision.EVICT
     assert handed(plan.evict) == ("awake",)
+    # the eviction alone fits (150 + 700): no checkpoint on the wake's path for nothing
+    assert handed(plan.deepen) == ()
+
+
+def test_a_sleeper_goes_deep_with_an_eviction_where_it_spares_another() -> None:
+    models = [
+        v("t", S.SUSPENDED, 500),
+        v("a1", S.RUNNING, 300, used=NOW - 2),
+        v("a2", S.RUNNING, 300, used=NOW - 1),
+        deepable(v("s1", asleep_mib=250)),
+    ]
+    # 600 awake + 250 leftover + 500 > 1000, and 600 + 500 with s1 deep too. Without s1 deep:
+    # a1 and a2 evicted (250 + 500); with it: a1 alone (300 + 500)
+    plan = plan_wake("t", models, BUDGET, NOW)
+    assert plan.decision is Decision.EVICT
+    assert handed(plan.evict) == ("a1",)
     assert handed(plan.deepen) == ("s1",)
 
 
