@@ -160,6 +160,17 @@ def transition(c: httpx.Client, name: str) -> dict[str, Any]:
     }
 
 
+def settled(c: httpx.Client, name: str, timeout_s: float = 10.0) -> str:
+    """The model's state once it is no longer SUSPENDING (an evicted model's sleep may end
+    after the woken model has answered: its weights still leaving), bounded."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = str(c.get(f"/models/{name}").json().get("state"))
+        if state != "SUSPENDING" or time.monotonic() > deadline:
+            return state
+        time.sleep(0.01)
+
+
 def wait_booted(c: httpx.Client, deadline: float) -> dict[str, Any]:
     while time.monotonic() < deadline:
         models = c.get("/models").json()
@@ -301,6 +312,7 @@ def run_once(
             swap_s, swap_end = complete_at(gw, name, args.prompt_tokens)
             after_s = complete(gw, name, args.prompt_tokens)
             warm_s = complete(gw, name, args.prompt_tokens)
+            settled(ctl, other)
             row: dict[str, Any] = {
                 "model": name,
                 "evicted": other,

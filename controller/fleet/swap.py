@@ -268,8 +268,8 @@ class SwapCoordinator(SwapView):
         victim's KV cache is off the device (or at once, `overlap.early`): `name`'s weights
         come in while the victim's go out (the link is full duplex); `name`'s KV cache is
         mapped only once the victim is SUSPENDED (or its process gone), or once the victim's
-        KV cache is gone (`overlap.kv_early`). Returns the wake's outcome, when it started,
-        and how long the victim's sleep took."""
+        KV cache is gone (`overlap.kv_early`); `name` serves once RUNNING. Returns the wake's
+        outcome, when it started, and how long the victim's sleep took."""
         name, rec = mm.name, victim.record
         released = asyncio.Event()
         t0 = self._mono()
@@ -327,6 +327,8 @@ class SwapCoordinator(SwapView):
 
         try:
             outcome = await mm.wake(room=room)
+            if mm.snapshot().state is State.RUNNING:
+                mm.record.lane.hand_over()  # verified; the lock stays held until `sleep` ends
         finally:
             if not sleep.done():
                 await asyncio.wait({sleep})

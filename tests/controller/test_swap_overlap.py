@@ -323,6 +323,8 @@ def test_with_room_for_both_the_woken_model_starts_with_the_eviction() -> None:
             r = await ask(w, "b")
             assert r.status_code == 200, r.text
             assert r.json()["model"] == "b"
+            # b answers while a's weights may still leave: a's sleep ends after
+            assert await w.manager.fleet["a"].wait_for(lambda r: r.state is State.SUSPENDED, 5.0)
             assert (w.state("a"), w.state("b")) == (State.SUSPENDED, State.RUNNING)
             b_weights = log.at("b", "hotswap_resume[weights]", "start")
             b_kv = log.at("b", "hotswap_wake", "start")
@@ -377,5 +379,32 @@ def test_no_early_start_while_the_victim_still_serves() -> None:
             assert "hotswap_resume[weights]" not in log.calls("b")
             assert (w.state("a"), w.state("b")) == (State.RUNNING, State.SUSPENDED)
             w.manager.fleet["a"].lane.leave()
+
+    run(body)
+
+
+def test_the_woken_model_serves_while_the_victims_weights_still_leave() -> None:
+    """b's held request goes to b as soon as b is RUNNING and verified, not once a's
+    weights have left too (the swap's request waited for the victim's whole sleep)."""
+
+    async def body() -> None:
+        ctx, holder = logged_world(swap={"budget_bytes": 12_000, "overlap": "always"})
+        async with ctx as w:
+            log = holder["router"]
+            log.slow[("a", "hotswap_suspend[weights]")] = 1.0
+            log.log.clear()
+            r = await ask(w, "b")
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == "b"
+            answered = time.monotonic()
+            assert ("a", "hotswap_suspend[weights]") not in [
+                (h, c) for _, h, c, e in log.log if e == "end"
+            ]
+            slept = await w.manager.fleet["a"].wait_for(lambda r: r.state is State.SUSPENDED, 5.0)
+            assert slept
+            assert answered < log.at("a", "hotswap_suspend[weights]", "end")
+            assert log.at("b", "hotswap_wake", "start") < answered
+            assert (w.state("a"), w.state("b")) == (State.SUSPENDED, State.RUNNING)
+            assert w.engines["b"].wrong == []
 
     run(body)

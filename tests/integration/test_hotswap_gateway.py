@@ -206,6 +206,8 @@ def test_a_swap_overlaps_the_evicted_models_offload_with_the_woken_models_load(
     assert sidecar.ctx is not None
     _text(_ask(sidecar, A), False)  # A awake, B asleep
     assert _text(_ask(sidecar, B), False) == reference[B]
+    # B answers as soon as it is verified; A's weights may still be leaving then
+    sidecar.wait_state(A, "SUSPENDED", timeout_s=60.0)
     slept = sidecar.ctx.manager.get(A).snapshot().last_transition
     woke = sidecar.ctx.manager.get(B).snapshot().last_transition
     assert slept is not None
@@ -246,6 +248,7 @@ def test_swap_latency_over_many_swaps(
         assert snap.last_transition is not None
         assert snap.last_transition.kind == "wake"
         other = A if name == B else B
+        sidecar.wait_state(other, "SUSPENDED", timeout_s=60.0)  # its sleep may end after
         slept = sidecar.ctx.manager.get(other).snapshot().last_transition
         assert slept is not None
         assert slept.kind == "sleep"
