@@ -168,6 +168,34 @@ def test_a_level1_sleep_brings_the_weights_back_and_discards_the_kv_cache(
     assert b.host_backup_bytes() == 5096  # kept for the next sleep
 
 
+def test_a_discarded_pool_is_mapped_before_the_earlier_copies_are_waited_for(
+    alloc: _Allocator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An overlapped swap's last resume: the KV cache comes back without a copy, so it is
+    mapped while the weights' copies (queued by the resume before) still run, and those
+    are waited for after it, in the same call; a pool with copies of its own waits first."""
+    _model(alloc)
+    b = _backend(alloc)
+    b.suspend(1, ["weights", "kv_cache"])
+    order: list[str] = []
+    monkeypatch.setattr(
+        Driver, "create_and_map", lambda _s, h: (order.append("map"), _scribble(h, MAPPED))
+    )
+    monkeypatch.setattr(_Stream, "synchronize", lambda _s: order.append("wait"))
+    b.resume(["weights"])
+    assert order == ["map", "map"]  # the weights' copies queued, not waited for
+    order.clear()
+    k = b.resume(["kv_cache"])
+    assert order[:2] == ["map", "map"] and "wait" in order[2:], order
+    assert "wait_copies_s" in k["timings"]
+    assert b.last_dma_s is not None
+    b.suspend(1, ["weights", "kv_cache"])
+    order.clear()
+    b._streams._pending = b._streams.all()  # an earlier resume's copies still in flight
+    b.resume(["weights"])
+    assert order[0] == "wait", order  # copies of its own: the earlier ones first
+
+
 def test_a_kept_kv_cache_comes_back_from_its_own_buffer(alloc: _Allocator) -> None:
     before = _model(alloc)
     b = _backend(alloc)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from worker_ext import fpkernel
@@ -359,17 +359,6 @@ class CuMemBackend:
         self._driver.take_spent()
         return self._driver
 
-    def _wait_before_resume(self, timings: dict[str, float]) -> None:
-        """Copies still in flight finish before more is mapped: mapping the KV pool record
-        by record during the weights' copy slowed the copy down (docs/benchmarks.md)."""
-        waited = self._streams.pending
-        t = time.perf_counter()
-        self.synchronize()
-        if waited:
-            timings["wait_copies_s"] = time.perf_counter() - t
-            if self._streams.last_dma_s is not None:
-                timings["copies_gpu_s"] = self._streams.last_dma_s
-
     def resume(self, tags: list[str]) -> dict[str, Any]:
         want = list(dict.fromkeys(tags))
         unknown = [t for t in want if t not in ALL_TAGS]
@@ -377,7 +366,11 @@ class CuMemBackend:
             raise ValueError(f"unknown tags {unknown}; expected a subset of {list(ALL_TAGS)}")
         t0 = time.perf_counter()
         timings: dict[str, float] = {}
-        self._wait_before_resume(timings)
+        # Pools back without a copy (a swap's discarded KV cache) map under an earlier
+        # resume's copies, as in one hotswap_wake (docs/benchmarks.md, the swap).
+        late = self._streams.pending and OFFLOADED not in {self._suspended.get(t) for t in want}
+        if not late:
+            _wait_copies(self.synchronize, self._streams, timings)
         before = self.memory()["free"]
         restored = dict.fromkeys(want, 0)
         was_level = self._level
@@ -401,6 +394,8 @@ class CuMemBackend:
             for step, spent in driver.take_spent().items():
                 timings[f"{tag}_{step}_s"] = spent
             del self._suspended[tag]
+        if late:
+            _wait_copies(self.synchronize, self._streams, timings)
         self._woke.add(copies.raw_done, self._coded.made, copies.wq, self._host.buf)
         if copies.start is not None:
             self._streams.hand_over(copies.start)
@@ -420,3 +415,14 @@ class CuMemBackend:
             "timings": timings,
             "side_effects": side,
         }
+
+
+def _wait_copies(sync: Callable[[], None], streams: CopyStreams, timings: dict[str, float]) -> None:
+    """Wait for the copies an earlier resume left in flight (`sync`: the backend's), timed."""
+    waited = streams.pending
+    t = time.perf_counter()
+    sync()
+    if waited:
+        timings["wait_copies_s"] = time.perf_counter() - t
+        if streams.last_dma_s is not None:
+            timings["copies_gpu_s"] = streams.last_dma_s
