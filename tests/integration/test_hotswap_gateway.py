@@ -149,7 +149,7 @@ def test_alternating_requests_swap_and_answer_with_the_right_model(
         assert _text(_ask(sidecar, name, stream), stream) == reference[name], (i, name)
         assert sidecar.state(name) == "RUNNING"
         other = B if name == A else A
-        assert sidecar.state(other) == "SUSPENDED"
+        sidecar.wait_state(other, "SUSPENDED", timeout_s=60.0)  # its sleep may end after
     chat = httpx.post(
         f"{sidecar.gateway_url}/v1/chat/completions",
         json={"model": A, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
@@ -182,7 +182,7 @@ def test_a_burst_over_the_queue_gets_429_and_the_rest_is_right(
     # attempt's answers must be right.
     for _attempt in range(4):
         _text(_ask(sidecar, B), False)  # A is asleep now: the burst for A must wait for its wake
-        assert sidecar.state(A) == "SUSPENDED"
+        sidecar.wait_state(A, "SUSPENDED", timeout_s=60.0)  # B answers before A's sleep ends
         with ThreadPoolExecutor(12) as pool:
             answers = list(pool.map(lambda _: _ask(sidecar, A), range(12)))
         codes = [r.status_code for r in answers]
@@ -275,6 +275,7 @@ def test_an_engine_killed_during_a_swap_fails_503_restarts_and_serves_again(
     assert sidecar.ctx is not None
     assert sidecar.ctx.supervisor is not None
     _text(_ask(sidecar, B), False)  # A asleep, B awake
+    sidecar.wait_state(A, "SUSPENDED", timeout_s=60.0)  # B answers before A's sleep ends
     restarts = _metric(sidecar, "hotswap_engine_restarts_total", model=A)
     engine = sidecar.ctx.fleet[A].process.engine
     with ThreadPoolExecutor(1) as pool:
