@@ -16,6 +16,7 @@ import httpx
 import jsonschema
 import pytest
 from prometheus_client import CollectorRegistry
+from support import asgi
 from support.fakevllm import FakeVllm
 
 from controller.config.modelsettings import ModelSettings
@@ -62,12 +63,7 @@ async def sidecar(
     side = make_sidecar(settings, fakes, registry)
     app = side.app
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://sidecar", headers=headers
-        ) as client,
-    ):
+    async with asgi.client(app, "http://sidecar", headers) as client:
         await side.started.wait()  # the start-up probes run once the app serves
         yield client
 
@@ -377,11 +373,7 @@ def test_a_refused_deep_sleep_is_the_422_its_document_names() -> None:
         fake = FakeVllm(name="a")
         side = make_sidecar(make_settings({"a": fake}), {"a": fake}, CollectorRegistry())
         app = side.app
-        transport = httpx.ASGITransport(app=app)
-        async with (
-            app.router.lifespan_context(app),
-            httpx.AsyncClient(transport=transport, base_url="http://sidecar") as client,
-        ):
+        async with asgi.client(app) as client:
             await side.started.wait()
             r = await client.post("/models/a/sleep", json={"deep": True})
             assert (await client.get("/models/a")).json()["state"] == "RUNNING"
@@ -541,11 +533,7 @@ def test_unexpected_error_is_502_never_500(monkeypatch: pytest.MonkeyPatch) -> N
         app.add_api_route("/broken", broken, methods=["GET"])
         model_cls = type(side.manager.get("a"))
         monkeypatch.setattr(model_cls, "audit", boom)
-        transport = httpx.ASGITransport(app=app)  # raise_app_exceptions: a leak would raise here
-        async with (
-            app.router.lifespan_context(app),
-            httpx.AsyncClient(transport=transport, base_url="http://sidecar") as client,
-        ):
+        async with asgi.client(app) as client:  # raise_app_exceptions: a leak would raise here
             await side.started.wait()
             # No internal text in the body (issue 28 item 4): the reason is in the log.
             body = assert_error(await client.get("/broken"), 502, "InternalError")
@@ -620,12 +608,7 @@ def test_create_app_builds_its_own_manager_and_metrics() -> None:
         )
         side = Sidecar(settings)
         app = side.app
-        async with (
-            app.router.lifespan_context(app),
-            httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=app), base_url="http://s"
-            ) as client,
-        ):
+        async with asgi.client(app, "http://s") as client:
             await side.started.wait()
             r = await client.get("/health")
             assert r.status_code == 503

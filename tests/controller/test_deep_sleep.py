@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
+from support import asgi
 from support.fakevllm import FakeVllm
 from support.wait import until
 from test_api import make_settings, make_sidecar
@@ -65,10 +66,7 @@ async def deep_sidecar(
     if reachable:
         sc.fleet["a"].process.engine = GroupOf(os.getpgid(0))  # type: ignore[assignment]
     app = sc.app
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s") as client,
-    ):
+    async with asgi.client(app, "http://s") as client:
         await sc.started.wait()  # the start-up probes run once the app serves
         yield client, sc
 
@@ -230,10 +228,7 @@ async def test_under_pressure_a_sleeper_goes_deep_before_an_eviction(driver: Pat
     for n in fakes:
         sc.fleet[n].process.engine = GroupOf(os.getpgid(0))  # type: ignore[assignment]
     app = sc.app
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s") as client,
-    ):
+    async with asgi.client(app, "http://s") as client:
         await sc.started.wait()
         for n in "bc":
             assert (await client.post(f"/models/{n}/sleep", json={"level": 1})).status_code == 200

@@ -15,17 +15,17 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp
+from support import asgi
+from support.asgi import served
 from support.fakevllm import FakeVllm
 from support.gatewayworld import completion, world
 from test_api import make_settings, make_sidecar
@@ -33,7 +33,6 @@ from test_api import make_settings, make_sidecar
 from controller import cli
 from controller.config.settings import Settings
 from controller.observe.logs import RateLimit
-from controller.server import uvicorn_config
 from controller.state import State
 
 TOKEN = "hostile-test-token"
@@ -43,38 +42,6 @@ BIG = 200 << 20  # the issue's 200 MiB body
 
 def run(coro: Coroutine[Any, Any, None]) -> None:
     asyncio.run(asyncio.wait_for(coro, 30))
-
-
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield  # the test owns the process's signals
-
-
-@asynccontextmanager
-async def served(
-    app: ASGIApp, *, lifespan: str = "on", settings: Settings | None = None
-) -> AsyncIterator[int]:
-    """`app` on a real uvicorn server on a free loopback port; yields the port. With
-    `settings`, configured as `hotswap serve` configures it (its connection limits)."""
-    if settings is None:
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, lifespan=lifespan, log_config=None)
-    else:
-        config = uvicorn_config(app, settings, "127.0.0.1", 0)
-        config.lifespan = lifespan
-    server = _Server(config)
-    task = asyncio.create_task(server.serve())
-    for _ in range(1000):
-        if server.started or task.done():
-            break
-        await asyncio.sleep(0.01)
-    assert server.started, "uvicorn did not start"
-    port: int = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        await task
 
 
 async def raw(
@@ -229,10 +196,7 @@ def test_deeply_nested_json_answers_400_on_both_apps() -> None:
             assert r.status_code == 200, r.text
         within = deep[:60_000]  # within the control API's 64 KiB
         app = control_app()
-        async with (
-            app.router.lifespan_context(app),  # type: ignore[attr-defined]
-            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://c") as c,
-        ):
+        async with asgi.client(app, "http://c") as c:
             r = await c.post("/models/a/sleep", content=within)
             assert r.status_code == 401, r.text  # auth first, even here
             r = await c.post("/models/a/sleep", content=within, headers=AUTH)
@@ -304,10 +268,7 @@ def test_no_control_body_at_its_cap_holds_the_event_loop(kind: str) -> None:
 
     async def run_it() -> None:
         app = control_app()
-        async with (
-            app.router.lifespan_context(app),  # type: ignore[attr-defined]
-            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://c") as c,
-        ):
+        async with asgi.client(app, "http://c") as c:
             held, status = await longest_hold(c.post("/models/a/sleep", content=body, headers=AUTH))
             assert 400 <= status < 500, status
             assert held <= MAX_HOLD_S, f"{kind}: the loop was held {held * 1000:.0f} ms"
@@ -686,8 +647,7 @@ def test_a_gateway_token_opens_the_gateway_and_never_the_control_api() -> None:
             assert w.manager.settings.auth.gateway_tokens is not None
             control = w.control_app
             bearer = {"Authorization": f"Bearer {GATEWAY_TOKEN}"}
-            transport = httpx.ASGITransport(app=control)
-            async with httpx.AsyncClient(transport=transport, base_url="http://c") as c:
+            async with asgi.client(control, "http://c", lifespan=False) as c:
                 for method, path in (
                     ("GET", "/models"),
                     ("GET", "/models/a/audit"),
@@ -720,8 +680,7 @@ def test_the_token_is_checked_once_per_request(monkeypatch: pytest.MonkeyPatch) 
 
     async def body() -> None:
         async with world(token=TOKEN) as w:
-            control = httpx.ASGITransport(app=w.control_app)
-            async with httpx.AsyncClient(transport=control, base_url="http://c") as c:
+            async with asgi.client(w.control_app, "http://c", lifespan=False) as c:
                 compared.clear()
                 assert (await c.get("/models", headers=AUTH)).status_code == 200
                 assert len(compared) == 1, compared
@@ -850,8 +809,7 @@ def test_docs_routes_are_off_unless_enabled(path: str) -> None:
     async def body() -> None:
         for docs, expected in ((False, 404), (True, 200)):
             app = control_app(token=None, docs=docs)
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://c") as c:
+            async with asgi.client(app, "http://c", lifespan=False) as c:
                 r = await c.get(path)
                 assert r.status_code == expected, (docs, r.text[:200])
 
@@ -913,11 +871,7 @@ def test_a_secret_with_a_trailing_newline_still_lets_the_token_in(tmp_path: Path
             )
             registry = CollectorRegistry()
             app = make_sidecar(settings, fakes, registry).app
-            transport = httpx.ASGITransport(app=app)
-            async with (
-                app.router.lifespan_context(app),
-                httpx.AsyncClient(transport=transport, base_url="http://c") as c,
-            ):
+            async with asgi.client(app, "http://c") as c:
                 r = await c.get("/models", headers=AUTH)
                 assert r.status_code == 200, (auth, r.text)
 
@@ -939,10 +893,7 @@ def test_drain_timeout_has_an_upper_bound() -> None:
 
     async def body() -> None:
         app = control_app(token=None)
-        async with (
-            app.router.lifespan_context(app),  # type: ignore[attr-defined]
-            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://c") as c,
-        ):
+        async with asgi.client(app, "http://c") as c:
             for value in (1e308, 3600.5):
                 r = await c.post("/models/a/sleep", json={"drain_timeout_s": value})
                 assert r.status_code == 422, r.text
@@ -963,10 +914,7 @@ def test_wait_false_on_a_failed_model_answers_409_in_the_reply(action: str) -> N
         side = make_sidecar(settings, fakes, CollectorRegistry())
         assert side.swap is not None, "hot-swap mode"
         app = side.app
-        async with (
-            app.router.lifespan_context(app),
-            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://c") as c,
-        ):
+        async with asgi.client(app, "http://c") as c:
             await side.started.wait()  # the start-up probes run once it serves
             side.manager.get("a").mark_failed("engine died")
             r = await c.post(f"/models/a/{action}", params={"wait": "false"})
@@ -985,10 +933,7 @@ def test_wait_false_wake_without_room_and_eviction_answers_409_in_the_reply() ->
         settings = Settings.model_validate({**make_settings(fakes).model_dump(), **one_awake})
         side = make_sidecar(settings, fakes, CollectorRegistry())
         app = side.app
-        async with (
-            app.router.lifespan_context(app),
-            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://c") as c,
-        ):
+        async with asgi.client(app, "http://c") as c:
             await side.started.wait()  # the start-up probes run once it serves
             assert (await c.post("/models/b/sleep")).status_code == 200  # a runs, b sleeps
             r = await c.post("/models/b/wake", params={"wait": "false", "evict": "false"})

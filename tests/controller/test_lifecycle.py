@@ -9,6 +9,7 @@ import asyncio
 
 import httpx
 import uvicorn
+from support import asgi
 from support.fakevllm import FakeVllm, wire
 from support.gatewayworld import Engine, Router, completion, run
 
@@ -95,13 +96,8 @@ def test_a_drain_admits_nothing_new_and_lets_the_requests_in_flight_finish() -> 
         hold = engines["a"].hold = asyncio.Event()
         gw_app = side.gateway_app
         async with (
-            gw_app.router.lifespan_context(gw_app),
-            httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=gw_app), base_url="http://gateway"
-            ) as gw,
-            httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=side.app), base_url="http://control"
-            ) as control,
+            asgi.client(gw_app, "http://gateway") as gw,
+            asgi.client(side.app, "http://control", lifespan=False) as control,
         ):
             first = asyncio.ensure_future(gw.post("/v1/completions", json=completion("a")))
             await asyncio.wait_for(engines["a"].arrived.wait(), 5)
@@ -132,12 +128,7 @@ def test_a_drain_is_bounded_by_its_grace() -> None:
         await side.start()
         hold = engines["a"].hold = asyncio.Event()
         gw_app = side.gateway_app
-        async with (
-            gw_app.router.lifespan_context(gw_app),
-            httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=gw_app), base_url="http://gateway"
-            ) as gw,
-        ):
+        async with asgi.client(gw_app, "http://gateway") as gw:
             first = asyncio.ensure_future(gw.post("/v1/completions", json=completion("a")))
             await asyncio.wait_for(engines["a"].arrived.wait(), 5)
             assert await side.drain(0.1) == 1  # still in flight when the grace ran out
@@ -168,13 +159,8 @@ def test_a_draining_sidecar_refuses_sleep_and_wake_and_changes_nothing() -> None
         hold = engines["a"].hold = asyncio.Event()
         gw_app = side.gateway_app
         async with (
-            gw_app.router.lifespan_context(gw_app),
-            httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=gw_app), base_url="http://gateway"
-            ) as gw,
-            httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=side.app), base_url="http://control"
-            ) as control,
+            asgi.client(gw_app, "http://gateway") as gw,
+            asgi.client(side.app, "http://control", lifespan=False) as control,
         ):
             first = asyncio.ensure_future(gw.post("/v1/completions", json=completion("a")))
             await asyncio.wait_for(engines["a"].arrived.wait(), 5)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import io
 import json
 import logging
@@ -12,12 +11,11 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from starlette.types import Receive, Scope, Send
+from support.asgi import served
 
 from controller.config.settings import LogFormat, LogSettings, Settings
 from controller.observe.logs import configure_logging
-from controller.server import uvicorn_config
 
 
 @pytest.fixture
@@ -94,12 +92,6 @@ async def _status_app(scope: Scope, receive: Receive, send: Send) -> None:
     await send({"type": "http.response.body", "body": b""})
 
 
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield  # the test owns the process's signals
-
-
 def _access_lines(probe_access: bool, requests: list[tuple[str, str]]) -> list[str]:
     """uvicorn.access lines of `requests` (method, path) served as `hotswap serve` serves
     (its uvicorn config, its logging set-up)."""
@@ -107,21 +99,12 @@ def _access_lines(probe_access: bool, requests: list[tuple[str, str]]) -> list[s
     configure_logging(LogSettings(probe_access=probe_access), stream=out)
 
     async def body() -> None:
-        config = uvicorn_config(_status_app, Settings(), "127.0.0.1", 0)
-        config.lifespan = "off"
-        server = _Server(config)
-        task = asyncio.create_task(server.serve())
-        while not server.started:
-            assert not task.done(), "uvicorn did not start"
-            await asyncio.sleep(0.01)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        try:
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-                for method, path in requests:
-                    await client.request(method, path)
-        finally:
-            server.should_exit = True
-            await task
+        async with (
+            served(_status_app, lifespan="off", settings=Settings()) as port,
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client,
+        ):
+            for method, path in requests:
+                await client.request(method, path)
 
     asyncio.run(asyncio.wait_for(body(), 30))
     return [line for line in out.getvalue().splitlines() if "uvicorn.access" in line]

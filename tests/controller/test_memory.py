@@ -5,21 +5,17 @@ held under a bound derived from its settings, itself under the pod's limit in de
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import re
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import httpx
-import uvicorn
+from support.asgi import served
 from support.gatewayworld import Router, world
 
 from controller.config.servesettings import GatewaySettings
-from controller.config.settings import Settings
-from controller.server import uvicorn_config
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[2]
@@ -38,34 +34,6 @@ def bound(gateway: GatewaySettings) -> int:
     """What the gateway may add at its caps: every held body joined once from its pieces
     (twice the cap at the join), plus slack."""
     return 2 * gateway.max_body_buffer_bytes + SLACK
-
-
-class _Server(uvicorn.Server):
-    def install_signal_handlers(self) -> None:
-        pass  # the test owns the process's signals
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-@contextlib.asynccontextmanager
-async def served(app: Any, settings: Settings) -> AsyncIterator[int]:
-    """`app` on uvicorn as `hotswap serve` configures it, on a free loopback port."""
-    config = uvicorn_config(app, settings, "127.0.0.1", 0)
-    config.lifespan = "off"  # world() started the manager
-    server = _Server(config)
-    task = asyncio.create_task(server.serve())
-    for _ in range(1000):
-        if server.started or task.done():
-            break
-        await asyncio.sleep(0.01)
-    assert server.started
-    try:
-        yield server.servers[0].sockets[0].getsockname()[1]
-    finally:
-        server.should_exit = True
-        await task
 
 
 def rss() -> int:
@@ -138,7 +106,7 @@ def test_the_gateway_at_its_caps_stays_within_its_memory_bound() -> None:
     async def run() -> None:
         async with (
             world(gateway=cap, router=BigAnswers) as w,
-            served(w.app, w.manager.settings) as port,
+            served(w.app, lifespan="off", settings=w.manager.settings) as port,
             httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as c,
         ):
             settings = w.manager.settings.gateway

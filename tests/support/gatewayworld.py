@@ -21,6 +21,7 @@ from controller.config.settings import Settings, TimeoutSettings
 from controller.fleet.swap import SwapCoordinator
 from controller.models.manager import Manager
 from controller.state import State
+from support import asgi
 from support.fakevllm import FakeVllm, wire
 
 
@@ -148,12 +149,7 @@ async def world(
     if side.idle is not None:
         side.idle.start()  # the sidecar's start() does this (its tasks end with the manager)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://gateway", headers=headers
-        ) as client,
-    ):
+    async with asgi.client(app, "http://gateway", headers) as client:
         yield World(app, client, engines, manager, coordinator, registry, side.app, side.gateway)
     await manager.stop()
     await side.tasks.aclose()
