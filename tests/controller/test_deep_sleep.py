@@ -18,9 +18,9 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 from support import asgi
+from support.fakesidecar import make_settings, make_sidecar
 from support.fakevllm import FakeVllm
 from support.wait import until
-from test_api import make_settings, make_sidecar
 
 from controller.config.modelsettings import ModelSettings
 from controller.config.settings import Settings, TimeoutSettings

@@ -26,9 +26,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp
 from support import asgi
 from support.asgi import served
+from support.fakesidecar import make_settings, make_sidecar
 from support.fakevllm import FakeVllm
 from support.gatewayworld import completion, world
-from test_api import make_settings, make_sidecar
 
 from controller import cli
 from controller.config.settings import Settings

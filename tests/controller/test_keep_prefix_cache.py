@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import pytest
 from pydantic import ValidationError
+from support.fakesidecar import scenario
 from support.fakevllm import FakeVllm
-from test_api import scenario
-from test_manager import FakeClock, Rig, make_rig
+from support.rig import FakeClock, Rig, make_rig
 
 from controller import protocol
 from controller.config.settings import ModelSettings, Settings

@@ -1,5 +1,5 @@
 """hotswap_sleep, the sleep's prepare and suspend in one RPC (docs/contracts.md §1), end to
-end through the extension over test_demote_in_place's in-place pools on host memory (no
+end through the extension over inplace.py's in-place pools on host memory (no
 engine, no GPU): where the backend offloads with copies (CUDA's shape, `overlaps_prepare`)
 the prepare runs after the copies are queued and before anything is released; a prepare
 that fails releases nothing; where the backend cannot overlap, the prepare runs first."""
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_demote_in_place import JUNK, InPlacePools, Worker
+from inplace import JUNK, InPlacePools, Worker
 
 from worker_ext.pools import DISCARDED, KV_CACHE, OFFLOADED, WEIGHTS, During, policy
 
