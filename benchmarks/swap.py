@@ -414,6 +414,7 @@ def report(res: dict[str, Any]) -> None:
                 ph.setdefault(f"{side}.{k}", []).append(v)
     print("phases (median over swaps):", {k: round(statistics.median(v), 4) for k, v in ph.items()})
     print("ranks' timings (median over swaps):", rank_medians(swaps))
+    print("min / median / max:", kv_release(swaps))
     print("wakes whose verify read again after a first read that differed:", rechecked(swaps))
     print("the sidecar's overlap decisions:", res.get("overlap_reasons"))
     print(
@@ -450,8 +451,38 @@ SWAP_RANK_KEYS = {
     ("sleep", "prepare"): ("snapshot_s", "snap_plan_s", "snap_baseline_s", "snap_check_reused"),
     ("sleep", "suspend_kv_cache"): ("discard_s", "trim_s"),
     ("sleep", "prepare_and_suspend"): ("at_prepared_s", "at_released_s", "snap_check_reused"),
-    ("wake", "resume_and_verify"): ("wait_copies_s", "copies_gpu_s", "verify_s"),
+    ("wake", "resume_and_verify"): (
+        "wait_copies_s",
+        "copies_gpu_s",
+        "kv_cache_create_s",
+        "kv_cache_access_s",
+        "verify_s",
+    ),
 }
+
+# The split sleep's phases up to its KV cache's release (the woken model's KV cache waits
+# for it: controller.fleet.overlap's kv_early).
+KV_RELEASED_AFTER = ("drain", "quiesce", "prepare", "suspend_kv_cache")
+
+
+def kv_release(swaps: list[dict[str, Any]]) -> str:
+    """When the victim's KV cache was gone (seconds into its sleep) and how long the wake
+    ran after that, min / median / max over the overlapped swaps."""
+    at, after = [], []
+    for r in swaps:
+        s, w = r["sleep"], r["wake"]
+        if "suspend_kv_cache" not in s["phases"] or not (s["started_at"] and w["ended_at"]):
+            continue
+        t = sum(s["phases"].get(k, 0.0) for k in KV_RELEASED_AFTER)
+        at.append(t)
+        after.append(w["ended_at"] - (s["started_at"] + t))
+    if not at:
+        return "no split sleep"
+
+    def mmm(xs: list[float]) -> str:
+        return f"{min(xs):.3f} / {statistics.median(xs):.3f} / {max(xs):.3f} s"
+
+    return f"the victim's KV cache gone {mmm(at)} into its sleep, the wake's end {mmm(after)} after"
 
 
 def rank_medians(swaps: list[dict[str, Any]]) -> dict[str, float]:
