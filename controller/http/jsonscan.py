@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import re
+from array import array
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 # Inside a string: everything up to its closing quote, escapes included; stops early only
 # at a backslash that ends the piece (its escaped byte is in the next one).
@@ -82,6 +84,17 @@ def member_run(wanted: frozenset[str], limit: int) -> re.Pattern[bytes]:
 
 _KEY_MAX = 64  # a longer key is none of the wanted ones: its bytes are not kept
 
+# Below the top-level members, when BULK_AFTER steps in a row within one piece went less
+# than BULK_BYTES bytes each on average, the rest of the piece is counted in bulk (`_bulk`):
+# a step costs a microsecond or two of Python, and a body made of short changes of direction
+# (`[[]`, `[1,`, `["",` chains, side-by-side groups) takes one per level or per change. The
+# bulk counts the piece's structure at C speed but costs about 20 ns a byte, so steps that
+# go far (long runs, shallow items skipped whole) stay steps.
+BULK_AFTER = 32
+BULK_BYTES = 48
+_WHOLE_STRINGS = re.compile(b"(" + _STRING + b")", re.DOTALL)  # split around each whole string
+_LEVEL = bytes(1 if b in b"[{" else 255 if b in b"]}" else 0 for b in range(256))  # as int8
+
 _QUOTE, _BACKSLASH = 0x22, 0x5C
 _OPEN = frozenset(b"[{")
 _CLOSE = frozenset(b"]}")
@@ -131,6 +144,7 @@ class JsonScan:
 
     def feed(self, data: bytes | memoryview) -> None:
         pos, end = 0, len(data)
+        deep_steps, deep_from, bulk = 0, 0, False  # within this piece
         while pos < end and not self.over:
             self.steps += 1
             if self.in_string:
@@ -138,7 +152,12 @@ class JsonScan:
             elif not self.started or self._await_value or self.closed_top:
                 pos = self._first_byte(data, pos)
             elif self.depth > 1 or (self.depth == 1 and not self.is_object):
-                pos = self._deep(data, pos)
+                if deep_steps % BULK_AFTER == 0:  # every BULK_AFTER steps: how far they went
+                    short = deep_steps > 0 and pos - deep_from < BULK_AFTER * BULK_BYTES
+                    bulk, deep_from = bulk or short, pos
+                deep_steps += 1
+                went = self._bulk(data, pos) if bulk else pos
+                pos = went if went > pos else self._deep(data, pos)
             else:
                 if self._expect_key and self.depth == 1:
                     skipped = self._skip_members(data, pos)
@@ -176,6 +195,37 @@ class JsonScan:
             self._structural(byte, self.offset + found.start())
             return found.start() + 1
         return found.end()
+
+    def _bulk(self, data: bytes | memoryview, pos: int) -> int:
+        """Below the top-level members: the rest of the piece at C speed, up to the first
+        closer that would take the depth back to the top level's (which the steps then
+        take), a string that does not close in the piece (its quote: the steps read it) or
+        past the limit. Whole strings are blanked out (a split around each), every byte
+        becomes its change of depth (+1, -1, 0), and the running depth is one accumulate:
+        a few C-level passes over the piece, whatever its shape."""
+        piece = bytes(data[pos:])
+        if b'"' in piece:
+            parts = _WHOLE_STRINGS.split(piece)
+            parts[1::2] = map(bytes, map(len, parts[1::2]))  # a string: as many zero bytes
+            piece = b"".join(parts)
+            unclosed = piece.find(b'"')  # only a string that does not close is left
+            if unclosed >= 0:
+                piece = piece[:unclosed]
+        if not piece:
+            return pos
+        base = 1 if self.is_object else 0  # the depth of the top level's members
+        running = list(accumulate(array("b", piece.translate(_LEVEL)), initial=self.depth))
+        try:
+            stop = running.index(base, 1) - 1  # the closer back to the top level
+        except ValueError:
+            stop = len(piece)
+        if stop == 0:
+            return pos
+        deepest = max(running[1 : stop + 1])
+        self.depth = running[stop]
+        if deepest > self.max_depth:
+            self.max_depth = deepest
+        return pos + stop
 
     def result(self) -> Shape:
         balanced = self.balanced and not self.in_string and self.depth == 0

@@ -1,19 +1,35 @@
 """The body scanner (controller.http.jsonscan) against a plain byte-by-byte reference, over
 adversarial inputs: the same verdict whatever the input and however it is cut into pieces,
-in at most two steps per byte."""
+in at most two steps per byte, whether the structure below the top-level members is stepped
+through or counted in bulk."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from controller.http import jsonscan
 from controller.http.jsonscan import JsonScan, scan
 
 WANTED = frozenset({"model", "stream"})
 LIMIT = 8
+
+
+@pytest.fixture(autouse=True, scope="module", params=["steps", "bulk"])
+def counting(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test twice: as the scanner runs (bulk counting only after many short steps
+    in a piece, which small inputs seldom take) and with the bulk counting everything
+    below the top-level members from the first step."""
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param == "bulk":
+            mp.setattr(jsonscan, "BULK_AFTER", 1)
+            mp.setattr(jsonscan, "BULK_BYTES", 1 << 30)
+        yield request.param
 
 
 def reference(body: bytes, limit: int) -> tuple[bool, bool, bool]:
