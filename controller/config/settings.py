@@ -235,6 +235,17 @@ class SupervisorSettings(BaseModel):
     stop_grace_s: float = Field(
         15.0, ge=0, le=HOUR_S, description="SIGTERM grace before SIGKILL at stop."
     )
+    engine_nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="How many steps below the sidecar's CPU priority the managed engines run "
+        "(added to its nice value, inherited by every engine process and thread): when both "
+        "want a CPU the sidecar comes first, so its probes and the gateway are not starved "
+        "by the engines it manages. A nice value orders only the processes of one CPU cgroup "
+        "(the container; outside containers, where the kernel groups by session, the "
+        "session: the engines stay in the sidecar's). 0 = the sidecar's priority.",
+    )
     log_dir: Path | None = Field(
         None, description="Engine logs (one file per model); None = a temporary folder."
     )

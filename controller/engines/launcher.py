@@ -38,10 +38,13 @@ class EngineProcess:
     process of this engine's own group), stop, kill. Start it from a thread that lives as long
     as the engine should: the keeper's parent-death signal follows that thread."""
 
-    def __init__(self, spec: EngineSpec, log_path: Path, *, stop_grace_s: float = 15.0) -> None:
+    def __init__(
+        self, spec: EngineSpec, log_path: Path, *, stop_grace_s: float = 15.0, nice: int = 0
+    ) -> None:
         self.spec = spec
         self.log_path = log_path
         self.stop_grace_s = stop_grace_s
+        self.nice = nice  # added to the sidecar's nice value by the keeper, for the engine
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
@@ -75,6 +78,7 @@ class EngineProcess:
             "controller.engines.reaper",
             f"{self.stop_grace_s:g}",
             str(os.getpid()),  # the keeper checks it is still this process's child
+            *([f"--nice={self.nice}"] if self.nice else []),
             "--",
         ]
         return keeper + self.spec.argv()
@@ -103,7 +107,10 @@ class EngineProcess:
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,  # own process group: a stop reaches EngineCore and workers
+            # Its own process group (a stop reaches EngineCore and workers), in the sidecar's
+            # session: where the kernel shares the CPU out by session (autogroup), a session
+            # of its own would weigh as much as the sidecar's whole, whatever the nice value.
+            process_group=0,
         )
 
     def is_alive(self) -> bool:

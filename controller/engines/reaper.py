@@ -1,4 +1,5 @@
-"""The keeper of one managed engine: `python -m controller.engines.reaper GRACE_S PARENT -- ARGV`.
+"""The keeper of one managed engine: `python -m controller.engines.reaper GRACE_S PARENT [--nice=N]
+-- ARGV`.
 
 The sidecar starts this, not the engine: it leads its own process group, asks the kernel
 for SIGTERM when the thread that started it dies (PR_SET_PDEATHSIG), becomes the child
@@ -9,6 +10,10 @@ SIGKILL as the engine's own parent-death signal. When the sidecar goes, however 
 sidecar, and the sidecar's process group check (`launcher.EngineProcess`) knows every
 process that may answer for the engine. Standard library only: it runs inside the vLLM
 image too. Its exit code is the engine's (128 + N when a signal N ended it).
+
+With `--nice=N` the keeper first lowers its own CPU priority by N (its nice value, inherited
+by the engine and every process and thread it starts): the engines then give way to the
+sidecar that watches them whenever both want a CPU.
 
 PARENT is the sidecar's pid, as the sidecar knew it before the fork. The death signal is
 asked for only once this interpreter runs, a while after the fork: a sidecar that died in
@@ -29,7 +34,7 @@ from types import FrameType
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
-USAGE = "usage: python -m controller.engines.reaper GRACE_S [PARENT] -- ARGV..."
+USAGE = "usage: python -m controller.engines.reaper GRACE_S [PARENT] [--nice=N] -- ARGV..."
 
 
 def _prctl(option: int, value: int) -> None:
@@ -99,6 +104,11 @@ def main(argv: list[str]) -> int:
         sep = argv.index("--")
     except ValueError:
         sep = -1
+    nice = 0
+    if sep >= 2 and argv[sep - 1].startswith("--nice="):
+        nice = int(argv[sep - 1].removeprefix("--nice="))
+        argv = argv[: sep - 1] + argv[sep:]
+        sep -= 1
     if sep not in (1, 2) or len(argv) <= sep + 1:
         print(USAGE, file=sys.stderr)
         return 2
@@ -106,6 +116,8 @@ def main(argv: list[str]) -> int:
     command = argv[sep + 1 :]
     # Without PARENT (started by hand) the parent is whoever it is now.
     parent = int(argv[1]) if sep == 2 else os.getppid()
+    if nice > 0:
+        os.nice(nice)  # before the engine starts: it and everything it starts inherit it
     pgid = os.getpgid(0)
     stop = False
 

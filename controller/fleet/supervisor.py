@@ -47,14 +47,16 @@ DEMOTABLE_ENV = "HOTSWAP_DEMOTABLE"
 EngineFactory = Callable[[ModelSettings], Engine]
 
 
-def process_factory(log_dir: Path, stop_grace_s: float = 15.0) -> EngineFactory:
-    """Real engines: the model's argv and env on its Unix socket, one log per model."""
+def process_factory(log_dir: Path, stop_grace_s: float = 15.0, nice: int = 0) -> EngineFactory:
+    """Real engines: the model's argv and env on its Unix socket, one log per model, `nice`
+    steps below the sidecar's CPU priority."""
 
     def make(model: ModelSettings) -> Engine:
         if model.command is None or model.uds is None:
             raise ValueError(f"{model.name}: a managed model needs a command and a socket")
         spec = EngineSpec.from_command(model.name, model.command, Path(model.uds), model.env)
-        return EngineProcess(spec, log_dir / f"{model.name}.log", stop_grace_s=stop_grace_s)
+        log_path = log_dir / f"{model.name}.log"
+        return EngineProcess(spec, log_path, stop_grace_s=stop_grace_s, nice=nice)
 
     return make
 
@@ -128,7 +130,7 @@ class Supervisor:
             if log_dir is None:
                 self._tmp = tempfile.TemporaryDirectory(prefix="hotswap-engines-")
                 log_dir = Path(self._tmp.name)
-            engine_factory = process_factory(log_dir, self.cfg.stop_grace_s)
+            engine_factory = process_factory(log_dir, self.cfg.stop_grace_s, self.cfg.engine_nice)
         self._factory = engine_factory
         self._task: asyncio.Task[None] | None = None
         self.booted = asyncio.Event()

@@ -191,6 +191,35 @@ def test_stop_ends_the_whole_group(folder: Path, tmp_path: Path) -> None:
     assert not spec.uds.exists()
 
 
+def test_the_engine_runs_below_the_sidecars_priority_in_its_session(
+    folder: Path, tmp_path: Path
+) -> None:
+    """The keeper lowers the engine's CPU priority by `nice` (the engine and its children
+    inherit it), and the engine stays in the sidecar's session: where the kernel shares the
+    CPU out by session (autogroup), a session of its own would weigh as much as the sidecar's
+    whole, and no nice value would put the engine behind the sidecar."""
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    engine = EngineProcess(fake_spec(folder), tmp_path / "m.log", nice=7)
+    engine.start()
+    try:
+        engine.wait_ready(timeout_s=20.0, interval_s=0.05)
+        server, child = map(int, (folder / "m.pids").read_text().split())
+        for pid in (engine.pid or 0, server, child):
+            assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, mine + 7), pid
+            assert os.getsid(pid) == os.getsid(0), pid
+            assert process_group(pid) == engine.pid, pid
+    finally:
+        engine.stop(grace_s=2.0)
+    plain = EngineProcess(fake_spec(folder, "p"), tmp_path / "p.log")  # nice=0: as the sidecar
+    plain.start()
+    try:
+        plain.wait_ready(timeout_s=20.0, interval_s=0.05)
+        server, _ = map(int, (folder / "p.pids").read_text().split())
+        assert os.getpriority(os.PRIO_PROCESS, server) == mine
+    finally:
+        plain.stop(grace_s=2.0)
+
+
 def test_an_exit_is_told_by_the_kernel_not_found_by_a_poll(folder: Path, tmp_path: Path) -> None:
     """`exited()` returns once the engine's group is killed from outside (a crash, the OOM
     killer), with the keeper's code, and not before: the supervisor awaits it instead of
