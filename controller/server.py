@@ -101,11 +101,26 @@ class _GatewayServer(uvicorn.Server):
 
 
 def uvicorn_config(
-    app: ASGIApp, settings: Settings, host: str, port: int, **extra: Any
+    app: ASGIApp,
+    settings: Settings,
+    host: str,
+    port: int,
+    *,
+    control: bool = False,
+    **extra: Any,
 ) -> uvicorn.Config:
     """One port's uvicorn config: the connection limits of `server.*` (the head deadline and
-    the cap on head-less connections by controller.http.connlimits, the rest uvicorn's)."""
+    the cap on head-less connections by controller.http.connlimits, the rest uvicorn's). On
+    the control port (`control`) the protocol answers `GET /livez` itself, unless the
+    probes are to be logged (`log.probe_access`: then the app answers and the access log
+    has it)."""
     limits = settings.server
+    http = protocol(
+        limits.header_timeout_s,
+        limits.keep_alive_s,
+        limits.max_unauthenticated,
+        answers_livez=control and not settings.log.probe_access,
+    )
     return uvicorn.Config(
         app,
         host=host,
@@ -115,7 +130,7 @@ def uvicorn_config(
         timeout_graceful_shutdown=math.ceil(settings.timeouts.shutdown_s),
         timeout_keep_alive=math.ceil(limits.keep_alive_s),
         limit_concurrency=limits.max_connections,
-        http=protocol(limits.header_timeout_s, limits.keep_alive_s, limits.max_unauthenticated),
+        http=http,
         **extra,
     )
 
@@ -144,7 +159,7 @@ async def run_server(settings: Settings) -> int:
         gateway = _GatewayServer(
             uvicorn_config(gw_app, settings, settings.gateway.host, settings.gateway.port)
         )
-    config = uvicorn_config(app, settings, settings.server.host, settings.server.port)
+    config = uvicorn_config(app, settings, settings.server.host, settings.server.port, control=True)
     server = _Server(config, drain=side.drain)
     if gateway is None:
         await server.serve()

@@ -34,6 +34,15 @@ _TOO_LARGE_ANSWER = (
 )
 
 
+# `GET /livez`'s answer, written by the protocol itself (`HeadLimits.answers_livez`): the
+# control API's body for it, byte for byte.
+_LIVEZ_BODY = b'{"status":"ok"}'
+_LIVEZ_ANSWER = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+    b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_LIVEZ_BODY), _LIVEZ_BODY)
+)
+
+
 class HeadTooLarge(Exception):
     """A whole request head over the cap (raised inside the parser's callback)."""
 
@@ -44,12 +53,20 @@ class HeadLimits(HttpToolsProtocol):
 
     Subclassed per server by `protocol` (the class attributes below); `waiting` holds this
     server's connections that have not sent a whole first head.
+
+    With `answers_livez` (the control port), a `GET /livez` is answered here, as its head
+    is parsed: 200 `{"status":"ok"}` and the connection closed, on the event loop but
+    without a request task, the app's middleware or a place in the loop's queue behind the
+    requests in flight (a liveness probe says the loop runs; its answer waits for nothing
+    else). Another method, a query string or a request pipelined behind one in progress
+    goes to the app as any request.
     """
 
     max_head_bytes: int = MAX_HEAD_BYTES
     head_timeout_s: float = 10.0
     keep_alive_s: float = 5.0
     max_waiting: int = 64
+    answers_livez: bool = False
     waiting: set[HeadLimits]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -63,6 +80,7 @@ class HeadLimits(HttpToolsProtocol):
         self._head_bytes: int | None = 0
         self._completed_in_read = False
         self._head_over = False
+        self._answered = False  # a /livez answered here: the parser's later callbacks are not
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
@@ -94,9 +112,34 @@ class HeadLimits(HttpToolsProtocol):
             # The parser turns it into an HttpParserError, which uvicorn answers with
             # send_400_response (here the 431), before a request cycle exists.
             raise HeadTooLarge(size)
+        if self._is_livez():
+            self._answer_livez()
+            return
         super().on_headers_complete()
 
+    def _is_livez(self) -> bool:
+        """A plain `GET /livez` on a port that answers it, with no request in progress."""
+        return (
+            self.answers_livez
+            and self.url == b"/livez"
+            and self.parser.get_method() == b"GET"
+            and (self.cycle is None or self.cycle.response_complete)
+        )
+
+    def _answer_livez(self) -> None:
+        self._answered = True
+        self._disarm()
+        self.server_state.total_requests += 1
+        self.transport.write(_LIVEZ_ANSWER)
+        self.transport.close()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._answered:
+            super().on_body(body)
+
     def on_message_complete(self) -> None:
+        if self._answered:
+            return
         super().on_message_complete()
         self._head_bytes = 0
         self._completed_in_read = True
@@ -150,12 +193,15 @@ class HeadLimits(HttpToolsProtocol):
             self.transport.close()
 
 
-def protocol(head_timeout_s: float, keep_alive_s: float, max_waiting: int) -> type[HeadLimits]:
+def protocol(
+    head_timeout_s: float, keep_alive_s: float, max_waiting: int, *, answers_livez: bool = False
+) -> type[HeadLimits]:
     """A HeadLimits class for one server (its own set of waiting connections)."""
     attrs = {
         "head_timeout_s": head_timeout_s,
         "keep_alive_s": keep_alive_s,
         "max_waiting": max_waiting,
+        "answers_livez": answers_livez,
         "waiting": set(),
     }
     return type("ServerHeadLimits", (HeadLimits,), attrs)

@@ -549,6 +549,49 @@ def test_a_head_after_a_body_on_one_connection_gets_its_own_16_kib() -> None:
     run(body())
 
 
+def test_livez_is_answered_by_the_control_ports_protocol_without_the_app() -> None:
+    """`GET /livez` on the control port is answered as its head is parsed, with the control
+    API's own body: no request task, no middleware, no place in the loop's queue behind the
+    requests in flight. Anything else (a query string, HEAD, the gateway's port, or
+    `log.probe_access` on, so that the access log has the probes) goes to the app."""
+    app = control_app()
+    seen: list[str] = []
+
+    async def counting(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            seen.append(f"{scope['method']} {scope['path']}?{scope['query_string'].decode()}")
+        await app(scope, receive, send)
+
+    def get(target: str, method: str = "GET") -> bytes:
+        return f"{method} {target} HTTP/1.1\r\nhost: k\r\nconnection: close\r\n\r\n".encode()
+
+    def body_of(answer: bytes) -> bytes:
+        return answer.split(b"\r\n\r\n", 1)[1]
+
+    async def body() -> None:
+        async with served(counting, settings=Settings(), control=True) as port:
+            status, fast = await raw(port, get("/livez"))
+            assert (status, seen) == (200, [])
+            assert b"content-type: application/json" in fast
+            # kept alive and sent nothing more: still answered, and closed
+            status, _ = await raw(port, b"GET /livez HTTP/1.1\r\nhost: k\r\n\r\n")
+            assert (status, seen) == (200, [])
+            status, slow = await raw(port, get("/livez?x=1"))
+            assert (status, seen) == (200, ["GET /livez?x=1"])
+            assert body_of(fast) == body_of(slow) == b'{"status":"ok"}'
+            status, _ = await raw(port, get("/livez", "HEAD"))
+            assert seen[-1] == "HEAD /livez?"
+        seen.clear()
+        logged = Settings.model_validate({"log": {"probe_access": True}})
+        async with served(counting, settings=logged, control=True) as port:
+            assert (await raw(port, get("/livez")))[0] == 200
+        async with served(counting, settings=Settings()) as port:  # not the control port
+            assert (await raw(port, get("/livez")))[0] == 200
+        assert seen == ["GET /livez?", "GET /livez?"]
+
+    run(body())
+
+
 def test_a_body_sent_too_slowly_answers_408() -> None:
     async def body() -> None:
         app, settings = limited(body_timeout_s=0.5)

@@ -50,14 +50,20 @@ class _Server(uvicorn.Server):
 
 @contextlib.asynccontextmanager
 async def served(
-    app: Any, *, lifespan: str = "on", settings: Settings | None = None, start_s: float = 10.0
+    app: Any,
+    *,
+    lifespan: str = "on",
+    settings: Settings | None = None,
+    start_s: float = 10.0,
+    control: bool = False,
 ) -> AsyncIterator[int]:
     """`app` on a real uvicorn server on a loopback port; yields the port. With `settings`,
-    configured as `hotswap serve` configures it (its protocol and connection limits)."""
+    configured as `hotswap serve` configures it (its protocol and connection limits; the
+    control port's with `control`)."""
     if settings is None:
         config = uvicorn.Config(app, host="127.0.0.1", port=0, lifespan=lifespan, log_config=None)
     else:
-        config = uvicorn_config(app, settings, "127.0.0.1", 0)
+        config = uvicorn_config(app, settings, "127.0.0.1", 0, control=control)
         config.lifespan = lifespan
     server = _Server(config)
     task = asyncio.create_task(server.serve())
