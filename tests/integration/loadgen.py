@@ -17,8 +17,10 @@ stopped by `Load.stop`:
 - half-open and slow connections (`slow` at once): connect and send nothing, send the
   headers a byte at a time, or announce a body and send a part of it; each is held until
   the server closes it or `hold_s` passes (how many the server closed is reported);
-- `/livez` on the control port every `livez_every_s`, from a process of its own (stdlib
-  only: the latency is the sidecar's, not this driver's event loop's): every sample kept.
+- `/livez` on the control port every `livez_every_s`, from a process of its own in a session
+  of its own (stdlib only: the latency is the sidecar's, not this driver's event loop's, and
+  where the kernel shares the CPU out by session the prober does not share this driver's):
+  every sample kept, with the prober's own wait for a CPU during each.
 
 Everything is counted in a `Report`; the soak asserts on it."""
 
@@ -41,15 +43,23 @@ from urllib.parse import urlsplit
 
 import httpx
 
-# The /livez prober: GET every `every` seconds, one "latency_s ok" line per probe, until
-# killed or its parent (the driver) is gone.
+# The /livez prober: GET every `every` seconds, one "latency_s ok waited_s" line per probe
+# (waited: the prober's own time runnable but waiting for a CPU during the probe, from its
+# schedstat: the instrument's share of the latency, not the sidecar's), until killed or its
+# parent (the driver) is gone.
 _PROBE = """
 import http.client, os, sys, time
 host, port, every, out = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
 parent = os.getppid()
+def waited():
+    try:
+        with open("/proc/self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
 with open(out, "a", buffering=1) as f:
     while os.getppid() == parent:
-        t = time.monotonic()
+        w, t = waited(), time.monotonic()
         try:
             c = http.client.HTTPConnection(host, port, timeout=5)
             c.request("GET", "/livez")
@@ -58,7 +68,7 @@ with open(out, "a", buffering=1) as f:
         except OSError:
             ok = False
         took = time.monotonic() - t
-        f.write(f"{took:.6f} {int(ok)}\\n")
+        f.write(f"{took:.6f} {int(ok)} {waited() - w:.6f}\\n")
         time.sleep(max(0.0, every - took))
 """
 ATTEMPT_TIMEOUT_S = 200.0  # one HTTP attempt (the soak's REQUEST_TIMEOUT_S)
@@ -70,6 +80,7 @@ class Report:
     outcomes: Counter[str] = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
     livez_s: list[float] = field(default_factory=list)
+    livez_prober_wait_s: list[float] = field(default_factory=list)  # per probe, in order
     slow_opened: int = 0
     slow_closed_by_server: int = 0
     caps: Counter[str] = field(default_factory=Counter)
@@ -81,9 +92,10 @@ class Report:
 
     def summary(self) -> dict[str, Any]:
         lat = sorted(self.livez_s)
+        own = sorted(t - w for t, w in zip(self.livez_s, self.livez_prober_wait_s, strict=True))
 
-        def pct(q: float) -> float:
-            return round(lat[min(len(lat) - 1, int(q * len(lat)))] * 1000, 1) if lat else 0.0
+        def pct(q: float, of: list[float] = lat) -> float:
+            return round(of[min(len(of) - 1, int(q * len(of)))] * 1000, 1) if of else 0.0
 
         return {
             "outcomes": dict(self.outcomes),
@@ -91,6 +103,12 @@ class Report:
             "slow_connections": self.slow_opened,
             "slow_closed_by_server": self.slow_closed_by_server,
             "livez": {"n": len(lat), "p50_ms": pct(0.5), "p99_ms": pct(0.99), "max_ms": pct(1.0)},
+            # each probe's latency less the prober's own wait for a CPU during it
+            "livez_less_prober_wait": {
+                "p99_ms": pct(0.99, own),
+                "max_ms": pct(1.0, own),
+                "prober_waited_s": round(sum(self.livez_prober_wait_s), 2),
+            },
             "problems": self.problems[:20],
         }
 
@@ -132,6 +150,7 @@ class Load:
         self._probe = subprocess.Popen(
             [sys.executable, "-c", _PROBE, *args, self._probe_out],
             stdin=subprocess.DEVNULL,
+            start_new_session=True,  # as the kubelet, outside the sidecar's and the load's
         )
         self._thread.start()
 
@@ -141,8 +160,9 @@ class Load:
         self._probe.wait(10)
         with open(self._probe_out) as f:
             for line in f.read().splitlines():
-                took, ok = line.split()
+                took, ok, waited = line.split()
                 self.report.livez_s.append(float(took))
+                self.report.livez_prober_wait_s.append(float(waited))
                 if ok != "1":
                     self.report.problem("livez", f"not 200 after {float(took):.3f} s")
         os.unlink(self._probe_out)

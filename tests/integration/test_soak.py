@@ -218,7 +218,9 @@ def sidecar(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     }
     path = work / "models.yaml"
     path.write_text(yaml.safe_dump(config))
-    side = SidecarProcess(work / "sidecar.log", config=path)
+    # In a session of its own, as in a pod its container has a CPU cgroup of its own: the
+    # test process driving the load is not the sidecar's to share a CPU share with.
+    side = SidecarProcess(work / "sidecar.log", config=path, own_session=True)
     try:
         side.start()
         wait_booted(side)

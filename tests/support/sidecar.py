@@ -30,7 +30,9 @@ class SidecarProcess:
     """`python -m controller serve` on loopback: over a models file (`config`, which sets
     the gateway itself) or attached to `engines` (name -> `unix:PATH` or URL; the gateway
     on). `env`: more of its environment; the test process's own HOTSWAP_* variables never
-    reach it."""
+    reach it. `own_session`: started in a session of its own, as a container's process has
+    a CPU cgroup of its own (where the kernel shares the CPU out by session, autogroup, it
+    would otherwise share one with the test process and whatever load that drives)."""
 
     def __init__(
         self,
@@ -39,6 +41,7 @@ class SidecarProcess:
         config: Path | None = None,
         engines: Mapping[str, str] | None = None,
         env: Mapping[str, str] | None = None,
+        own_session: bool = False,
     ) -> None:
         if (config is None) == (engines is None):
             raise ValueError("a models file or engines, one of the two")
@@ -46,6 +49,7 @@ class SidecarProcess:
         self.config = config
         self.engines = dict(engines or {})
         self.env = dict(env or {})
+        self.own_session = own_session
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""  # the control API, once started
         self.gateway_url = ""
@@ -81,7 +85,12 @@ class SidecarProcess:
             log.write(f"\n==== start #{self.starts}\n".encode())
             offset = log.tell()
             self.proc = subprocess.Popen(
-                argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                argv,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=self.own_session,
             )
         self._wait_up(offset, time.monotonic() + timeout_s)
         return self
