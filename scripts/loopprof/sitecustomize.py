@@ -14,6 +14,14 @@ thread saw while one callback ran past 10 ms of wall; the garbage collector's pa
 generation (count, CPU, longest CPU, wall, longest wall); and the loop thread's time on a
 CPU and runnable but waiting for one (/proc schedstat). Thread CPU is what the loop spent;
 wall minus CPU is the machine's (a loaded machine preempts the process).
+
+And the loop's lag (`lag`): a tick every 20 ms on the loop, each tick's lateness counted
+by bucket; for the ticks more than 20 ms late, the loop thread's schedstat over the
+interval since the previous tick splits the lateness into time on a CPU (the loop's own
+work: what our code holds), runnable but waiting for a CPU (the machine's: the process not
+scheduled) and neither (blocked in a call, the GIL held by another thread, or idle):
+`late` is [ticks, lateness, on CPU, waiting, neither] in seconds, `worst` the 25 latest
+as [late, on CPU, waiting, interval] in ms.
 """
 
 from __future__ import annotations
@@ -97,6 +105,73 @@ def _install(out_dir: str) -> None:
 
     asyncio.events.Handle._run = run  # type: ignore[method-assign]
 
+    # The loop's lag: a tick every TICK_S on the loop; each tick's lateness, split by the
+    # loop thread's schedstat over the interval since the previous tick into time on a CPU
+    # (the loop's own work), runnable but waiting for a CPU (the machine's), and neither
+    # (blocked: a synchronous call, the GIL held by another thread, or idle).
+    tick_s = 0.02
+    lag: dict[str, Any] = {"n": 0, "buckets": {}, "late": [0, 0.0, 0.0, 0.0, 0.0], "worst": []}
+    tick_state: dict[str, Any] = {"loop": None}
+
+    sched_fd: list[int] = []  # the loop thread's schedstat, opened once (read with pread)
+
+    def thread_sched() -> tuple[float, float]:
+        try:
+            if not sched_fd:
+                sched_fd.append(os.open(f"/proc/self/task/{os.getpid()}/schedstat", os.O_RDONLY))
+            on_cpu, waiting, _ = (int(x) for x in os.pread(sched_fd[0], 128, 0).split())
+        except (OSError, ValueError):
+            return 0.0, 0.0
+        return on_cpu / 1e9, waiting / 1e9
+
+    def tick() -> None:
+        now = time.perf_counter()
+        on, wait = thread_sched()
+        prev = tick_state.get("prev")
+        if prev is not None:
+            t0, on0, wait0 = prev
+            interval = now - t0
+            late = max(0.0, interval - tick_s)
+            d_on, d_wait = on - on0, wait - wait0
+            lag["n"] += 1
+            for edge in (0.005, 0.02, 0.05, 0.1, 0.2, 0.5, float("inf")):
+                if late < edge:
+                    b = f"<{edge * 1000:g}ms"
+                    lag["buckets"][b] = lag["buckets"].get(b, 0) + 1
+                    break
+            if late > 0.02:  # late ticks: [n, lateness, on CPU, waiting, blocked or idle]
+                s = lag["late"]
+                s[0] += 1
+                s[1] += late
+                s[2] += d_on
+                s[3] += d_wait
+                s[4] += max(0.0, interval - d_on - d_wait)
+                lag["worst"].append(
+                    [
+                        round(late * 1000, 1),
+                        round(d_on * 1000, 1),
+                        round(d_wait * 1000, 1),
+                        round(interval * 1000, 1),
+                    ]
+                )
+                lag["worst"] = sorted(lag["worst"], reverse=True)[:25]
+        tick_state["prev"] = (time.perf_counter(), *thread_sched())
+        tick_state["loop"].call_later(tick_s, tick)
+
+    def start_ticks(handle: asyncio.events.Handle) -> None:
+        if tick_state["loop"] is None and threading.get_ident() == main:
+            loop = getattr(handle, "_loop", None)
+            if loop is not None and loop.is_running():
+                tick_state["loop"] = loop
+                loop.call_soon(tick)
+
+    def run_and_tick(self: asyncio.events.Handle) -> None:
+        if tick_state["loop"] is None:
+            start_ticks(self)
+        run(self)
+
+    asyncio.events.Handle._run = run_and_tick  # type: ignore[method-assign]
+
     def on_gc(phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             gc_start[0], gc_start[1] = time.perf_counter(), time.thread_time()
@@ -148,6 +223,7 @@ def _install(out_dir: str) -> None:
             ],
             "stacks": sorted(stacks.items(), key=lambda kv: -kv[1])[:40],
             "gc": {g: rounded(v) for g, v in passes.items()},
+            "lag": {**lag, "late": rounded(lag["late"]), "tick_s": tick_s},
         }
         with open(out + ".tmp", "w") as f:
             json.dump(data, f, indent=1)
