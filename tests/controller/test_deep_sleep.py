@@ -263,10 +263,7 @@ async def test_an_evicted_model_is_taken_deep_after_the_swap(
     sc.fleet["a"].process.engine = GroupOf(os.getpgid(0))  # type: ignore[assignment]
     sc.fleet["b"].process.engine = GroupOf(other.pid)  # type: ignore[assignment]
     app = sc.app
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s") as client,
-    ):
+    async with asgi.client(app, "http://s") as client:
         await sc.started.wait()
         assert (await client.post("/models/b/sleep")).status_code == 200
         r = await client.post("/models/b/wake")

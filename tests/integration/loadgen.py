@@ -328,6 +328,30 @@ class Load:
         return False
 
 
+class StreamedText:
+    """A streamed completion's text, fed its SSE lines (`line` is True at `[DONE]`); `text()`
+    raises httpx.RemoteProtocolError when the stream ended without it."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.done = False
+
+    def line(self, line: str) -> bool:
+        if not line.startswith("data: "):
+            return False
+        data = line.removeprefix("data: ")
+        if data == "[DONE]":
+            self.done = True
+        else:
+            self.parts.append(json.loads(data)["choices"][0]["text"])
+        return self.done
+
+    def text(self) -> str:
+        if not self.done:
+            raise httpx.RemoteProtocolError("the stream ended without [DONE]")
+        return "".join(self.parts)
+
+
 async def _attempt(
     gw: httpx.AsyncClient, body: dict[str, Any], stream: bool
 ) -> tuple[int, str, str]:
@@ -340,15 +364,8 @@ async def _attempt(
         if r.status_code != 200:
             await r.aread()
             return r.status_code, r.text, r.headers.get("retry-after", "")
-        parts, done = [], False
+        streamed = StreamedText()
         async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line.removeprefix("data: ")
-            if data == "[DONE]":
-                done = True
+            if streamed.line(line):
                 break
-            parts.append(json.loads(data)["choices"][0]["text"])
-        if not done:
-            raise httpx.RemoteProtocolError("the stream ended without [DONE]")
-        return 200, "".join(parts), ""
+        return 200, streamed.text(), ""

@@ -71,10 +71,7 @@ def test_sigterm_stops_admitting_and_lets_the_stream_in_flight_finish(
     side = SidecarProcess(tmp_path / "sidecar.log", config=path)
     try:
         side.start()
-        deadline = time.monotonic() + 300
-        while side.models()[NAME]["state"] != "RUNNING":
-            assert time.monotonic() < deadline, side.log_tail()
-            time.sleep(0.5)
+        side.wait_for(NAME, lambda body: body["state"] == "RUNNING", 300, "RUNNING")
         everything = [side.pid, *descendants(side.pid)]
         chunks: list[dict[str, Any]] = []
         first = threading.Event()

@@ -43,7 +43,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from loadgen import Load
+from loadgen import Load, StreamedText
 from support.procs import alive, children, cmdline, descendants, engine_pid, rss_bytes
 from support.sidecar import SidecarProcess
 
@@ -124,18 +124,11 @@ def attempt(client: httpx.Client, model: str, prompt: str, stream: bool) -> tupl
         if r.status_code != 200:
             r.read()
             return r.status_code, r.text, r.headers.get("retry-after", "")
-        parts, done = [], False
+        streamed = StreamedText()
         for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line.removeprefix("data: ")
-            if data == "[DONE]":
-                done = True
+            if streamed.line(line):
                 break
-            parts.append(json.loads(data)["choices"][0]["text"])
-        if not done:
-            raise httpx.RemoteProtocolError("the stream ended without [DONE]")
-        return 200, "".join(parts), ""
+        return 200, streamed.text(), ""
 
 
 def request(
