@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 BLOCK = 4096  # words per Triton program (and per exception prefix count)
-CHUNK_BLOCKS = 256
+CHUNK_BLOCKS = 256  # blocks per chunk (the kernels take it as CHUNK // BLOCK)
 CHUNK_WORDS = BLOCK * CHUNK_BLOCKS  # 2 MiB of words: one table per chunk
 KS = (2, 3, 4)  # candidate code widths
 META_INTS = 16
@@ -352,7 +352,7 @@ def _k_encode(src, out, meta, inv, counts, CHUNK: tl.constexpr, BLOCK: tl.conste
         e = (w >> 7) & 0xFF
         code = tl.load(inv + c * 256 + e, mask=valid, other=0).to(tl.int32)
         esc = (code == (1 << k) - 1) & valid
-        tl.store(counts + c * 256 + b, tl.sum(esc.to(tl.int32), axis=0))
+        tl.store(counts + c * (CHUNK // BLOCK) + b, tl.sum(esc.to(tl.int32), axis=0))
         code2 = tl.reshape(code, (BLOCK // 8, 8))
         lanes = tl.arange(0, 8)[None, :]
         g = b * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
@@ -378,7 +378,7 @@ def _k_exceptions(src, out, meta, inv, boff, CHUNK: tl.constexpr, BLOCK: tl.cons
         e = (w >> 7) & 0xFF
         code = tl.load(inv + c * 256 + e, mask=valid, other=0).to(tl.int32)
         esc = ((code == (1 << k) - 1) & valid).to(tl.int32)
-        base = tl.load(boff + c * 256 + b)
+        base = tl.load(boff + c * (CHUNK // BLOCK) + b)
         rank = tl.cumsum(esc, axis=0) - esc + base
         # never past the escapes the plan laid out (a reused plan whose bytes changed: its
         # check refuses it before anything is released; this keeps the writes inside)

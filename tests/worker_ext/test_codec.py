@@ -151,6 +151,19 @@ def test_payload_sizes_is_payload_size_over_tensors(k: int, n: int, frac: float)
 
 
 # -- the Triton kernels, under the CPU interpreter (a child pytest) ----------------------
+# The interpreter runs every program of a launch in Python, a chunk's CHUNK_BLOCKS of them
+# whatever its length; so the cases below run on chunks of SMALL_CHUNK_BLOCKS blocks (the
+# same kernels: they take the chunk's blocks as CHUNK // BLOCK; the same BLOCK, so several
+# blocks a chunk, partial blocks, several chunks a piece and a range), and the warm proof,
+# which the backend runs before it trusts the kernels, at the production geometry.
+
+SMALL_CHUNK_BLOCKS = 8
+
+
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(codec, "CHUNK_BLOCKS", SMALL_CHUNK_BLOCKS)
+    monkeypatch.setattr(codec, "CHUNK_WORDS", codec.BLOCK * SMALL_CHUNK_BLOCKS)
 
 
 def test_codec_kernels_under_the_triton_interpreter() -> None:
@@ -167,6 +180,7 @@ def test_codec_kernels_under_the_triton_interpreter() -> None:
 
 
 @needs_interp
+@pytest.mark.usefixtures("small_chunks")
 @pytest.mark.parametrize(
     ("kind", "n_words"),
     [("normal", 2 * codec.BLOCK + 5), ("special", 777), ("bits", codec.BLOCK), ("mixed", 0)],
@@ -214,6 +228,7 @@ def test_kernel_matches_reference(kind: str, n_words: int) -> None:
 
 
 @needs_interp
+@pytest.mark.usefixtures("small_chunks")
 def test_plan_table_kernel_equals_the_ranges_plan() -> None:
     """The plan's one launch over a table of every chunk, laid out by tensor ops, gives
     the same rows, maps, pieces and host layout as one launch per range laid out piece by
@@ -298,6 +313,7 @@ def _change(data: torch.Tensor, how: str, seed: int) -> None:
 
 
 @needs_interp
+@pytest.mark.usefixtures("small_chunks")
 @pytest.mark.parametrize(
     ("how", "seed"), [("same", 0), ("mantissa", 0), ("fewer", 0), ("more", 0), ("more", 1)]
 )
@@ -354,6 +370,7 @@ def _escapes(data: torch.Tensor, plan: codec.Plan) -> list[int]:
 
 
 @needs_interp
+@pytest.mark.usefixtures("small_chunks")
 def test_reuse_kernel_needs_the_kept_host_copies() -> None:
     """A plan whose maps were never kept on the host cannot be reused (the backend plans
     anew); keep_on_host makes it reusable, and its rows are the plan's own."""
@@ -599,12 +616,14 @@ def _coded_copy(data: torch.Tensor) -> tuple[codec.GpuCodec, codec.Plan, torch.T
     return gc, plan, host
 
 
-def _pieces(data: torch.Tensor, offsets: list[int]) -> list[tuple[int, int, int, int]]:
+def _pieces(
+    data: torch.Tensor, offsets: list[int], size: int = SUMS_BYTES
+) -> list[tuple[int, int, int, int]]:
     """The verify's differing pieces at these offsets: address, bytes, baseline sums."""
     from worker_ext import fpkernel
 
     ptr = int(data.data_ptr())
-    return [(ptr + o, SUMS_BYTES, *fpkernel.piece_sums(data[o : o + SUMS_BYTES])) for o in offsets]
+    return [(ptr + o, size, *fpkernel.piece_sums(data[o : o + size])) for o in offsets]
 
 
 def _wake(gc: codec.GpuCodec, plan: codec.Plan, host: torch.Tensor) -> None:
@@ -614,11 +633,8 @@ def _wake(gc: codec.GpuCodec, plan: codec.Plan, host: torch.Tensor) -> None:
         gc.decode_to(host[p.host_off : p.host_off + p.size], p.n_chunks, at, p.raw_bytes)
 
 
-# the first piece's start, the middle, and one across the first two coded pieces
-OFFSETS = [0, 1 << 20, 2 * codec.CHUNK_WORDS - SUMS_BYTES // 2]
-
-
 @needs_interp
+@pytest.mark.usefixtures("small_chunks")
 def test_host_copy_check_kernel_tells_a_wrong_restore_from_a_wrong_host_copy() -> None:
     """After a verify's mismatch, each differing piece's host copy is decoded on the
     device and compared with its baseline: a host copy that holds it says the wake wrote
@@ -633,18 +649,22 @@ def test_host_copy_check_kernel_tells_a_wrong_restore_from_a_wrong_host_copy() -
         ]
     )
     gc, plan, host = _coded_copy(data)
-    bad = _pieces(data, OFFSETS)
+    # the differing pieces a 16th of a chunk (SUMS_BYTES at the production geometry): at
+    # the first piece's start, the middle of the first chunk, one across the first two
+    sums = codec.CHUNK_WORDS // 16
+    bad = _pieces(data, [0, codec.CHUNK_WORDS, 2 * codec.CHUNK_WORDS - sums // 2], sums)
     coded = (gc, plan, int(host.data_ptr()))
     # the wake wrote the device wrong: the host copy still decodes to the baseline
     wrong = data.clone()
-    data.view(torch.int16)[:: 4096 * 7] ^= 0x0100
+    stride = sums * 7 // 16  # words between changed words: some in every differing piece
+    data.view(torch.int16)[::stride] ^= 0x0100
     res = hostcheck.check(bad, "cpu", coded, {})
     assert res["error"] is None, res
     assert (res["pieces"], res["host_good"], res["host_bad"]) == (3, 3, 0)
     assert res["equal_to_device"] == 0
     assert res["decoded"] == 2
     assert res["rows"][0]["bits_differing"] == "0x0100"  # what changed: one exponent bit
-    assert res["rows"][0]["words_differing"] == len(range(0, SUMS_BYTES // 2, 4096 * 7))
+    assert res["rows"][0]["words_differing"] == len(range(0, sums // 2, stride))
     assert "holds the baseline in 3 " in res["summary"]
     assert "in bits 0x0100" in res["summary"]
     # the sleep wrote the host copy wrong: every escape of the first piece overwritten
