@@ -16,7 +16,6 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 from support.procs import alive, descendants
 from support.sidecar import SidecarProcess
 
@@ -66,9 +65,7 @@ def test_sigterm_stops_admitting_and_lets_the_stream_in_flight_finish(
             }
         ],
     }
-    path = tmp_path / "models.yaml"
-    path.write_text(yaml.safe_dump(config))
-    side = SidecarProcess(tmp_path / "sidecar.log", config=path)
+    side = SidecarProcess.over(config, tmp_path)
     try:
         side.start()
         side.wait_for(NAME, lambda body: body["state"] == "RUNNING", 300, "RUNNING")

@@ -42,7 +42,6 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 from loadgen import Load, StreamedText
 from support.procs import alive, children, cmdline, descendants, engine_pid, rss_bytes
 from support.sidecar import SidecarProcess
@@ -209,11 +208,9 @@ def sidecar(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         "log": {"format": "text", "level": "INFO"},
         "models": models,
     }
-    path = work / "models.yaml"
-    path.write_text(yaml.safe_dump(config))
     # In a session of its own, as in a pod its container has a CPU cgroup of its own: the
     # test process driving the load is not the sidecar's to share a CPU share with.
-    side = SidecarProcess(work / "sidecar.log", config=path, own_session=True)
+    side = SidecarProcess.over(config, work, own_session=True)
     try:
         side.start()
         wait_booted(side)

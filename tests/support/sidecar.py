@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 from support.metrics import metric_sum
 
@@ -54,6 +55,14 @@ class SidecarProcess:
         self.url = ""  # the control API, once started
         self.gateway_url = ""
         self.starts = 0
+
+    @classmethod
+    def over(cls, config: Mapping[str, Any], folder: Path, **kw: Any) -> SidecarProcess:
+        """Over `config` (a models file's content), written to FOLDER/models.yaml; its log
+        is FOLDER/sidecar.log."""
+        path = folder / "models.yaml"
+        path.write_text(yaml.safe_dump(dict(config)))
+        return cls(folder / "sidecar.log", config=path, **kw)
 
     @property
     def pid(self) -> int:

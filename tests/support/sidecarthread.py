@@ -123,6 +123,7 @@ class SidecarThread:
         self.ctx: Sidecar | None = None
         self.error: BaseException | None = None
         self._servers: list[uvicorn.Server] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sidecar", daemon=True)
 
@@ -135,6 +136,7 @@ class SidecarThread:
             self._done.set()
 
     async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
         async with self._source() as models:
             self.models = models
             self._settings.setdefault("gateway", {})
@@ -205,11 +207,15 @@ class SidecarThread:
         return self.ctx.manager.get(name).snapshot().state.value
 
     def wait_state(self, name: str, state: str, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.state(name) != state:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} is {self.state(name)}, not {state}")
-            time.sleep(0.05)
+        """Until the model's record is in `state`: awaited on the sidecar's loop, woken by the
+        record's changes (nothing polls), bounded by `timeout_s`."""
+        assert self.ctx is not None
+        assert self._loop is not None
+        record = self.ctx.fleet[name]
+        waiting = record.wait_for(lambda r: r.state.value == state, timeout_s)
+        reached = asyncio.run_coroutine_threadsafe(waiting, self._loop).result(timeout_s + 10)
+        if not reached:
+            raise TimeoutError(f"{name} is {self.state(name)}, not {state}")
 
 
 def attach(name: str, engine: EngineProcess | ModelSettings, **model: Any) -> ModelSettings:
