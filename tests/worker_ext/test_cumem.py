@@ -186,7 +186,8 @@ def test_a_discarded_pool_is_mapped_before_the_earlier_copies_are_waited_for(
     assert order == ["map", "map"]  # the weights' copies queued, not waited for
     order.clear()
     k = b.resume(["kv_cache"])
-    assert order[:2] == ["map", "map"] and "wait" in order[2:], order
+    assert order[:2] == ["map", "map"], order
+    assert "wait" in order[2:], order
     assert "wait_copies_s" in k["timings"]
     assert b.last_dma_s is not None
     b.suspend(1, ["weights", "kv_cache"])
