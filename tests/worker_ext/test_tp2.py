@@ -1,4 +1,6 @@
-"""Two tensor-parallel ranks (mp executor): the gloo barrier, late ranks, poisoning."""
+"""Two tensor-parallel ranks (mp executor: the EngineCore and each worker a spawned process):
+the gloo barrier, late ranks, poisoning; the extension's answers across vLLM's process
+boundary (a failure inside a worker comes back as an answer, the replies stay in step)."""
 
 from __future__ import annotations
 
@@ -36,6 +38,23 @@ def test_barrier_and_cycles_on_two_ranks(llm: Any, baseline: Any) -> None:
         rep = cycle(llm, level, poison=True)
         assert rep["verify"]["mismatched"] == []
         assert generate(llm) == baseline
+
+
+def test_mp_level2_poisoned_cycle_and_failures(llm: Any, baseline: Any) -> None:
+    infos = ok(llm, "hotswap_info")
+    assert all(i["backend"] == "host" for i in infos), infos
+    rep = cycle(llm, 2, poison=True)
+    assert "model.embed_tokens.hotswap_test_scale" in rep["prepare"]["at_risk"]
+    assert rep["verify"]["mismatched"] == []
+    assert generate(llm) == baseline
+    # an internal failure in a worker process comes back as an answer, queues in step
+    ok(llm, "hotswap_test_fail_next", "audit")
+    bad = rpc(llm, "hotswap_audit", 2)
+    assert [r["ok"] for r in bad] == [False, False], bad
+    assert all("injected failure" in r["error"] for r in bad), bad
+    again = ok(llm, "hotswap_info")  # the next replies are this call's, not stale ones
+    assert all("pools" in r for r in again), again
+    assert generate(llm) == baseline
 
 
 def test_a_prepare_refused_on_one_rank_releases_nothing_on_any(llm: Any, baseline: Any) -> None:
