@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,8 +74,10 @@ class Checkpointer:
     """Runs the helper, one process per call. After each call the next call's helper is
     started (`--warm`: libcuda loaded and cuInit run while nothing waits for it), so a deep
     sleep or wake does not wait for Python's start and cuInit; the spare exits at EOF on its
-    stdin (`aclose`, or this process gone). `env` adds to its environment
-    (HOTSWAP_CUDACKPT_FAKE in CPU tests)."""
+    stdin (`aclose`, or this process gone). A call's answer is its helper's one line: the
+    caller does not wait for the helper's exit (its interpreter's and the driver's teardown),
+    which goes on in the background; `settle` and `aclose` wait for it. `env` adds to its
+    environment (HOTSWAP_CUDACKPT_FAKE in CPU tests)."""
 
     def __init__(
         self,
@@ -90,6 +92,8 @@ class Checkpointer:
         self.env = {**os.environ, **(env or {})}
         self.python = python
         self._spare: asyncio.subprocess.Process | None = None
+        # helpers that answered and are still ending
+        self._behind: set[asyncio.Task[None]] = set()
 
     async def _spawn(self) -> asyncio.subprocess.Process:
         # -S: no site-packages (the helper is stdlib and ctypes only): its start is on the
@@ -117,8 +121,20 @@ class Checkpointer:
         else:  # another call refilled meanwhile: this one ends at EOF
             await _close(proc)
 
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._behind.add(task)
+        task.add_done_callback(self._behind.discard)
+
+    async def settle(self) -> None:
+        """Wait for the helpers that answered and are still ending."""
+        while self._behind:
+            await asyncio.gather(*self._behind, return_exceptions=True)
+
     async def aclose(self) -> None:
-        """End the spare helper (EOF on its stdin; killed if it does not go)."""
+        """End the spare helper (EOF on its stdin; killed if it does not go), after the
+        helpers still ending."""
+        await self.settle()
         proc, self._spare = self._spare, None
         if proc is not None:
             await _close(proc)
@@ -131,7 +147,7 @@ class Checkpointer:
         proc = self._take() or await self._spawn()
         line = " ".join([op, str(int(self.lock_timeout_s * 1000)), *map(str, pids)]) + "\n"
         try:
-            out, err = await asyncio.wait_for(proc.communicate(line.encode()), self.call_timeout_s)
+            out = await asyncio.wait_for(_answer(proc, line.encode()), self.call_timeout_s)
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
@@ -139,8 +155,29 @@ class Checkpointer:
             await self._refill()
             why = f"the checkpoint helper ({op}) did not answer within {self.call_timeout_s:g} s"
             return CkptResult(False, "helper", why)
-        await self._refill()  # the next call's helper, warming while nothing waits
+        if out.strip():
+            # answered: its exit (the interpreter's and the driver's teardown) is not waited
+            # for; the next call's helper is started (its spawn only: it warms while
+            # nothing waits; a spawn is never left to a background task, whose cancellation
+            # at the loop's end would wait for the child it kills)
+            self._background(_close(proc))
+            await self._refill()
+            return parse(op, out, b"", None)
+        # no answer line: it ended (usage, a crash); its stderr and status say why
+        _, err = await proc.communicate()
+        await self._refill()
         return parse(op, out, err, proc.returncode)
+
+
+async def _answer(proc: asyncio.subprocess.Process, line: bytes) -> bytes:
+    """Send the helper its call and read its one answer line (b"" when it ends without)."""
+    assert proc.stdin is not None
+    assert proc.stdout is not None
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        proc.stdin.write(line)
+        await proc.stdin.drain()
+        proc.stdin.close()
+    return await proc.stdout.readline()
 
 
 async def _close(proc: asyncio.subprocess.Process) -> None:
@@ -156,6 +193,9 @@ def parse(op: str, out: bytes, err: bytes, code: int | None) -> CkptResult:
     try:
         raw = json.loads(out.decode().strip().splitlines()[-1])
     except (ValueError, IndexError):
+        if code is None:  # it answered, but not with the JSON line
+            said = out.decode(errors="replace").strip()[-400:]
+            return CkptResult(False, "helper", f"the checkpoint helper ({op}) answered: {said}")
         tail = err.decode(errors="replace").strip()[-400:]
         return CkptResult(False, "helper", f"the checkpoint helper ({op}) exited {code}: {tail}")
     pids = {int(p): v for p, v in raw.get("pids", {}).items()}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,7 @@ def test_checkpointer_runs_the_helper_as_a_process(fake: Path) -> None:
         none = await ck.call("probe", ())
         assert none.incapable
         assert none.code == "no-pids"
+        await ck.aclose()  # the helpers that answered have ended, the spare too
 
     asyncio.run(go())
 
@@ -140,7 +142,15 @@ def test_the_helper_starts_without_site_packages(
         return await real(*argv, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(asyncio, "create_subprocess_exec", spy)
-    res = asyncio.run(Checkpointer(lock_timeout_s=1.0, call_timeout_s=60.0).call("probe", (101,)))
+
+    async def go() -> Any:
+        ck = Checkpointer(lock_timeout_s=1.0, call_timeout_s=60.0)
+        try:
+            return await ck.call("probe", (101,))
+        finally:
+            await ck.aclose()
+
+    res = asyncio.run(go())
     assert res.ok
     assert res.cuda_pids == (101,)
     assert seen[0][1:4] == ("-S", "-m", "controller.engines.cudackpt")
@@ -151,12 +161,14 @@ def test_each_call_is_answered_by_the_helper_started_ahead(fake: Path) -> None:
 
     async def go() -> None:
         assert (await ck.call("checkpoint", (101, 102))).ok  # cold: none was ready
+        await ck.settle()
         spare = ck._spare
         assert spare is not None
         assert spare.returncode is None  # warm, waiting for its call
         res = await ck.call("restore", (101, 102))
         assert res.ok
         assert res.states == {"running"}
+        await ck.settle()  # its exit and the refill went on after the answer
         assert spare.returncode == 0  # it answered that call and ended
         nxt = ck._spare
         assert nxt is not None
@@ -164,11 +176,62 @@ def test_each_call_is_answered_by_the_helper_started_ahead(fake: Path) -> None:
         nxt.kill()  # a spare that died is not used: a fresh helper answers
         await nxt.wait()
         assert (await ck.call("probe", (101,))).cuda_pids == (101,)
+        await ck.settle()
         last = ck._spare
         assert last is not None
         await ck.aclose()  # EOF: the spare ends, nothing left behind
         assert last.returncode == 0
         assert ck._spare is None
+
+    asyncio.run(go())
+
+
+SLOW_EXIT = """#!/bin/sh
+# a helper that answers its call at once, then takes its time to end (the driver's teardown)
+read -r line || exit 0
+echo '{"ok": true, "pids": {"101": {"cuda": true, "state": "running"}}, "elapsed_s": 0.01}'
+sleep "$SLOW_EXIT_S"
+"""
+
+
+def test_the_answer_does_not_wait_for_the_helpers_exit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    helper = tmp_path / "helper"
+    helper.write_text(SLOW_EXIT)
+    helper.chmod(0o755)
+    monkeypatch.setenv("SLOW_EXIT_S", "4")
+    ck = Checkpointer(lock_timeout_s=1.0, call_timeout_s=60.0, python=str(helper))
+
+    async def go() -> None:
+        t0 = time.monotonic()
+        res = await ck.call("restore", (101,))
+        answered = time.monotonic() - t0
+        assert res.ok
+        assert res.states == {"running"}
+        assert answered < 2.0  # the old seam waited the helper's 4 s exit out
+        assert ck._behind  # its exit still going on
+        await ck.aclose()  # waits for them: nothing left behind
+        assert not ck._behind
+        assert ck._spare is None
+
+    asyncio.run(go())
+
+
+def test_a_helper_that_answers_no_json_is_a_helper_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    helper = tmp_path / "helper"
+    helper.write_text("#!/bin/sh\nread -r line\necho 'Segmentation fault'\n")
+    helper.chmod(0o755)
+    ck = Checkpointer(lock_timeout_s=1.0, call_timeout_s=60.0, python=str(helper))
+
+    async def go() -> None:
+        res = await ck.call("restore", (101,))
+        assert not res.ok
+        assert res.code == "helper"
+        assert "Segmentation fault" in (res.error or "")
+        await ck.aclose()
 
     asyncio.run(go())
 
