@@ -61,6 +61,10 @@ class CudaRT:
         lib.cudaHostUnregister.restype = ctypes.c_int
         lib.cudaSetDevice.argtypes = [ctypes.c_int]
         lib.cudaSetDevice.restype = ctypes.c_int
+        lib.cudaDeviceGetLimit.argtypes = [ctypes.POINTER(ctypes.c_size_t), ctypes.c_int]
+        lib.cudaDeviceGetLimit.restype = ctypes.c_int
+        lib.cudaDeviceSetLimit.argtypes = [ctypes.c_int, ctypes.c_size_t]
+        lib.cudaDeviceSetLimit.restype = ctypes.c_int
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
         lib.cudaGetErrorString.restype = ctypes.c_char_p
         self._lib = lib
@@ -81,6 +85,15 @@ class CudaRT:
 
     def set_device(self, index: int) -> None:
         self.check(self._lib.cudaSetDevice(index), "cudaSetDevice")
+
+    def get_limit(self, limit: int) -> int:
+        value = ctypes.c_size_t()
+        self.check(self._lib.cudaDeviceGetLimit(ctypes.byref(value), limit), "cudaDeviceGetLimit")
+        return int(value.value)
+
+    def set_limit(self, limit: int, value: int) -> None:
+        """Blocks until the device's queued work is done (the driver's own rule)."""
+        self.check(self._lib.cudaDeviceSetLimit(limit, value), "cudaDeviceSetLimit")
 
 
 class HostBuffer:

@@ -41,8 +41,8 @@ class CuMemBackend:
         device = getattr(worker, "device", None)
         self.device = device if device is not None else torch.device("cuda", 0)
         self._records = Records(CuMemAllocator.get_instance(), torch)
-        self._residency = Residency(torch, self.device, self._records)
         cudart = CudaRT()
+        self._residency = Residency(torch, self.device, self._records, cudart, self.settings)
         self._streams = CopyStreams(torch, self.device, cudart)
         self._suspended: dict[str, str] = {}
         self._level: int | None = None
@@ -330,7 +330,7 @@ class CuMemBackend:
         self._layout.update(copies.layout)
         self._suspended.update(plan)
         self._level = level
-        timings["trim_s"] = self.trim()
+        timings["trim_s"] = self.trim()  # with the stack's shrink (resident.stack)
         freed = {t: sum(size(d) for _, d in recs[t]) for t in tags}
         return {
             "freed_bytes": freed,
@@ -371,6 +371,8 @@ class CuMemBackend:
         late = self._streams.pending and OFFLOADED not in {self._suspended.get(t) for t in want}
         if not late:
             _wait_copies(self.synchronize, self._streams, timings)
+        # before any kernel of the wake (a no-op after the first resume since the suspend)
+        self._residency.restore_stack(timings)
         before = self.memory()["free"]
         restored = dict.fromkeys(want, 0)
         was_level = self._level

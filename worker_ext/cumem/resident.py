@@ -7,9 +7,10 @@ import gc as pygc
 import importlib
 import os
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from worker_ext.cumem.records import Records, size
+from worker_ext.settings import WorkerSettings
 
 _NVML: list[Any] = []  # the NVML module once initialised; [None] when there is none
 
@@ -42,13 +43,40 @@ def nvml_process_bytes(pid: int) -> int | None:
         return None
 
 
+_STACK_SIZE = 0  # cudaLimitStackSize
+# The per-thread stack a sleeper's context keeps (its local-memory reserve is this times
+# every thread the device can hold); a kernel that needs more grows it again at its launch.
+ASLEEP_STACK_BYTES = 16
+
+
+class Limits(Protocol):
+    """cudaDeviceGetLimit / cudaDeviceSetLimit (worker_ext.cudart.CudaRT)."""
+
+    def get_limit(self, limit: int) -> int: ...
+
+    def set_limit(self, limit: int, value: int) -> None: ...
+
+
 class Residency:
     """The device's memory as this process sees it."""
 
-    def __init__(self, torch: Any, device: Any, records: Records) -> None:
+    def __init__(
+        self,
+        torch: Any,
+        device: Any,
+        records: Records,
+        limits: Limits | None = None,
+        settings: WorkerSettings | None = None,
+    ) -> None:
+        """`limits`: the runtime's limit calls, used only where `settings` asks for the
+        stack's shrink (HOTSWAP_SLEEP_STACK_SHRINK)."""
         self._torch = torch
         self._device = device
         self._records = records
+        shrink = settings is not None and settings.sleep_stack_shrink
+        self._limits = limits if shrink else None
+        self._stack_awake: int | None = None  # the stack size a shrink took down, to restore
+        self.stack: dict[str, Any] = {}  # the last shrink's ("sleep") and restore's ("wake")
         self._other_at_start = self._non_torch_bytes()  # the estimate's context share
 
     def memory(self) -> dict[str, int]:
@@ -94,16 +122,64 @@ class Residency:
         seg = self.segments()
         nvml = nvml_process_bytes(os.getpid())
         mine = sum(seg.values())
+        stack = {"stack": dict(self.stack)}
         if nvml is not None:
-            return {**seg, "bytes": nvml, "source": "nvml", "other": max(0, nvml - mine)}
+            return {**seg, "bytes": nvml, "source": "nvml", "other": max(0, nvml - mine), **stack}
         other = self._other_at_start
-        return {**seg, "bytes": mine + other, "source": "estimate", "other": other}
+        return {**seg, "bytes": mine + other, "source": "estimate", "other": other, **stack}
 
     def trim(self) -> float:
         """Give torch's cached free blocks back to the driver (as vLLM's own sleep does):
-        what verify's and the codec's scratch left cached. vLLM's pools are not released
-        (their MemPools stay referenced). Returns the seconds it took."""
+        what verify's and the codec's scratch left cached; then the stack's shrink where it
+        is asked for (`shrink_stack`). vLLM's pools are not released (their MemPools stay
+        referenced). Not torch's cuBLAS workspaces: vLLM's warm-up runs eager on the
+        capture stream before each capture, so a graph may replay into the workspace that
+        stream's key holds. Returns the seconds it took."""
         t = time.perf_counter()
         pygc.collect()
         self._torch.cuda.empty_cache()
+        self.shrink_stack()
         return time.perf_counter() - t
+
+    def shrink_stack(self) -> dict[str, Any]:
+        """Asleep: the context's per-thread stack down to ASLEEP_STACK_BYTES, so its
+        local-memory reserve (the stack times every thread the device holds: hundreds of
+        MiB) goes back to the driver and a process checkpoint does not copy it. Never
+        raises: {`from`, `to`, `s`} or {`error`}; {} without the runtime's calls."""
+        if self._limits is None:
+            return {}
+        t = time.perf_counter()
+        try:
+            now = self._limits.get_limit(_STACK_SIZE)
+            if now > ASLEEP_STACK_BYTES:
+                self._limits.set_limit(_STACK_SIZE, ASLEEP_STACK_BYTES)
+                if self._stack_awake is None:
+                    self._stack_awake = now
+            out: dict[str, Any] = {
+                "from": now,
+                "to": ASLEEP_STACK_BYTES,
+                "s": time.perf_counter() - t,
+            }
+        except Exception as exc:
+            out = {"error": f"{type(exc).__name__}: {exc}"}
+        self.stack["sleep"] = out
+        return out
+
+    def restore_stack(self, timings: dict[str, float] | None = None) -> dict[str, Any]:
+        """Awake again: the stack size a shrink took down, before any kernel of the wake
+        (a kernel would grow it anyway; a graph's replay is not left to that); its seconds
+        in `timings` as `stack_restore_s`. Never raises: {`to`, `s`} or {`error`} (the
+        stack is then grown as kernels need it); {} when nothing was shrunk."""
+        if self._limits is None or self._stack_awake is None:
+            return {}
+        t = time.perf_counter()
+        want, self._stack_awake = self._stack_awake, None
+        try:
+            self._limits.set_limit(_STACK_SIZE, want)
+            out: dict[str, Any] = {"to": want, "s": time.perf_counter() - t}
+            if timings is not None:
+                timings["stack_restore_s"] = out["s"]
+        except Exception as exc:
+            out = {"error": f"{type(exc).__name__}: {exc}"}
+        self.stack["wake"] = out
+        return out

@@ -1,0 +1,114 @@
+"""worker_ext.cumem.resident: what a CUDA suspend gives back before the engine sleeps (and a
+deep sleep's checkpoint would copy): torch's cached blocks at every suspend, the context's
+stack reserve when asked; a fake torch and fake runtime limits."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from worker_ext.cumem.resident import ASLEEP_STACK_BYTES, Residency
+from worker_ext.settings import WorkerSettings
+
+
+class FakeTorch:
+    def __init__(self, blas: bool = True) -> None:
+        self.calls: list[str] = []
+        cuda = SimpleNamespace(
+            empty_cache=lambda: self.calls.append("empty_cache"),
+            mem_get_info=lambda device: (10, 100),
+            memory_snapshot=lambda: [],
+        )
+        self.cuda = cuda
+        self._C = SimpleNamespace()
+        if blas:
+            self._C._cuda_clearCublasWorkspaces = lambda: self.calls.append("clear_blas")
+
+
+class FakeRecords:
+    def all(self) -> dict[int, Any]:
+        return {}
+
+
+class FakeLimits:
+    def __init__(self, stack: int = 1024, fail: str | None = None) -> None:
+        self.stack = stack
+        self.fail = fail
+        self.sets: list[int] = []
+
+    def get_limit(self, limit: int) -> int:
+        assert limit == 0  # cudaLimitStackSize
+        return self.stack
+
+    def set_limit(self, limit: int, value: int) -> None:
+        assert limit == 0
+        if self.fail == "set" or (self.fail == "restore" and value > ASLEEP_STACK_BYTES):
+            raise RuntimeError("cudaDeviceSetLimit failed: CUDA error 1 (invalid argument)")
+        self.sets.append(value)
+        self.stack = value
+
+
+def residency(torch: FakeTorch, limits: FakeLimits | None = None) -> Residency:
+    on = WorkerSettings(sleep_stack_shrink=True)
+    return Residency(torch, "cuda:0", FakeRecords(), limits, on)  # type: ignore[arg-type]
+
+
+def test_the_stack_is_shrunk_by_the_suspends_trim_only_when_asked() -> None:
+    limits = FakeLimits(stack=1024)
+    off = Residency(FakeTorch(), "cuda:0", FakeRecords(), limits)  # type: ignore[arg-type]
+    off.trim()
+    assert limits.sets == []  # the default: HOTSWAP_SLEEP_STACK_SHRINK off
+    r = residency(FakeTorch(), limits)
+    r.trim()
+    assert limits.sets == [ASLEEP_STACK_BYTES]
+    timings: dict[str, float] = {}
+    r.restore_stack(timings)
+    assert limits.sets == [ASLEEP_STACK_BYTES, 1024]
+    assert timings["stack_restore_s"] >= 0
+
+
+def test_trim_empties_the_cache_and_leaves_the_blas_workspaces() -> None:
+    torch = FakeTorch()
+    residency(torch).trim()
+    assert torch.calls == ["empty_cache"]  # a graph may replay into a stream's workspace
+
+
+def test_the_stack_shrinks_asleep_and_comes_back_at_the_wake() -> None:
+    limits = FakeLimits(stack=3072)  # grown by a kernel that needed it
+    r = residency(FakeTorch(), limits)
+    slept = r.shrink_stack()
+    assert slept["from"] == 3072
+    assert slept["to"] == ASLEEP_STACK_BYTES
+    assert limits.stack == ASLEEP_STACK_BYTES
+    assert r.shrink_stack()["from"] == ASLEEP_STACK_BYTES  # a second suspend: nothing to do
+    woke = r.restore_stack()
+    assert woke["to"] == 3072
+    assert limits.sets == [ASLEEP_STACK_BYTES, 3072]
+    assert r.restore_stack() == {}  # restored once: a later resume sets nothing
+    said = r.resident()["stack"]  # hotswap_info's resident.stack
+    assert said["sleep"]["from"] == ASLEEP_STACK_BYTES
+    assert said["wake"]["to"] == 3072
+
+
+def test_without_the_setting_nothing_is_touched() -> None:
+    r = residency(FakeTorch(), None)
+    assert r.shrink_stack() == {}
+    assert r.restore_stack() == {}
+
+
+@pytest.mark.parametrize("fail", ["set", "restore"])
+def test_a_failing_limit_call_is_reported_never_raised(fail: str) -> None:
+    limits = FakeLimits(stack=1024, fail=fail)
+    r = residency(FakeTorch(), limits)
+    slept = r.shrink_stack()
+    if fail == "set":
+        assert "cudaDeviceSetLimit failed" in slept["error"]
+        assert limits.stack == 1024
+        assert r.restore_stack() == {}  # nothing was shrunk: nothing to restore
+    else:
+        assert limits.stack == ASLEEP_STACK_BYTES
+        woke = r.restore_stack()
+        assert "cudaDeviceSetLimit failed" in woke["error"]
+        assert r.restore_stack() == {}  # said once; kernels grow the stack as they need
