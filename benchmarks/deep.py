@@ -1,14 +1,18 @@
 """The deep sleep beside the plain level-1 sleep, through the sidecar, on one GPU.
 
     python3 -m benchmarks.deep [--shapes llama32-1b,llama3-8b] [--graphs 1] [--cycles 2]
-                               [--threads-variant 1] [--budget-s 480]
+                               [--threads-variant 1] [--shape-env SHAPE:K=V,...] [--budget-s 480]
 
 Runs on the lent device after the vLLM bundle, with the sidecar's wheels on PYTHONPATH.
 Every shape's vLLM 0.26 server is booted at once (dummy bf16 weights, the shape's
 utilization, `--graphs 1`: vLLM's compile and CUDA graphs), each on a Unix socket in its
 own process group, and attached to one sidecar by socket (so the sidecar reaches its
 processes: docs/contracts.md §2.2). `--threads-variant 1` boots one more small engine with
-TORCHINDUCTOR_COMPILE_THREADS=1 (no compile-worker pool). Per model, one after the other:
+TORCHINDUCTOR_COMPILE_THREADS=1 (no compile-worker pool). `--shape-env SHAPE:K=V,...` boots
+that shape's engine with those variables too (e.g. a worker setting such as
+HOTSWAP_SLEEP_STACK_SHRINK=1 on the small shape, the other shapes at the defaults: an
+experiment beside the product in one call, without a third engine booting beside them).
+Per model, one after the other:
 the reference greedy tokens and logprobs, the device bytes (nvidia-smi per process) and the
 host PSS by process role awake; then per cycle and kind (level 1, deep, ...): POST sleep
 (timed to its answer; the checkpoint phase's own time and the driver's), the device bytes
@@ -99,13 +103,24 @@ def timed_wake(side: str, name: str) -> dict[str, Any]:
 def resident(sock: Path) -> list[Any]:
     """What each rank says it holds on its device beside its pools (hotswap_info's
     `resident`: torch's allocated and cached blocks, the CUDA-graph pools, the rest: the
-    context and module images), asked over the engine's socket. Only of a sleeper that is
-    not checkpointed: a checkpointed process answers no CUDA call."""
+    context and module images; `stack`: what a stack shrink did), and in host RAM for its
+    pools' copies (`host_backup_bytes`: the coded weights, `kv_host_backup_bytes`), asked
+    over the engine's socket. Only of a sleeper that is not checkpointed: a checkpointed
+    process answers no CUDA call."""
     body = {"method": "hotswap_info", "args": [], "kwargs": {}}
     try:
         with uds_client(sock, 60.0) as c:
             r = c.post("/collective_rpc", json=body)
-            return [x.get("resident") for x in r.json().get("results", [])]
+            return [
+                {
+                    "resident": x.get("resident"),
+                    "host_backup_bytes": x.get("host_backup_bytes"),
+                    "kv_host_backup_bytes": (x.get("backend_detail") or {}).get(
+                        "kv_host_backup_bytes"
+                    ),
+                }
+                for x in r.json().get("results", [])
+            ]
     except (httpx.HTTPError, ValueError, AttributeError) as exc:
         return [f"{type(exc).__name__}: {exc}"]
 
@@ -185,20 +200,26 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=480.0)
     ap.add_argument("--boot-s", type=float, default=240.0)
     ap.add_argument("--level2", type=int, default=0)
+    ap.add_argument("--shape-env", default="", help="SHAPE:K=V,...: that engine's extra variables")
     args = ap.parse_args()
     deadline = time.monotonic() + args.budget_s
     work = Path(tempfile.mkdtemp(prefix="bench-deep-"))
     socks = Path(tempfile.mkdtemp(prefix="socks-"))
     os.chmod(socks, 0o700)
+    engines: dict[str, EngineProcess] = {}
+    side: EngineProcess | None = None
+    out: dict[str, Any] = {"graphs": args.graphs, "models": []}
+    extra: dict[str, dict[str, str]] = {}
+    if args.shape_env:
+        shape, _, kvs = args.shape_env.partition(":")
+        extra[shape] = dict(kv.split("=", 1) for kv in kvs.split(","))
+        out["shape_env"] = extra
     plan: list[tuple[str, str, dict[str, str]]] = [
-        (s, s, env_with()) for s in args.shapes.split(",")
+        (s, s, env_with(**extra.get(s, {}))) for s in args.shapes.split(",")
     ]
     if args.threads_variant:
         small = args.shapes.split(",")[0]
         plan.append((f"{small}-t1", small, env_with(TORCHINDUCTOR_COMPILE_THREADS="1")))
-    engines: dict[str, EngineProcess] = {}
-    side: EngineProcess | None = None
-    out: dict[str, Any] = {"graphs": args.graphs, "models": []}
     try:
         for name, shape, env in plan:
             d = write_config(shape, str(work / name))
