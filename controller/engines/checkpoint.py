@@ -148,6 +148,12 @@ class Checkpointer:
         line = " ".join([op, str(int(self.lock_timeout_s * 1000)), *map(str, pids)]) + "\n"
         try:
             out = await asyncio.wait_for(_answer(proc, line.encode()), self.call_timeout_s)
+        except ValueError:  # a line past the reader's limit: not an answer of this helper
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            await self._refill()
+            return CkptResult(False, "helper", f"the checkpoint helper ({op}) answered too long")
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()

@@ -236,6 +236,24 @@ def test_a_helper_that_answers_no_json_is_a_helper_error(
     asyncio.run(go())
 
 
+def test_a_helper_answer_past_the_readers_limit_is_a_helper_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    helper = tmp_path / "helper"
+    helper.write_text("#!/bin/sh\nread -r line\nhead -c 200000 /dev/zero | tr '\\0' x\necho\n")
+    helper.chmod(0o755)
+    ck = Checkpointer(lock_timeout_s=1.0, call_timeout_s=60.0, python=str(helper))
+
+    async def go() -> None:
+        res = await ck.call("restore", (101,))
+        assert not res.ok
+        assert res.code == "helper"
+        assert "too long" in (res.error or "")
+        await ck.aclose()
+
+    asyncio.run(go())
+
+
 def test_a_warm_helper_reads_its_call_from_stdin_and_ends_at_eof(
     fake: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
