@@ -121,6 +121,11 @@ class Checkpointer:
         else:  # another call refilled meanwhile: this one ends at EOF
             await _close(proc)
 
+    async def prewarm(self) -> None:
+        """Start the first call's helper now (its spawn only; it warms on its own), so the
+        first probe or checkpoint does not wait for Python's start, cuInit and NVML's."""
+        await self._refill()
+
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
         self._behind.add(task)

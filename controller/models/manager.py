@@ -106,6 +106,8 @@ class Manager:
         engines are then reconciled every `reprobe_interval_s` in every state but a
         transition in flight (`check_recovered`): someone else's process, restarted or
         replaced without a word to us, whose truth is read back (docs/ARCHITECTURE.md)."""
+        if any(m.settings.deep_sleep != "off" for m in self._models):
+            await self.checkpointer.prewarm()  # a deep sleep is this sidecar's own choice
         attached = [m for m in self._models if not m.settings.managed]
         await asyncio.gather(*(m.probe() for m in attached))
         if attached:

@@ -279,3 +279,17 @@ async def test_an_evicted_model_is_taken_deep_after_the_swap(
         assert (snap["state"], snap["deep"]) == ("SUSPENDED", True)
         assert snap["last_transition"]["kind"] == "deepen"
         assert (await client.get("/models/b")).json()["state"] == "RUNNING"
+
+
+@pytest.mark.parametrize("setting", ["off", "pressure", "always"])
+async def test_a_helper_is_started_ahead_where_the_sidecar_may_go_deep(
+    driver: Path, setting: str
+) -> None:
+    # out of reach: the start-up read calls no helper, so only the prewarm starts one
+    async with deep_sidecar(FakeVllm(name="a"), reachable=False, deep_sleep=setting) as (_, sc):
+        spare = sc.manager.checkpointer._spare
+        if setting == "off":  # only a request's deep: true: no helper until then
+            assert spare is None
+        else:
+            assert spare is not None
+            assert spare.returncode is None  # warming, waiting for its call
