@@ -200,6 +200,7 @@ class RankView:
     wake_scratch_bytes: int = 0  # what its wake takes beyond the pools (0: asleep without)
     host_backup_bytes: int = 0  # host RAM it keeps pinned for its pools' copies now
     allocator_asleep: tuple[str, ...] = ()  # pools vLLM's own allocator holds asleep
+    vllm_sleep: bool = False  # vLLM's own sleep in force through the hotswap backend
     model: str | None = None  # the model's class (hotswap_info `model`)
     served_model_name: str | None = None  # the name vLLM serves it under (None: not said)
 
@@ -248,6 +249,7 @@ class RankView:
             allocator_asleep=tuple(sorted(str(t) for t in asleep))
             if isinstance(asleep, list | tuple)
             else (),
+            vllm_sleep=report.get("vllm_sleep") is True,
             model=opt_str("model"),
             served_model_name=opt_str("served_model_name"),
         )

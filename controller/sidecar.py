@@ -145,6 +145,14 @@ class Sidecar:
             self.idle.start()  # one task per model with idle sleep on, in the task group
         names = [m.name for m in self.settings.models]
         log.info("managing %d model(s): %s", len(names), names)
+        for m in self.settings.models:
+            if m.accept_unverified_wake:
+                log.warning(
+                    "%s: accept_unverified_wake is set: after vLLM's own wake of a plain "
+                    "engine it is served with nothing verified (verified: false, "
+                    "unverified_wake: true; docs/contracts.md §2.3)",
+                    m.name,
+                )
 
     async def drain(self, grace_s: float | None = None) -> int:
         """A SIGTERM's first step: admit nothing new (readiness 503, the gateway 503 with

@@ -198,11 +198,15 @@ class ModelSnapshot:
     # why the last deep sleep asked for did not go deep (None: it did, or none was asked).
     deep: bool = False
     deep_error: str | None = None
+    # RUNNING after a wake nothing verified (vLLM's own wake of a plain engine), served
+    # because the model's `accept_unverified_wake` says so (docs/contracts.md §2.3).
+    unverified_wake: bool = False
 
     @property
     def ready(self) -> bool:
-        """Strict readiness: serving, and verified since the last memory transition."""
-        return self.state is State.RUNNING and self.verified
+        """Strict readiness: serving, and verified since the last memory transition (or,
+        where the operator accepted it, woken unverified: `unverified_wake`)."""
+        return self.state is State.RUNNING and (self.verified or self.unverified_wake)
 
     @property
     def counts_ready(self) -> bool:

@@ -120,6 +120,20 @@ class ModelSettings(BaseModel):
         "deep before it evicts an awake model), always (every sleep of it is deep). Off by "
         "default: a checkpointed sleeper holds what the GPU held in host RAM instead.",
     )
+    sleep_driver: Literal["extension", "vllm"] = Field(
+        "extension",
+        description="How the sidecar puts the engine to sleep and wakes it "
+        "(docs/contracts.md §2.3): extension (the hotswap_* RPCs, verified by the sidecar) or "
+        "vllm (vLLM's own /sleep and /wake_up, for engines with the hotswap sleep-mode backend, "
+        "--worker-cls worker_ext.HotSwapWorker, whose wake is verified inside the engine; a "
+        "plain vLLM engine only with accept_unverified_wake).",
+    )
+    accept_unverified_wake: bool = Field(
+        False,
+        description="With sleep_driver vllm only: serve the engine after a wake that nothing "
+        "verified (plain vLLM, its cumem backend), reported as verified: false, "
+        "unverified_wake: true, with a WARNING per wake. Off: such a sleep is FAILED.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -172,6 +186,27 @@ class ModelSettings(BaseModel):
             raise ValueError(
                 "keep_prefix_cache needs default_level 1: a level-2 sleep discards the "
                 "weights and the KV cache"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_driver(self) -> ModelSettings:
+        if self.accept_unverified_wake and self.sleep_driver != "vllm":
+            raise ValueError(
+                "accept_unverified_wake applies to sleep_driver: vllm only (the extension's "
+                "wake is always verified)"
+            )
+        if self.sleep_driver != "vllm":
+            return self
+        if self.keep_prefix_cache:
+            raise ValueError(
+                "sleep_driver vllm cannot keep_prefix_cache: vLLM's /sleep discards the KV "
+                "cache and clears its prefix cache"
+            )
+        if self.deep_sleep != "off":
+            raise ValueError(
+                "sleep_driver vllm needs deep_sleep off: the driver's checkpoint follows the "
+                "extension's sleep (docs/contracts.md §2.2)"
             )
         return self
 

@@ -331,6 +331,16 @@ class Settings(BaseSettings):
         return budget or fleet or self.idle_sleeping or self.managed or self.gateway_enabled
 
     @model_validator(mode="after")
+    def _vllm_driven_outside_host_budget(self) -> Settings:
+        driven = [m.name for m in self.models if m.sleep_driver == "vllm"]
+        if driven and self.swap.host_budget is not None:
+            raise ValueError(
+                f"models {driven} sleep through vLLM (sleep_driver vllm), whose host copy no "
+                "rank reports: swap.host_budget could not count it; unset one of them"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _placed(self) -> Settings:
         self.models = resolve_placement(self.models, self.swap.devices)
         return self

@@ -13,7 +13,7 @@ import functools
 import logging
 import ssl
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import httpx
@@ -146,7 +146,7 @@ class EngineClient:
         path: str,
         *,
         timeout_s: float,
-        params: Mapping[str, str] | None = None,
+        params: Mapping[str, str] | httpx.QueryParams | None = None,
         json: object = None,
         accept: tuple[int, ...] = (),
     ) -> httpx.Response:
@@ -232,10 +232,30 @@ class EngineClient:
     async def resume(self) -> None:
         await self._send("POST", "/resume", timeout_s=self.timeouts.control_s)
 
-    async def wake_up(self) -> None:
-        """POST /wake_up (no tags): vLLM's own wake, which ends vLLM's own sleep (its
-        executor's flag) and resumes its scheduler (docs/contracts.md §1.5)."""
-        await self._send("POST", "/wake_up", timeout_s=self.timeouts.control_s)
+    async def wake_up(
+        self, tags: Sequence[str] | None = None, timeout_s: float | None = None
+    ) -> None:
+        """POST /wake_up: vLLM's own wake of `tags` (None: every pool), which ends vLLM's
+        own sleep (its executor's flag) and, once nothing is asleep, resumes its scheduler
+        (docs/contracts.md §1.5, §2.3)."""
+        params = None if tags is None else httpx.QueryParams([("tags", str(t)) for t in tags])
+        t = self.timeouts.control_s if timeout_s is None else timeout_s
+        await self._send("POST", "/wake_up", timeout_s=t, params=params)
+
+    async def sleep(self, level: int, timeout_s: float) -> None:
+        """POST /sleep?level=N&mode=abort: vLLM's own sleep (docs/contracts.md §2.3); the
+        answer comes once the sleep is done. Sent once: a timeout is a failure, never a
+        resend."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, not {level}")
+        params = {"level": str(level), "mode": "abort"}
+        await self._send("POST", "/sleep", params=params, timeout_s=timeout_s)
+
+    async def reload_weights(self, timeout_s: float) -> None:
+        """vLLM's own `reload_weights` through /collective_rpc (the weights refilled from the
+        checkpoint; vLLM answers `{"results": [null, ...]}`), never with `timeout`."""
+        body = {"method": "reload_weights", "args": [], "kwargs": {}}
+        await self._send("POST", "/collective_rpc", json=body, timeout_s=timeout_s)
 
     async def reset_prefix_cache(self) -> bool:
         """POST /reset_prefix_cache (running requests preempted, as a clearing pause does):

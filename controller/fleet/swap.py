@@ -241,6 +241,9 @@ class SwapCoordinator(SwapView):
         if mode == "never":
             return Overlap(False, "swap.overlap is never")
         evicted = plan.evict[0].model.record
+        driven = [r.name for r in (evicted, mm.record) if r.settings.sleep_driver == "vllm"]
+        if driven:
+            return Overlap(False, f"{driven} sleep through vLLM, never split by pool")
         held = evicted.holdings
         if mode == "auto" and not held.copied_bytes:
             why = "not seen to copy" if held.copied_bytes is None else "copies"

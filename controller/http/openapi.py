@@ -113,6 +113,7 @@ class CompactModelBody(BaseModel):
     state: State
     ready: bool
     verified: bool
+    unverified_wake: bool = False
     level: int | None
     phase: str | None
     since: str | None = Field(description="ISO 8601 UTC.")
@@ -146,6 +147,11 @@ class AuditBody(BaseModel):
 class HealthEntry(BaseModel):
     state: State
     verified: bool
+    unverified_wake: bool = Field(
+        False,
+        description="Served after a wake nothing verified, as the model's "
+        "accept_unverified_wake allows (docs/contracts.md §2.3); verified is then false.",
+    )
     gate: Gate
     ready: bool
 

@@ -62,6 +62,7 @@ def snapshot_dict(s: ModelSnapshot) -> dict[str, Any]:
         "since": s.since,
         "gate": s.gate.value,
         "verified": s.verified,
+        "unverified_wake": s.unverified_wake,
         "ready": s.ready,
         "level": s.level,
         "last_transition": transition_dict(s.last_transition),
@@ -88,7 +89,13 @@ def outcome_dict(name: str, outcome: Outcome) -> dict[str, Any]:
 
 
 def health_entry(s: ModelSnapshot, ready: bool) -> dict[str, Any]:
-    return {"state": s.state.value, "verified": s.verified, "gate": s.gate.value, "ready": ready}
+    return {
+        "state": s.state.value,
+        "verified": s.verified,
+        "unverified_wake": s.unverified_wake,
+        "gate": s.gate.value,
+        "ready": ready,
+    }
 
 
 def fleet_dict(rec: ModelRecord, settings: Settings) -> dict[str, Any]:
@@ -111,6 +118,9 @@ def fleet_dict(rec: ModelRecord, settings: Settings) -> dict[str, Any]:
         "deep_sleep": m.deep_sleep,
         "deepable": rec.ckpt.deepable,
         "deep_refused": rec.ckpt.refused,
+        "sleep_driver": m.sleep_driver,
+        "accept_unverified_wake": m.accept_unverified_wake,
+        "vllm_asleep": rec.facts.vllm_asleep,
     }
 
 
@@ -163,6 +173,7 @@ def compact_dict(rec: ModelRecord) -> dict[str, Any]:
         "state": s.state.value,
         "ready": s.ready,
         "verified": s.verified,
+        "unverified_wake": s.unverified_wake,
         "level": s.level,
         "phase": s.phase,
         "since": iso(s.since),

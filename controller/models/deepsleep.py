@@ -79,6 +79,11 @@ class DeepSleep:
         """The engine's CUDA processes, every one running; else DeepSleepRefused. A positive
         answer is kept for the engine's process group (one probe per engine process)."""
         rec = self.record
+        if rec.settings.sleep_driver == "vllm":
+            raise self._refuse(
+                "its sleeps are vLLM's own (sleep_driver vllm): the checkpoint follows the "
+                "extension's sleep (docs/contracts.md §2.3)"
+            )
         if self.ckpt is None:
             raise self._refuse("this sidecar has no checkpoint helper")
         group, pids = await self.pids()

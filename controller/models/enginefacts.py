@@ -21,6 +21,10 @@ class EngineFacts(Part):
     asleep: tuple[str, ...] | None = None  # the pools asleep; None: all (or none, awake)
     served_model: str | None = None  # read from /v1/models when not configured
     model_class: str | None = None  # what the ranks' first verified probe reported
+    # The sleep in force is vLLM's own (docs/contracts.md §2.3): "hotswap" through the
+    # backend (the ranks moved, the wake verifies), "plain" (nothing verifies its wake);
+    # None: no sleep, or the extension's.
+    vllm_asleep: str | None = None
 
     def __init__(self, changes: Changes, served_model: str | None = None) -> None:
         super().__init__(changes)
@@ -37,8 +41,18 @@ class EngineFacts(Part):
             self.desynced, self.process_sign, self.boot_ids = True, kept.process, kept.boot_ids
             self._changed()
 
-    def memory(self, state: State, verified: bool, fresh: bool = False) -> Memory:
+    def memory(
+        self,
+        state: State,
+        verified: bool,
+        fresh: bool = False,
+        *,
+        accept_unverified: bool = False,
+        unverified: bool = False,
+    ) -> Memory:
         return Memory(
+            accept_unverified=accept_unverified,
+            unverified=unverified,
             state=state,
             verified=verified,
             desynced=self.desynced,
@@ -64,16 +78,18 @@ class EngineFacts(Part):
             self.model_class = v.model
         if v.served is not None and self.served_model is None:
             self.served_model = v.served
-        if v.rule == "suspended":  # read from the ranks (a cache-fits verdict says nothing)
+        if v.rule in ("suspended", "asleep-accepted"):  # read from the ranks
             self.asleep = v.tags or None
+            self.vllm_asleep = v.vllm_asleep
         elif v.state in (State.RUNNING, State.RESUMING):
-            self.asleep = None
+            self.asleep, self.vllm_asleep = None, None
         self._changed()
 
     def new_process(self) -> None:
         """The sidecar starts a process itself: nothing an RPC to the old one left out of
         step concerns it, nor anything seen of the old one."""
         self.desynced, self.process_sign, self.boot_ids, self.asleep = False, None, None, None
+        self.vllm_asleep = None
         self._quarantine.lift()
         self._changed()
 
@@ -86,6 +102,11 @@ class EngineFacts(Part):
     def all_pools_moved(self) -> None:
         """A sleep released every pool its level releases, or a wake brought all back."""
         self.asleep = None
+        self._changed()
+
+    def slept_through_vllm(self, kind: str | None) -> None:
+        """A sleep ended: vLLM's own ("hotswap" or "plain"), or the extension's (None)."""
+        self.vllm_asleep = kind
         self._changed()
 
     def learn_served_model(self, name: str) -> None:

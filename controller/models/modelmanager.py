@@ -25,7 +25,7 @@ from controller.config.settings import TimeoutSettings
 from controller.engines.checkpoint import Checkpointer
 from controller.engines.engine import EngineClient
 from controller.errors import DrainTimeout, EngineError, TransitionConflict
-from controller.models import steps
+from controller.models import steps, vllmsleep
 from controller.models.deepsleep import DeepSleep
 from controller.models.footprints import copied_weights, freed_by_pool, pools_from_info
 from controller.models.passthrough import PassThrough
@@ -220,6 +220,8 @@ class ModelManager:
         deep: bool = False,
     ) -> Outcome:
         run = self.runner.begin("sleep", level, State.RUNNING)
+        if self.settings.sleep_driver == "vllm":  # vLLM's own /sleep (§2.3)
+            return await self._sleep_vllm(run, level, drain, grace, kv_released)
         params = protocol.Params(
             level=level, quiesce_timeout_s=self.timeouts.quiesce_s, keep_kv=keep_kv and level == 1
         )
@@ -251,6 +253,27 @@ class ModelManager:
         )
         return Outcome(Action.BEGIN, self.record.snapshot, rec)
 
+    async def _sleep_vllm(
+        self,
+        run: Run,
+        level: int,
+        drain: DrainMode,
+        grace: float,
+        kv_released: Callable[[], None] | None,
+    ) -> Outcome:
+        sequence = vllmsleep.sleep_sequence(level, drain, grace)
+        reports = await self._guarded(run, sequence, protocol.Params(level=level))
+        if kv_released is not None:  # never split (no overlap beside it): all is released
+            kv_released()
+        self.record.facts.all_pools_moved()
+        self.record.holdings.slept(0, 0)
+        held = vllmsleep.resident(reports.get(protocol.INFO.phase, ()))
+        rec = self.runner.finish(
+            run, Event.SLEEP_DONE, State.SUSPENDED, level=level, last_error=None,
+            resident_bytes=held, deep=False, deep_error=None,
+        )  # fmt: skip
+        return Outcome(Action.BEGIN, self.record.snapshot, rec)
+
     def _gave_up(self, run: Run, exc: DrainTimeout) -> DrainTimeout:
         # Nothing was touched: the model is as verified as before the sleep was asked for.
         self.runner.finish(
@@ -276,12 +299,23 @@ class ModelManager:
                     info = await self._run_guarded(run, (protocol.INFO,), protocol.Params())
                     told = [getattr(r, "level", None) for r in info[protocol.INFO.phase]]
                     level = max((lv for lv in told if lv), default=1)
-            level = level or 1
-            params = protocol.Params(level=level, quiesce_timeout_s=self.timeouts.quiesce_s)
-            sequence = steps.wake_sequence(
-                level, self.record.facts.asleep, room, fused=self.settings.fused_wake
-            )
+            kind = self.record.facts.vllm_asleep
+            if kind is not None and self.settings.sleep_driver == "vllm":
+                sequence = vllmsleep.wake_sequence(level, kind)  # vLLM's own /wake_up (§2.3)
+            else:
+                sequence = steps.wake_sequence(
+                    level or 1, self.record.facts.asleep, room, fused=self.settings.fused_wake
+                )
+            params = protocol.Params(level=level or 1, quiesce_timeout_s=self.timeouts.quiesce_s)
             await self._run_guarded(run, sequence, params)
+        unverified = kind == vllmsleep.PLAIN and self.settings.sleep_driver == "vllm"
+        if unverified:
+            log.warning(
+                "%s: woken through vLLM's own /wake_up, which nothing verified: served "
+                "unverified because accept_unverified_wake is set",
+                self.name,
+                extra={"model": self.name},
+            )
         self.record.facts.all_pools_moved()
         self.record.holdings.woke(self.record.leftover_bytes)
         self.runner.count_bytes(run)
@@ -289,7 +323,8 @@ class ModelManager:
             run,
             Event.WAKE_DONE,
             State.RUNNING,
-            verified=True,
+            verified=not unverified,
+            unverified_wake=unverified,
             level=None,
             last_error=None,
             resident_bytes=None,

@@ -69,6 +69,10 @@ class Memory:
     # verified probe's) and the model class its ranks report (the first verified probe's).
     served: str | None = None
     model: str | None = None
+    # docs/contracts.md §2.3: the model serves a plain vLLM engine whose wake nothing
+    # verifies (`accept_unverified_wake`), and RUNNING now after such a wake (`unverified`).
+    accept_unverified: bool = False
+    unverified: bool = False
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,10 @@ class Verdict:
     # read from the ranks and /v1/models: what the engine is (remembered once verified)
     model: str | None = None
     served: str | None = None
+    # RUNNING after an accepted unverified wake (verified stays false: §2.3)
+    unverified: bool = False
+    # SUSPENDED by vLLM's own sleep: "hotswap" (the ranks say `vllm_sleep`) or "plain"
+    vllm_asleep: str | None = None
 
     @property
     def sends_rpc(self) -> bool:
@@ -121,7 +129,8 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "cache-fits",
-        "not probed; RUNNING (verified), unpaused and not sleeping by vLLM's `/is_sleeping`, "
+        "not probed; RUNNING (verified, or woken unverified where accepted), unpaused and "
+        "not sleeping by vLLM's `/is_sleeping`, "
         "or SUSPENDED and paused; "
         "the non-RPC sign is known and unchanged",
         "unchanged",
@@ -159,6 +168,14 @@ RULES: tuple[Rule, ...] = (
         "than this model's (its configured `served_model_name`, else what this sidecar's "
         "first verified probe read), or /v1/models does not list that name",
         "FAILED",
+        Do.NONE,
+    ),
+    Rule(
+        "asleep-accepted",
+        "every rank `awake_verified`, a rank's allocator holds pools asleep, the engine "
+        "paused, and the model accepts an unverified wake (`accept_unverified_wake`, §2.3): "
+        "vLLM's own sleep of a plain engine",
+        "SUSPENDED",
         Do.NONE,
     ),
     Rule(
@@ -326,7 +343,8 @@ def _unprobed(case: _Case) -> Verdict | None:
     if obs.ranks is not None or obs.info_error is not None:
         return None
     awake = not obs.paused and obs.sleeping is not True
-    fits = (mem.state is State.RUNNING and mem.verified and awake) or (
+    served_ok = mem.verified or mem.unverified
+    fits = (mem.state is State.RUNNING and served_ok and awake) or (
         mem.state is State.SUSPENDED and obs.paused
     )
     known = obs.process is not None and mem.process == obs.process
@@ -335,7 +353,8 @@ def _unprobed(case: _Case) -> Verdict | None:
             "cache-fits",
             mem.state,
             "the engine is as last probed",
-            verified=mem.state is State.RUNNING,
+            verified=mem.state is State.RUNNING and not mem.unverified,
+            unverified=mem.state is State.RUNNING and mem.unverified,
         )
     return case.verdict("probe", None, "probe every rank")
 
@@ -419,6 +438,15 @@ def _awake(case: _Case) -> Verdict:
     """asleep-unseen, interrupted-sleep, running: every rank awake_verified."""
     ranks = case.ranks
     unseen = sorted({t for r in ranks for t in r.allocator_asleep})
+    if unseen and case.mem.accept_unverified and case.obs.paused:
+        return case.verdict(
+            "asleep-accepted",
+            State.SUSPENDED,
+            f"every rank awake, pools {unseen} asleep in vLLM's allocator: vLLM's own sleep "
+            "of a plain engine (its wake will not be verified: accept_unverified_wake)",
+            tags=tuple(unseen),
+            vllm_asleep="plain",
+        )
     if unseen:
         return case.verdict(
             "asleep-unseen",
@@ -433,6 +461,16 @@ def _awake(case: _Case) -> Verdict:
             State.RESUMING,
             "paused with every rank awake and verified (a sleep stopped before it "
             "suspended anything): resume it",
+            unverified=case.mem.unverified and not case.seen.get("new_process"),
+        )
+    if case.mem.unverified and not case.seen.get("new_process"):
+        return case.verdict(
+            "running",
+            State.RUNNING,
+            "every rank awake; its last wake was vLLM's own, which nothing verified "
+            "(accept_unverified_wake)",
+            unverified=True,
+            host_backup_bytes=sum(r.host_backup_bytes for r in ranks),
         )
     return case.verdict(
         "running",
@@ -464,6 +502,7 @@ def _suspended(case: _Case) -> Verdict:
         else sum(r.resident_bytes or 0 for r in ranks),
         wake_scratch_bytes=sum(r.wake_scratch_bytes for r in ranks),
         host_backup_bytes=sum(r.host_backup_bytes for r in ranks),
+        vllm_asleep="hotswap" if any(r.vllm_sleep for r in ranks) else None,
     )
 
 

@@ -70,7 +70,13 @@ class Reconciler:
 
     def memory(self, fresh: bool = False) -> Memory:
         rec = self.record
-        return rec.facts.memory(rec.state, rec.snapshot.verified, fresh)
+        return rec.facts.memory(
+            rec.state,
+            rec.snapshot.verified,
+            fresh,
+            accept_unverified=rec.settings.accept_unverified_wake,
+            unverified=rec.snapshot.unverified_wake,
+        )
 
     async def run(
         self,
@@ -211,7 +217,7 @@ class Reconciler:
         where = _FAILED_PHASE.get(v.rule, "reconcile")
         reason = f"{where}: {v.reason}"
         same = target is snap.state and (
-            (target is State.RUNNING and snap.verified)
+            (target is State.RUNNING and snap.ready and snap.unverified_wake == v.unverified)
             or (target is State.SUSPENDED and snap.level == v.level)
             or (target is State.FAILED and snap.last_error == reason)
         )
@@ -252,7 +258,8 @@ class Reconciler:
         running = target is State.RUNNING
         kept: dict[str, Any] = {"error": failure, "last_error": failure}
         if running:
-            kept |= {"verified": True, "level": None, "resident_bytes": None}
+            kept |= {"verified": not v.unverified, "unverified_wake": v.unverified}
+            kept |= {"level": None, "resident_bytes": None}
         else:  # what the ranks say they hold asleep, when they say it
             held = v.resident_bytes if v.resident_bytes is not None else snap.resident_bytes
             kept |= {"level": v.level, "resident_bytes": held}
@@ -280,7 +287,8 @@ class Reconciler:
             Event.WAKE_DONE,
             State.RUNNING,
             error=failure,
-            verified=True,
+            verified=not v.unverified,
+            unverified_wake=v.unverified,
             level=None,
             last_error=failure,
         )

@@ -80,7 +80,11 @@ class ModelRecord:
         self.changed()
 
     def update(self, **changes: Any) -> ModelSnapshot:
-        """The snapshot with `changes` (its fields) applied; returns it."""
+        """The snapshot with `changes` (its fields) applied; returns it. A change of
+        `verified` that does not say `unverified_wake` clears it: only the wake that accepts
+        an unverified engine sets it (docs/contracts.md §2.3)."""
+        if "verified" in changes:
+            changes.setdefault("unverified_wake", False)
         self.set_snapshot(dataclasses.replace(self._snapshot, **changes))
         return self._snapshot
 

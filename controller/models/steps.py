@@ -89,7 +89,9 @@ async def _resume_engine(r: Runner) -> Mapping[str, Any]:
         served = await _served_model(r)
         r.current.send_ahead(WARMUP.phase, lambda: r.engine.warmup(served))
         await asyncio.sleep(0)  # let it go out first
-        if _vllm_sleep(r.current.reports):
+        vllm_driven = r.record.settings.sleep_driver == "vllm"
+        if _vllm_sleep(r.current.reports) or (vllm_driven and await r.engine.is_sleeping()):
+            # a vLLM sleep the ranks cannot show (CPU, plain vLLM) is ended too (§2.3)
             await _end_vllm_sleep(r)
             detail["vllm_wake_up"] = True
     await r.engine.resume()

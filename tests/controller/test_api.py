@@ -207,6 +207,7 @@ async def test_health_names_each_model(client: httpx.AsyncClient, f: dict[str, F
     assert body["models"]["a"] == {
         "state": "SUSPENDED",
         "verified": False,
+        "unverified_wake": False,
         "gate": "gated",
         "ready": False,
     }
@@ -216,7 +217,13 @@ async def test_health_names_each_model(client: httpx.AsyncClient, f: dict[str, F
     r = await client.get("/models/b/health")
     assert r.status_code == 200
     assert r.json()["models"] == {
-        "b": {"state": "RUNNING", "verified": True, "gate": "gated", "ready": True}
+        "b": {
+            "state": "RUNNING",
+            "verified": True,
+            "unverified_wake": False,
+            "gate": "gated",
+            "ready": True,
+        }
     }
 
 
@@ -230,6 +237,7 @@ async def test_swappable_model_counts_ready_while_asleep(
     assert r.json()["models"]["b"] == {
         "state": "SUSPENDED",
         "verified": False,
+        "unverified_wake": False,
         "gate": "swappable",
         "ready": True,
     }

@@ -235,6 +235,30 @@ CASES: list[tuple[str, Observation, Memory, str, State | None, Do]] = [
         Do.NONE,
     ),
     (
+        "slept by vLLM's own cumem, the sidecar told to accept its unverified wake (§2.3)",
+        obs(rank(allocator_asleep=("kv_cache", "weights")), paused=True, sleeping=True),
+        mem(S.UNKNOWN, accept_unverified=True),
+        "asleep-accepted",
+        S.SUSPENDED,
+        Do.NONE,
+    ),
+    (
+        "slept by vLLM's own cumem, then resumed by /resume, even where accepted",
+        obs(rank(allocator_asleep=("weights",)), sleeping=True),
+        mem(S.RUNNING, verified=True, boot_ids=("boot0",), accept_unverified=True),
+        "asleep-unseen",
+        S.FAILED,
+        Do.NONE,
+    ),
+    (
+        "woken unverified (accepted), read again: still not verified",
+        obs(rank()),
+        mem(S.RUNNING, boot_ids=("boot0",), accept_unverified=True, unverified=True),
+        "running",
+        S.RUNNING,
+        Do.NONE,
+    ),
+    (
         "slept by vLLM's own cumem, then resumed by /resume",
         obs(rank(allocator_asleep=("weights",)), sleeping=True),
         mem(S.RUNNING, verified=True, boot_ids=("boot0",)),
@@ -505,6 +529,14 @@ def _memories() -> list[Memory]:
         states, (False, True), (False, True), (None, "p1"), (None, ("boot0",)), (False, True)
     ):
         out.append(Memory(state, verified, desynced, process, boots, fresh))
+        if desynced or fresh:
+            continue  # what the consent below changes is read only of a trusted process
+        # §2.3: the model accepts an unverified wake; and, RUNNING, was woken so
+        out.append(Memory(state, verified, False, process, boots, accept_unverified=True))
+        if state is S.RUNNING:
+            out.append(
+                Memory(state, False, False, process, boots, accept_unverified=True, unverified=True)
+            )
     return out
 
 
@@ -530,11 +562,14 @@ def test_running_only_when_every_rank_is_awake_and_verified_and_unpaused() -> No
         assert o.reachable
         assert o.alive
         assert not o.paused
-        assert v.verified
+        # verified, or (§2.3) woken unverified by a model that accepts it, never both
+        assert v.verified != v.unverified
+        assert not v.unverified or (m.accept_unverified and m.unverified)
         if v.rule == "cache-fits":
-            # Nothing new was read: only the same process, last probed RUNNING and verified.
+            # Nothing new was read: only the same process, last probed RUNNING and verified
+            # (or woken unverified where accepted).
             assert m.state is S.RUNNING
-            assert m.verified
+            assert m.verified or m.unverified
             assert o.sleeping is not True
             assert o.process == m.process is not None
             assert not m.fresh
@@ -577,6 +612,8 @@ def test_verdicts_are_complete_and_match_their_rule() -> None:
             assert all(r.snapshot_held for r in o.ranks)
         if v.state is not S.RUNNING:
             assert not v.verified
+        if v.state not in (S.RUNNING, S.RESUMING):
+            assert not v.unverified
 
 
 def test_mixed_ranks_are_failed_whatever_else_holds() -> None:

@@ -83,6 +83,15 @@ class FakeVllm:
     held_while_paused: int = 0
     _resumed_event: asyncio.Event | None = None
     model_class: str = "FakeForCausalLM"  # hotswap_info's `model`
+    # vLLM's own /sleep and /wake_up (docs/contracts.md §2.3): the sleep-mode backend they
+    # run ("plain": vLLM's cumem or CPU's no-op, the ranks do not move; "hotswap": the
+    # ranks move as for the extension's RPCs), whether a plain sleep shows in the ranks'
+    # `allocator_asleep` (CUDA) or not (CPU), the executor's sleeping tags, and how often
+    # `reload_weights` ran.
+    sleep_backend: Literal["plain", "hotswap"] = "plain"
+    allocator_shows: bool = False
+    executor_asleep: set[str] = field(default_factory=set)
+    reloads: int = 0
 
     def __post_init__(self) -> None:
         if not self.ranks:
@@ -196,6 +205,9 @@ class FakeVllm:
             raise httpx.ConnectError("fake connection refused", request=request)
         if failure == "http500":
             return httpx.Response(500, json={"error": {"message": f"fake {method} broke"}})
+        if method == "reload_weights":  # vLLM's own: one None per rank
+            self.reloads += 1
+            return httpx.Response(200, json={"results": [None] * self.world_size})
         if path == "/collective_rpc":
             assert method != "hotswap_quiesce" or self.paused, "quiesce on an unpaused engine"
             results = [self._rank(method, r, body, failure) for r in range(self.world_size)]
@@ -225,7 +237,12 @@ class FakeVllm:
             return httpx.Response(200, json={"is_paused": self.paused})
         if path == "/is_sleeping":
             asleep = self.paused or bool(self.suspended) or self.vllm_asleep()
+            asleep = asleep or bool(self.executor_asleep)
             return httpx.Response(200, json={"is_sleeping": asleep})
+        if path == "/sleep":
+            return self._vllm_sleep(int(request.url.params.get("level", "1")))
+        if path == "/wake_up" and self.executor_asleep:
+            return self._vllm_wake(request.url.params.get_list("tags") or None)
         if path == "/pause":
             return self._pause(request)
         if path == "/wake_up":  # vLLM's own wake: its workers' backends end vLLM's sleep
@@ -250,6 +267,40 @@ class FakeVllm:
                 return httpx.Response(500, json={"error": {"message": "would hang"}})
             return httpx.Response(200, json={"choices": [{"index": 0, "text": " a"}]})
         return httpx.Response(404, json={"detail": "Not Found"})
+
+    def _vllm_sleep(self, level: int) -> httpx.Response:
+        """vLLM's own sleep: pause, then its executor's workers run the backend."""
+        self.paused = True
+        if self.executor_asleep:  # vLLM: already sleeping, a warning and nothing else
+            return httpx.Response(200, json={"status": "sleeping", "level": level})
+        self.executor_asleep = {"weights", "kv_cache"}
+        if self.sleep_backend == "hotswap":
+            self.asleep(level)
+            self.set_truth(vllm_sleep=True)
+        elif self.allocator_shows:
+            self.set_truth(allocator_asleep=sorted(self.executor_asleep))
+        return httpx.Response(200, json={"status": "sleeping", "level": level})
+
+    def _vllm_wake(self, tags: list[str] | None) -> httpx.Response:
+        """vLLM's own wake of `tags`; the scheduler resumes once nothing is asleep."""
+        chosen = set(self.executor_asleep if tags is None else tags)
+        if chosen - self.executor_asleep:  # vLLM: a warning, nothing woken
+            return httpx.Response(200, json={"status": "sleeping", "tags": tags})
+        self.executor_asleep -= chosen
+        if self.sleep_backend == "hotswap" and not self.executor_asleep:
+            self.level, self.suspended = None, {}
+            for r in self.ranks:
+                r["transitions"] += 2  # the resume and the verify
+                r.update(phase="awake_verified", phase_level=None, phase_tags=[])
+                r.update(verified_transition=r["transitions"], vllm_sleep=False)
+        elif self.allocator_shows:
+            self.set_truth(allocator_asleep=sorted(self.executor_asleep))
+        if self.executor_asleep:
+            return httpx.Response(200, json={"status": "sleeping", "tags": tags})
+        self.paused = False
+        self._resumed().set()
+        self._resumed_event = None
+        return httpx.Response(200, json={"status": "awake", "tags": tags})
 
     @staticmethod
     def _step(me: dict[str, Any], **truth: Any) -> None:
