@@ -53,6 +53,7 @@ class EngineFacts(Part):
         return Memory(
             accept_unverified=accept_unverified,
             unverified=unverified,
+            plain_asleep=self.vllm_asleep == "plain",
             state=state,
             verified=verified,
             desynced=self.desynced,

@@ -73,6 +73,8 @@ class Memory:
     # verifies (`accept_unverified_wake`), and RUNNING now after such a wake (`unverified`).
     accept_unverified: bool = False
     unverified: bool = False
+    # this sidecar put it to sleep through vLLM's plain sleep (which CPU ranks cannot show)
+    plain_asleep: bool = False
 
 
 @dataclass(frozen=True)
@@ -172,9 +174,10 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "asleep-accepted",
-        "every rank `awake_verified`, a rank's allocator holds pools asleep, the engine "
-        "paused, and the model accepts an unverified wake (`accept_unverified_wake`, §2.3): "
-        "vLLM's own sleep of a plain engine",
+        "every rank `awake_verified`, the engine paused, the model accepts an unverified "
+        "wake (`accept_unverified_wake`, §2.3), and a rank's allocator holds pools asleep or "
+        "this sidecar put it to sleep through vLLM's plain sleep (which CPU ranks do not "
+        "show): vLLM's own sleep of a plain engine",
         "SUSPENDED",
         Do.NONE,
     ),
@@ -438,12 +441,15 @@ def _awake(case: _Case) -> Verdict:
     """asleep-unseen, interrupted-sleep, running: every rank awake_verified."""
     ranks = case.ranks
     unseen = sorted({t for r in ranks for t in r.allocator_asleep})
-    if unseen and case.mem.accept_unverified and case.obs.paused:
+    mem = case.mem
+    plain = unseen or (mem.plain_asleep and not case.seen.get("new_process"))
+    if plain and mem.accept_unverified and case.obs.paused:
+        where = f"pools {unseen} asleep in vLLM's allocator" if unseen else "put to sleep"
         return case.verdict(
             "asleep-accepted",
             State.SUSPENDED,
-            f"every rank awake, pools {unseen} asleep in vLLM's allocator: vLLM's own sleep "
-            "of a plain engine (its wake will not be verified: accept_unverified_wake)",
+            f"every rank awake, {where}: vLLM's own sleep of a plain engine (its wake will "
+            "not be verified: accept_unverified_wake)",
             tags=tuple(unseen),
             vllm_asleep="plain",
         )

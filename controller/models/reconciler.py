@@ -218,7 +218,7 @@ class Reconciler:
         reason = f"{where}: {v.reason}"
         same = target is snap.state and (
             (target is State.RUNNING and snap.ready and snap.unverified_wake == v.unverified)
-            or (target is State.SUSPENDED and snap.level == v.level)
+            or (target is State.SUSPENDED and snap.level == (v.level or snap.level))
             or (target is State.FAILED and snap.last_error == reason)
         )
         if same and not always:
@@ -262,7 +262,9 @@ class Reconciler:
             kept |= {"level": None, "resident_bytes": None}
         else:  # what the ranks say they hold asleep, when they say it
             held = v.resident_bytes if v.resident_bytes is not None else snap.resident_bytes
-            kept |= {"level": v.level, "resident_bytes": held}
+            # a plain vLLM sleep's level is not in the ranks: the one this sidecar knows
+            level = v.level if v.level is not None or snap.state is not target else snap.level
+            kept |= {"level": level, "resident_bytes": held}
         if snap.state is target:  # e.g. a start-up probe of what was known
             self.runner.finish_same(run, **kept)
             return

@@ -109,8 +109,30 @@ def _check_awake(kind: str) -> EngineStep:
     return EngineStep("vllm_check", "-", call)
 
 
+def _drop_backup() -> EngineStep:
+    """The extension's kept host copy (left by a wake of the extension's own sleep) goes
+    before vLLM's sleep, which keeps a host copy of its own: never two at once."""
+
+    async def call(r: Runner) -> Mapping[str, Any]:
+        ranks = await r.engine.rpc(protocol.DROP_BACKUP.method, timeout_s=r.timeouts.rpc_s)
+        r.record.holdings.release_host()
+        freed = sum(
+            sum(v for v in (x.get("freed_host_bytes") or {}).values() if isinstance(v, int))
+            for x in ranks
+        )
+        return {"freed_host_bytes": freed}
+
+    return EngineStep("drop_backup", protocol.DROP_BACKUP.method, call)
+
+
 def sleep_sequence(level: int, mode: DrainMode, grace_s: float) -> tuple[AnyStep, ...]:
-    return (drain(mode, grace_s), _vllm_sleep(level), protocol.INFO, _check_asleep(level))
+    return (
+        drain(mode, grace_s),
+        _drop_backup(),
+        _vllm_sleep(level),
+        protocol.INFO,
+        _check_asleep(level),
+    )
 
 
 def wake_sequence(level: int | None, kind: str) -> tuple[AnyStep, ...]:

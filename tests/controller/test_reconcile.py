@@ -243,6 +243,22 @@ CASES: list[tuple[str, Observation, Memory, str, State | None, Do]] = [
         Do.NONE,
     ),
     (
+        "put to sleep through vLLM's plain sleep on CPU (the ranks show nothing), read again",
+        obs(rank(), paused=True, sleeping=True),
+        mem(S.SUSPENDED, accept_unverified=True, plain_asleep=True),
+        "asleep-accepted",
+        S.SUSPENDED,
+        Do.NONE,
+    ),
+    (
+        "the same, after its engine restarted: a new process, judged afresh",
+        obs(rank(boot_id="boot1"), paused=True, sleeping=True),
+        mem(S.SUSPENDED, boot_ids=("boot0",), accept_unverified=True, plain_asleep=True),
+        "interrupted-sleep",
+        S.RESUMING,
+        Do.RESUME_ENGINE,
+    ),
+    (
         "slept by vLLM's own cumem, then resumed by /resume, even where accepted",
         obs(rank(allocator_asleep=("weights",)), sleeping=True),
         mem(S.RUNNING, verified=True, boot_ids=("boot0",), accept_unverified=True),
@@ -536,6 +552,12 @@ def _memories() -> list[Memory]:
         if state is S.RUNNING:
             out.append(
                 Memory(state, False, False, process, boots, accept_unverified=True, unverified=True)
+            )
+        if state is S.SUSPENDED:  # put to sleep through vLLM's plain sleep by this sidecar
+            out.append(
+                Memory(
+                    state, False, False, process, boots, accept_unverified=True, plain_asleep=True
+                )
             )
     return out
 

@@ -95,7 +95,8 @@ def test_the_backends_sleep_and_wake_go_through_vllm_paused_around_and_verified(
             assert r.status_code == 200, r.text
             assert r.json()["state"] == "SUSPENDED"
             assert _sleep_calls(fake.calls) == [
-                "/pause?wait", "/is_paused", "/sleep", "/is_sleeping", "hotswap_info",
+                "/pause?wait", "/is_paused", "hotswap_drop_backup", "/sleep", "/is_sleeping",
+                "hotswap_info",
             ]  # fmt: skip
             phases = {p["name"]: p for p in r.json()["transition"]["phases"]}
             assert phases["vllm_check"]["detail"] == {"vllm_backend": "hotswap"}
@@ -114,6 +115,7 @@ def test_the_backends_sleep_and_wake_go_through_vllm_paused_around_and_verified(
             assert "/resume" in calls
             assert "/v1/completions" in calls
             assert not [c for c in fake.calls if c.startswith("hotswap_") and c != "hotswap_info"]
+            # (the sleep's only other RPC is hotswap_drop_backup, which moves no pool)
             h = (await c.get("/models/a/health")).json()
             assert h["ready"] is True
             assert h["models"]["a"] == {
@@ -200,6 +202,31 @@ def test_an_accepted_unverified_wake_is_served_and_said_unverified_everywhere() 
     run(main())
 
 
+def test_a_plain_sleep_the_cpu_ranks_cannot_show_is_not_resumed_when_read_again() -> None:
+    """On CPU vLLM's plain sleep leaves no trace in the ranks (awake, paused): read again,
+    it stays SUSPENDED at its level (the old rules took it for an interrupted sleep and
+    resumed it behind the policy's back), and its wake is still vLLM's."""
+
+    async def main() -> None:
+        fake = FakeVllm(name="a", sleep_backend="plain")
+        async with control(fake, **ACCEPT) as (c, side):
+            assert (await c.post("/models/a/sleep", json={"level": 1})).status_code == 200
+            mm = side.manager.get("a")
+            mm.record.facts.boot_ids = None  # the cache no longer fits: the ranks are read
+            fake.calls.clear()
+            await mm.check_recovered()
+            assert "hotswap_info" in fake.calls
+            snap = mm.snapshot()
+            assert (snap.state.value, snap.level) == ("SUSPENDED", 1)
+            assert fake.paused
+            assert fake.executor_asleep
+            r = await c.post("/models/a/wake")
+            assert r.status_code == 200, r.text
+            assert fake.reloads == 0  # level 1 kept: one /wake_up
+
+    run(main())
+
+
 def test_a_plain_level_2_wake_reloads_between_the_two_tags() -> None:
     async def main() -> None:
         fake = FakeVllm(name="a", sleep_backend="plain")
@@ -259,6 +286,28 @@ def test_a_sleep_the_extension_made_is_woken_by_the_extension_whatever_the_drive
             assert (await c.post("/models/a/sleep", json={"level": 1})).status_code == 200
             assert "/sleep" in fake.calls
             assert "hotswap_sleep" not in fake.calls
+
+    run(main())
+
+
+def test_the_extensions_kept_host_copy_is_dropped_before_vllms_sleep() -> None:
+    """After the extension's wake the ranks keep its host copy (CUDA-like); vLLM's sleep
+    keeps one of its own: the copy is released first (never two at once)."""
+
+    async def main() -> None:
+        fake = FakeVllm(name="a", sleep_backend="hotswap", host_backup=100).asleep(1)
+        async with control(fake, **VLLM) as (c, _):
+            assert (await c.post("/models/a/wake")).status_code == 200
+            assert fake.backup_held == 100
+            fake.calls.clear()
+            r = await c.post("/models/a/sleep", json={"level": 1})
+            assert r.status_code == 200, r.text
+            assert _sleep_calls(fake.calls)[:4] == [
+                "/pause?wait", "/is_paused", "hotswap_drop_backup", "/sleep",
+            ]  # fmt: skip
+            assert fake.backup_held == 0
+            phases = {p["name"]: p for p in r.json()["transition"]["phases"]}
+            assert phases["drop_backup"]["detail"] == {"freed_host_bytes": 200}  # 2 ranks
 
     run(main())
 
