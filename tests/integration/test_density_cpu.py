@@ -31,8 +31,8 @@ def test_density_on_cpu(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "density.json").read_text())
     arms = {a["arm"]: a for a in result["arms"]}
     n = result["trace"]["requests"]
-    assert set(arms) == {"static", "l1", "deep"}
-    assert set(result["not_run"]) == {"vllm"}  # named, with why, not faked
+    assert list(arms) == ["static", "l1", "deep", "vllm"]  # vllm last, whatever the order
+    assert result["not_run"] == {}
     assert result["failed"] == {}
     assert [w["models"] for w in result["waves"]] == [["m00", "m01"]]
     assert result["trace"]["cut_s"] == 8.0  # the budget (an hour) holds every arm whole
@@ -46,8 +46,17 @@ def test_density_on_cpu(tmp_path: Path) -> None:
     assert arms["deep"]["asleep"] >= 1
     assert arms["deep"]["deep"] == arms["deep"]["asleep"]  # every sleeper deep, from the start
     assert arms["l1"]["deep"] == 0
+    # vLLM's own sleep and wake through the same sidecar (plain engines: its CPU worker's
+    # sleep frees nothing, and nothing verifies the wake, which the arm accepts and the
+    # sidecar reports): every request served, the swaps made through /sleep and /wake_up
+    assert arms["vllm"]["served"] == n
+    assert arms["vllm"]["swaps"] >= 1
+    assert arms["vllm"]["unverified_awake"] == len(arms["vllm"]["awake"]) >= 1
+    assert arms["l1"]["unverified_awake"] == 0
+    log = (tmp_path / "sidecar-vllm.log").read_text()
+    assert "woken through vLLM's own /wake_up" in log
     lines = (tmp_path / "density-requests.jsonl").read_text().splitlines()
-    assert len(lines) == 3 * n
+    assert len(lines) == 4 * n
     assert (tmp_path / "density.svg").read_text().count("<circle") == sum(
         a["served"] for a in arms.values()
     )  # the plot without matplotlib: every request served, per arm
