@@ -241,9 +241,8 @@ class SwapCoordinator(SwapView):
         if mode == "never":
             return Overlap(False, "swap.overlap is never")
         evicted = plan.evict[0].model.record
-        driven = [r.name for r in (evicted, mm.record) if r.settings.sleep_driver == "vllm"]
-        if driven:
-            return Overlap(False, f"{driven} sleep through vLLM, never split by pool")
+        if any(r.settings.sleep_driver == "vllm" for r in (evicted, mm.record)):
+            return Overlap(False, "vLLM's own sleep (sleep_driver vllm) is never split by pool")
         held = evicted.holdings
         if mode == "auto" and not held.copied_bytes:
             why = "not seen to copy" if held.copied_bytes is None else "copies"

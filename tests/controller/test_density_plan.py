@@ -70,14 +70,18 @@ def test_the_trace_is_cut_to_what_the_budget_leaves_every_arm() -> None:
     assert density.trace_cut(args, [], 0.0) == 0.0
 
 
-def test_unknown_arms_are_refused_and_vllm_is_named_not_run() -> None:
+def test_unknown_arms_are_refused_and_the_vllm_arm_runs_last() -> None:
     with pytest.raises(SystemExit):
         density.parse_args(["--arms", "static,bogus", "--budget-gib", "100"])
     with pytest.raises(SystemExit):  # attached GPU engines: no budget is measured for them
         density.parse_args(["--engine", "gpu"])
     assert density.parse_args(["--engine", "cpu"]).budget_gib is None
-    assert "vllm" in density.NOT_AN_ARM
+    assert density.NOT_AN_ARM == {}
     assert "vllm" in density.ARMS
+    assert density.parse_args(["--engine", "cpu"]).arms == "static,vllm,l1,deep"
+    # after the vllm arm the engines are asleep by vLLM's allocator: it runs last
+    assert density.arm_order(["static", "vllm", "l1", "deep"]) == ["static", "l1", "deep", "vllm"]
+    assert density.VLLM_DRIVEN == {"sleep_driver": "vllm", "accept_unverified_wake": True}
     assert density.DEEP_SLEEP == {"deep": "always", "pressure": "pressure"}
 
 

@@ -14,7 +14,7 @@ from support.procs import run_module
 
 pytestmark = pytest.mark.vllm
 
-TIMEOUT_S = 900  # two engine boots and three arms of an 8 s trace, on a busy machine
+TIMEOUT_S = 900  # two engine boots and four arms of an 8 s trace, on a busy machine
 
 
 def test_density_on_cpu(tmp_path: Path) -> None:
