@@ -307,6 +307,29 @@ def static_partition(side: str, names: Sequence[str]) -> set[str]:
     return awake
 
 
+def settle(side: str, timeout_s: float = 60.0, quiet_s: float = 1.5) -> bool:
+    """Wait until no model has a step in flight for `quiet_s` (at most `timeout_s`): the
+    policy's work after the last swap, e.g. an evicted model taken deep after it, ends
+    before the arm is measured and its sidecar stopped (one stopped in the middle of a
+    step leaves that engine quarantined, FAILED for the next arm's sidecar)."""
+    deadline = time.monotonic() + timeout_s
+    quiet_since: float | None = None
+    moving = ("SUSPENDING", "RESUMING", "STARTING")
+    with httpx.Client(base_url=side, timeout=30.0) as c:
+        while time.monotonic() < deadline:
+            models = c.get("/models").json()["models"]
+            busy = any(m.get("phase") or m["state"] in moving for m in models)
+            now = time.monotonic()
+            if busy:
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = now
+            elif now - quiet_since >= quiet_s:
+                return True
+            time.sleep(0.25)
+    return False
+
+
 def swaps(side: str) -> float:
     text = httpx.get(f"{side}/metrics", timeout=30.0).text
     return sum(
@@ -376,7 +399,9 @@ def run_arm(
         records = asyncio.run(
             replay(f"http://127.0.0.1:{gw}", trace, served, args.request_timeout_s)
         )
+        settled = settle(base)
         out = {"arm": arm, **summarize(records), "swaps": swaps(base) - before}
+        out["settled"] = settled
         out |= measure(base, socks, side.pid or 0)
         if served is not None:
             out["static_awake"] = sorted(served)

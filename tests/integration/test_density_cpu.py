@@ -38,6 +38,7 @@ def test_density_on_cpu(tmp_path: Path) -> None:
     assert result["trace"]["cut_s"] == 8.0  # the budget (an hour) holds every arm whole
     for a in arms.values():
         assert a["requests"] == n  # every request recorded
+        assert a["settled"]  # measured with nothing in flight (a deepening after a swap)
         assert set(a) >= {"ttft_p50_s", "ttft_p99_s", "within_slo", "swaps", "host_pss_bytes"}
     assert len(arms["static"]["static_awake"]) == 1  # max_awake 1: one model fits
     assert arms["static"]["codes"].get("503", 0) > 0  # the others are not served
