@@ -131,6 +131,36 @@ def test_the_sidecars_wake_of_vllms_own_sleep_leaves_vllm_awake(
     assert complete(server, NAME) == baseline
 
 
+def test_the_sidecar_drives_vllms_own_sleep_and_wake(
+    server: EngineProcess, baseline: Completion
+) -> None:
+    """The model's `sleep_driver: vllm` (docs/contracts.md §2.3): the sidecar's own sleep and
+    wake go through vLLM's /sleep and /wake_up, the engine paused by its drain first; the
+    backend moves the ranks and verifies the wake inside the engine, so the model is
+    verified (no accept_unverified_wake needed) and the tokens are the same."""
+    with sidecar_over(NAME, server, model={"sleep_driver": "vllm"}) as api:
+        assert api.wait_state(NAME, "RUNNING")["verified"]
+        slept = api.sleep(NAME, 1)
+        assert slept.status_code == 200, slept.text
+        phases = {p["name"]: p for p in slept.json()["transition"]["phases"]}
+        assert list(phases)[:3] == ["drain", "drop_backup", "vllm_sleep"]
+        assert phases["vllm_check"]["detail"] == {"vllm_backend": "hotswap"}
+        asleep = rank0(server, "hotswap_info")
+        assert (asleep["phase"], asleep["vllm_sleep"]) == ("suspended", True)
+        assert sleeping(server)
+        woke = api.wake(NAME)
+        assert woke.status_code == 200, woke.text
+        assert woke.json()["verified"] is True
+        assert [p["name"] for p in woke.json()["transition"]["phases"]][:3] == [
+            "vllm_wake", "info", "vllm_check",
+        ]  # fmt: skip
+        assert not sleeping(server)
+        awake = rank0(server, "hotswap_info")
+        assert awake["phase"] == "awake_verified"
+        assert awake["verified_transition"] == awake["transitions"]
+        assert complete(server, NAME) == baseline
+
+
 def test_a_flipped_byte_fails_closed(server: EngineProcess, baseline: Completion) -> None:
     """Last in the module: it ends the engine."""
     assert call(server, "POST", "/sleep", params={"level": 1}).status_code == 200
