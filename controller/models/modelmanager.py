@@ -310,6 +310,7 @@ class ModelManager:
             await self._run_guarded(run, sequence, params)
         unverified = kind == vllmsleep.PLAIN and self.settings.sleep_driver == "vllm"
         if unverified:
+            self.metrics.unverified_wake(self.name)
             log.warning(
                 "%s: woken through vLLM's own /wake_up, which nothing verified: served "
                 "unverified because accept_unverified_wake is set",

@@ -137,6 +137,13 @@ class Metrics:
             ["model"],
             registry=registry,
         )
+        self._unverified_wakes = Counter(
+            "hotswap_unverified_wakes_total",
+            "Wakes served with nothing verified: vLLM's own wake of a plain engine, accepted "
+            "by the model's accept_unverified_wake (docs/contracts.md §2.3).",
+            ["model"],
+            registry=registry,
+        )
         self._rpc_errors = Counter(
             "hotswap_engine_rpc_errors_total",
             "Failed calls to an engine (RPC or control endpoint).",
@@ -174,6 +181,7 @@ class Metrics:
         """Create the model's counters at zero, so the first event shows in rate()/increase()
         (a series that appears at its first value has no earlier sample to differ from)."""
         self._verification_failures.labels(model)
+        self._unverified_wakes.labels(model)
         for pool in pools:
             self._released.labels(model, pool)
             self._restored.labels(model, pool)
@@ -204,6 +212,9 @@ class Metrics:
 
     def verification_failure(self, model: str) -> None:
         self._verification_failures.labels(model).inc()
+
+    def unverified_wake(self, model: str) -> None:
+        self._unverified_wakes.labels(model).inc()
 
     def rpc_error(self, model: str, method: str, reason: str) -> None:
         self._rpc_errors.labels(model, method, reason).inc()

@@ -116,6 +116,8 @@ def test_the_backends_sleep_and_wake_go_through_vllm_paused_around_and_verified(
             assert "/v1/completions" in calls
             assert not [c for c in fake.calls if c.startswith("hotswap_") and c != "hotswap_info"]
             # (the sleep's only other RPC is hotswap_drop_backup, which moves no pool)
+            text = (await c.get("/metrics")).text
+            assert 'hotswap_unverified_wakes_total{model="a"} 0.0' in text  # verified
             h = (await c.get("/models/a/health")).json()
             assert h["ready"] is True
             assert h["models"]["a"] == {
@@ -183,6 +185,8 @@ def test_an_accepted_unverified_wake_is_served_and_said_unverified_everywhere() 
             one = await c.get("/models/a/health")
             assert one.status_code == 200
             assert one.json()["models"]["a"]["verified"] is False
+            text = (await c.get("/metrics")).text
+            assert 'hotswap_unverified_wakes_total{model="a"} 1.0' in text
             compact = (await c.get("/models")).json()["models"][0]
             assert (compact["verified"], compact["unverified_wake"]) == (False, True)
             # read back again (the periodic reconciliation): still not verified
