@@ -374,7 +374,7 @@ def run_arm(
             "served_model_name": n,
             "gate": "swappable",
             "deep_sleep": DEEP_SLEEP.get(arm, "off"),
-            **(VLLM_DRIVEN if arm == "vllm" else {}),
+            **(VLLM_DRIVEN | pools_bytes(args, n) if arm == "vllm" else {}),
         }
         for n, s in socks.items()
     ]
@@ -455,6 +455,20 @@ def engine_argv(args: argparse.Namespace, shape: str, name: str, work: Path) -> 
         skip_tokenizer_init=True,
     )
     return spec.argv()
+
+
+def pools_bytes(args: argparse.Namespace, name: str) -> dict[str, int]:
+    """The vllm arm's `footprint_bytes` for model `name` on the GPU: its weights and its KV
+    cache, what the other arms' sidecars learn from their sleeps' freed bytes (a sidecar
+    over plain vLLM sleeps learns it from the ranks' pools only once one has slept)."""
+    shapes = args.shapes.split(",")
+    shape = shapes[int(name[1:]) % len(shapes)]
+    kv = parse_map(args.kv_gib).get(shape)
+    if args.engine != "gpu" or kv is None:
+        return {}
+    from benchmarks.common import weight_bytes
+
+    return {"footprint_bytes": weight_bytes(shape) + int(kv * (1 << 30))}
 
 
 def awake_bytes(args: argparse.Namespace, shape: str) -> int:

@@ -25,13 +25,18 @@ def footprint_from_info(ranks: Sequence[Mapping[str, Any]]) -> int | None:
 
 
 def footprint_from_sleep(transition: TransitionRecord | None) -> int | None:
-    """Awake footprint from a finished sleep: the bytes its suspend freed, summed over ranks."""
+    """Awake footprint from a finished sleep: the bytes its suspend freed, summed over ranks;
+    a sleep through vLLM's own /sleep reports none (docs/contracts.md §2.3): then the pools
+    its ranks list in the `info` read after it."""
     if transition is None or transition.kind != "sleep" or transition.result != "ok":
         return None
     total = 0
     for phase in transition.phases:
         total += sum(_int_values(r.get("freed_bytes")) for r in phase.ranks)
-    return total if total > 0 else None
+    if total > 0:
+        return total
+    info = [r for p in transition.phases if p.name == protocol.INFO.phase for r in p.ranks]
+    return footprint_from_info(info)
 
 
 def budget_from_info(ranks: Sequence[Mapping[str, Any]]) -> int | None:

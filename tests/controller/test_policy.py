@@ -284,3 +284,18 @@ def test_a_failed_model_counts_toward_max_awake_too() -> None:
     assert plan_wake("a", models, Budget(max_awake=1), NOW).decision is Decision.REFUSE
     gone = (v("a"), ModelView("b", S.FAILED, 100 * MIB, process_gone=True, model="b"))
     assert plan_wake("a", gone, Budget(max_awake=1), NOW).decision is Decision.WAKE
+
+
+def test_a_sleep_through_vllm_learns_the_footprint_from_the_pools_its_ranks_list() -> None:
+    """vLLM's own /sleep reports no freed bytes (§2.3): the `info` read after it does."""
+    info = tuple({"ok": True, "rank": i, "pools": {"weights": 7, "kv_cache": 3}} for i in range(2))
+    plain = TransitionRecord(
+        kind="sleep",
+        from_state=S.RUNNING,
+        to_state=S.SUSPENDED,
+        result="ok",
+        started_at=0.0,
+        ended_at=1.0,
+        phases=(PhaseRecord("vllm_sleep", 1.5), PhaseRecord("info", 0.01, ranks=info)),
+    )
+    assert footprint_from_sleep(plain) == 20
