@@ -10,6 +10,7 @@ and serves again. The slow test measures swap latency over many swaps.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Iterator
@@ -31,7 +32,9 @@ TOKEN = "hotswap-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PROMPT = "hello world, this is"
 MAX_TOKENS = 8
-BENCH_SWAPS = 60
+# CI runs 20 swaps (every answer still checked); the documented figures ran 60:
+# HOTSWAP_BENCH_SWAPS=60 (docs/benchmarks.md)
+BENCH_SWAPS = int(os.environ.get("HOTSWAP_BENCH_SWAPS", "20"))
 
 
 def _settings(models: dict[str, Path], logs: Path) -> dict[str, Any]:
@@ -266,7 +269,7 @@ def test_swap_latency_over_many_swaps(
             f"max={max(durations) * 1e3:.0f} ms; request end-to-end through the gateway: "
             f"p50={pct(e2e, 50) * 1e3:.0f} ms p95={pct(e2e, 95) * 1e3:.0f} ms"
         )
-    assert len(durations) >= 50
+    assert len(durations) == BENCH_SWAPS
 
 
 def test_an_engine_killed_during_a_swap_fails_503_restarts_and_serves_again(
