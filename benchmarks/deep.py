@@ -20,8 +20,11 @@ and PSS asleep, 1 s asleep, POST wake timed to the model's first /models/NAME/he
 tokens and logprobs compared with the reference. After a level-1 sleep the ranks' own account
 of what they still hold (hotswap_info `resident`: torch's blocks, the CUDA-graph pools, the
 context) is kept beside nvidia-smi's figure: it is what a deep sleep's checkpoint copies.
-Host PSS is split by role and by kind (anon, file, shmem). Prints one JSON line per cycle and
-writes $OUT/deep.jsonl.
+Host PSS is split by role and by kind (anon, file, shmem), and per process (`awake_procs`,
+`asleep_procs`: pid, role, PSS and its kinds); after the first sleep of each kind the largest
+process's PSS by mapping (`asleep_maps`: a file's path, [heap], [anon]). `--level2 2` ends
+every model with a level-2 sleep measured asleep and not woken (its host PSS; a dummy-weights
+engine cannot reload). Prints one JSON line per cycle and writes $OUT/deep.jsonl.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from benchmarks.fleetbench import (
     host_pss,
     launch_on_socket,
     pss,
+    pss_by_mapping,
+    pss_by_process,
     sidecar_on,
     uds_client,
     wait_all,
@@ -146,6 +151,7 @@ def one_model(
         "pids": len(pids),
         "awake_gpu": gpu_bytes(pids),
         "awake_pss": host_pss(pids),
+        "awake_procs": pss_by_process(pids),
         "cycles": [],
     }
     res["awake_resident"] = resident(sock)
@@ -157,7 +163,7 @@ def one_model(
             if time.monotonic() > deadline - 30:
                 log("out of time before", name, kind)
                 break
-            level = 2 if kind == "l2" else 1
+            level = 2 if kind.startswith("l2") else 1
             body = {"level": level, "deep": kind == "deep"}
             t = time.monotonic()
             r = c.post(f"/models/{name}/sleep", json=body)
@@ -175,9 +181,18 @@ def one_model(
                 "resident_bytes": snap.get("resident_bytes"),
                 "asleep_gpu": gpu_bytes(pids),
                 "asleep_pss": host_pss(pids),
+                "asleep_procs": pss_by_process(pids),
                 # what the driver would copy at a checkpoint, by kind (a level-1 sleeper)
                 "asleep_resident": resident(sock) if kind == "l1" else None,
             }
+            if kind in ("l1", "deep") and not any(c["kind"] == kind for c in res["cycles"]):
+                # the first of each kind: what holds the largest process's PSS
+                top = cyc["asleep_procs"][0]["pid"] if cyc["asleep_procs"] else 0
+                cyc["asleep_maps"] = pss_by_mapping(top)
+            if kind == "l2-nowake":
+                res["cycles"].append(cyc)  # measured asleep only: dummy weights cannot reload
+                log(name, json.dumps(cyc))
+                break
             time.sleep(1.0)
             box = timed_wake(side, name)
             if box.get("status") != 200:
@@ -241,14 +256,21 @@ def main() -> None:
         kinds = ["l1", "deep"] * args.cycles
         for i, name in enumerate(reversed(engines)):  # the last shape (the largest) first
             # `--level2 1`: the first model also sleeps at level 2 (real weights only: a
-            # dummy-weights engine cannot reload); the variant only at level 1
-            ks = [*kinds, "l2"] if i == 0 and args.level2 else kinds
+            # dummy-weights engine cannot reload); `--level2 2`: every model ends with a
+            # level-2 sleep measured asleep and not woken (its host PSS); the variant only
+            # at level 1
+            if args.level2 == 2:
+                ks = [*kinds, "l2-nowake"]
+            else:
+                ks = [*kinds, "l2"] if i == 0 and args.level2 else kinds
             ks = ["l1"] if name.endswith("-t1") else ks
             try:
                 out["models"].append(one_model(base, name, socks / f"{name}.sock", ks, deadline))
             except Exception as exc:  # keep the others' figures
                 log(name, "failed:", f"{type(exc).__name__}: {exc}"[-3000:])
                 out.setdefault("errors", []).append(f"{name}: {exc}"[-3000:])
+            # what is done so far, should the stops outlast the caller's bound
+            (Path(os.environ.get("OUT", ".")) / "deep.partial.json").write_text(json.dumps(out))
     finally:
         if side is not None:
             if out.get("errors"):

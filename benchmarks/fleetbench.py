@@ -111,6 +111,30 @@ def pss_parts(pid: int) -> dict[str, int]:
     return out
 
 
+def pss_by_process(pids: Sequence[int]) -> list[dict[str, Any]]:
+    """One row per process: pid, role, PSS and its kinds (bytes), the largest first."""
+    rows = [{"pid": p, "role": role(p), "pss": pss(p), **pss_parts(p)} for p in pids]
+    return sorted(rows, key=lambda r: -int(r["pss"]))
+
+
+def pss_by_mapping(pid: int, top: int = 12) -> list[tuple[str, int]]:
+    """The process's PSS by what is mapped (a file's path, [heap], [anon] for anonymous
+    mappings, [anon:NAME] where named), the `top` largest in bytes: what holds it."""
+    by: dict[str, int] = {}
+    name = "?"
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                head = line.split(None, 5)
+                if len(head) >= 5 and "-" in head[0] and not head[0].endswith(":"):
+                    name = head[5].strip() if len(head) > 5 else "[anon]"
+                elif line.startswith("Pss:"):
+                    by[name] = by.get(name, 0) + int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return []
+    return sorted(by.items(), key=lambda kv: -kv[1])[:top]
+
+
 def engine_pids(sock: Path) -> tuple[int, ...]:
     return group_pids(peer_group(sock))
 
