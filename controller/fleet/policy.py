@@ -3,10 +3,10 @@
 A device has a memory budget (bytes, and optionally a count of awake models). Every model
 has an awake footprint, measured from the engine's own reports (the pools `hotswap_info`
 lists, or the bytes a suspend freed). A wake that does not fit puts the least recently used
-unpinned models to sleep first; pinned models are never evicted, and a model awake for less
-than the minimum awake time is not evicted either (no thrash). A FAILED or UNKNOWN model
-counts at its footprint until its engine process is known to be gone. Every plan carries its
-reason.
+unpinned models to sleep first, sparing those it turns out not to need; pinned models are
+never evicted, and a model awake for less than the minimum awake time is not evicted
+either (no thrash). A FAILED or UNKNOWN model counts at its footprint until its engine
+process is known to be gone. Every plan carries its reason.
 
 The policy speaks of models through their views: each `ModelView` carries the caller's own
 object for its model (`model`: the coordinator's `ModelManager`, a test's name), never read
@@ -383,9 +383,9 @@ class _Wake(Generic[M]):
             if set(p.placement) & set(self.over(chosen)):  # frees something where room is short
                 chosen.append(p.name)
         if self.fits(chosen):
-            names = tuple(chosen)
+            names = tuple(self.spare(chosen))
             lru = ", ".join(
-                f"{n} (idle {max(0.0, now - self.by_name[n].last_used):.1f} s)" for n in chosen
+                f"{n} (idle {max(0.0, now - self.by_name[n].last_used):.1f} s)" for n in names
             )
             if not allow_evict:
                 why = f"does not fit without evicting {', '.join(names)}, and evict=false"
@@ -393,6 +393,16 @@ class _Wake(Generic[M]):
             why = f"over budget ({short}): " + (f"{took}, then " if took else "")
             return self.plan(Decision.EVICT, why + f"evicting LRU {lru}", names)
         return self.refuse(now, chosen, fresh, min_awake)
+
+    def spare(self, chosen: list[str]) -> list[str]:
+        """The victims the wake needs: each one it fits without is spared, the most recently
+        used first (a large one taken last may make the small ones before it needless)."""
+        kept = list(chosen)
+        for name in reversed(chosen):
+            rest = [n for n in kept if n != name]
+            if self.fits(rest):
+                kept = rest
+        return kept
 
     def refuse(
         self, now: float, chosen: list[str], fresh: list[ModelView[M]], min_awake: float

@@ -76,6 +76,34 @@ CASES = [
         evict=("c", "d"),
     ),
     Case(
+        # LRU takes b and c (50 each) before d (200), which alone makes room: b and c are
+        # spared (the old plan evicted all three)
+        "a large idle model alone spares the small ones taken before it",
+        "a",
+        (
+            v("a", mib=150),
+            v("b", S.RUNNING, mib=50, used=10),
+            v("c", S.RUNNING, mib=50, used=20),
+            v("d", S.RUNNING, mib=200, used=30),
+        ),
+        Budget(300 * MIB),
+        Decision.EVICT,
+        evict=("d",),
+    ),
+    Case(
+        "a victim is spared only where the wake fits without it",
+        "a",
+        (
+            v("a", mib=150),
+            v("b", S.RUNNING, mib=100, used=10),
+            v("c", S.RUNNING, mib=100, used=20),
+            v("d", S.RUNNING, mib=100, used=30),
+        ),
+        Budget(300 * MIB),
+        Decision.EVICT,
+        evict=("b", "c"),
+    ),
+    Case(
         "pinned is never evicted",
         "a",
         (v("a"), v("b", S.RUNNING, used=1, pinned=True), v("c", S.RUNNING, used=99)),
