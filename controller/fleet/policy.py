@@ -448,9 +448,12 @@ def measured_budget(free: int, device: str, models: Sequence[ModelView[Any]]) ->
 
 def _may_deepen(m: ModelView[Any]) -> bool:
     """A sleeper the policy may take deep: asleep, not deep, allowed and not known unable,
-    at rest, and holding something beside its pools to free."""
+    at rest, holding something beside its pools to free, and not about to be woken (no
+    gateway request held for it: its checkpoint and then its restore would be on their
+    path)."""
     at_rest = m.state is State.SUSPENDED and not m.busy and not m.process_gone
-    return at_rest and m.deepable and not m.deep and m.asleep_bytes > 0
+    wanted = m.queued > 0 or m.in_flight > 0
+    return at_rest and not wanted and m.deepable and not m.deep and m.asleep_bytes > 0
 
 
 def _share(total: int, view: ModelView[Any]) -> int:

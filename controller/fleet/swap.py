@@ -477,9 +477,18 @@ class SwapCoordinator(SwapView):
 def _deepen_later(manager: Manager, evicted: list[ModelManager]) -> None:
     """The checkpoint of every evicted model whose `deep_sleep` is "always", each in a task
     of its own after the swap (docs/contracts.md §2.2): the woken model does not wait for the
-    driver's copy."""
+    driver's copy. One with gateway requests held for it is about to be woken: it stays at
+    level 1 (its checkpoint and restore would be on their path)."""
     for mm in evicted:
-        if mm.record.settings.deep_sleep == "always":
+        if mm.record.settings.deep_sleep != "always":
+            continue
+        if mm.record.lane.held:
+            log.info(
+                "%s: not taken deep after its eviction: %d request(s) held for it",
+                mm.name,
+                mm.record.lane.held,
+            )
+        else:
             task = manager.tasks.spawn(_deepen(mm), f"hotswap-deepen-{mm.name}")
             mm.record.swapping.deepening(task)
 

@@ -281,6 +281,37 @@ async def test_an_evicted_model_is_taken_deep_after_the_swap(
         assert (await client.get("/models/b")).json()["state"] == "RUNNING"
 
 
+async def test_an_evicted_model_with_requests_held_for_it_is_not_taken_deep(
+    driver: Path, other_group: subprocess.Popen[bytes]
+) -> None:
+    """deep_sleep "always", a request held for a when b's wake evicts it: a is about to be
+    woken, so it stays at level 1 (no checkpoint now and no restore on that request's path)."""
+    fakes = {n: FakeVllm(name=n, resident_bytes=1000) for n in "ab"}
+    settings = Settings(
+        models=[
+            ModelSettings(name=n, url=f"http://{n}.engine.test", deep_sleep="always") for n in fakes
+        ],
+        swap={"budget_bytes": 20_000, "min_awake_s": 0},
+        timeouts=TimeoutSettings(drain_s=5.0, shutdown_s=2.0),
+    )
+    sc = make_sidecar(settings, fakes, CollectorRegistry())
+    (driver / "cuda").write_text(f"{os.getpid()}\n{other_group.pid}\n")
+    sc.fleet["a"].process.engine = GroupOf(os.getpgid(0))  # type: ignore[assignment]
+    sc.fleet["b"].process.engine = GroupOf(other_group.pid)  # type: ignore[assignment]
+    async with asgi.client(sc.app, "http://s") as client:
+        await sc.started.wait()
+        assert (await client.post("/models/b/sleep")).status_code == 200
+        a = sc.fleet["a"]
+        a.lane.hold(+1)  # the gateway holds a request for a (its wake waits for the device)
+        r = await client.post("/models/b/wake")
+        assert r.status_code == 200, r.text
+        assert r.json()["policy"]["evicted"] == ["a"]
+        assert a.swapping.deepen_task is None  # no checkpoint started
+        snap = (await client.get("/models/a")).json()
+        assert (snap["state"], snap["deep"]) == ("SUSPENDED", False)
+        a.lane.hold(-1)
+
+
 @pytest.mark.parametrize("setting", ["off", "pressure", "always"])
 async def test_a_helper_is_started_ahead_where_the_sidecar_may_go_deep(
     driver: Path, setting: str

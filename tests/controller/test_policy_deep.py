@@ -90,3 +90,17 @@ def test_a_busy_sleeper_is_not_taken_deep() -> None:
         deepable(dataclasses.replace(v("s1", asleep_mib=300), busy=True)),
     ]
     assert handed(plan_wake("t", models, BUDGET, NOW).deepen) == ()
+
+
+def test_a_sleeper_about_to_be_woken_is_not_taken_deep() -> None:
+    """Requests held for s1 (its wake waits for the device): its checkpoint, then its
+    restore, would sit on their path; s2, with none, goes deep in its place."""
+    models = [
+        v("t", S.SUSPENDED, 400),
+        v("awake", S.RUNNING, 400, used=NOW - 1),
+        deepable(v("s1", asleep_mib=150, used=10.0, queued=2)),
+        deepable(v("s2", asleep_mib=150, used=20.0)),
+    ]
+    plan = plan_wake("t", models, BUDGET, NOW)
+    assert plan.decision is Decision.DEEPEN
+    assert handed(plan.deepen) == ("s2",)
