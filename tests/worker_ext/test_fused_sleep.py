@@ -311,3 +311,24 @@ def test_an_agreement_that_times_out_releases_nothing_and_poisons_the_group() ->
     assert "agreement timed out" in out["error"]
     assert torch.equal(w.buf, before)
     assert w.hotswap_info()["poisoned"] is True
+
+
+def test_the_host_is_trimmed_once_everything_is_released(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sleep ends by handing back what the host need not keep asleep (worker_ext.trim:
+    torch's cached pinned blocks, the heap's free pages), after the last release."""
+    from worker_ext import trim
+
+    w = FusedWorker()
+    seen: list[list[str]] = []
+
+    def release() -> dict[str, Any]:
+        seen.append(list(w.pools.log))
+        return {"pinned_cache": None, "malloc_trim": True, "s": 0.001}
+
+    monkeypatch.setattr(trim, "release_host_memory", release)
+    out = w.hotswap_sleep(1)
+    assert out["ok"], out
+    assert seen == [w.pools.log]  # once, when nothing more was released after it
+    assert seen[0][-1] == "release kv_cache"
+    assert out["host_trim"] == {"pinned_cache": None, "malloc_trim": True, "s": 0.001}
+    assert out["timings"]["host_trim_s"] == 0.001

@@ -30,3 +30,52 @@ def test_the_pools_are_shut_down_once(monkeypatch: pytest.MonkeyPatch) -> None:
     assert trim.release_compile_workers() == 2
     assert trim.release_compile_workers() == 0  # the next sleep pays nothing
     assert shut == [2]
+
+
+class FakeLibc:
+    def __init__(self, gives_back: int) -> None:
+        self.calls: list[int] = []
+        self.gives_back = gives_back
+
+    def malloc_trim(self, pad: int) -> int:
+        self.calls.append(pad)
+        return self.gives_back
+
+
+def test_a_sleep_hands_back_pinned_blocks_and_the_heaps_free_pages() -> None:
+    emptied: list[str] = []
+    torch = types.SimpleNamespace(
+        _C=types.SimpleNamespace(_host_emptyCache=lambda: emptied.append("x"))
+    )
+    libc = FakeLibc(1)
+    out = trim.release_host_memory(torch, libc)
+    assert emptied == ["x"]
+    assert libc.calls == [0]
+    assert out["pinned_cache"] is True
+    assert out["malloc_trim"] is True
+    assert "error" not in out
+    assert out["s"] >= 0
+
+
+def test_what_is_not_there_is_skipped_and_a_failure_never_raises() -> None:
+    bare = trim.release_host_memory(types.SimpleNamespace(_C=object()), object())
+    assert bare["pinned_cache"] is None
+    assert bare["malloc_trim"] is None
+    assert "error" not in bare
+
+    def boom() -> None:
+        raise RuntimeError("no CUDA")
+
+    libc = FakeLibc(0)
+    out = trim.release_host_memory(
+        types.SimpleNamespace(_C=types.SimpleNamespace(_host_emptyCache=boom)), libc
+    )
+    assert "pinned_cache: RuntimeError: no CUDA" in out["error"]
+    assert libc.calls == [0]  # the heap is still trimmed
+    assert out["malloc_trim"] is False
+
+
+def test_this_process_heap_is_trimmed_for_real() -> None:
+    out = trim.release_host_memory()
+    assert out["malloc_trim"] in (True, False)  # glibc here: the call was made
+    assert "error" not in out

@@ -269,8 +269,10 @@ class SleepRPCs(ExtensionBase):
     ) -> dict[str, Any]:
         """A suspend's answer (hotswap_suspend's keys; hotswap_sleep's suspend part)."""
         st = self._hotswap_state()
+        host_trim = trim.release_host_memory()  # asleep: what the host need not keep
         after = st.backend.memory()
         resident = st.backend.resident()
+        timings = {**res.get("timings", {}), "host_trim_s": host_trim["s"]}
         return {
             "level": level,
             "tags": chosen,
@@ -279,7 +281,8 @@ class SleepRPCs(ExtensionBase):
             "resident": resident,
             "wake_scratch_bytes": st.backend.wake_scratch_bytes(),
             "host_backup_bytes": st.backend.host_backup_bytes(),
-            "timings": res.get("timings", {}),
+            "timings": timings,
+            "host_trim": host_trim,
             "freed_bytes": res.get("freed_bytes", {}),
             "offloaded_bytes": res.get("offloaded_bytes", {}),
             "memory_before": mem_value(before),
