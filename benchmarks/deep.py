@@ -21,8 +21,8 @@ tokens and logprobs compared with the reference. After a level-1 sleep the ranks
 of what they still hold (hotswap_info `resident`: torch's blocks, the CUDA-graph pools, the
 context) is kept beside nvidia-smi's figure: it is what a deep sleep's checkpoint copies.
 Host PSS is split by role and by kind (anon, file, shmem), and per process (`awake_procs`,
-`asleep_procs`: pid, role, PSS and its kinds); after the first sleep of each kind the largest
-process's PSS by mapping (`asleep_maps`: a file's path, [heap], [anon]). `--level2 2` ends
+`asleep_procs`: pid, role, PSS and its kinds); after the first sleep of each kind the two largest
+processes' PSS by mapping (`asleep_maps`: a file's path, [heap], [anon]). `--level2 2` ends
 every model with a level-2 sleep measured asleep and not woken (its host PSS; a dummy-weights
 engine cannot reload). Prints one JSON line per cycle and writes $OUT/deep.jsonl.
 """
@@ -192,10 +192,12 @@ def one_model(
                 # what the driver would copy at a checkpoint, by kind (a level-1 sleeper)
                 "asleep_resident": resident(sock) if kind == "l1" else None,
             }
-            if kind in ("l1", "deep") and not any(c["kind"] == kind for c in res["cycles"]):
-                # the first of each kind: what holds the largest process's PSS
-                top = cyc["asleep_procs"][0]["pid"] if cyc["asleep_procs"] else 0
-                cyc["asleep_maps"] = pss_by_mapping(top)
+            if not any(c["kind"] == kind for c in res["cycles"]):
+                # the first of each kind: what holds the two largest processes' PSS
+                cyc["asleep_maps"] = {
+                    f"{r['role']}:{r['pid']}": pss_by_mapping(r["pid"])
+                    for r in cyc["asleep_procs"][:2]
+                }
             if kind == "l2-nowake":
                 res["cycles"].append(cyc)  # measured asleep only: dummy weights cannot reload
                 log(name, json.dumps(cyc))
