@@ -54,7 +54,7 @@ from controller.engines.launcher import EngineProcess
 
 T0 = time.monotonic()
 log = logger("swap")
-NAMES = ("a", "b")
+NAMES = ["a", "b"]  # `--models N`: the first N letters (main sets them)
 _rng = random.Random(1)
 _vocab = [30000]  # the prompts' token ids stay below this (the tiny model's vocabulary on CPU)
 
@@ -86,7 +86,7 @@ def config(
     model: str, args: argparse.Namespace, mode: str, cport: int, gport: int, out: Path
 ) -> Path:
     cpu = args.platform == "cpu"
-    swap: dict[str, Any] = {"max_awake": 1, "min_awake_s": 0.0, "overlap": mode}
+    swap: dict[str, Any] = {"max_awake": max_awake(args), "min_awake_s": 0.0, "overlap": mode}
     if cpu:
         swap["budget_bytes"] = 64 << 30
     cfg = {
@@ -204,11 +204,16 @@ def main() -> int:
     ap.add_argument("--overlap", default="auto", help="swap.overlap per run, comma-separated")
     ap.add_argument("--platform", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--budget-s", type=float, default=240.0)
+    among_args(ap)
     args = ap.parse_args()
     args.graphs = bool(args.graphs)
     modes = [m.strip() for m in args.overlap.split(",") if m.strip()]
     if not modes or any(m not in ("auto", "always", "never") for m in modes):
         ap.error(f"--overlap: auto, always or never, comma-separated; got {args.overlap!r}")
+    NAMES[:] = check_among(ap, args)
+    if args.plan:
+        print(json.dumps(plan(args, modes), default=str), flush=True)
+        return 0
     deadline = T0 + args.budget_s
     out_dir = Path(os.environ.get("OUT", tempfile.gettempdir()))
     mdir = tempfile.mkdtemp(prefix=f"{args.shape}-")
@@ -235,6 +240,7 @@ def main() -> int:
         rc |= 1 if "error" in res else 0
         try:
             report(res)
+            print(victims(res.get("swaps") or []), flush=True)
         except Exception as exc:
             log("report failed:", f"{type(exc).__name__}: {exc}")
             rc = 1
@@ -263,6 +269,8 @@ def run_once(
         "util": args.util,
         "graphs": args.graphs,
         "overlap": mode,
+        "models": list(NAMES),
+        "max_awake": max_awake(args),
         "mode": "managed",
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "cmd": " ".join(sys.argv),
@@ -303,6 +311,8 @@ def run_once(
         complete(gw, NAMES[0], args.prompt_tokens)  # a awake, b asleep: the first swap is b's
         res["warm_a_s"] = complete(gw, NAMES[0], args.prompt_tokens)
         t_swaps = time.monotonic()
+        if len(NAMES) > 2:  # a victim among several awake (--models): its own loop
+            swaps, n_swaps = among(ctl, gw, side.log_path, args, n_swaps, deadline), 0
         for i in range(n_swaps):
             if time.monotonic() > deadline - 15:
                 log(f"out of time after {i} swaps")
@@ -366,7 +376,8 @@ def report(res: dict[str, Any]) -> None:
     firsts = [r["first_token_s"] for r in st]
     boot = res.get("boot_sleeps") or {}
     print(
-        f"\n{res['shape']} x2 ({res['platform']}), util {res['util']} each, graphs"
+        f"\n{res['shape']} x{len(res.get('models') or NAMES)} ({res['platform']}), util"
+        f" {res['util']} each, graphs"
         f" {res['graphs']}, managed, swap.overlap {res['overlap']}, boot {res.get('boot_s')} s"
     )
     for n, tr in boot.items():
@@ -513,6 +524,201 @@ def _rows(models: Any) -> list[dict[str, Any]]:
     if isinstance(rows, dict):
         return [dict(v, name=v.get("name", k)) for k, v in rows.items()]
     return list(rows or [])
+
+
+# ----------------------------------------------------------------------------- --models 3+
+
+
+def among_args(ap: argparse.ArgumentParser) -> None:
+    """The options of a run with more models than the device holds awake, minus one."""
+    ap.add_argument(
+        "--models",
+        type=int,
+        default=2,
+        help="engines (a, b, c, ...): with 3 or more a swap picks its victim among several awake",
+    )
+    ap.add_argument(
+        "--max-awake", type=int, default=None, help="swap.max_awake (default: models - 1)"
+    )
+    ap.add_argument("--plan", action="store_true", help="print the run's plan (JSON), run nothing")
+
+
+def check_among(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The models' names; refuses (exit 2) a run in which no swap, or no choice, can happen."""
+    if not 2 <= args.models <= 8:
+        ap.error(f"--models: 2 to 8; got {args.models}")
+    awake = max_awake(args)
+    if not 1 <= awake < args.models:
+        ap.error(f"--max-awake: 1 to models - 1 ({args.models - 1}); got {awake}: no swap")
+    if args.platform == "cuda":
+        if args.util * awake > 0.95:
+            ap.error(
+                f"--util {args.util} x {awake} awake > 0.95 of the device: they do not fit awake"
+            )
+        if args.util * args.models <= 1.0:
+            ap.error(
+                f"--util {args.util} x {args.models} models <= the device: all fit awake, the"
+                " byte budget would never evict"
+            )
+    return [chr(ord("a") + i) for i in range(args.models)]
+
+
+def max_awake(args: argparse.Namespace) -> int:
+    """swap.max_awake: `--max-awake`, else one fewer than the models (two models: 1)."""
+    return int(args.max_awake) if args.max_awake else int(args.models) - 1
+
+
+def schedule(names: list[str], awake: int, n: int) -> list[dict[str, Any]]:
+    """The swaps of a run with a victim among several: the models start awake in name order
+    up to `awake` (their first requests), the rest asleep; each swap wakes the model asleep
+    longest, after one request to a keeper among the awake ones (the oldest-woken and the
+    newest-woken in turn), so the least recently used is another: the victim the policy
+    should pick, and not always the one woken first."""
+    up = list(names[:awake])  # wake order, oldest first
+    down = list(names[awake:])
+    used = list(up)  # least recently used first
+    out = []
+    for i in range(n):
+        target = down.pop(0)
+        keeper = up[-1] if i % 2 == 0 else up[0]
+        used.remove(keeper)
+        used.append(keeper)
+        victim = next(m for m in used if m in up and m != keeper) if len(up) > 1 else up[0]
+        out.append({"target": target, "touch": keeper, "expect_victim": victim})
+        up.remove(victim)
+        used.remove(victim)
+        down.append(victim)
+        up.append(target)
+        used.append(target)
+    return out
+
+
+def plan(args: argparse.Namespace, modes: list[str]) -> dict[str, Any]:
+    """What a run would do (`--plan`): the names, the swap settings, the swaps' schedule."""
+    awake = max_awake(args)
+    out: dict[str, Any] = {
+        "models": list(NAMES),
+        "shape": "tiny" if args.platform == "cpu" else args.shape,
+        "util": args.util,
+        "graphs": bool(args.graphs),
+        "max_awake": awake,
+        "overlap": modes,
+        "budget_s": args.budget_s,
+    }
+    if len(NAMES) > 2:
+        out["schedule"] = schedule(list(NAMES), awake, args.swaps)
+    return out
+
+
+def among(
+    ctl: httpx.Client,
+    gw: httpx.Client,
+    log_path: Path,
+    args: argparse.Namespace,
+    n_swaps: int,
+    deadline: float,
+) -> list[dict[str, Any]]:
+    """The swaps of `schedule`: each row as the two-model loop's, plus the victim the policy
+    picked (`evicted`, read from the states), the one least recently used (`expect_victim`),
+    the plan's own reason from the sidecar's log (`plan`), and the awake models' idle
+    seconds (since the end of the bench's last request to each) just before the request
+    (`idle_s`)."""
+    awake = max_awake(args)
+    last: dict[str, float] = {}
+    for n in NAMES[:awake]:
+        complete(gw, n, args.prompt_tokens)
+        last[n] = time.monotonic()
+    rows: list[dict[str, Any]] = []
+    for i, step in enumerate(schedule(list(NAMES), awake, n_swaps)):
+        if time.monotonic() > deadline - 15:
+            log(f"out of time after {i} swaps")
+            break
+        name = step["target"]
+        complete(gw, step["touch"], args.prompt_tokens)
+        last[step["touch"]] = time.monotonic()
+        before = _states(ctl)
+        t = time.monotonic()
+        idle = {n: round(t - last[n], 3) for n in NAMES if before.get(n) == "RUNNING" and n in last}
+        mark = _log_size(log_path)
+        swap_s, swap_end = complete_at(gw, name, args.prompt_tokens)
+        after_s = complete(gw, name, args.prompt_tokens)
+        warm_s = complete(gw, name, args.prompt_tokens)
+        last[name] = time.monotonic()
+        now = _states(ctl)
+        gone = [n for n in NAMES if before.get(n) == "RUNNING" and now.get(n) != "RUNNING"]
+        for n in gone:
+            settled(ctl, n)
+        victim = gone[0] if len(gone) == 1 else None
+        row: dict[str, Any] = {
+            "model": name,
+            "evicted": victim if victim is not None else ",".join(gone),
+            "expect_victim": step["expect_victim"],
+            "victim_is_lru": gone == [step["expect_victim"]],
+            "touched": step["touch"],
+            "idle_s": idle,
+            "plan": _plan_line(log_path, mark, name),
+            "swap_s": swap_s,
+            "first_after_swap_s": after_s,
+            "warm_first_token_s": warm_s,
+            "wake": transition(ctl, name),
+            "sleep": transition(ctl, victim) if victim else NO_SLEEP,
+        }
+        w = row["wake"]
+        row["overlapped"] = "wait_room" in w["phases"]
+        if w["ended_at"]:
+            row["after_wake_s"] = swap_end - w["ended_at"]
+        rows.append(row)
+        log(
+            f"swap {i + 1} -> {name}: {swap_s:.3f} s, evicted {row['evicted']} (LRU"
+            f" {step['expect_victim']}, idle {idle}), plan: {row['plan']}"
+        )
+    return rows
+
+
+# (a swap that evicted no model, or several: no one victim's sleep to read)
+NO_SLEEP: dict[str, Any] = {"phases": {}, "duration_s": float("nan"), "started_at": None}
+
+
+def victims(swaps: list[dict[str, Any]]) -> str:
+    """How the policy picked its victims among several awake models."""
+    rows = [r for r in swaps if "expect_victim" in r]
+    if not rows:
+        return ""
+    lru = sum(1 for r in rows if r["victim_is_lru"])
+    lines = [f"victims: the least recently used in {lru} of {len(rows)} swaps"]
+    for i, r in enumerate(rows):
+        lines.append(
+            f"  {i + 1}: {r['model']} evicted {r['evicted']} (LRU {r['expect_victim']}, idle"
+            f" {r['idle_s']}): {r['plan']}"
+        )
+    return "\n".join(lines)
+
+
+def _states(ctl: httpx.Client) -> dict[str, str]:
+    return {m["name"]: str(m["state"]) for m in _rows(ctl.get("/models").json())}
+
+
+def _log_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _plan_line(path: Path, start: int, name: str) -> str | None:
+    """The policy's decision for `name`'s wake (its line in the sidecar's log since `start`)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    key = f"{name}: wake plan "
+    for ln in text.splitlines():
+        i = ln.find(key)
+        if i >= 0:
+            return ln[i + len(key) :][:600]
+    return None
 
 
 if __name__ == "__main__":
