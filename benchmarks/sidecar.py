@@ -495,6 +495,8 @@ def report_ours(out: dict[str, Any], run: dict[str, Any], label: str) -> None:
 SLEEP_RANK_KEYS = (
     "sleep_s",
     "at_queued_first_s",
+    "at_kv_early_s",
+    "kv_early_bytes",
     "at_prepared_s",
     "at_discarded_s",
     "at_released_s",

@@ -204,6 +204,7 @@ class HostBackend:
         keep_kv: bool = False,
         rewritten: Sequence[tuple[int, int]] = (),  # no disk tier here: nothing keys by it
         during: During | None = None,
+        early_kv: Sequence[int] = (),  # nothing released before the prepare here
     ) -> dict[str, Any]:
         for tag in tags:
             if tag not in (WEIGHTS, KV_CACHE):

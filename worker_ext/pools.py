@@ -74,6 +74,7 @@ class PoolBackend(Protocol):
         keep_kv: bool = False,
         rewritten: Sequence[tuple[int, int]] = (),
         during: During | None = None,
+        early_kv: Sequence[int] = (),
     ) -> dict[str, Any]:
         """Release the given pools per `policy` (`keep_kv`: the KV pool kept, level 1).
         `rewritten`: (start, end) ranges the snapshot writes back after the wake (level 2:
@@ -83,6 +84,8 @@ class PoolBackend(Protocol):
         function that queues the rest (the prepare calls it once its own small copies are
         queued ahead of them; the backend calls it after, if not); its answer replaces
         `rewritten`; if it raises, nothing is released and the error propagates.
+        `early_kv`: KV records (addresses) a backend that overlaps the prepare may release
+        before `during`, mapped back if it raises (others ignore it).
         Returns {"freed_bytes": {tag: n}, "offloaded_bytes": {tag: n}}. Suspending a pool
         that is already asleep is an error."""
         ...

@@ -44,6 +44,9 @@ class Tuning:
     # records, proven by a check over every chunk before any record is released
     codec_plan_reuse: bool = True
     disk_threads: int = 16  # parallel reads of a tier file (disktier.READ_BYTES each)
+    # a fused sleep releases the KV records holding nothing its prepare protects before
+    # the prepare (docs/contracts.md §1, the KV cache first); False: after it
+    kv_early: bool = True
 
     def __post_init__(self) -> None:
         bad = [

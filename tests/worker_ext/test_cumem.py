@@ -380,3 +380,45 @@ def test_a_failed_pinning_is_reported_and_the_sleep_is_refused(
     with pytest.raises(RuntimeError, match="no host backup buffer: OSError"):
         buf.take(4096)
     assert swaps  # whatever reads the buffer was waited for before the attempt
+
+
+def test_kv_records_named_early_go_before_the_prepare_and_come_back_if_it_fails(
+    alloc: _Allocator,
+) -> None:
+    """The KV cache first: the records in `early_kv` are released once the first copies are
+    queued and before `during` runs, the others after it; a failed prepare maps them back
+    (fresh memory), releases nothing else and raises again."""
+    before = _model(alloc)
+    kv = _tags(alloc, "kv_cache")
+    b = _backend(alloc)
+    seen: list[dict[int, bool]] = []
+
+    def failing(go_on: Callable[[], None]) -> list[tuple[int, int]]:
+        seen.append({p: d.is_asleep for p, d in alloc.pointer_to_data.items()})
+        raise RuntimeError("the prepare failed")
+
+    with pytest.raises(RuntimeError, match="the prepare failed"):
+        b.suspend(1, ["weights", "kv_cache"], during=failing, early_kv=[kv[0]])
+    assert [p for p, asleep in seen[0].items() if asleep] == [kv[0]]
+    assert b.suspended() == {}
+    assert not any(d.is_asleep for d in alloc.pointer_to_data.values())
+    n = alloc.pointer_to_data[kv[0]].handle[1]
+    assert alloc.read(kv[0]) == bytes([MAPPED]) * n  # mapped again: fresh memory
+    assert all(alloc.read(p) == v for p, v in before.items() if p != kv[0])
+    seen.clear()
+
+    def prepare(go_on: Callable[[], None]) -> list[tuple[int, int]]:
+        seen.append({p: d.is_asleep for p, d in alloc.pointer_to_data.items()})
+        go_on()
+        return []
+
+    r = b.suspend(1, ["weights", "kv_cache"], during=prepare, early_kv=[kv[0]])
+    assert [p for p, asleep in seen[0].items() if asleep] == [kv[0]]
+    assert all(d.is_asleep for d in alloc.pointer_to_data.values())
+    assert r["timings"]["kv_early_bytes"] == n
+    assert r["timings"]["kv_early_records"] == 1
+    assert r["timings"]["at_kv_early_s"] <= r["timings"]["at_prepared_s"]
+    b.resume(["weights", "kv_cache"])
+    b.synchronize()
+    for p in _tags(alloc, "weights"):
+        assert alloc.read(p) == before[p]

@@ -6,6 +6,7 @@ that fails releases nothing; where the backend cannot overlap, the prepare runs 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ class OverlappingPools(InPlacePools):
         keep_kv: bool = False,
         rewritten: Sequence[tuple[int, int]] = (),
         during: During | None = None,
+        early_kv: Sequence[int] = (),
     ) -> dict[str, Any]:
         how = {t: policy(level, t, keep_kv) for t in tags}
         queued = []
@@ -43,6 +45,10 @@ class OverlappingPools(InPlacePools):
                 self.host[tag] = self._view(tag).clone()  # the copy, "on the link"
                 queued.append(tag)
                 self.log.append(f"copy {tag}")
+        early = [r for r in self._records if r[0] in set(early_kv) and r[2] == KV_CACHE]
+        for s, e, _tag in early:  # released before the prepare: the memory is gone
+            self.buf[s - self.base : e - self.base].fill_(JUNK)
+            self.log.append("release early")
 
         def go_on() -> None:  # the rest of the copies, behind the prepare's own
             self.log.append("copy the rest")
@@ -54,6 +60,9 @@ class OverlappingPools(InPlacePools):
                 self.log.append("wait copies, release nothing")
                 for tag in queued:
                     del self.host[tag]
+                for s, e, _tag in early:
+                    self.buf[s - self.base : e - self.base].fill_(0)  # fresh memory
+                    self.log.append("map early again")
                 raise
             self.log.append("prepared")
         if self.release_fails:
@@ -69,13 +78,25 @@ class OverlappingPools(InPlacePools):
         self._level = level
         return {"freed_bytes": freed, "offloaded_bytes": offloaded, "overlapped": bool(queued)}
 
+    def _view(self, tag: str) -> torch.Tensor:
+        mine = [(s, e) for s, e, t in self._records if t == tag]  # a pool of several records
+        return self.buf[min(mine)[0] - self.base : max(mine)[1] - self.base]
+
 
 class FusedWorker(Worker):
-    def __init__(self, overlap: bool = True, fail_at: str | None = None) -> None:
+    def __init__(
+        self, overlap: bool = True, fail_at: str | None = None, split_kv: bool = False
+    ) -> None:
         super().__init__(demotable=False)
         if overlap:
             self.pools = OverlappingPools(self.pools)
             self._hotswap_st.backend = self.pools
+        if split_kv:  # the KV pool as two records: the KV cache alone, the block table's
+            b = self.pools.base
+            self.pools._records[1:] = [
+                (b + 32 * 1024, b + 48 * 1024, KV_CACHE),
+                (b + 48 * 1024, b + 64 * 1024, KV_CACHE),
+            ]
         self.fail_at = fail_at
         self.seen: list[str] = []
 
@@ -332,3 +353,67 @@ def test_the_host_is_trimmed_once_everything_is_released(monkeypatch: pytest.Mon
     assert seen[0][-1] == "release kv_cache"
     assert out["host_trim"] == {"pinned_cache": None, "malloc_trim": True, "s": 0.001}
     assert out["timings"]["host_trim_s"] == 0.001
+
+
+def test_the_kv_records_that_hold_only_the_kv_cache_go_before_the_prepare() -> None:
+    """The KV cache first (the tuning's kv_early): once a prepare has planned the ranges, the
+    next fused sleep releases the KV record it protected nothing in right after the first
+    copies are queued, before the prepare; the block table's record waits for it."""
+    w = FusedWorker(split_kv=True)
+    kv_only = w.pools.records()[1][0]
+    assert w.hotswap_sleep(1)["ok"]
+    assert "release early" not in w.pools.log  # nothing planned before the first prepare
+    assert w.hotswap_wake()["ok"]
+    w.pools.log.clear()
+    table = w.model_runner.block_table.clone()
+    out = w.hotswap_sleep(1)
+    assert out["ok"], out
+    assert w.pools.log[:3] == ["copy weights", "release early", "copy the rest"]
+    assert w.pools.log[3:] == ["prepared", "release weights", "release kv_cache"]
+    assert w._hotswap_early_kv() == (kv_only,)
+    v = w.hotswap_wake()
+    assert v["ok"], v
+    assert torch.equal(w.model_runner.block_table, table)  # protected, written back
+    off = dataclasses.replace(w._hotswap_st.settings.tuning, kv_early=False)
+    w._hotswap_st.use_settings(dataclasses.replace(w._hotswap_st.settings, tuning=off))
+    w.pools.log.clear()
+    assert w.hotswap_sleep(1)["ok"]
+    assert "release early" not in w.pools.log  # tuning kv_early off: after the prepare
+
+
+def test_a_prepare_that_fails_after_the_early_release_maps_it_back_and_stays_awake() -> None:
+    w = FusedWorker(split_kv=True)
+    assert w.hotswap_sleep(1)["ok"]
+    assert w.hotswap_wake()["ok"]
+    w.pools.log.clear()
+    w.fail_at = "prepare"
+    truth = _truth(w)
+    out = w.hotswap_sleep(1)
+    assert out["ok"] is False
+    assert out["failed_step"] == "prepare"
+    assert w.pools.log == [
+        "copy weights",
+        "release early",
+        "wait copies, release nothing",
+        "map early again",
+    ]
+    assert _truth(w) == truth  # awake and verified as before: no byte of it was lost
+    assert w.hotswap_sleep(1)["ok"]
+    assert w.hotswap_wake()["ok"]
+
+
+def test_protected_bytes_in_a_record_released_early_fail_the_rank() -> None:
+    """A KV record released first that the prepare's plan then protects something in
+    (here: the block table's, named releasable by a stale note) lost bytes: failed."""
+    w = FusedWorker(split_kv=True)
+    assert w.hotswap_sleep(1)["ok"]
+    assert w.hotswap_wake()["ok"]
+    st = w._hotswap_st
+    assert st.kv_droppable is not None
+    spans = st.kv_droppable[0]
+    st.kv_droppable = (spans, tuple(s for s, _e in spans))  # both KV records, wrongly
+    out = w.hotswap_sleep(1)
+    assert out["ok"] is False
+    assert out["failed_step"] == "suspend"
+    assert "bytes lost" in out["error"]
+    assert w.hotswap_info()["phase"] == "failed"

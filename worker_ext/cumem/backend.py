@@ -15,7 +15,7 @@ from worker_ext.cumem.records import Records, ranges, size
 from worker_ext.cumem.resident import Residency
 from worker_ext.cumem.resume import Onload, vllm_side_effects
 from worker_ext.cumem.streams import CopyStreams
-from worker_ext.cumem.suspend import STAGE_SHARE, Offload
+from worker_ext.cumem.suspend import STAGE_SHARE, Offload, map_again, release_early
 from worker_ext.cumem.tier import TierPart
 from worker_ext.pools import ALL_TAGS, DISCARDED, KV_CACHE, OFFLOADED, WEIGHTS, During, policy
 from worker_ext.settings import WorkerSettings
@@ -281,13 +281,14 @@ class CuMemBackend:
         keep_kv: bool = False,
         rewritten: Sequence[tuple[int, int]] = (),
         during: During | None = None,
+        early_kv: Sequence[int] = (),
     ) -> dict[str, Any]:
         """`during` (hotswap_sleep): called once the copies of the first STAGE_SHARE of the
-        weights' bytes are queued and before anything is released, with the function that
-        queues the rest (the prepare calls it once its protected copies are queued: they
-        then wait behind the first copies only; called after it otherwise); its answer
-        replaces `rewritten`. If it raises, every queued copy is waited for, nothing is
-        released, and the error is raised again."""
+        weights' bytes are queued and `early_kv` released (suspend.release_early), with the
+        function that queues the rest (the prepare calls it once its protected copies are
+        queued: they then wait behind the first copies only; else called after it); its
+        answer replaces `rewritten`. If it raises, every queued copy is waited for,
+        `early_kv` mapped back, nothing else released, and the error raised again."""
         tags = self._check_suspend(level, tags)
         self._woke = hostcheck.WokeFrom()
         plan = {t: policy(level, t, keep_kv) for t in tags}
@@ -303,12 +304,14 @@ class CuMemBackend:
         copies = Offload(self._coded, self._streams, self._host_for, offload, timings, share)
         overlapped = copies.queue_first()
         timings["at_queued_first_s"] = time.perf_counter() - t0
+        early = release_early(early_kv if during else (), recs, plan, self._release, timings, t0)
         if during is not None:
             t = time.perf_counter()
             try:
                 rewritten = during(copies.go_on)
             except BaseException:
                 copies.abandon()
+                map_again(early, self._mapper)  # a refusal here raises: the rank fails
                 raise
             timings["prepare_under_copies_s"] = time.perf_counter() - t
         timings["at_prepared_s"] = time.perf_counter() - t0
@@ -321,7 +324,8 @@ class CuMemBackend:
         for tag in tags:
             if plan[tag] == DISCARDED:
                 for _ptr, data in recs[tag]:
-                    self._release(data)
+                    if not data.is_asleep:  # else released early
+                        self._release(data)
         timings["discard_s"] = time.perf_counter() - t
         timings["at_discarded_s"] = t + timings["discard_s"] - t0
         copies.release_copied(self._release)

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from worker_ext import codec
 from worker_ext.cudart import HostBuffer
+from worker_ext.cudriver import Driver
 from worker_ext.cumem.coded import CodedCopies, Queued, cut
 from worker_ext.cumem.records import ranges, size
 from worker_ext.cumem.streams import CopyStreams
-from worker_ext.pools import WEIGHTS
+from worker_ext.pools import DISCARDED, KV_CACHE, WEIGHTS
 
 log = logging.getLogger(__name__)
 
@@ -179,3 +180,41 @@ class Offload:
         """The coded copy's last piece on the host, its plan kept, its report completed."""
         if self.plan is not None:
             self._coded.finish_sleep(self._timings, self._how, self._why)
+
+
+def release_early(
+    ptrs: Sequence[int],
+    recs: dict[str, list[tuple[int, Any]]],
+    plan: dict[str, str],
+    release: Callable[[Any], None],
+    timings: dict[str, float],
+    t0: float,
+) -> list[tuple[int, Any]]:
+    """The KV cache first (docs/contracts.md §1): release the KV records at `ptrs` (the
+    extension names those holding nothing its prepare protects) where this suspend
+    discards the KV pool, before the prepare; the records released, timed."""
+    if not ptrs or plan.get(KV_CACHE) != DISCARDED:
+        return []
+    want = set(ptrs)
+    early = [(p, d) for p, d in recs.get(KV_CACHE, []) if p in want and not d.is_asleep]
+    if early:
+        t = time.perf_counter()
+        for _ptr, data in early:
+            release(data)
+        timings["kv_early_s"] = time.perf_counter() - t
+        timings["at_kv_early_s"] = time.perf_counter() - t0
+        timings["kv_early_bytes"] = float(sum(size(d) for _, d in early))
+        timings["kv_early_records"] = float(len(early))
+    return early
+
+
+def map_again(early: list[tuple[int, Any]], mapper: Callable[[], Driver]) -> None:
+    """Map back the records a sleep whose prepare failed released early (fresh memory:
+    nothing in them is verified); a driver error is raised (the rank is failed)."""
+    if not early:
+        return
+    driver = mapper()
+    for _ptr, data in early:
+        if data.is_asleep:
+            driver.create_and_map(data.handle)
+            data.is_asleep = False

@@ -28,6 +28,9 @@ class HotswapState:
     phase: RankPhase = field(default_factory=RankPhase)
     # The prepare run once ahead of time (HOTSWAP_WARM_PREPARE): its outcome, None until then.
     warm_prepare: dict[str, Any] | None = None
+    # The KV records the last prepare's range plan protects nothing in, for the KV records
+    # it saw: ((start, end) of each KV record, addresses of those releasable first).
+    kv_droppable: tuple[tuple[tuple[int, int], ...], tuple[int, ...]] | None = None
 
     def use_settings(self, settings: WorkerSettings) -> None:
         """Tests and benches that change a variable in a live worker: the new settings."""

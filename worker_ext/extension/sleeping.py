@@ -39,6 +39,44 @@ def _prepare_failed(e: _PrepareFailed) -> dict[str, Any]:
     return {"ok": False, "error": str(e), "failed_step": "prepare", "failed_ranks": e.failed_ranks}
 
 
+class _KvBytesLost(RuntimeError):
+    """A record released before the prepare holds bytes the prepare's range plan protects:
+    they are gone (the rank is failed)."""
+
+
+def _kv_spans(backend: Any) -> tuple[tuple[int, int], ...]:
+    return tuple((s, e) for s, e, tag in backend.records() if tag == KV_CACHE)
+
+
+def _kv_droppable(
+    backend: Any, cover: protect.Protection
+) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
+    """The KV records no protected or unnamed range of `cover` touches, with the KV
+    records they were judged among (HotswapState.kv_droppable)."""
+    spans = _kv_spans(backend)
+    hit = [(a, b) for a, b, tag in (*cover.protect, *cover.unnamed) if tag == KV_CACHE]
+    free = tuple(s for s, e in spans if not any(a < e and s < b for a, b in hit))
+    return spans, free
+
+
+def _check_released(
+    backend: Any, cover: protect.Protection | None, released: tuple[int, ...]
+) -> None:
+    """Raise _KvBytesLost if `cover` protects anything in a record released early."""
+    if not released:
+        return
+    if cover is None:
+        raise _KvBytesLost("the KV cache first: protection by object cannot tell what was lost")
+    gone = [(s, e) for s, e in _kv_spans(backend) if s in set(released)]
+    rows = (*cover.protect, *cover.unnamed)
+    lost = [(a, b) for a, b, _tag in rows for s, e in gone if a < e and s < b]
+    if lost:
+        raise _KvBytesLost(
+            f"the KV cache first: {len(lost)} protected ranges were in records released "
+            f"before the prepare ({sum(b - a for a, b in lost)} bytes lost)"
+        )
+
+
 def _rewritten(snap: snapshot.Snapshot) -> list[tuple[int, int]]:
     """The ranges a snapshot writes back after the wake (its protection by range)."""
     return [(s, e) for s, e, _tag in snap.protection.protect] if snap.protection else []
@@ -89,12 +127,18 @@ class SleepRPCs(ExtensionBase):
         return ownership.judge(recs, level, st.backend.tag_of)
 
     def _hotswap_take_snapshot(
-        self, level: int, keep: bool, copied: Callable[[], None] | None = None
+        self,
+        level: int,
+        keep: bool,
+        copied: Callable[[], None] | None = None,
+        released: tuple[int, ...] = (),
     ) -> tuple[snapshot.Snapshot, protect.Protection | None, set[str], dict[str, float]]:
         """What a prepare at `level` takes (hotswap_prepare, and once ahead of time the warm
         prepare, which drops it): the walk's records, the audit, the protection plan and
         the snapshot, timed by step. Returns the snapshot, its protection by range (None:
-        by object), the at-risk names and the timings."""
+        by object), the at-risk names and the timings. `released`: KV records released
+        before it (their bytes gone): _KvBytesLost if the plan protects anything in them.
+        A plan that discards the KV cache notes which KV records it protects nothing in."""
         st = self._hotswap_state()
         t0 = time.perf_counter()
         records = self._hotswap_records()
@@ -105,6 +149,9 @@ class SleepRPCs(ExtensionBase):
         # a sleep that keeps the KV cache cannot be demoted (cumem.demote_refusal)
         cover_level = level if keep else self._hotswap_cover_level(level)
         cover = self._hotswap_protection(cover_level, records)
+        _check_released(st.backend, cover, released)
+        if cover is not None and not keep:
+            st.kv_droppable = _kv_droppable(st.backend, cover)
         t3 = time.perf_counter()
         # by range, the ranges hold every at-risk tensor's bytes: no copy per object
         backups = set() if cover is not None else at_risk
@@ -307,8 +354,9 @@ class SleepRPCs(ExtensionBase):
         chosen = sorted(ALL_TAGS, key=lambda t: (t != WEIGHTS, t))
         prepared: dict[str, Any] = {}
         began = time.perf_counter()
-        prepare = self._hotswap_sleep_prepare(level, prepared)
         overlap = bool(getattr(st.backend, "overlaps_prepare", False))
+        early = self._hotswap_early_kv() if overlap else ()
+        prepare = self._hotswap_sleep_prepare(level, prepared, early)
         if not overlap:  # nothing to run it under: the prepare first, as hotswap_prepare
             try:
                 rewritten = prepare(None)
@@ -325,7 +373,9 @@ class SleepRPCs(ExtensionBase):
             return {"ok": False, "error": f"{type(e).__name__}: {e}", "failed_step": "suspend"}
         try:
             if overlap:
-                res = st.backend.suspend(level, chosen, keep_kv=False, during=prepare)
+                res = st.backend.suspend(
+                    level, chosen, keep_kv=False, during=prepare, early_kv=early
+                )
             else:
                 res = st.backend.suspend(level, chosen, keep_kv=False, rewritten=rewritten)
         except _PrepareFailed as e:  # the backend waited for its copies and released nothing
@@ -353,11 +403,21 @@ class SleepRPCs(ExtensionBase):
         out["overlapped"] = overlap and bool(res.get("overlapped"))  # copies were under it
         return out
 
+    def _hotswap_early_kv(self) -> tuple[int, ...]:
+        """The KV records a fused sleep releases before its prepare (its tuning's `kv_early`): those
+        the last prepare protected nothing in, if the KV records are still the ones it saw."""
+        st = self._hotswap_state()
+        known = st.kv_droppable
+        if not st.settings.tuning.kv_early or known is None or _kv_spans(st.backend) != known[0]:
+            return ()
+        return known[1]
+
     def _hotswap_sleep_prepare(
-        self, level: int, prepared: dict[str, Any]
+        self, level: int, prepared: dict[str, Any], released: tuple[int, ...] = ()
     ) -> Callable[[Callable[[], None] | None], list[tuple[int, int]]]:
         """hotswap_sleep's prepare, its answer put in `prepared`; the ranks agree on every
-        prepare's outcome before any of them releases anything."""
+        prepare's outcome before any of them releases anything else. `released`: the KV
+        records the backend released before it (bytes found lost there fail the rank)."""
         st = self._hotswap_state()
 
         def prepare(go_on: Callable[[], None] | None = None) -> list[tuple[int, int]]:
@@ -367,10 +427,12 @@ class SleepRPCs(ExtensionBase):
             try:
                 self._hotswap_fault("prepare")
                 snap, cover, at_risk, timings = self._hotswap_take_snapshot(
-                    level, keep=False, copied=go_on
+                    level, keep=False, copied=go_on, released=released
                 )
             except BaseException as e:
                 agreed = st.quiescer.agree(False)  # so that no other rank releases either
+                if isinstance(e, _KvBytesLost):
+                    raise  # not a prepare to answer: this rank lost bytes (failed)
                 raise _PrepareFailed(f"{type(e).__name__}: {e}", agreed["failed_ranks"]) from e
             t_agree = time.perf_counter()
             agreed = st.quiescer.agree(True)  # every rank's prepare done, before any release
