@@ -35,7 +35,9 @@ _HANDLE_NONE = 0
 _HANDLE_POSIX_FD = 1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 _HANDLE_FABRIC = 8  # CU_MEM_HANDLE_TYPE_FABRIC
 _REFUSED = (800, 801)  # CUDA_ERROR_NOT_PERMITTED, CUDA_ERROR_NOT_SUPPORTED
-STEPS = ("create", "map", "access")
+_OUT_OF_MEMORY = 2  # CUDA_ERROR_OUT_OF_MEMORY
+_OOM_POLL_S = 0.0005  # between two creates while waiting for memory another process frees
+STEPS = ("create", "map", "access", "oom_wait")
 
 
 class _Location(ctypes.Structure):
@@ -75,7 +77,12 @@ class Driver:
     memory with no exportable handle (the bare measurements of bench_mapping.py)."""
 
     def __init__(
-        self, device: int, rdma: bool | None = None, exportable: bool = True, lib: Any = None
+        self,
+        device: int,
+        rdma: bool | None = None,
+        exportable: bool = True,
+        lib: Any = None,
+        oom_wait_s: float = 0.0,
     ) -> None:
         self.lib = ctypes.CDLL("libcuda.so.1") if lib is None else lib  # releases the GIL
         if rdma is None:
@@ -99,6 +106,9 @@ class Driver:
         )
         self.granularity = gran.value
         self.spent = dict.fromkeys(STEPS, 0.0)
+        # a create refused for memory is asked again for up to this long (the memory an
+        # overlapped swap's victim is releasing); 0: refused at once
+        self.oom_wait_s = oom_wait_s
 
     def attribute(self, attr: int, device: int) -> bool:
         flag = ctypes.c_int(0)
@@ -121,10 +131,8 @@ class Driver:
         self._ok(err, "cuMemAddressReserve")
         return ptr.value
 
-    def create(self, size: int) -> int:
-        h = ctypes.c_uint64()
-        t = time.perf_counter()
-        err = self.lib.cuMemCreate(
+    def _create(self, h: Any, size: int) -> int:
+        err: int = self.lib.cuMemCreate(
             ctypes.byref(h), ctypes.c_size_t(size), ctypes.byref(self.prop), ctypes.c_uint64(0)
         )
         if err in _REFUSED and self.prop.requestedHandleTypes == _HANDLE_FABRIC:
@@ -134,6 +142,20 @@ class Driver:
             err = self.lib.cuMemCreate(
                 ctypes.byref(h), ctypes.c_size_t(size), ctypes.byref(self.prop), ctypes.c_uint64(0)
             )
+        return err
+
+    def create(self, size: int) -> int:
+        """A new allocation's handle; refused for memory, asked again until `oom_wait_s`
+        has passed (the time spent waiting is `spent["oom_wait"]`, within `create`)."""
+        h = ctypes.c_uint64()
+        t = time.perf_counter()
+        err = self._create(h, size)
+        if err == _OUT_OF_MEMORY and self.oom_wait_s > 0:
+            deadline = t + self.oom_wait_s
+            while err == _OUT_OF_MEMORY and time.perf_counter() < deadline:
+                time.sleep(_OOM_POLL_S)
+                err = self._create(h, size)
+            self.spent["oom_wait"] += time.perf_counter() - t
         self.spent["create"] += time.perf_counter() - t
         self._ok(err, "cuMemCreate")
         return h.value

@@ -47,6 +47,9 @@ class Tuning:
     # a fused sleep releases the KV records holding nothing its prepare protects before
     # the prepare (docs/contracts.md §1, the KV cache first); False: after it
     kv_early: bool = True
+    # a wake's create refused for memory is asked again for up to this long: an overlapped
+    # swap maps the woken model's KV cache while the victim releases its own
+    map_oom_wait_s: float = 5.0
 
     def __post_init__(self) -> None:
         bad = [
@@ -57,6 +60,7 @@ class Tuning:
                 ("codec_piece_mib", 2 <= self.codec_piece_mib <= 1024),
                 ("codec_slots", 2 <= self.codec_slots <= 64),
                 ("disk_threads", self.disk_threads >= 1),
+                ("map_oom_wait_s", 0 <= self.map_oom_wait_s <= 600),
             )
             if not ok
         ]

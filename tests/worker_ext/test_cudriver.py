@@ -94,9 +94,10 @@ def test_the_new_handle_goes_where_the_record_points() -> None:
     assert drv.handle_type == "posix_fd"
     assert drv.rdma is True
     spent = drv.take_spent()
-    assert set(spent) == {"create", "map", "access"}
+    assert set(spent) == {"create", "map", "access", "oom_wait"}
     assert all(v >= 0 for v in spent.values())
-    assert drv.take_spent() == {"create": 0.0, "map": 0.0, "access": 0.0}
+    assert spent["oom_wait"] == 0.0
+    assert drv.take_spent() == {"create": 0.0, "map": 0.0, "access": 0.0, "oom_wait": 0.0}
 
 
 def test_a_refused_fabric_request_is_asked_once_then_a_posix_fd() -> None:
@@ -146,3 +147,33 @@ def test_a_failed_step_leaves_nothing_behind(step: str) -> None:
     assert cuda.live == set()
     assert cuda.mapped == set()
     assert slot.value == 0  # the record's handle slot is untouched
+
+
+def test_a_create_refused_for_memory_is_asked_again_within_oom_wait_s() -> None:
+    """The memory an overlapped swap's victim is releasing: a create refused for memory is
+    asked again until it passes (the wait timed apart), or until `oom_wait_s` has passed;
+    with none, refused at once."""
+    cuda = FakeCuda(fabric=False)
+    cuda.fail["create"] = [2, 2, 2]  # CUDA_ERROR_OUT_OF_MEMORY three times, then room
+    drv = Driver(0, lib=cuda, oom_wait_s=5.0)
+    handle, slot = record(0x7000_0000)
+    drv.create_and_map(handle)
+    assert slot.value in cuda.live
+    assert [c[0] for c in cuda.calls] == ["create"] * 4 + ["map", "access"]
+    spent = drv.take_spent()
+    assert 0 < spent["oom_wait"] <= spent["create"]
+    cuda.fail["create"] = [2] * 1000
+    drv.oom_wait_s = 0.05
+    with pytest.raises(DriverError, match=r"CUresult 2"):
+        drv.create_and_map(record(0x7100_0000)[0])
+    assert 0.05 <= drv.take_spent()["oom_wait"] < 2.0
+    cuda.fail["create"] = [2]
+    cuda.calls.clear()
+    with pytest.raises(DriverError, match=r"CUresult 2"):
+        Driver(0, lib=cuda).create_and_map(record(0x7200_0000)[0])
+    assert [c[0] for c in cuda.calls] == ["create"]  # no wait asked: refused at once
+    cuda.fail["create"] = [7]  # another error is never waited on
+    cuda.calls.clear()
+    with pytest.raises(DriverError, match=r"CUresult 7"):
+        drv.create_and_map(record(0x7300_0000)[0])
+    assert [c[0] for c in cuda.calls] == ["create"]

@@ -422,3 +422,14 @@ def test_kv_records_named_early_go_before_the_prepare_and_come_back_if_it_fails(
     b.synchronize()
     for p in _tags(alloc, "weights"):
         assert alloc.read(p) == before[p]
+
+
+def test_a_wake_maps_with_the_tuned_wait_for_memory(alloc: _Allocator) -> None:
+    """An overlapped swap maps the woken model's KV cache while the victim releases its
+    own: the backend's driver waits for memory (the tuning's map_oom_wait_s) at a create."""
+    _model(alloc)
+    b = _backend(alloc, map_oom_wait_s=1.5)
+    b.suspend(1, ["weights", "kv_cache"])
+    b.resume(["weights", "kv_cache"])
+    assert b._driver.oom_wait_s == 1.5
+    assert _backend(alloc)._mapper().oom_wait_s == 5.0  # the default

@@ -354,12 +354,12 @@ class CuMemBackend:
         return self._woke.check(bad, self.device, self.synchronize, live)
 
     def _mapper(self) -> Driver:
-        """The driver that maps records back (exportable memory, as vLLM asks), its
-        per-call times reset."""
+        """The driver that maps records back (exportable memory, as vLLM asks; a create
+        refused for memory waits as tuned), its per-call times reset."""
         if self._driver is None:
-            index = self.device.index
-            device = self._torch.cuda.current_device() if index is None else index
-            self._driver = Driver(device, exportable=True)
+            i = self.device.index
+            self._driver = Driver(self._torch.cuda.current_device() if i is None else i)
+        self._driver.oom_wait_s = self.settings.tuning.map_oom_wait_s
         self._driver.take_spent()
         return self._driver
 
