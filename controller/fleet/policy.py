@@ -2,11 +2,12 @@
 
 A device has a memory budget (bytes, and optionally a count of awake models). Every model
 has an awake footprint, measured from the engine's own reports (the pools `hotswap_info`
-lists, or the bytes a suspend freed). A wake that does not fit puts the least recently used
-unpinned models to sleep first, sparing those it turns out not to need; pinned models are
-never evicted, and a model awake for less than the minimum awake time is not evicted
-either (no thrash). A FAILED or UNKNOWN model counts at its footprint until its engine
-process is known to be gone. Every plan carries its reason.
+lists, or the bytes a suspend freed). A wake that does not fit puts the least used unpinned
+models to sleep first (the fewest recent requests, then the least recently used), sparing
+those it turns out not to need; pinned models are never evicted, and a model awake for
+less than the minimum awake time is not evicted either (no thrash). A FAILED or UNKNOWN
+model counts at its footprint until its engine process is known to be gone. Every plan
+carries its reason.
 
 The policy speaks of models through their views: each `ModelView` carries the caller's own
 object for its model (`model`: the coordinator's `ModelManager`, a test's name), never read
@@ -49,6 +50,9 @@ class ModelView(Generic[M]):
     state: State
     footprint_bytes: int | None = None  # awake footprint; None = not measured yet
     last_used: float = 0.0  # seconds (any clock, the same as `now`) of the last request
+    # Its gateway requests lately, each 1 decaying (controller.models.fleetparts.Lane): the
+    # least used are evicted (and taken deep) first, then the least recently used.
+    recent_uses: float = 0.0
     awake_since: float | None = None  # when it last became RUNNING
     pinned: bool = False
     device: str = "0"
@@ -333,7 +337,7 @@ class _Wake(Generic[M]):
                 for m in self.models
                 if m.name != self.t.name and _may_deepen(m) and set(m.placement) & set(self.mine)
             ),
-            key=lambda m: (m.last_used, m.name),
+            key=_least_used,
         )
         for m in deepable:
             if self.fits():
@@ -372,7 +376,7 @@ class _Wake(Generic[M]):
         min_awake = max(self.budgets[d].min_awake_s for d in self.mine)
         idle = sorted(
             (p for p in self.peers if p.state is State.RUNNING and not p.pinned),
-            key=lambda p: (p.last_used, p.name),
+            key=_least_used,
         )
         ready = [p for p in idle if _awake_for(p, now) >= min_awake]
         fresh = [p for p in idle if _awake_for(p, now) < min_awake]
@@ -385,18 +389,20 @@ class _Wake(Generic[M]):
         if self.fits(chosen):
             names = tuple(self.spare(chosen))
             lru = ", ".join(
-                f"{n} (idle {max(0.0, now - self.by_name[n].last_used):.1f} s)" for n in names
+                f"{n} (idle {max(0.0, now - self.by_name[n].last_used):.1f} s,"
+                f" {self.by_name[n].recent_uses:.1f} recent requests)"
+                for n in names
             )
             if not allow_evict:
                 why = f"does not fit without evicting {', '.join(names)}, and evict=false"
                 return self.plan(Decision.REFUSE, why, names)
             why = f"over budget ({short}): " + (f"{took}, then " if took else "")
-            return self.plan(Decision.EVICT, why + f"evicting LRU {lru}", names)
+            return self.plan(Decision.EVICT, why + f"evicting the least used {lru}", names)
         return self.refuse(now, chosen, fresh, min_awake)
 
     def spare(self, chosen: list[str]) -> list[str]:
-        """The victims the wake needs: each one it fits without is spared, the most recently
-        used first (a large one taken last may make the small ones before it needless)."""
+        """The victims the wake needs: each one it fits without is spared, the last taken
+        first (a large one taken last may make the small ones before it needless)."""
         kept = list(chosen)
         for name in reversed(chosen):
             rest = [n for n in kept if n != name]
@@ -444,6 +450,12 @@ def measured_budget(free: int, device: str, models: Sequence[ModelView[Any]]) ->
     on = [m for m in models if device in m.placement]
     pinned = sum(_share(m.footprint_bytes or 0, m) for m in on if m.pinned)
     return free + pinned + sum(_share(m.asleep_bytes, m) for m in on if m.leaves)
+
+
+def _least_used(m: ModelView[Any]) -> tuple[float, float, str]:
+    """The order victims (and sleepers taken deep) are chosen in: the fewest recent requests,
+    then the least recently used, then by name."""
+    return (m.recent_uses, m.last_used, m.name)
 
 
 def _may_deepen(m: ModelView[Any]) -> bool:

@@ -105,7 +105,8 @@ class SwapCoordinator(SwapView):
         return now
 
     async def wake(self, mm: ModelManager, *, evict: bool = True) -> SwapResult:
-        """Wake the model within the budget; evicts LRU models first unless `evict` is False.
+        """Wake the model within the budget; evicts the least used models first unless `evict`
+        is False.
 
         Raises WakeRefused (409) when the policy says no, the manager's errors otherwise.
         Concurrent evicting wakes of one model share one run.

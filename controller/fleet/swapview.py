@@ -102,6 +102,7 @@ class SwapView:
             state=rec.state,
             footprint_bytes=held.footprint,
             last_used=rec.lane.last_used,
+            recent_uses=rec.lane.recent_uses(self._clock()),
             awake_since=rec.snapshot.since if rec.state is State.RUNNING else None,
             pinned=rec.settings.pinned,
             device=rec.settings.device,

@@ -182,8 +182,9 @@ async def sleep_model(
 async def wake_model(
     name: str, model: ModelDep, ctx: ContextDep, wait: bool = True, evict: bool = True
 ) -> Response:
-    """Hot-swap mode: the swap policy decides (evicting LRU models unless evict=false, which
-    answers 409 with the reason instead); its decision is in the answer's `policy`."""
+    """Hot-swap mode: the swap policy decides (evicting the least used models unless
+    evict=false, which answers 409 with the reason instead); its decision is in the
+    answer's `policy`."""
     admitting(name, ctx)
     if not wait:
         return _accepted(name, ctx.coordinator.begin_wake(model, evict=evict))

@@ -9,10 +9,14 @@ the models room; each is written only through its own methods, which notify.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from controller.models.changes import Changes, Part
+
+# The time constant of a model's recent requests (Lane.recent_uses), in seconds.
+USE_DECAY_S = 30.0
 
 
 class Lane(Part):
@@ -28,14 +32,27 @@ class Lane(Part):
         # Held requests' tickets; a finished wake admits them all at once, before any eviction.
         self.waiters: list[asyncio.Future[None]] = []
         self.last_used = 0.0  # unix seconds of the last gateway request (0: never)
+        # Its requests counted, each 1 decaying by USE_DECAY_S, as of `_uses_at`.
+        self._uses = 0.0
+        self._uses_at = 0.0
         # The wake the gateway started for held requests, and when it may try again.
         self.gateway_wake: asyncio.Task[Any] | None = None
         self.retry_at = 0.0
 
     def touch(self) -> None:
         """A request arrived: the model is the most recently used now."""
-        self.last_used = self._clock()
+        now = self._clock()
+        self._uses = self.recent_uses(now) + 1.0
+        self._uses_at = now
+        self.last_used = now
         self._changed()
+
+    def recent_uses(self, now: float) -> float:
+        """Its gateway requests so far, each counted 1 and decaying with a time constant of
+        USE_DECAY_S: how often it is asked lately (the swap policy keeps the most asked)."""
+        if not self._uses:
+            return 0.0
+        return self._uses * math.exp(-max(0.0, now - self._uses_at) / USE_DECAY_S)
 
     def enter(self) -> None:
         self.in_flight += 1

@@ -32,6 +32,7 @@ def v(
     busy: bool = False,
     scratch_mib: int = 0,
     gone: bool = False,
+    uses: float = 0.0,
 ) -> ModelView[str]:
     devices = tuple(on.split(","))
     return ModelView(
@@ -40,6 +41,7 @@ def v(
         state=state,
         footprint_bytes=None if mib is None else mib * MIB,
         last_used=used,
+        recent_uses=uses,
         awake_since=since,
         pinned=pinned,
         device=devices[0],

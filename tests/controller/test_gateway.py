@@ -238,7 +238,27 @@ def test_evict_false_refuses_with_the_reason() -> None:
             result = await w.coordinator.wake(w.manager.get("b"))
             assert result.plan.decision.value == "evict"
             assert result.evicted == ("a",)
-            assert "LRU" in result.to_dict()["policy"]["reason"]
+            assert "least used" in result.to_dict()["policy"]["reason"]
+
+    run(body)
+
+
+def test_the_model_asked_most_stays_awake_over_the_one_asked_last() -> None:
+    """Two awake of three: a asked three times, then b once; c's wake evicts b, the least
+    used, not a, the least recently used."""
+
+    async def body() -> None:
+        async with world(("a", "b", "c"), swap={"max_awake": 2}) as w:
+            for name in ("a", "a", "a", "b"):
+                assert (await ask(w, name)).status_code == 200
+            assert [w.state(n) for n in "ab"] == [State.RUNNING] * 2
+            r = await ask(w, "c")
+            assert r.status_code == 200, r.text
+            assert (w.state("a"), w.state("b"), w.state("c")) == (
+                State.RUNNING,
+                State.SUSPENDED,
+                State.RUNNING,
+            )
 
     run(body)
 

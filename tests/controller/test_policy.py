@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
 from policyviews import MIB, NOW, S, handed, v
 
 from controller.fleet.policy import Budget, Decision, ModelView, plan_wake, restart_delay
+from controller.models.changes import Changes
+from controller.models.fleetparts import USE_DECAY_S, Lane
 from controller.models.footprints import budget_from_info, footprint_from_info, footprint_from_sleep
 from controller.state import PhaseRecord, State, TransitionRecord
 
@@ -52,7 +55,7 @@ CASES = [
         Budget(150 * MIB),
         Decision.EVICT,
         evict=("b",),
-        reason_has="LRU",
+        reason_has="least used",
     ),
     Case(
         "count over: evict the least recently used",
@@ -74,6 +77,19 @@ CASES = [
         Budget(300 * MIB),
         Decision.EVICT,
         evict=("c", "d"),
+    ),
+    Case(
+        # b was asked 5 times lately, c once a little later: c goes (plain LRU took b)
+        "the least used goes before the least recently used",
+        "a",
+        (
+            v("a", mib=100),
+            v("b", S.RUNNING, mib=100, used=10, uses=5.0),
+            v("c", S.RUNNING, mib=100, used=20, uses=1.0),
+        ),
+        Budget(200 * MIB),
+        Decision.EVICT,
+        evict=("c",),
     ),
     Case(
         # LRU takes b and c (50 each) before d (200), which alone makes room: b and c are
@@ -327,3 +343,17 @@ def test_a_sleep_through_vllm_learns_the_footprint_from_the_pools_its_ranks_list
         phases=(PhaseRecord("vllm_sleep", 1.5), PhaseRecord("info", 0.01, ranks=info)),
     )
     assert footprint_from_sleep(plain) == 20
+
+
+def test_a_models_recent_requests_decay_with_a_time_constant() -> None:
+    clock = [1000.0]
+    lane = Lane(Changes(), lambda: clock[0])
+    assert lane.recent_uses(clock[0]) == 0.0
+    lane.touch()
+    lane.touch()
+    assert lane.recent_uses(clock[0]) == pytest.approx(2.0)
+    clock[0] += USE_DECAY_S
+    assert lane.recent_uses(clock[0]) == pytest.approx(2.0 / math.e)
+    lane.touch()  # one more, on top of what is left
+    assert lane.recent_uses(clock[0]) == pytest.approx(2.0 / math.e + 1.0)
+    assert lane.last_used == clock[0]
