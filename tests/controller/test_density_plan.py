@@ -194,3 +194,30 @@ def test_replot_draws_every_request_of_every_arm(tmp_path: Path) -> None:
     assert text.count('fill="red">x<') == 1  # the one not served
     assert ">static<" in text
     assert ">deep<" in text
+
+
+def test_the_sidecar_log_kept_is_its_decisions_whole_and_its_tail(tmp_path: Path) -> None:
+    log = tmp_path / "s.log"
+    plan = "INFO    hotswap.swap [model=m01 phase=policy] m01: wake plan evict: over budget"
+    http = 'INFO    httpx HTTP Request: GET http://m03/is_paused "HTTP/1.1 200 OK"'
+    access = 'INFO    uvicorn.access 127.0.0.1:1 - "POST /v1/completions HTTP/1.1" 200'
+    log.write_text("\n".join([plan] + [http, access] * 300) + "\n")
+    kept = density.decisions(log)
+    head, tail = kept.split("# the log's last 100 lines")
+    assert head.strip() == plan  # the plan kept, however far back; no HTTP line
+    assert tail.strip().splitlines() == [http, access] * 50
+    assert density.parse_args(["--engine", "cpu"]).warm == 0  # a cold start unless asked
+    assert "no log" in density.decisions(tmp_path / "missing.log")
+
+
+def test_the_share_within_the_slo_is_also_given_after_the_cold_start() -> None:
+    rec = [
+        {"t": 1.0, "status": 200, "ttft_s": 4.0},  # the cold start's wake: a miss
+        {"t": 2.0, "status": 503, "ttft_s": None},
+        {"t": density.COLD_S, "status": 200, "ttft_s": 0.1},
+        {"t": 9.0, "status": 200, "ttft_s": 2.5},
+    ]
+    got = density.summarize(rec)
+    assert got["within_slo"] == 0.25
+    assert got["within_slo_after_cold"] == 0.5
+    assert density.summarize(rec[:2])["within_slo_after_cold"] is None

@@ -40,7 +40,12 @@ def test_density_on_cpu(tmp_path: Path) -> None:
         assert a["requests"] == n  # every request recorded
         assert a["settled"]  # measured with nothing in flight (a deepening after a swap)
         assert set(a) >= {"ttft_p50_s", "ttft_p99_s", "within_slo", "swaps", "host_pss_bytes"}
+        assert "within_slo_after_cold" in a
     assert len(arms["static"]["static_awake"]) == 1  # max_awake 1: one model fits
+    # the other was tried too (first fit), and the sidecar's refusal is kept
+    assert list(arms["static"]["static_refused"]) == ["m01"]
+    assert "409" in arms["static"]["static_refused"]["m01"]
+    assert "warm" not in arms["l1"]  # a cold start unless --warm 1
     assert arms["static"]["codes"].get("503", 0) > 0  # the others are not served
     assert arms["l1"]["served"] == n  # ours serves every model
     assert arms["deep"]["served"] == n
@@ -61,4 +66,6 @@ def test_density_on_cpu(tmp_path: Path) -> None:
     assert (tmp_path / "density.svg").read_text().count("<circle") == sum(
         a["served"] for a in arms.values()
     )  # the plot without matplotlib: every request served, per arm
-    assert (tmp_path / "sidecar-deep.log").read_text()  # each arm's sidecar log kept
+    kept = (tmp_path / "sidecar-deep.log").read_text()  # each arm's sidecar log kept
+    assert "wake plan" in kept  # its decisions, from the start of the arm
+    assert " httpx " not in kept.split("# the log's last 100 lines")[0]
