@@ -38,7 +38,7 @@ from controller.models.footprints import footprint_from_sleep
 from controller.models.manager import Manager
 from controller.models.modelmanager import ModelManager, Outcome
 from controller.models.record import ModelRecord
-from controller.models.steps import DrainMode
+from controller.models.steps import DrainMode, KvFirst
 from controller.observe.swapmetrics import SwapMetrics
 from controller.state import Action, Request, State, decide
 
@@ -267,17 +267,17 @@ class SwapCoordinator(SwapView):
     async def _overlapped(
         self, mm: ModelManager, victim: ModelManager, overlap: Overlap
     ) -> tuple[Outcome, float, float]:
-        """Put `victim` to sleep split by pool and start waking `name` the moment the
-        victim's KV cache is off the device (or at once, `overlap.early`): `name`'s weights
-        come in while the victim's go out (the link is full duplex); `name`'s KV cache is
-        mapped only once the victim is SUSPENDED (or its process gone), or once the victim's
-        KV cache is gone (`overlap.kv_early`); `name` serves once RUNNING. Returns the wake's
-        outcome, when it started, and how long the victim's sleep took."""
+        """Put `victim` to sleep split by pool (fused, KV first, where both earlier starts
+        fit) and wake `name` once the victim's KV cache is gone (at once, `overlap.early`):
+        weights in while the victim's go out; `name`'s KV cache mapped once the victim is
+        SUSPENDED (or gone), or its KV cache gone or going (`overlap.kv_early`). Returns the
+        wake's outcome, when it started, and how long the victim's sleep took."""
         name, rec = mm.name, victim.record
         released = asyncio.Event()
         t0 = self._mono()
+        notify = KvFirst(released.set) if overlap.early and overlap.kv_early else released.set
         sleep = self.manager.tasks.spawn(
-            self.sleep(victim, drain="wait", reason="evict", kv_released=released.set, deep=False),
+            self.sleep(victim, drain="wait", reason="evict", kv_released=notify, deep=False),
             name=f"hotswap-evict-{victim.name}",
         )
 

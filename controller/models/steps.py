@@ -9,7 +9,10 @@ says vLLM's own sleep is in force) and a warm-up; the start-up probe is
 An overlapped swap (controller.fleet.swap) runs the evicted model's sleep split by pool, with a
 `kv_released` step between its two suspends that tells the coordinator the KV cache is
 gone, and the woken model's wake with a `wait_room` step before its KV cache is mapped:
-it waits there until the evicted model's weights are off the device.
+it waits there until the evicted model's weights are off the device. Where both earlier
+starts fit, the `kv_released` callable is a `KvFirst`: the evicted model's sleep stays one
+fused `hotswap_sleep` (its KV cache released first inside it) and a `kv_first` step before
+it tells the coordinator the release is about to start.
 
 Drain, as measured on vLLM 0.32 (docs/contracts.md, "Measured: pause semantics"):
 a `/pause?mode=wait` whose HTTP call times out leaves the engine paused, a `/resume`
@@ -138,6 +141,19 @@ async def _health(r: Runner) -> Mapping[str, Any]:
     return {}
 
 
+@dataclasses.dataclass(frozen=True)
+class KvFirst:
+    """A sleep's `kv_released` that asks for the fused sleep where it can be one: `notify`
+    is called once the engine is drained and quiesced, just before its `hotswap_sleep`
+    (which releases the KV records holding only the KV cache first); a sleep that cannot be
+    fused calls it between its two suspends, as any `kv_released`."""
+
+    notify: Callable[[], None]
+
+    def __call__(self) -> None:
+        self.notify()
+
+
 def signal(phase: str, notify: Callable[[], None]) -> EngineStep:
     """A step that only tells someone the steps before it have ended (no engine call)."""
 
@@ -217,6 +233,9 @@ def sleep_sequence(
     if keep_kv and level != 1:
         head, keep_kv = (_kv_not_kept(LEVEL2_KV),), False
     first: tuple[AnyStep, ...] = (drain(mode, grace_s, clear_cache=not keep_kv),)
+    if fused and level == 1 and not keep_kv and isinstance(kv_released, KvFirst):
+        quiesce, sleep = protocol.sleep_steps(level, fused=True)
+        return (*head, *first, quiesce, signal("kv_first", kv_released), sleep)
     if fused and level == 1 and kv_released is None and not keep_kv:
         return (*head, *first, *protocol.sleep_steps(level, fused=True))
     if kv_released is None:

@@ -412,6 +412,12 @@ def test_a_sleep_that_keeps_the_kv_cache_is_split_or_at_level_2_is_never_fused()
     split = steps.sleep_sequence(1, "wait", 1.0, kv_released=lambda: None, fused=True)
     assert "prepare_and_suspend" not in [s.phase for s in split]
     assert [s.phase for s in split][-1] == "suspend_weights"
+    first = steps.sleep_sequence(
+        1, "wait", 1.0, kv_released=steps.KvFirst(lambda: None), fused=True
+    )
+    assert [s.phase for s in first] == ["drain", "quiesce", "kv_first", "prepare_and_suspend"]
+    unfused = steps.sleep_sequence(1, "wait", 1.0, kv_released=steps.KvFirst(lambda: None))
+    assert [s.phase for s in unfused][-3:] == ["suspend_kv_cache", "kv_released", "suspend_weights"]
     level2 = steps.sleep_sequence(2, "wait", 1.0, keep_kv=True, fused=True)
     assert [s.phase for s in level2] == ["kv", "drain", "quiesce", "prepare", "suspend"]
     with pytest.raises(ValueError, match="split"):

@@ -309,12 +309,50 @@ def test_plan_overlap_says_where_the_earlier_starts_fit(
     assert got.peak_bytes <= budget
 
 
-def test_with_room_for_both_the_woken_model_starts_with_the_eviction() -> None:
+def test_with_room_for_both_the_victim_sleeps_fused_and_the_woken_kv_starts_with_it() -> None:
     """Both earlier starts fit (12,000 >= 10,240): b's weights come in while a still
-    drains and prepares, and b's KV cache while a's weights still go out."""
+    drains, a's sleep stays one fused hotswap_sleep (its KV cache released first inside it)
+    and b maps its KV cache as that sleep starts (a `kv_first` step just before it), not
+    after a separate prepare and KV suspend (b's creates wait for the memory at the driver)."""
 
     async def body() -> None:
         ctx, holder = logged_world(swap={"budget_bytes": 12_000, "overlap": "always"})
+        async with ctx as w:
+            log = holder["router"]
+            log.slow[("a", "hotswap_sleep")] = SLOW_OFFLOAD_S
+            log.log.clear()
+            r = await ask(w, "b")
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == "b"
+            assert await w.manager.fleet["a"].wait_for(lambda r: r.state is State.SUSPENDED, 5.0)
+            assert (w.state("a"), w.state("b")) == (State.SUSPENDED, State.RUNNING)
+            assert [c for c in log.calls("a") if c.startswith("hotswap_")] == [
+                "hotswap_quiesce",
+                "hotswap_sleep",
+            ]
+            assert phases(w, "a")[-3:] == ["quiesce", "kv_first", "prepare_and_suspend"]
+            b_weights = log.at("b", "hotswap_resume[weights]", "start")
+            b_kv = log.at("b", "hotswap_wake", "start")
+            assert b_weights < log.at("a", "hotswap_quiesce", "end")  # early
+            assert (
+                log.at("a", "hotswap_quiesce", "end") <= b_kv < log.at("a", "hotswap_sleep", "end")
+            )
+            assert phases(w, "b")[:3] == ["resume_weights", "wait_room", "resume_and_verify"]
+            assert w.engines["a"].wrong == []
+            assert w.engines["b"].wrong == []
+
+    run(body)
+
+
+def test_with_room_for_both_a_victim_that_does_not_fuse_its_sleep_splits_it() -> None:
+    """Both earlier starts fit, but a sleeps with two RPCs (`fused_sleep: false`): split by
+    pool as before, b's KV cache mapped once a's is gone, while a's weights still go out."""
+
+    async def body() -> None:
+        ctx, holder = logged_world(
+            swap={"budget_bytes": 12_000, "overlap": "always"},
+            per_model={"a": {"fused_sleep": False}},
+        )
         async with ctx as w:
             log = holder["router"]
             log.slow[("a", "hotswap_prepare")] = SLOW_OFFLOAD_S
@@ -339,8 +377,14 @@ def test_with_room_for_both_the_woken_model_starts_with_the_eviction() -> None:
 
 
 def test_an_early_wake_whose_victim_fails_before_its_kv_release_maps_no_kv_cache() -> None:
+    """(A victim that sleeps split by pool: a fused one's KV release is inside its one RPC,
+    where the woken model's creates wait for the memory at the driver instead.)"""
+
     async def body() -> None:
-        ctx, holder = logged_world(swap={"budget_bytes": 12_000, "overlap": "always"})
+        ctx, holder = logged_world(
+            swap={"budget_bytes": 12_000, "overlap": "always"},
+            per_model={"a": {"fused_sleep": False}},
+        )
         async with ctx as w:
             log = holder["router"]
             log.fail.add(("a", "hotswap_prepare"))
@@ -391,18 +435,16 @@ def test_the_woken_model_serves_while_the_victims_weights_still_leave() -> None:
         ctx, holder = logged_world(swap={"budget_bytes": 12_000, "overlap": "always"})
         async with ctx as w:
             log = holder["router"]
-            log.slow[("a", "hotswap_suspend[weights]")] = 1.0
+            log.slow[("a", "hotswap_sleep")] = 1.0  # fused: its weights leave inside it
             log.log.clear()
             r = await ask(w, "b")
             assert r.status_code == 200, r.text
             assert r.json()["model"] == "b"
             answered = time.monotonic()
-            assert ("a", "hotswap_suspend[weights]") not in [
-                (h, c) for _, h, c, e in log.log if e == "end"
-            ]
+            assert ("a", "hotswap_sleep") not in [(h, c) for _, h, c, e in log.log if e == "end"]
             slept = await w.manager.fleet["a"].wait_for(lambda r: r.state is State.SUSPENDED, 5.0)
             assert slept
-            assert answered < log.at("a", "hotswap_suspend[weights]", "end")
+            assert answered < log.at("a", "hotswap_sleep", "end")
             assert log.at("b", "hotswap_wake", "start") < answered
             assert (w.state("a"), w.state("b")) == (State.SUSPENDED, State.RUNNING)
             assert w.engines["b"].wrong == []
