@@ -63,11 +63,18 @@ class RealWeightsExtension(HotSwapExtension):
         over every byte beside the kernel's baseline (what the code did before the kernel
         read each storage as its own range); `rebuild` builds and proves the kernel check
         anew in every prepare (what the code did before checks were kept for their ranges);
-        `base` the code as it is: before/after on one engine."""
+        `kvlate` the fused sleep's KV cache released after its prepare (the tuning's
+        `kv_early` off, as before the KV cache first); `base` the code as it is:
+        before/after on one engine."""
+        import dataclasses
+
         if name not in VARIANTS:
             raise ValueError(f"variant {name!r}: expected one of {sorted(VARIANTS)}")
         fingerprint.Plan.baseline = VARIANTS[name]  # type: ignore[method-assign,assignment]
-        return {"variant": name}
+        st = self._hotswap_state()
+        tuning = dataclasses.replace(st.settings.tuning, kv_early=name != "kvlate")
+        st.use_settings(dataclasses.replace(st.settings, tuning=tuning))
+        return {"variant": name, "kv_early": tuning.kv_early}
 
 
 _BASELINE = fingerprint.Plan.baseline
@@ -84,4 +91,9 @@ def _rebuilt(plan: fingerprint.Plan) -> fingerprint.Baseline:
     return _BASELINE(plan)
 
 
-VARIANTS = {"base": _BASELINE, "storagepass": _with_storage_pass, "rebuild": _rebuilt}
+VARIANTS = {
+    "base": _BASELINE,
+    "storagepass": _with_storage_pass,
+    "rebuild": _rebuilt,
+    "kvlate": _BASELINE,
+}

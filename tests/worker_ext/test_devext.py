@@ -103,6 +103,19 @@ def test_codec_switch_changes_both_settings_and_pins_for_it() -> None:
     assert w.backend.settings.host_codec == "none"
 
 
+def test_the_kvlate_variant_turns_the_kv_cache_first_off_and_base_back_on() -> None:
+    w = Worker()
+    try:
+        out = w.hotswap_bench_variant("kvlate")
+        assert out["ok"], out
+        assert out["kv_early"] is False
+        assert w.backend.settings.tuning.kv_early is False
+        assert w.hotswap_bench_variant("base")["kv_early"] is True
+        assert w.backend.settings.tuning.kv_early is True
+    finally:
+        w.hotswap_bench_variant("base")  # the fingerprint baseline as it was
+
+
 def test_loaded_library_without_vllm_reads_this_process_maps(monkeypatch: Any) -> None:
     # a torch-only device bench has no vLLM: the path comes from /proc/self/maps
     monkeypatch.setitem(sys.modules, "vllm.utils.system_utils", None)  # import fails
