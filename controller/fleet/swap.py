@@ -272,9 +272,7 @@ class SwapCoordinator(SwapView):
         weights in while the victim's go out; `name`'s KV cache mapped once the victim is
         SUSPENDED (or gone), or its KV cache gone or going (`overlap.kv_early`). Returns the
         wake's outcome, when it started, and how long the victim's sleep took."""
-        name, rec = mm.name, victim.record
-        released = asyncio.Event()
-        t0 = self._mono()
+        name, rec, released, t0 = mm.name, victim.record, asyncio.Event(), self._mono()
         notify = KvFirst(released.set) if overlap.early and overlap.kv_early else released.set
         sleep = self.manager.tasks.spawn(
             self.sleep(victim, drain="wait", reason="evict", kv_released=notify, deep=False),
