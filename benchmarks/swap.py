@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -56,6 +57,9 @@ T0 = time.monotonic()
 log = logger("swap")
 NAMES = ["a", "b"]  # `--models N`: the first N letters (main sets them)
 _rng = random.Random(1)
+# Every request's time per model in this sidecar's run (the bench's estimate of the policy's
+# pick: `least_used`)
+ASKED: dict[str, list[float]] = {}
 _vocab = [30000]  # the prompts' token ids stay below this (the tiny model's vocabulary on CPU)
 
 
@@ -131,6 +135,7 @@ def complete(c: httpx.Client, name: str, n_tokens: int) -> float:
 
 def complete_at(c: httpx.Client, name: str, n_tokens: int) -> tuple[float, float]:
     """One fresh prompt, one token out: (its time, the wall clock at its answer)."""
+    ASKED.setdefault(name, []).append(time.monotonic())
     body = {"model": name, "prompt": prompt(n_tokens), "max_tokens": 1, "temperature": 0}
     t = time.monotonic()
     r = c.post("/v1/completions", json=body)
@@ -260,6 +265,7 @@ def run_once(
 ) -> dict[str, Any]:
     """One sidecar (both engines booted afresh) with `swap.overlap: mode`."""
     t_start = time.monotonic()
+    ASKED.clear()
     work = Path(tempfile.mkdtemp(prefix="bench-swap-"))  # config and logs: not in $OUT
     cport, gport = free_port(), free_port()
     cfg = config(model, args, mode, cport, gport, work)
@@ -568,29 +574,26 @@ def max_awake(args: argparse.Namespace) -> int:
     return int(args.max_awake) if args.max_awake else int(args.models) - 1
 
 
-def schedule(names: list[str], awake: int, n: int) -> list[dict[str, Any]]:
-    """The swaps of a run with a victim among several: the models start awake in name order
-    up to `awake` (their first requests), the rest asleep; each swap wakes the model asleep
-    longest, after one request to a keeper among the awake ones (the oldest-woken and the
-    newest-woken in turn), so the least recently used is another: the victim the policy
-    should pick, and not always the one woken first."""
-    up = list(names[:awake])  # wake order, oldest first
-    down = list(names[awake:])
-    used = list(up)  # least recently used first
-    out = []
-    for i in range(n):
-        target = down.pop(0)
-        keeper = up[-1] if i % 2 == 0 else up[0]
-        used.remove(keeper)
-        used.append(keeper)
-        victim = next(m for m in used if m in up and m != keeper) if len(up) > 1 else up[0]
-        out.append({"target": target, "touch": keeper, "expect_victim": victim})
-        up.remove(victim)
-        used.remove(victim)
-        down.append(victim)
-        up.append(target)
-        used.append(target)
-    return out
+# The policy's time constant of a model's recent requests (controller.models.fleetparts), for
+# the bench's own estimate of its pick.
+USE_DECAY_S = 30.0
+RULE = (
+    "the models start awake in name order up to max_awake, the rest asleep; each swap asks"
+    " for the model asleep longest, after one request to a keeper among the awake ones (the"
+    " newest-woken and the oldest-woken in turn); the policy evicts the least used (fewest"
+    " recent requests, each decaying with a 30 s time constant, then the least recently used)"
+)
+
+
+def least_used(times: dict[str, list[float]], awake: list[str], now: float) -> list[str]:
+    """`awake` in the policy's eviction order, from the bench's own requests' times: the
+    fewest recent requests (each 1, decaying by USE_DECAY_S), then the least recently used."""
+
+    def key(n: str) -> tuple[float, float, str]:
+        ts = times.get(n, [])
+        return (sum(math.exp(-(now - t) / USE_DECAY_S) for t in ts), max(ts, default=0.0), n)
+
+    return sorted(awake, key=key)
 
 
 def plan(args: argparse.Namespace, modes: list[str]) -> dict[str, Any]:
@@ -606,7 +609,8 @@ def plan(args: argparse.Namespace, modes: list[str]) -> dict[str, Any]:
         "budget_s": args.budget_s,
     }
     if len(NAMES) > 2:
-        out["schedule"] = schedule(list(NAMES), awake, args.swaps)
+        out["swaps"] = args.swaps
+        out["rule"] = RULE
     return out
 
 
@@ -618,43 +622,54 @@ def among(
     n_swaps: int,
     deadline: float,
 ) -> list[dict[str, Any]]:
-    """The swaps of `schedule`: each row as the two-model loop's, plus the victim the policy
-    picked (`evicted`, read from the states), the one least recently used (`expect_victim`),
-    the plan's own reason from the sidecar's log (`plan`), and the awake models' idle
-    seconds (since the end of the bench's last request to each) just before the request
-    (`idle_s`)."""
+    """The swaps of RULE: each row as the two-model loop's, plus the victim the policy picked
+    (`evicted`, read from the states), the bench's own estimate of the policy's pick
+    (`expect_victim`, from its requests' times: `least_used`) and the least recently used
+    (`lru`), the plan's own line from the sidecar's log (`plan`: decision and reason), and the
+    awake models' seconds since the bench's last request to each (`idle_s`)."""
     awake = max_awake(args)
-    last: dict[str, float] = {}
-    for n in NAMES[:awake]:
-        complete(gw, n, args.prompt_tokens)
-        last[n] = time.monotonic()
+    times = ASKED  # every request of the run so far, the standalone cycles' too
+
+    def ask(n: str) -> tuple[float, float]:
+        return complete_at(gw, n, args.prompt_tokens)
+
+    up = list(NAMES[:awake])  # awake, in wake order
+    down = list(NAMES[awake:])  # asleep, the longest first
+    for n in up:
+        ask(n)
     rows: list[dict[str, Any]] = []
-    for i, step in enumerate(schedule(list(NAMES), awake, n_swaps)):
+    for i in range(n_swaps):
         if time.monotonic() > deadline - 15:
             log(f"out of time after {i} swaps")
             break
-        name = step["target"]
-        complete(gw, step["touch"], args.prompt_tokens)
-        last[step["touch"]] = time.monotonic()
+        name, keeper = down[0], (up[-1] if i % 2 == 0 else up[0])
+        ask(keeper)
         before = _states(ctl)
         t = time.monotonic()
-        idle = {n: round(t - last[n], 3) for n in NAMES if before.get(n) == "RUNNING" and n in last}
+        running = [n for n in up if before.get(n) == "RUNNING"]
+        order = least_used(times, running, t)
+        lru = min(running, key=lambda n: times[n][-1]) if running else None
+        idle = {n: round(t - times[n][-1], 3) for n in running}
         mark = _log_size(log_path)
-        swap_s, swap_end = complete_at(gw, name, args.prompt_tokens)
-        after_s = complete(gw, name, args.prompt_tokens)
-        warm_s = complete(gw, name, args.prompt_tokens)
-        last[name] = time.monotonic()
+        swap_s, swap_end = ask(name)
+        after_s, _ = ask(name)
+        warm_s, _ = ask(name)
         now = _states(ctl)
         gone = [n for n in NAMES if before.get(n) == "RUNNING" and now.get(n) != "RUNNING"]
         for n in gone:
             settled(ctl, n)
+            up.remove(n)
+            down.append(n)
+        down.remove(name)
+        up.append(name)
         victim = gone[0] if len(gone) == 1 else None
         row: dict[str, Any] = {
             "model": name,
             "evicted": victim if victim is not None else ",".join(gone),
-            "expect_victim": step["expect_victim"],
-            "victim_is_lru": gone == [step["expect_victim"]],
-            "touched": step["touch"],
+            "expect_victim": order[0] if order else None,
+            "victim_as_expected": bool(order) and gone == order[:1],
+            "lru": lru,
+            "touched": keeper,
             "idle_s": idle,
             "plan": _plan_line(log_path, mark, name),
             "swap_s": swap_s,
@@ -669,8 +684,8 @@ def among(
             row["after_wake_s"] = swap_end - w["ended_at"]
         rows.append(row)
         log(
-            f"swap {i + 1} -> {name}: {swap_s:.3f} s, evicted {row['evicted']} (LRU"
-            f" {step['expect_victim']}, idle {idle}), plan: {row['plan']}"
+            f"swap {i + 1} -> {name}: {swap_s:.3f} s, evicted {row['evicted']} (expected"
+            f" {row['expect_victim']}, LRU {lru}, idle {idle}), plan: {row['plan']}"
         )
     return rows
 
@@ -684,12 +699,16 @@ def victims(swaps: list[dict[str, Any]]) -> str:
     rows = [r for r in swaps if "expect_victim" in r]
     if not rows:
         return ""
-    lru = sum(1 for r in rows if r["victim_is_lru"])
-    lines = [f"victims: the least recently used in {lru} of {len(rows)} swaps"]
+    hits = sum(1 for r in rows if r["victim_as_expected"])
+    lru = sum(1 for r in rows if r["evicted"] == r["lru"])
+    lines = [
+        f"victims: as the bench expected (the least used) in {hits} of {len(rows)} swaps, the"
+        f" least recently used in {lru}"
+    ]
     for i, r in enumerate(rows):
         lines.append(
-            f"  {i + 1}: {r['model']} evicted {r['evicted']} (LRU {r['expect_victim']}, idle"
-            f" {r['idle_s']}): {r['plan']}"
+            f"  {i + 1}: {r['model']} evicted {r['evicted']} (expected {r['expect_victim']},"
+            f" LRU {r['lru']}, idle {r['idle_s']}): {r['plan']}"
         )
     return "\n".join(lines)
 
