@@ -500,6 +500,8 @@ SLEEP_RANK_KEYS = (
     "at_prepared_s",
     "at_discarded_s",
     "at_released_s",
+    "trim_s",
+    "host_trim_s",
     "copy_wait_s",
     "snap_copied_s",
     "snap_plan_s",
