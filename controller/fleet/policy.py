@@ -374,8 +374,9 @@ class _Wake(Generic[M]):
         """Evict idle awake peers, least recently used first; else refuse, saying when a
         retry could succeed."""
         min_awake = max(self.budgets[d].min_awake_s for d in self.mine)
+        # (a model with requests held for it is handed them as soon as it is RUNNING)
         idle = sorted(
-            (p for p in self.peers if p.state is State.RUNNING and not p.pinned),
+            (p for p in self.peers if p.state is State.RUNNING and not p.pinned and not p.queued),
             key=_least_used,
         )
         ready = [p for p in idle if _awake_for(p, now) >= min_awake]
@@ -427,6 +428,11 @@ class _Wake(Generic[M]):
                 return self.plan(Decision.REFUSE, why, retry=max(0.0, wait))
         pinned = [p.name for p in self.peers if p.pinned]
         busy = [f"{p.name} ({p.state.value})" for p in self.peers if p.state is not State.RUNNING]
+        busy += [
+            f"{p.name} ({p.queued} request(s) held for it)"
+            for p in self.peers
+            if p.state is State.RUNNING and p.queued and not p.pinned
+        ]
         held = "; ".join(
             part
             for part in (

@@ -126,7 +126,8 @@ class SwapCoordinator(SwapView):
 
     async def _wake(self, mm: ModelManager, *, evict: bool) -> SwapResult:
         name, rec = mm.name, mm.record
-        async with self._device_locks(rec):
+        async with contextlib.AsyncExitStack() as lock:
+            await lock.enter_async_context(self._device_locks(rec))
             await self._settle(rec)
             plan = await self._deepened_plan(mm, evict)
             fields = {"model": name, "phase": "policy"}
@@ -169,7 +170,7 @@ class SwapCoordinator(SwapView):
                         self.metrics.eviction(victim.name, "lru")
                     t1 = self._mono()
                     evict_s = t1 - t0
-                    outcome = await mm.wake()
+                    outcome = await (mm.wake() if victims else _wake_beside(self, mm, lock))
             except HotswapError:
                 self.metrics.swap(name, "failed", self._mono() - t0)
                 raise
@@ -180,8 +181,8 @@ class SwapCoordinator(SwapView):
             # engine's pinned backup) is what its resumes said.
             rec.holdings.release_host()
             if mm.snapshot().state is State.RUNNING:
-                rec.lane.hand_over()  # before the lock goes: no eviction overtakes them
-                self._host_after_wake(mm, outcome)
+                rec.lane.hand_over()  # before the lock goes, or while held: none evicts it
+                _host_after_wake(self, mm, outcome)
             self.metrics.swap(name, "ok", t2 - t0)
             result = SwapResult(
                 plan,
@@ -225,13 +226,6 @@ class SwapCoordinator(SwapView):
                     log.warning("%s: not deep: %s", sleeper.name, sleeper.record.ckpt.refused)
             plan = self.plan(mm, allow_evict=evict)
         return plan
-
-    def _host_after_wake(self, mm: ModelManager, outcome: Outcome) -> None:
-        """The host bytes a woken model keeps, and (in a named task: the wake's answer does
-        not wait) the host budget enforced over the fleet if they put it over."""
-        if self.host.woke(mm.record, outcome):
-            task = self.manager.tasks.spawn(self.host.enforce(), f"hotswap-host-{mm.name}")
-            mm.record.swapping.enforcing_host(task)
 
     def overlap(self, mm: ModelManager, plan: WakePlan[ModelManager]) -> Overlap:
         """Whether this evicting wake may overlap the evicted model's offload with the
@@ -471,6 +465,33 @@ class SwapCoordinator(SwapView):
 
     def host_budget_bytes(self) -> int | None:
         return self.host.budget().bytes
+
+
+def _host_after_wake(coord: SwapCoordinator, mm: ModelManager, outcome: Outcome) -> None:
+    """The host bytes a woken model keeps, and (in a named task: the wake's answer does
+    not wait) the host budget enforced over the fleet if they put it over."""
+    if coord.host.woke(mm.record, outcome):
+        task = coord.manager.tasks.spawn(coord.host.enforce(), f"hotswap-host-{mm.name}")
+        mm.record.swapping.enforcing_host(task)
+
+
+async def _wake_beside(
+    coord: SwapCoordinator, mm: ModelManager, lock: contextlib.AsyncExitStack
+) -> Outcome:
+    """A wake that evicts nothing: the device's lock goes once the model is RESUMING (every
+    later plan counts it at its footprint), so its restore, copies and verify run beside the
+    next plans (docs/contracts.md, SwapCoordinator)."""
+    task = coord.manager.tasks.spawn(mm.wake(), f"hotswap-wake-{mm.name}")
+    rpc_s = coord.settings.timeouts.rpc_s
+    begun = asyncio.ensure_future(
+        mm.record.wait_for(lambda r: r.state is not State.SUSPENDED, rpc_s)
+    )
+    try:
+        await asyncio.wait({task, begun}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        begun.cancel()
+    await lock.aclose()
+    return await task
 
 
 def _deepen_later(manager: Manager, evicted: list[ModelManager]) -> None:

@@ -5,6 +5,7 @@ fake driver says this process holds a CUDA context."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -302,8 +303,12 @@ async def test_an_evicted_model_with_requests_held_for_it_is_not_taken_deep(
         await sc.started.wait()
         assert (await client.post("/models/b/sleep")).status_code == 200
         a = sc.fleet["a"]
+        gate = fakes["a"].block("hotswap_suspend")
+        wake = asyncio.create_task(client.post("/models/b/wake"))
+        await fakes["a"].entered["hotswap_suspend"].wait()  # a is being evicted
         a.lane.hold(+1)  # the gateway holds a request for a (its wake waits for the device)
-        r = await client.post("/models/b/wake")
+        gate.set()
+        r = await wake
         assert r.status_code == 200, r.text
         assert r.json()["policy"]["evicted"] == ["a"]
         assert a.swapping.deepen_task is None  # no checkpoint started

@@ -263,6 +263,26 @@ def test_the_model_asked_most_stays_awake_over_the_one_asked_last() -> None:
     run(body)
 
 
+def test_a_wake_that_evicts_nothing_lets_the_next_wake_run_beside_it() -> None:
+    """Room for all three: b's wake is stuck in its copies, c's wake is planned and served
+    meanwhile (the device's lock went once b was RESUMING); then b's request is served."""
+
+    async def body() -> None:
+        async with world(("a", "b", "c"), swap={"max_awake": 3}) as w:
+            gate = w.engines["b"].fake.block("hotswap_resume")
+            b = asyncio.create_task(ask(w, "b"))
+            await w.engines["b"].fake.entered["hotswap_resume"].wait()
+            assert w.state("b") is State.RESUMING
+            r = await asyncio.wait_for(ask(w, "c"), 5.0)  # the old code: behind b's wake
+            assert r.status_code == 200, r.text
+            assert w.state("b") is State.RESUMING
+            gate.set()
+            assert (await b).status_code == 200
+            assert [w.state(n) for n in "abc"] == [State.RUNNING] * 3
+
+    run(body)
+
+
 def test_eviction_waits_for_requests_in_flight_and_holds_new_ones() -> None:
     async def body() -> None:
         async with world() as w:

@@ -92,6 +92,28 @@ CASES = [
         evict=("c",),
     ),
     Case(
+        # requests held for b (it was just woken for them): c goes, though asked more
+        "a model with requests held for it is not evicted",
+        "a",
+        (
+            v("a", mib=100),
+            v("b", S.RUNNING, mib=100, used=10, queued=2),
+            v("c", S.RUNNING, mib=100, used=20, uses=3.0),
+        ),
+        Budget(200 * MIB),
+        Decision.EVICT,
+        evict=("c",),
+    ),
+    Case(
+        "nothing else evictable: refused, to be asked again",
+        "a",
+        (v("a", mib=100), v("b", S.RUNNING, mib=100, queued=1)),
+        Budget(150 * MIB),
+        Decision.REFUSE,
+        reason_has="request(s) held for it",
+        retry=1.0,
+    ),
+    Case(
         # LRU takes b and c (50 each) before d (200), which alone makes room: b and c are
         # spared (the old plan evicted all three)
         "a large idle model alone spares the small ones taken before it",
