@@ -53,7 +53,9 @@ def test_sigterm_stops_admitting_and_lets_the_stream_in_flight_finish(
         "server": {"host": "127.0.0.1", "port": 0},
         "gateway": {"port": 0, "retry_after_s": 1},
         "timeouts": {"stop_drain_s": 60.0},
-        "supervisor": {"log_dir": str(tmp_path / "engines"), "stop_grace_s": 5.0},
+        # The engine at the test's priority: the sidecar is in the test's session, shared
+        # with a check run's other lanes (support.sidecarthread.SidecarThread says why).
+        "supervisor": {"log_dir": str(tmp_path / "engines"), "stop_grace_s": 5.0, "engine_nice": 0},
         "log": {"format": "text", "level": "INFO"},
         "models": [
             {

@@ -114,6 +114,11 @@ class SidecarThread:
 
     def __init__(self, models_source: ModelsSource, **settings: Any) -> None:
         self._source = models_source
+        # The managed engines at the test's own priority unless the test says otherwise: the
+        # sidecar runs in the test process, whose session (one CPU share where the kernel
+        # groups by session) holds the other lanes of a check run too, and their tests would
+        # come before these engines at the default nice (supervisor.engine_nice).
+        settings["supervisor"] = {"engine_nice": 0, **settings.get("supervisor", {})}
         self._settings = settings
         # Port 0: each server binds a free port itself (a port chosen free beforehand can be
         # taken before it is bound); the URLs are read back once they listen.
