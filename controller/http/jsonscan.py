@@ -92,6 +92,13 @@ _KEY_MAX = 64  # a longer key is none of the wanted ones: its bytes are not kept
 # go far (long runs, shallow items skipped whole) stay steps.
 BULK_AFTER = 32
 BULK_BYTES = 48
+# One bulk count reads at most BULK_WINDOW bytes, and one that went less than BULK_KEEP
+# (a closer back to the top level within a few bytes: `[][]...`, `[1][1]...` at the top)
+# sends the scan back to the steps until another BULK_AFTER of them went short: the bulk's
+# reads stay within a constant of the bytes fed, whatever the shape (an unbounded count
+# that stops at once, tried at every step, read the rest of the piece each time).
+BULK_WINDOW = 512
+BULK_KEEP = 48
 _WHOLE_STRINGS = re.compile(b"(" + _STRING + b")", re.DOTALL)  # split around each whole string
 _LEVEL = bytes(1 if b in b"[{" else 255 if b in b"]}" else 0 for b in range(256))  # as int8
 
@@ -120,6 +127,7 @@ class JsonScan:
         self.limit = limit
         self.wanted = wanted
         self.steps = 0
+        self.bulk_read = 0  # bytes the bulk counts read (a constant times the bytes fed at most)
         self.offset = 0  # bytes fed so far
         self.depth = 0
         self.max_depth = 0
@@ -157,6 +165,8 @@ class JsonScan:
                     bulk, deep_from = bulk or short, pos
                 deep_steps += 1
                 went = self._bulk(data, pos) if bulk else pos
+                if bulk and went - pos < BULK_KEEP:
+                    bulk, deep_steps = False, 0
                 pos = went if went > pos else self._deep(data, pos)
             else:
                 if self._expect_key and self.depth == 1:
@@ -197,13 +207,15 @@ class JsonScan:
         return found.end()
 
     def _bulk(self, data: bytes | memoryview, pos: int) -> int:
-        """Below the top-level members: the rest of the piece at C speed, up to the first
+        """Below the top-level members: the piece (BULK_WINDOW bytes of it at most) at C
+        speed, up to the first
         closer that would take the depth back to the top level's (which the steps then
         take), a string that does not close in the piece (its quote: the steps read it) or
         past the limit. Whole strings are blanked out (a split around each), every byte
         becomes its change of depth (+1, -1, 0), and the running depth is one accumulate:
         a few C-level passes over the piece, whatever its shape."""
-        piece = bytes(data[pos:])
+        piece = bytes(data[pos : pos + BULK_WINDOW])
+        self.bulk_read += len(piece)
         if b'"' in piece:
             parts = _WHOLE_STRINGS.split(piece)
             parts[1::2] = map(bytes, map(len, parts[1::2]))  # a string: as many zero bytes

@@ -29,6 +29,7 @@ def counting(request: pytest.FixtureRequest) -> Iterator[str]:
         if request.param == "bulk":
             mp.setattr(jsonscan, "BULK_AFTER", 1)
             mp.setattr(jsonscan, "BULK_BYTES", 1 << 30)
+            mp.setattr(jsonscan, "BULK_KEEP", 0)  # never back to the steps
         yield request.param
 
 
@@ -130,6 +131,32 @@ def test_real_json_yields_the_fields_a_parser_sees(
     assert set(shape.fields) == set(extra)
     for key, (start, end) in shape.fields.items():
         assert json.loads(body[start:end]) == top[key]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[]" * 100_000,
+        b"[1]" * 60_000,
+        b'{"p": ' + (b"[[]" * 40 + b"]" * 40 + b",") * 2_000 + b"1}",
+    ],
+    ids=["top-level empty lists", "top-level one-item lists", "chains in a member"],
+)
+@pytest.mark.parametrize("slices", [False, True], ids=["whole", "8 KiB slices"])
+def test_the_bulk_counts_read_a_constant_times_the_body(
+    counting: str, body: bytes, slices: bool
+) -> None:
+    """Whatever stops the bulk count at once (a closer back to the top level within a few
+    bytes) sends the scan back to its steps for a while, and a count reads a window, not
+    the rest of the piece: a body of many top-level values once read the rest of its piece
+    at every step (200 KB scanned whole: minutes of CPU)."""
+    if counting == "bulk":
+        pytest.skip("the production constants only (the bulk mode counts from every step)")
+    cuts = list(range(8192, len(body), 8192)) if slices else []
+    scanner, shape = scanned(body, cuts, limit=64)
+    assert shape.balanced
+    assert scanner.steps <= 2 * len(body) + 1
+    assert scanner.bulk_read <= 16 * len(body)
 
 
 def test_the_last_of_a_repeated_key_wins_and_escaped_keys_count() -> None:
