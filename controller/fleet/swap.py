@@ -170,7 +170,7 @@ class SwapCoordinator(SwapView):
                         self.metrics.eviction(victim.name, "lru")
                     t1 = self._mono()
                     evict_s = t1 - t0
-                    outcome = await (mm.wake() if victims else _wake_beside(self, mm, lock))
+                    outcome = await _wake_beside(self, mm, lock)  # its victims asleep
             except HotswapError:
                 self.metrics.swap(name, "failed", self._mono() - t0)
                 raise
@@ -478,9 +478,9 @@ def _host_after_wake(coord: SwapCoordinator, mm: ModelManager, outcome: Outcome)
 async def _wake_beside(
     coord: SwapCoordinator, mm: ModelManager, lock: contextlib.AsyncExitStack
 ) -> Outcome:
-    """A wake that evicts nothing: the device's lock goes once the model is RESUMING (every
-    later plan counts it at its footprint), so its restore, copies and verify run beside the
-    next plans (docs/contracts.md, SwapCoordinator)."""
+    """A wake that evicts nothing, or whose victims are asleep: the device's lock goes once
+    the model is RESUMING (every later plan counts it at its footprint), so its restore,
+    copies and verify run beside the next plans (docs/contracts.md, SwapCoordinator)."""
     task = coord.manager.tasks.spawn(mm.wake(), f"hotswap-wake-{mm.name}")
     rpc_s = coord.settings.timeouts.rpc_s
     begun = asyncio.ensure_future(

@@ -283,6 +283,27 @@ def test_a_wake_that_evicts_nothing_lets_the_next_wake_run_beside_it() -> None:
     run(body)
 
 
+def test_a_swap_lets_the_next_one_run_once_its_victim_is_asleep() -> None:
+    """Two awake of three: c's wake evicts one of a and b and is stuck in its copies; the
+    evicted one's next request evicts the other and is served meanwhile."""
+
+    async def body() -> None:
+        async with world(("a", "b", "c"), swap={"max_awake": 2}) as w:
+            assert (await ask(w, "b")).status_code == 200
+            gate = w.engines["c"].fake.block("hotswap_resume")
+            c = asyncio.create_task(ask(w, "c"))
+            await w.engines["c"].fake.entered["hotswap_resume"].wait()
+            gone = next(n for n in "ab" if w.state(n) is State.SUSPENDED)
+            r = await asyncio.wait_for(ask(w, gone), 5.0)  # the old code: behind c's wake
+            assert r.status_code == 200, r.text
+            assert w.state("c") is State.RESUMING
+            gate.set()
+            assert (await c).status_code == 200
+            assert sorted(n for n in "abc" if w.state(n) is State.RUNNING) == sorted([gone, "c"])
+
+    run(body)
+
+
 def test_eviction_waits_for_requests_in_flight_and_holds_new_ones() -> None:
     async def body() -> None:
         async with world() as w:
