@@ -59,6 +59,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import tempfile
@@ -465,6 +466,84 @@ def decisions(path: Path, most: int = 3 << 20) -> str:
     return kept[-most:] + "\n\n# the log's last 100 lines\n" + tail + "\n"
 
 
+# ----------------------------------------------------------------------------- explain
+
+_PLAN = re.compile(r"(\w+): wake plan (\w+): (.*)$")
+_SWAPPED = re.compile(
+    r"(\w+): swapped in after ([\d.]+) s \(evicted (.*?) in ([\d.]+) s, wake ([\d.]+) s"
+)
+_TOOK = re.compile(r"(\w+): (\w+) (\w+) took ([\d.]+) s")
+_VICTIM = re.compile(r"evicting (?:LRU|the least used) (.*?)(?: \(the need|$)")
+
+
+def window(t: float, every_s: float = 20.0, burst_s: float = 3.0) -> str:
+    """Where a request of the trace falls: the cold start, a burst (its first 5 s) or between."""
+    if t < COLD_S:
+        return "cold"
+    return "burst" if t % every_s < burst_s + 2.0 else "between"
+
+
+def explain(out_dir: Path) -> dict[str, Any]:
+    """Where each arm's misses came from, read from a run's output folder: the misses (over
+    2 s or not served) by window of the trace and by code; from the arm's sidecar log, its
+    plans by decision, the victims, the swaps' times, and the driver's checkpoints and
+    restores (each on a wake's path or after an eviction)."""
+    arms: dict[str, list[dict[str, Any]]] = {}
+    for line in (out_dir / "density-requests.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        arms.setdefault(rec.pop("arm"), []).append(rec)
+    out: dict[str, Any] = {}
+    for arm, recs in arms.items():
+        missed = [
+            r for r in recs if r["status"] != 200 or r["ttft_s"] is None or r["ttft_s"] > SLO_S
+        ]
+        by: dict[str, dict[str, int]] = {"window": {}, "code": {}, "model": {}}
+        for r in missed:
+            for k, v in (
+                ("window", window(r["t"])),
+                ("code", str(r["status"])),
+                ("model", r["model"]),
+            ):
+                by[k][v] = by[k].get(v, 0) + 1
+        row: dict[str, Any] = {"requests": len(recs), "missed": len(missed), "missed_by": by}
+        log = out_dir / f"sidecar-{arm}.log"
+        if log.exists():
+            row |= _explain_log(log.read_text(errors="replace").split("# the log's last 100")[0])
+        out[arm] = row
+    return out
+
+
+def _explain_log(text: str) -> dict[str, Any]:
+    plans: dict[str, int] = {}
+    victims: dict[str, int] = {}
+    swapped: list[float] = []
+    took: dict[str, list[float]] = {}
+    for ln in text.splitlines():
+        if m := _PLAN.search(ln):
+            plans[m.group(2)] = plans.get(m.group(2), 0) + 1
+            if (v := _VICTIM.search(m.group(3))) is not None:
+                for name in re.findall(r"(\w+) \(idle", v.group(1)):
+                    victims[name] = victims.get(name, 0) + 1
+        elif m := _SWAPPED.search(ln):
+            swapped.append(float(m.group(2)))
+        elif m := _TOOK.search(ln):
+            kind, phase = m.group(2), m.group(3)
+            if phase in ("checkpoint", "restore"):
+                took.setdefault(f"{kind} {phase}", []).append(float(m.group(4)))
+
+    def spread(xs: list[float]) -> dict[str, float] | None:
+        if not xs:
+            return None
+        return {"n": len(xs), "p50": pct(xs, 50) or 0.0, "max": max(xs), "sum": sum(xs)}
+
+    return {
+        "plans": plans,
+        "victims": victims,
+        "swapped_in_s": spread(swapped),
+        "driver_s": {k: spread(v) for k, v in sorted(took.items())},
+    }
+
+
 # ----------------------------------------------------------------------------- engines
 
 
@@ -733,6 +812,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--request-timeout-s", type=float, default=30.0)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--replot", default=None, help="a density-requests.jsonl: plot it, run nothing")
+    ap.add_argument(
+        "--explain", default=None, help="a run's output folder: where its misses came from (JSON)"
+    )
     ap.add_argument("--budget-s", type=float, default=3600.0, help="the whole run's seconds")
     ap.add_argument("--arm-overhead-s", type=float, default=30.0, help="per arm, besides its trace")
     ap.add_argument("--reserve-s", type=float, default=30.0, help="kept for the end")
@@ -745,6 +827,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         and args.budget_gib is None
         and args.max_awake is None
         and not args.replot
+        and not args.explain
     ):
         # the sidecar measures a device's budget only for engines it manages: attached
         # ones would be woken with no limit until a wake finds no memory
@@ -760,6 +843,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.replot:
         return {"png": replot(Path(args.replot), Path(args.out))}
+    if args.explain:
+        why = explain(Path(args.explain))
+        print(json.dumps(why, indent=1), flush=True)
+        return why
     main_thread = threading.current_thread() is threading.main_thread()
     before = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     work = Path(tempfile.mkdtemp(prefix="bench-density-"))

@@ -221,3 +221,34 @@ def test_the_share_within_the_slo_is_also_given_after_the_cold_start() -> None:
     assert got["within_slo"] == 0.25
     assert got["within_slo_after_cold"] == 0.5
     assert density.summarize(rec[:2])["within_slo_after_cold"] is None
+
+
+def test_explain_reads_where_an_arms_misses_came_from(tmp_path: Path) -> None:
+    reqs = [
+        {"arm": "l1", "t": 1.0, "model": "m00", "status": 200, "ttft_s": 3.0},  # cold
+        {"arm": "l1", "t": 21.0, "model": "m01", "status": 429, "ttft_s": None},  # burst
+        {"arm": "l1", "t": 30.0, "model": "m01", "status": 200, "ttft_s": 2.5},  # between
+        {"arm": "l1", "t": 31.0, "model": "m02", "status": 200, "ttft_s": 0.1},  # served
+    ]
+    (tmp_path / "density-requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    swap, manager = "INFO    hotswap.swap [model=m01 phase=policy]", "INFO    hotswap.manager"
+    log = [
+        f"{swap} m01: wake plan evict: over budget (1 held + 2 > 2): evicting the least used"
+        " m03 (idle 1.0 s, 0.5 recent requests), m04 (idle 2.0 s, 0.1 recent requests)",
+        f"{swap} m01: swapped in after 0.700 s (evicted m03, m04 in 0.400 s, wake 0.300 s)",
+        "INFO    hotswap.swap m02: wake plan deepen: over budget: taking m05 deep first",
+        f"{manager} [model=m05 phase=checkpoint] m05: deepen checkpoint took 0.650 s",
+        f"{manager} [model=m02 phase=restore] m02: wake restore took 0.500 s",
+        f"{manager} [model=m02 phase=warmup] m02: wake warmup took 0.001 s",
+    ]
+    (tmp_path / "sidecar-l1.log").write_text("\n".join(log) + "\n# the log's last 100 lines\n")
+    got = density.explain(tmp_path)["l1"]
+    assert (got["requests"], got["missed"]) == (4, 3)
+    assert got["missed_by"]["window"] == {"cold": 1, "burst": 1, "between": 1}
+    assert got["missed_by"]["code"] == {"200": 2, "429": 1}
+    assert got["plans"] == {"evict": 1, "deepen": 1}
+    assert got["victims"] == {"m03": 1, "m04": 1}
+    assert got["swapped_in_s"]["p50"] == 0.7
+    assert got["driver_s"]["deepen checkpoint"]["sum"] == 0.65
+    assert got["driver_s"]["wake restore"]["n"] == 1
+    assert "wake warmup" not in got["driver_s"]  # the driver's copies only
