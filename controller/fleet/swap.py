@@ -214,16 +214,7 @@ class SwapCoordinator(SwapView):
             if not plan.deepen:
                 return plan
             log.info("%s: wake plan %s: %s", mm.name, plan.decision.value, plan.reason)
-            for view in plan.deepen:
-                sleeper = view.model
-                try:
-                    snap = await sleeper.deepen()
-                except (DeepSleepRefused, TransitionConflict) as exc:
-                    snap = sleeper.record.snapshot
-                    sleeper.record.ckpt.unable(exc.message)
-                if not snap.deep:
-                    sleeper.record.ckpt.unable(sleeper.record.ckpt.refused or snap.deep_error)
-                    log.warning("%s: not deep: %s", sleeper.name, sleeper.record.ckpt.refused)
+            await asyncio.gather(*(_take_deep(view.model) for view in plan.deepen))
             plan = self.plan(mm, allow_evict=evict)
         return plan
 
@@ -465,6 +456,20 @@ class SwapCoordinator(SwapView):
 
     def host_budget_bytes(self) -> int | None:
         return self.host.budget().bytes
+
+
+async def _take_deep(sleeper: ModelManager) -> None:
+    """One sleeper of a wake's plan taken deep, beside the plan's others (their checkpoints
+    side by side, docs/contracts.md §2.2); one that did not go deep is marked unable, with
+    its reason."""
+    try:
+        snap = await sleeper.deepen()
+    except (DeepSleepRefused, TransitionConflict) as exc:
+        snap = sleeper.record.snapshot
+        sleeper.record.ckpt.unable(exc.message)
+    if not snap.deep:
+        sleeper.record.ckpt.unable(sleeper.record.ckpt.refused or snap.deep_error)
+        log.warning("%s: not deep: %s", sleeper.name, sleeper.record.ckpt.refused)
 
 
 def _host_after_wake(coord: SwapCoordinator, mm: ModelManager, outcome: Outcome) -> None:

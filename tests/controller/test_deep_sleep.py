@@ -9,7 +9,7 @@ import asyncio
 import json
 import os
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,6 +242,52 @@ async def test_under_pressure_a_sleeper_goes_deep_before_an_eviction(driver: Pat
         assert (states["b"]["state"], states["b"]["deep"]) == ("SUSPENDED", True)
         assert states["b"]["last_transition"]["kind"] == "deepen"
         assert states["c"]["state"] == "RUNNING"
+
+
+async def test_the_sleepers_of_one_plan_go_deep_side_by_side(
+    driver: Path, other_group: subprocess.Popen[bytes]
+) -> None:
+    """d's wake fits only once b's and c's leftovers are gone: both checkpoints run at once
+    (each deepen below waits for the other to have started: one after the other, the first
+    would wait for ever)."""
+    fakes = {n: FakeVllm(name=n, resident_bytes=1000) for n in "abcd"}
+    settings = Settings(
+        models=[
+            ModelSettings(name=n, url=f"http://{n}.engine.test", deep_sleep="pressure")
+            for n in fakes
+        ],
+        swap={"budget_bytes": 27_000},
+        timeouts=TimeoutSettings(drain_s=5.0, shutdown_s=2.0),
+    )
+    sc = make_sidecar(settings, fakes, CollectorRegistry())
+    # b's and c's engines: a process group each (c's the other one), so each checkpoint is
+    # its own
+    (driver / "cuda").write_text(f"{os.getpid()}\n{other_group.pid}\n")
+    for n in fakes:
+        group = other_group.pid if n == "c" else os.getpgid(0)
+        sc.fleet[n].process.engine = GroupOf(group)  # type: ignore[assignment]
+    started = {n: asyncio.Event() for n in "bc"}
+
+    def side_by_side(n: str, real: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[Any]]:
+        async def deepen() -> Any:
+            started[n].set()
+            await asyncio.wait_for(started["c" if n == "b" else "b"].wait(), 5.0)
+            return await real()
+
+        return deepen
+
+    for n in "bc":
+        mm = sc.manager.get(n)
+        mm.deepen = side_by_side(n, mm.deepen)  # type: ignore[method-assign]
+    async with asgi.client(sc.app, "http://s") as client:
+        await sc.started.wait()
+        for n in "bcd":
+            assert (await client.post(f"/models/{n}/sleep", json={"level": 1})).status_code == 200
+        r = await client.post("/models/d/wake")
+        assert r.status_code == 200, r.text
+        states = {n: (await client.get(f"/models/{n}")).json() for n in "abcd"}
+        assert [(states[n]["state"], states[n]["deep"]) for n in "bc"] == [("SUSPENDED", True)] * 2
+        assert (states["a"]["state"], states["d"]["state"]) == ("RUNNING", "RUNNING")
 
 
 async def test_an_evicted_model_is_taken_deep_after_the_swap(
