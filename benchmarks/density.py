@@ -483,15 +483,18 @@ def window(t: float, every_s: float = 20.0, burst_s: float = 3.0) -> str:
     return "burst" if t % every_s < burst_s + 2.0 else "between"
 
 
-def explain(out_dir: Path) -> dict[str, Any]:
-    """Where each arm's misses came from, read from a run's output folder: the misses (over
-    2 s or not served) by window of the trace and by code; from the arm's sidecar log, its
-    plans by decision, the victims, the swaps' times, and the driver's checkpoints and
-    restores (each on a wake's path or after an eviction)."""
+def explain(out_dir: Path, prefix_s: float | None = None) -> dict[str, Any]:
+    """Where each arm's misses came from, read from a run's output folder: the share within
+    the SLO, the misses (over 2 s or not served) by window of the trace and by code; from the
+    arm's sidecar log, its plans by decision, the victims, the swaps' times, and the driver's
+    checkpoints and restores (each on a wake's path or after an eviction). `prefix_s`: the
+    requests of the trace's first seconds only (runs that replayed different prefixes
+    compared over the one all of them replayed; the log's figures stay the whole arm's)."""
     arms: dict[str, list[dict[str, Any]]] = {}
     for line in (out_dir / "density-requests.jsonl").read_text().splitlines():
         rec = json.loads(line)
-        arms.setdefault(rec.pop("arm"), []).append(rec)
+        if prefix_s is None or rec["t"] < prefix_s:
+            arms.setdefault(rec.pop("arm"), []).append(rec)
     out: dict[str, Any] = {}
     for arm, recs in arms.items():
         missed = [
@@ -505,7 +508,12 @@ def explain(out_dir: Path) -> dict[str, Any]:
                 ("model", r["model"]),
             ):
                 by[k][v] = by[k].get(v, 0) + 1
-        row: dict[str, Any] = {"requests": len(recs), "missed": len(missed), "missed_by": by}
+        row: dict[str, Any] = {
+            "requests": len(recs),
+            "within_slo": summarize(recs)["within_slo"],
+            "missed": len(missed),
+            "missed_by": by,
+        }
         log = out_dir / f"sidecar-{arm}.log"
         if log.exists():
             row |= _explain_log(log.read_text(errors="replace").split("# the log's last 100")[0])
@@ -815,6 +823,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--explain", default=None, help="a run's output folder: where its misses came from (JSON)"
     )
+    ap.add_argument("--prefix-s", type=float, default=None, help="with --explain")
     ap.add_argument("--budget-s", type=float, default=3600.0, help="the whole run's seconds")
     ap.add_argument("--arm-overhead-s", type=float, default=30.0, help="per arm, besides its trace")
     ap.add_argument("--reserve-s", type=float, default=30.0, help="kept for the end")
@@ -844,7 +853,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.replot:
         return {"png": replot(Path(args.replot), Path(args.out))}
     if args.explain:
-        why = explain(Path(args.explain))
+        why = explain(Path(args.explain), args.prefix_s)
         print(json.dumps(why, indent=1), flush=True)
         return why
     main_thread = threading.current_thread() is threading.main_thread()

@@ -252,3 +252,6 @@ def test_explain_reads_where_an_arms_misses_came_from(tmp_path: Path) -> None:
     assert got["driver_s"]["deepen checkpoint"]["sum"] == 0.65
     assert got["driver_s"]["wake restore"]["n"] == 1
     assert "wake warmup" not in got["driver_s"]  # the driver's copies only
+    assert got["within_slo"] == 0.25
+    early = density.explain(tmp_path, prefix_s=25.0)["l1"]  # the first 25 s of the trace
+    assert (early["requests"], early["missed"], early["within_slo"]) == (2, 2, 0.0)
