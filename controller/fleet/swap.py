@@ -128,7 +128,7 @@ class SwapCoordinator(SwapView):
         name, rec = mm.name, mm.record
         async with contextlib.AsyncExitStack() as lock:
             await lock.enter_async_context(self._device_locks(rec))
-            await self._settle(rec)
+            await _settle(self, rec)
             plan = await self._deepened_plan(mm, evict)
             fields = {"model": name, "phase": "policy"}
             held = plan.decision is Decision.REFUSE and plan.retry_after_s is not None
@@ -206,6 +206,16 @@ class SwapCoordinator(SwapView):
             return result
 
     async def _deepened_plan(self, mm: ModelManager, evict: bool) -> WakePlan[ModelManager]:
+        """`_deep_plan`; a refusal that may pass while peers wake beside it (RESUMING, not
+        evictable) is planned again once they are awake (bounded), as when their wakes held
+        the device's lock."""
+        plan = await self._deep_plan(mm, evict)
+        passes = plan.decision is Decision.REFUSE and plan.retry_after_s is not None
+        if passes and await _settle(self, mm.record, waking=True):
+            plan = await self._deep_plan(mm, evict)
+        return plan
+
+    async def _deep_plan(self, mm: ModelManager, evict: bool) -> WakePlan[ModelManager]:
         """The wake's plan once the sleepers it takes deep are deep (the third tier: before
         anything awake is evicted). A sleeper that did not go deep is marked unable, with
         its reason, and the wake is planned again without it."""
@@ -344,18 +354,6 @@ class SwapCoordinator(SwapView):
                 evicted.append(view.name)
         return tuple(evicted)
 
-    async def _settle(self, rec: ModelRecord) -> None:
-        """Wait (bounded) for transitions in flight on the model's devices, so the plan sees
-        where they end. Timeouts: a drain, then an RPC, at most."""
-        # Not STARTING: a boot may take many minutes, and the policy counts it as holding.
-        moving = (State.SUSPENDING,)
-        mine = set(rec.settings.placement)
-        on_device = [r for r in self.fleet.values() if mine & set(r.settings.placement)]
-        await self.fleet.wait_for(
-            lambda: not any(r.state in moving for r in on_device),
-            self.settings.timeouts.drain_s + self.settings.timeouts.rpc_s,
-        )
-
     # ---- sleep ---------------------------------------------------------------------------
 
     def begin_sleep(
@@ -456,6 +454,31 @@ class SwapCoordinator(SwapView):
 
     def host_budget_bytes(self) -> int | None:
         return self.host.budget().bytes
+
+
+async def _settle(coord: SwapCoordinator, rec: ModelRecord, waking: bool = False) -> bool:
+    """Wait (bounded) for transitions in flight on the model's devices, so the plan sees
+    where they end (whether any was); `waking`: wakes too, up to their held requests'
+    hand-over. Timeouts: a drain, then an RPC, at most."""
+    # Not STARTING: a boot may take many minutes, and the policy counts it as holding.
+    mine = set(rec.settings.placement)
+    on_device = [r for r in coord.fleet.values() if mine & set(r.settings.placement)]
+
+    def moving() -> bool:
+        return any(
+            r.state is State.SUSPENDING
+            or (
+                waking and (r.state is State.RESUMING or (r.lane.held and r.state is State.RUNNING))
+            )
+            for r in on_device
+        )
+
+    if not moving():
+        return False
+    await coord.fleet.wait_for(
+        lambda: not moving(), coord.settings.timeouts.drain_s + coord.settings.timeouts.rpc_s
+    )
+    return True
 
 
 async def _take_deep(sleeper: ModelManager) -> None:

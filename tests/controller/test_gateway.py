@@ -304,6 +304,27 @@ def test_a_swap_lets_the_next_one_run_once_its_victim_is_asleep() -> None:
     run(body)
 
 
+def test_a_wake_that_must_evict_a_model_still_waking_waits_for_it_not_a_retry() -> None:
+    """Room for one: b's wake is stuck in its copies (RESUMING, the lock gone); c's wake
+    finds nothing evictable yet, waits for b to be awake, then evicts it: no refusal."""
+
+    async def body() -> None:
+        async with world(("a", "b", "c")) as w:
+            await w.coordinator.sleep(w.manager.get("a"))
+            gate = w.engines["b"].fake.block("hotswap_resume")
+            b = asyncio.create_task(ask(w, "b"))
+            await w.engines["b"].fake.entered["hotswap_resume"].wait()
+            c = asyncio.create_task(ask(w, "c"))
+            await asyncio.sleep(0.2)  # c's plan: b still RESUMING
+            gate.set()
+            assert (await b).status_code == 200
+            assert (await c).status_code == 200
+            assert w.sample("hotswap_swaps_total", model="c", result="held") == 0
+            assert w.sample("hotswap_evictions_total", model="b", reason="lru") == 1
+
+    run(body)
+
+
 def test_eviction_waits_for_requests_in_flight_and_holds_new_ones() -> None:
     async def body() -> None:
         async with world() as w:
