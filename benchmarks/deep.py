@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import threading
 import time
@@ -148,9 +149,76 @@ def phases(tr: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+GiB_ = 1 << 30
+DEEP_WAKE_OVER_S = 0.35  # issue 29's targets: deep wake <= level-1 wake + this (8B)
+DEEP_SLEEP_OVER_S = 1.0  # deep sleep <= level-1 sleep + this
+PSS_OVER_CODED = 1.5 * GiB_  # a level-1 sleeper's host PSS <= its coded weights + this
+
+
+def _median(xs: list[Any]) -> float | None:
+    got = [float(x) for x in xs if x is not None]
+    return statistics.median(got) if got else None
+
+
+def summary(res: dict[str, Any]) -> dict[str, Any]:
+    """The model's figures against the targets, from its cycles: the medians of each kind's
+    sleep and wake, deep less level 1, the driver's checkpoint and restore, and per kind the
+    host PSS asleep against the coded weights (the ranks' host_backup_bytes after a level-1
+    sleep) plus 1.5 GiB."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for c in res["cycles"]:
+        by.setdefault(c["kind"], []).append(c)
+    out: dict[str, Any] = {}
+    for kind, cs in by.items():
+        out[kind] = {
+            "n": len(cs),
+            "sleep_s": _median([c["sleep_s"] for c in cs]),
+            "wake_health_s": _median([c.get("wake_health_s") for c in cs]),
+            "pss_asleep": _median([c["asleep_pss"]["total"] for c in cs]),
+            "gpu_asleep": _median([c["asleep_gpu"] for c in cs]),
+            "equal": all(c.get("equal", True) for c in cs),
+        }
+        for ph, key in (("checkpoint", "sleep_phases"), ("restore", "wake_phases")):
+            got = [c[key][ph] for c in cs if ph in (c.get(key) or {})]
+            if got:
+                out[kind][ph] = {
+                    "s": _median([g["s"] for g in got]),
+                    "driver_s": _median([g.get("driver_s") for g in got]),
+                }
+    l1, deep = out.get("l1"), out.get("deep")
+    if l1 and deep:
+        for k, over in (("sleep_s", DEEP_SLEEP_OVER_S), ("wake_health_s", DEEP_WAKE_OVER_S)):
+            if l1[k] is not None and deep[k] is not None:
+                d = deep[k] - l1[k]
+                out[f"deep_minus_l1_{k}"] = {"s": d, "target_s": over, "met": d <= over}
+    coded = [
+        sum(
+            int(r.get("host_backup_bytes") or 0)
+            for r in c.get("asleep_resident") or []
+            if isinstance(r, dict)
+        )
+        for c in by.get("l1", [])
+    ]
+    if coded and max(coded) > 0 and l1 and l1["pss_asleep"] is not None:
+        bound = max(coded) + PSS_OVER_CODED
+        out["pss_target"] = {
+            "coded_weights": max(coded),
+            "bound": bound,
+            **{f"{k}_over_coded": v["pss_asleep"] - max(coded) for k, v in by_pss(out)},
+            "l1_met": l1["pss_asleep"] <= bound,
+        }
+    return out
+
+
+def by_pss(out: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    return [(k, v) for k, v in out.items() if isinstance(v, dict) and v.get("pss_asleep")]
+
+
 def one_model(
-    side: str, name: str, sock: Path, kinds: list[str], deadline: float
+    side: str, name: str, sock: Path, kinds: list[str], deadline: float, into: list[Any]
 ) -> dict[str, Any]:
+    """The model's cycles, put in `into` as they are measured (a failure keeps those before
+    it), and its summary against the targets at the end, failed or not."""
     pids = engine_pids(sock)
     ref = reference(sock)
     res: dict[str, Any] = {
@@ -161,6 +229,23 @@ def one_model(
         "awake_procs": pss_by_process(pids),
         "cycles": [],
     }
+    into.append(res)
+    try:
+        return _cycles(side, name, sock, kinds, deadline, res, ref)
+    finally:
+        res["summary"] = summary(res)
+        log(name, "summary", json.dumps(res["summary"]))
+
+
+def _cycles(
+    side: str,
+    name: str,
+    sock: Path,
+    kinds: list[str],
+    deadline: float,
+    res: dict[str, Any],
+    ref: str,
+) -> dict[str, Any]:
     res["awake_resident"] = resident(sock)
     log(
         name, "awake", json.dumps({k: res[k] for k in ("awake_gpu", "awake_pss", "awake_resident")})
@@ -274,7 +359,7 @@ def main() -> None:
                 ks = [*kinds, "l2"] if i == 0 and args.level2 else kinds
             ks = ["l1"] if name.endswith("-t1") else ks
             try:
-                out["models"].append(one_model(base, name, socks / f"{name}.sock", ks, deadline))
+                one_model(base, name, socks / f"{name}.sock", ks, deadline, out["models"])
             except Exception as exc:  # keep the others' figures
                 log(name, "failed:", f"{type(exc).__name__}: {exc}"[-3000:])
                 out.setdefault("errors", []).append(f"{name}: {exc}"[-3000:])
