@@ -1,17 +1,20 @@
 """The deep sleep beside the plain level-1 sleep, through the sidecar, on one GPU.
 
     python3 -m benchmarks.deep [--shapes llama32-1b,llama3-8b] [--graphs 1] [--cycles 2]
-                               [--threads-variant 1] [--shape-env SHAPE:K=V,...] [--budget-s 480]
+                               [--shape-env SHAPE:K=V,...] [--variant SHAPE:K=V,...]
+                               [--level2 0|1|2] [--budget-s 480]
 
 Runs on the lent device after the vLLM bundle, with the sidecar's wheels on PYTHONPATH.
 Every shape's vLLM 0.26 server is booted at once (dummy bf16 weights, the shape's
 utilization, `--graphs 1`: vLLM's compile and CUDA graphs), each on a Unix socket in its
 own process group, and attached to one sidecar by socket (so the sidecar reaches its
 processes: docs/contracts.md §2.2). `--threads-variant 1` boots one more small engine with
-TORCHINDUCTOR_COMPILE_THREADS=1 (no compile-worker pool). `--shape-env SHAPE:K=V,...` boots
-that shape's engine with those variables too (e.g. a worker setting such as
+TORCHINDUCTOR_COMPILE_THREADS=1 (vLLM 0.26 sets it itself: off by default).
+`--shape-env SHAPE:K=V,...` boots that shape's engine with those variables too (e.g. a worker setting such as
 HOTSWAP_SLEEP_STACK_SHRINK=1 on the small shape, the other shapes at the defaults: an
-experiment beside the product in one call, without a third engine booting beside them).
+experiment beside the product in one call, without a third engine booting beside them);
+`--variant SHAPE:K=V,...` boots one more engine of SHAPE with them (`SHAPE-v`, measured
+first, through the same kinds): the same shape with and without a setting in one call.
 Per model, one after the other:
 the reference greedy tokens and logprobs, the device bytes (nvidia-smi per process) and the
 host PSS by process role awake; then per cycle and kind (level 1, deep, ...): POST sleep
@@ -305,11 +308,15 @@ def main() -> None:
     ap.add_argument("--shapes", default="llama32-1b,llama3-8b")
     ap.add_argument("--graphs", type=int, default=1)
     ap.add_argument("--cycles", type=int, default=2)
-    ap.add_argument("--threads-variant", type=int, default=1)
+    # vLLM 0.26 sets TORCHINDUCTOR_COMPILE_THREADS=1 itself: the variant is the same engine
+    ap.add_argument("--threads-variant", type=int, default=0)
     ap.add_argument("--budget-s", type=float, default=480.0)
     ap.add_argument("--boot-s", type=float, default=240.0)
     ap.add_argument("--level2", type=int, default=0)
     ap.add_argument("--shape-env", default="", help="SHAPE:K=V,...: that engine's extra variables")
+    ap.add_argument(
+        "--variant", default="", help="SHAPE:K=V,...: one more engine of SHAPE with them (SHAPE-v)"
+    )
     args = ap.parse_args()
     deadline = time.monotonic() + args.budget_s
     work = Path(tempfile.mkdtemp(prefix="bench-deep-"))
@@ -326,6 +333,12 @@ def main() -> None:
     plan: list[tuple[str, str, dict[str, str]]] = [
         (s, s, env_with(**extra.get(s, {}))) for s in args.shapes.split(",")
     ]
+    if args.variant:
+        shape, _, kvs = args.variant.partition(":")
+        plan.append(
+            (f"{shape}-v", shape, env_with(**dict(kv.split("=", 1) for kv in kvs.split(","))))
+        )
+        out["variant"] = args.variant
     if args.threads_variant:
         small = args.shapes.split(",")[0]
         plan.append((f"{small}-t1", small, env_with(TORCHINDUCTOR_COMPILE_THREADS="1")))
