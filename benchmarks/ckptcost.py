@@ -30,17 +30,17 @@ from benchmarks.common import logger
 log = logger("ckptcost")
 
 # name: (MiB in one allocation, allocations it is split into, stack bytes or 0, graphs, nodes)
-CONFIGS: dict[str, tuple[int, int, int, int, int]] = {
+CONFIGS: dict[str, tuple[int, int, int, int, int]] = {  # the most telling first
     "base": (0, 0, 0, 0, 0),
     "stack16": (0, 0, 16, 0, 0),
-    "stack4k": (0, 0, 4096, 0, 0),
-    "mem1g": (1024, 1, 0, 0, 0),
-    "mem1g_x512": (1024, 512, 0, 0, 0),
-    "g100x10": (0, 0, 0, 100, 10),
     "g1000x10": (0, 0, 0, 1000, 10),
+    "mem1g": (1024, 1, 0, 0, 0),
+    "stack4k": (0, 0, 4096, 0, 0),
     "g2000x10": (0, 0, 0, 2000, 10),
+    "mem1g_x512": (1024, 512, 0, 0, 0),
     "g100x300": (0, 0, 0, 100, 300),
     "g1000x10_stack16": (0, 0, 16, 1000, 10),
+    "g100x10": (0, 0, 0, 100, 10),
 }
 
 
