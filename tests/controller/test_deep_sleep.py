@@ -213,10 +213,10 @@ async def test_mixed_driver_states_are_failed(driver: Path) -> None:
         assert (await client.get("/models/a")).json()["state"] == "FAILED"
 
 
-async def test_under_pressure_a_sleeper_goes_deep_before_an_eviction(driver: Path) -> None:
-    """Three models of 12,288 bytes awake, 2,000 left beside their pools asleep (fake ranks):
-    a awake, b and c asleep; c's wake fits in 27,000 only once b's leftover is gone."""
-    fakes = {n: FakeVllm(name=n, resident_bytes=1000) for n in "abc"}
+def pressure_sidecar(names: str) -> Any:
+    """A sidecar over fake ranks named by the letters of `names`, each leaving 1,000 bytes
+    resident asleep, deep_sleep `pressure`, a budget of 27,000 bytes."""
+    fakes = {n: FakeVllm(name=n, resident_bytes=1000) for n in names}
     settings = Settings(
         models=[
             ModelSettings(name=n, url=f"http://{n}.engine.test", deep_sleep="pressure")
@@ -225,8 +225,14 @@ async def test_under_pressure_a_sleeper_goes_deep_before_an_eviction(driver: Pat
         swap={"budget_bytes": 27_000},
         timeouts=TimeoutSettings(drain_s=5.0, shutdown_s=2.0),
     )
-    sc = make_sidecar(settings, fakes, CollectorRegistry())
-    for n in fakes:
+    return make_sidecar(settings, fakes, CollectorRegistry())
+
+
+async def test_under_pressure_a_sleeper_goes_deep_before_an_eviction(driver: Path) -> None:
+    """Three models of 12,288 bytes awake, 2,000 left beside their pools asleep (fake ranks):
+    a awake, b and c asleep; c's wake fits in 27,000 only once b's leftover is gone."""
+    sc = pressure_sidecar("abc")
+    for n in "abc":
         sc.fleet[n].process.engine = GroupOf(os.getpgid(0))  # type: ignore[assignment]
     app = sc.app
     async with asgi.client(app, "http://s") as client:
@@ -250,20 +256,11 @@ async def test_the_sleepers_of_one_plan_go_deep_side_by_side(
     """d's wake fits only once b's and c's leftovers are gone: both checkpoints run at once
     (each deepen below waits for the other to have started: one after the other, the first
     would wait for ever)."""
-    fakes = {n: FakeVllm(name=n, resident_bytes=1000) for n in "abcd"}
-    settings = Settings(
-        models=[
-            ModelSettings(name=n, url=f"http://{n}.engine.test", deep_sleep="pressure")
-            for n in fakes
-        ],
-        swap={"budget_bytes": 27_000},
-        timeouts=TimeoutSettings(drain_s=5.0, shutdown_s=2.0),
-    )
-    sc = make_sidecar(settings, fakes, CollectorRegistry())
+    sc = pressure_sidecar("abcd")
     # b's and c's engines: a process group each (c's the other one), so each checkpoint is
     # its own
     (driver / "cuda").write_text(f"{os.getpid()}\n{other_group.pid}\n")
-    for n in fakes:
+    for n in "abcd":
         group = other_group.pid if n == "c" else os.getpgid(0)
         sc.fleet[n].process.engine = GroupOf(group)  # type: ignore[assignment]
     started = {n: asyncio.Event() for n in "bc"}
