@@ -213,25 +213,28 @@ async def test_mixed_driver_states_are_failed(driver: Path) -> None:
         assert (await client.get("/models/a")).json()["state"] == "FAILED"
 
 
-def pressure_sidecar(names: str) -> Any:
+def fleet_of(
+    names: str, deep_sleep: str = "pressure", **swap: Any
+) -> tuple[Any, dict[str, FakeVllm]]:
     """A sidecar over fake ranks named by the letters of `names`, each leaving 1,000 bytes
-    resident asleep, deep_sleep `pressure`, a budget of 27,000 bytes."""
+    resident asleep, every model at `deep_sleep`; `swap` settings (a budget of 27,000 bytes
+    unless given). Returns the sidecar and its fakes."""
     fakes = {n: FakeVllm(name=n, resident_bytes=1000) for n in names}
     settings = Settings(
         models=[
-            ModelSettings(name=n, url=f"http://{n}.engine.test", deep_sleep="pressure")
+            ModelSettings(name=n, url=f"http://{n}.engine.test", deep_sleep=deep_sleep)
             for n in fakes
         ],
-        swap={"budget_bytes": 27_000},
+        swap={"budget_bytes": 27_000, **swap},
         timeouts=TimeoutSettings(drain_s=5.0, shutdown_s=2.0),
     )
-    return make_sidecar(settings, fakes, CollectorRegistry())
+    return make_sidecar(settings, fakes, CollectorRegistry()), fakes
 
 
 async def test_under_pressure_a_sleeper_goes_deep_before_an_eviction(driver: Path) -> None:
     """Three models of 12,288 bytes awake, 2,000 left beside their pools asleep (fake ranks):
     a awake, b and c asleep; c's wake fits in 27,000 only once b's leftover is gone."""
-    sc = pressure_sidecar("abc")
+    sc, _ = fleet_of("abc")
     for n in "abc":
         sc.fleet[n].process.engine = GroupOf(os.getpgid(0))  # type: ignore[assignment]
     app = sc.app
@@ -256,7 +259,7 @@ async def test_the_sleepers_of_one_plan_go_deep_side_by_side(
     """d's wake fits only once b's and c's leftovers are gone: both checkpoints run at once
     (each deepen below waits for the other to have started: one after the other, the first
     would wait for ever)."""
-    sc = pressure_sidecar("abcd")
+    sc, _ = fleet_of("abcd")
     # b's and c's engines: a process group each (c's the other one), so each checkpoint is
     # its own
     (driver / "cuda").write_text(f"{os.getpid()}\n{other_group.pid}\n")
@@ -292,15 +295,7 @@ async def test_an_evicted_model_is_taken_deep_after_the_swap(
 ) -> None:
     """deep_sleep "always", room for one model: b's wake evicts a, whose sleep has no
     checkpoint (b does not wait for the driver's copy); a is taken deep right after."""
-    fakes = {n: FakeVllm(name=n, resident_bytes=1000) for n in "ab"}
-    settings = Settings(
-        models=[
-            ModelSettings(name=n, url=f"http://{n}.engine.test", deep_sleep="always") for n in fakes
-        ],
-        swap={"budget_bytes": 20_000, "min_awake_s": 0},
-        timeouts=TimeoutSettings(drain_s=5.0, shutdown_s=2.0),
-    )
-    sc = make_sidecar(settings, fakes, CollectorRegistry())
+    sc, _ = fleet_of("ab", "always", budget_bytes=20_000, min_awake_s=0)
     # b's "engine": a process group of its own, so each model's checkpoint is its own
     other = other_group
     (driver / "cuda").write_text(f"{os.getpid()}\n{other.pid}\n")
@@ -330,15 +325,7 @@ async def test_an_evicted_model_with_requests_held_for_it_is_not_taken_deep(
 ) -> None:
     """deep_sleep "always", a request held for a when b's wake evicts it: a is about to be
     woken, so it stays at level 1 (no checkpoint now and no restore on that request's path)."""
-    fakes = {n: FakeVllm(name=n, resident_bytes=1000) for n in "ab"}
-    settings = Settings(
-        models=[
-            ModelSettings(name=n, url=f"http://{n}.engine.test", deep_sleep="always") for n in fakes
-        ],
-        swap={"budget_bytes": 20_000, "min_awake_s": 0},
-        timeouts=TimeoutSettings(drain_s=5.0, shutdown_s=2.0),
-    )
-    sc = make_sidecar(settings, fakes, CollectorRegistry())
+    sc, fakes = fleet_of("ab", "always", budget_bytes=20_000, min_awake_s=0)
     (driver / "cuda").write_text(f"{os.getpid()}\n{other_group.pid}\n")
     sc.fleet["a"].process.engine = GroupOf(os.getpgid(0))  # type: ignore[assignment]
     sc.fleet["b"].process.engine = GroupOf(other_group.pid)  # type: ignore[assignment]
