@@ -8,6 +8,7 @@ first sleep) the pool goes; a later compile starts a new one (torch clears its c
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 import time
 from typing import Any
@@ -24,7 +25,9 @@ def release_compile_workers() -> int:
     return n
 
 
+@functools.cache
 def _libc() -> Any:
+    """This process's C library, loaded once (None where it cannot be)."""
     try:
         return ctypes.CDLL(None)
     except OSError:

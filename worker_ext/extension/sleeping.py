@@ -67,7 +67,8 @@ def _check_released(
         return
     if cover is None:
         raise _KvBytesLost("the KV cache first: protection by object cannot tell what was lost")
-    gone = [(s, e) for s, e in _kv_spans(backend) if s in set(released)]
+    early = set(released)
+    gone = [(s, e) for s, e in _kv_spans(backend) if s in early]
     rows = (*cover.protect, *cover.unnamed)
     lost = [(a, b) for a, b, _tag in rows for s, e in gone if a < e and s < b]
     if lost:
