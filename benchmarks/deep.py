@@ -11,7 +11,7 @@ own process group, and attached to one sidecar by socket (so the sidecar reaches
 processes: docs/contracts.md §2.2). `--threads-variant 1` boots one more small engine with
 TORCHINDUCTOR_COMPILE_THREADS=1 (vLLM 0.26 sets it itself: off by default).
 `--shape-env SHAPE:K=V,...` boots that shape's engine with those variables too (e.g. a
-worker setting such as HOTSWAP_SLEEP_STACK_SHRINK=1 on the small shape, the other shapes
+worker setting such as HOTSWAP_DISK_DIR=... on the small shape, the other shapes
 at the defaults: an experiment beside the product in one call, without a third engine);
 `--variant SHAPE:K=V,...` boots one more engine of SHAPE with them (`SHAPE-v`, measured
 first, through the same kinds): the same shape with and without a setting in one call.

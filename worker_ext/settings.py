@@ -176,17 +176,6 @@ VARIABLES: tuple[Variable, ...] = (
         " refused",
     ),
     Variable(
-        "HOTSWAP_SLEEP_STACK_SHRINK",
-        "sleep_stack_shrink",
-        "0",
-        _flag(False),
-        "`1`: a CUDA suspend ends by setting the context's per-thread stack"
-        " (`cudaLimitStackSize`) to 16 bytes, so its local-memory reserve (the stack times"
-        " every thread the device holds) goes back to the driver while asleep and a deep"
-        " sleep's checkpoint does not copy it; the wake sets it back first. An experiment,"
-        " off until measured on a GPU (docs/benchmarks.md)",
-    ),
-    Variable(
         "HOTSWAP_DISK_DIR",
         "disk_dir",
         "",
@@ -218,7 +207,6 @@ class WorkerSettings:
     demotable: bool = False
     disk_dir: str = ""
     disk_budget_bytes: int = 64 * 10**9
-    sleep_stack_shrink: bool = False
     tuning: Tuning = dataclasses.field(default_factory=Tuning)
 
     @property

@@ -47,7 +47,6 @@ WORKER_ENV = frozenset(
         "HOTSWAP_VERIFY_KERNEL",
         "HOTSWAP_WARM_PREPARE",
         "HOTSWAP_DEMOTABLE",
-        "HOTSWAP_SLEEP_STACK_SHRINK",
         "HOTSWAP_DISK_DIR",
         "HOTSWAP_DISK_BUDGET_GB",
     }

@@ -1,6 +1,6 @@
 """worker_ext.cumem.resident: what a CUDA suspend gives back before the engine sleeps (and a
 deep sleep's checkpoint would copy): torch's cached blocks at every suspend, the context's
-stack reserve when asked; a fake torch and fake runtime limits."""
+stack reserve; a fake torch and fake runtime limits."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from worker_ext.cumem.resident import ASLEEP_STACK_BYTES, Residency
-from worker_ext.settings import WorkerSettings
 
 
 class FakeTorch:
@@ -51,15 +50,11 @@ class FakeLimits:
 
 
 def residency(torch: FakeTorch, limits: FakeLimits | None = None) -> Residency:
-    on = WorkerSettings(sleep_stack_shrink=True)
-    return Residency(torch, "cuda:0", FakeRecords(), limits, on)  # type: ignore[arg-type]
+    return Residency(torch, "cuda:0", FakeRecords(), limits)  # type: ignore[arg-type]
 
 
-def test_the_stack_is_shrunk_by_the_suspends_trim_only_when_asked() -> None:
+def test_the_stack_is_shrunk_by_every_suspends_trim() -> None:
     limits = FakeLimits(stack=1024)
-    off = Residency(FakeTorch(), "cuda:0", FakeRecords(), limits)  # type: ignore[arg-type]
-    off.trim()
-    assert limits.sets == []  # the default: HOTSWAP_SLEEP_STACK_SHRINK off
     r = residency(FakeTorch(), limits)
     r.trim()
     assert limits.sets == [ASLEEP_STACK_BYTES]
@@ -92,7 +87,7 @@ def test_the_stack_shrinks_asleep_and_comes_back_at_the_wake() -> None:
     assert said["wake"]["to"] == 3072
 
 
-def test_without_the_setting_nothing_is_touched() -> None:
+def test_without_the_runtimes_calls_nothing_is_touched() -> None:
     r = residency(FakeTorch(), None)
     assert r.shrink_stack() == {}
     assert r.restore_stack() == {}

@@ -24,7 +24,6 @@ def test_defaults() -> None:
     assert (s.keep_host_backup, s.pin_early, s.verify_kernel) == (True, True, "auto")
     assert (s.host_codec, s.warm_prepare, s.disk_dir) == ("exp", True, "")
     assert s.demotable is False  # it costs every level-1 sleep: on under a host budget only
-    assert s.sleep_stack_shrink is False  # an experiment until measured on a GPU
     assert s.tuning == Tuning()
     assert (s.tuning.codec_piece_mib, s.tuning.codec_slots, s.tuning.disk_threads) == (64, 2, 16)
     assert (s.tuning.protect, s.tuning.codec_plan_reuse) == ("ranges", True)
@@ -40,12 +39,9 @@ def test_every_variable_is_read() -> None:
             "HOTSWAP_DEMOTABLE": "on",
             "HOTSWAP_DISK_DIR": " /var/tier ",
             "HOTSWAP_DISK_BUDGET_GB": "1.5",
-            "HOTSWAP_SLEEP_STACK_SHRINK": "1",
         }
     )
-    assert s == WorkerSettings(
-        False, "none", "off", False, True, "/var/tier", 1_500_000_000, sleep_stack_shrink=True
-    )
+    assert s == WorkerSettings(False, "none", "off", False, True, "/var/tier", 1_500_000_000)
 
 
 def test_one_variable_per_field_and_at_most_eight() -> None:

@@ -42,7 +42,7 @@ class CuMemBackend:
         self.device = device if device is not None else torch.device("cuda", 0)
         self._records = Records(CuMemAllocator.get_instance(), torch)
         cudart = CudaRT()
-        self._residency = Residency(torch, self.device, self._records, cudart, self.settings)
+        self._residency = Residency(torch, self.device, self._records, cudart)
         self._streams = CopyStreams(torch, self.device, cudart)
         self._suspended: dict[str, str] = {}
         self._level: int | None = None

@@ -10,7 +10,6 @@ import time
 from typing import Any, Protocol
 
 from worker_ext.cumem.records import Records, size
-from worker_ext.settings import WorkerSettings
 
 _NVML: list[Any] = []  # the NVML module once initialised; [None] when there is none
 
@@ -66,15 +65,12 @@ class Residency:
         device: Any,
         records: Records,
         limits: Limits | None = None,
-        settings: WorkerSettings | None = None,
     ) -> None:
-        """`limits`: the runtime's limit calls, used only where `settings` asks for the
-        stack's shrink (HOTSWAP_SLEEP_STACK_SHRINK)."""
+        """`limits`: the runtime's limit calls (the stack's shrink asleep; none: no shrink)."""
         self._torch = torch
         self._device = device
         self._records = records
-        shrink = settings is not None and settings.sleep_stack_shrink
-        self._limits = limits if shrink else None
+        self._limits = limits
         self._stack_awake: int | None = None  # the stack size a shrink took down, to restore
         self.stack: dict[str, Any] = {}  # the last shrink's ("sleep") and restore's ("wake")
         self._other_at_start = self._non_torch_bytes()  # the estimate's context share
@@ -131,7 +127,7 @@ class Residency:
     def trim(self) -> float:
         """Give torch's cached free blocks back to the driver (as vLLM's own sleep does):
         what verify's and the codec's scratch left cached; then the stack's shrink where it
-        is asked for (`shrink_stack`). vLLM's pools are not released (their MemPools stay
+        can be (`shrink_stack`). vLLM's pools are not released (their MemPools stay
         referenced). Not torch's cuBLAS workspaces: vLLM's warm-up runs eager on the
         capture stream before each capture, so a graph may replay into the workspace that
         stream's key holds. Returns the seconds it took."""
@@ -144,8 +140,9 @@ class Residency:
     def shrink_stack(self) -> dict[str, Any]:
         """Asleep: the context's per-thread stack down to ASLEEP_STACK_BYTES, so its
         local-memory reserve (the stack times every thread the device holds: hundreds of
-        MiB) goes back to the driver and a process checkpoint does not copy it. Never
-        raises: {`from`, `to`, `s`} or {`error`}; {} without the runtime's calls."""
+        MiB) goes back to the driver: a sleeper holds less and a process checkpoint does not
+        copy it. Never raises: {`from`, `to`, `s`} or {`error`}; {} without the runtime's
+        calls."""
         if self._limits is None:
             return {}
         t = time.perf_counter()
