@@ -161,7 +161,7 @@ class SwapCoordinator(SwapView):
             victims = [v.model for v in plan.evict]
             try:
                 if overlap.ok:
-                    outcome, t1, evict_s = await self._overlapped(mm, victims[0], overlap)
+                    outcome, t1, evict_s = await self._overlapped(mm, victims[0], overlap, lock)
                     evicted.append(victims[0].name)
                 else:
                     for victim in victims:
@@ -260,13 +260,20 @@ class SwapCoordinator(SwapView):
         return ov
 
     async def _overlapped(
-        self, mm: ModelManager, victim: ModelManager, overlap: Overlap
+        self,
+        mm: ModelManager,
+        victim: ModelManager,
+        overlap: Overlap,
+        lock: contextlib.AsyncExitStack,
     ) -> tuple[Outcome, float, float]:
         """Put `victim` to sleep split by pool (fused, KV first, where both earlier starts
         fit) and wake `name` once the victim's KV cache is gone (at once, `overlap.early`):
         weights in while the victim's go out; `name`'s KV cache mapped once the victim is
-        SUSPENDED (or gone), or its KV cache gone or going (`overlap.kv_early`). Returns the
-        wake's outcome, when it started, and how long the victim's sleep took."""
+        SUSPENDED (or gone), or its KV cache gone or going (`overlap.kv_early`). The device's
+        `lock` goes once the victim's sleep has ended and `name` is RESUMING (counted at its
+        footprint by every later plan): the rest of its wake (a deep target's restore, its
+        verify) runs beside the next plans. Returns the wake's outcome, when it started,
+        and how long the victim's sleep took."""
         name, rec, released, t0 = mm.name, victim.record, asyncio.Event(), self._mono()
         notify = KvFirst(released.set) if overlap.early and overlap.kv_early else released.set
         sleep = self.manager.tasks.spawn(
@@ -321,13 +328,26 @@ class SwapCoordinator(SwapView):
                     phase="wait_room",
                 )
 
+        async def release() -> None:
+            """The lock goes once the victim's sleep has ended (its error known) and `name`
+            is counted at its footprint (RESUMING, or its wake over)."""
+            await asyncio.wait({sleep})
+            await mm.record.wait_for(
+                lambda r: r.state is not State.SUSPENDED or r.in_flight_task() is None,
+                self.settings.timeouts.rpc_s,
+            )
+            await lock.aclose()
+
+        releasing = asyncio.ensure_future(release())
         try:
             outcome = await mm.wake(room=room)
             if mm.snapshot().state is State.RUNNING:
-                mm.record.lane.hand_over()  # verified; the lock stays held until `sleep` ends
+                mm.record.lane.hand_over()  # verified
         finally:
             if not sleep.done():
                 await asyncio.wait({sleep})
+            if not releasing.done():
+                releasing.cancel()
         await sleep  # the eviction's own error, if it failed after its KV cache went
         self.metrics.eviction(victim.name, "lru")
         return outcome, t1, (sleep_end[0] if sleep_end else self._mono()) - t0

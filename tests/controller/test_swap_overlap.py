@@ -450,3 +450,34 @@ def test_the_woken_model_serves_while_the_victims_weights_still_leave() -> None:
             assert w.engines["b"].wrong == []
 
     run(body)
+
+
+def test_the_next_wake_is_planned_while_the_woken_models_verify_runs() -> None:
+    """Once the victim is asleep and the woken model RESUMING (every plan counts it at its
+    footprint), the device's lock goes: a small model that fits beside them wakes while the
+    swap's own wake (here its verify) still runs."""
+
+    async def body() -> None:
+        swap = {"budget_bytes": 12_000, "overlap": "always", "max_awake": None}
+        small = {"pool_bytes": {"weights": 512, "kv_cache": 256}}
+        ctx, holder = logged_world(names=("a", "b", "c"), swap=swap, fakes={"c": small})
+        async with ctx as w:
+            log = holder["router"]
+            log.slow[("b", "hotswap_wake")] = 1.5  # the verify of the swap's woken model
+            log.log.clear()
+            swap_b = asyncio.ensure_future(ask(w, "b"))
+            asleep = await w.manager.fleet["a"].wait_for(lambda r: r.state is State.SUSPENDED, 5)
+            assert asleep
+            r = await ask(w, "c")
+            assert r.status_code == 200, r.text
+            c_answered = time.monotonic()
+            assert w.state("b") is State.RESUMING  # still in its verify
+            assert (await swap_b).status_code == 200
+            assert c_answered < log.at("b", "hotswap_wake", "end")
+            assert (w.state("a"), w.state("b"), w.state("c")) == (
+                State.SUSPENDED,
+                State.RUNNING,
+                State.RUNNING,
+            )
+
+    run(body)
