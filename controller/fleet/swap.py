@@ -32,7 +32,7 @@ from controller.errors import (
 )
 from controller.fleet.hostswap import HostMemory
 from controller.fleet.overlap import Overlap, plan_overlap
-from controller.fleet.policy import Decision, WakePlan, estimate, plan_wake
+from controller.fleet.policy import Decision, WakePlan, estimate, mib, plan_wake
 from controller.fleet.swapview import SwapView
 from controller.models.footprints import footprint_from_sleep
 from controller.models.manager import Manager
@@ -159,9 +159,13 @@ class SwapCoordinator(SwapView):
             t0 = self._mono()
             evicted: list[str] = []
             victims = [v.model for v in plan.evict]
+            early = overlap.ok and overlap.early  # its wake (and restore) starts at once
+            ahead = None if early else self._restore_ahead(mm, plan)
             try:
                 if overlap.ok:
-                    outcome, t1, evict_s = await self._overlapped(mm, victims[0], overlap, lock)
+                    outcome, t1, evict_s = await self._overlapped(
+                        mm, victims[0], overlap, lock, ahead
+                    )
                     evicted.append(victims[0].name)
                 else:
                     for victim in victims:
@@ -170,6 +174,8 @@ class SwapCoordinator(SwapView):
                         self.metrics.eviction(victim.name, "lru")
                     t1 = self._mono()
                     evict_s = t1 - t0
+                    if ahead is not None:
+                        await ahead  # its error (FAILED) is the wake's
                     outcome = await _wake_beside(self, mm, lock)  # its victims asleep
             except HotswapError:
                 self.metrics.swap(name, "failed", self._mono() - t0)
@@ -228,6 +234,37 @@ class SwapCoordinator(SwapView):
             plan = self.plan(mm, allow_evict=evict)
         return plan
 
+    def _restore_ahead(
+        self, mm: ModelManager, plan: WakePlan[ModelManager]
+    ) -> asyncio.Task[Any] | None:
+        """An evicting wake of a deep model: its restore started now, beside its victims'
+        sleeps (it needs none of their room: only what it left beside its pools before its
+        checkpoint, where that fits beside what the device holds now), in a task the wake
+        awaits before it begins (docs/contracts.md §2.2)."""
+        snap, rec = mm.snapshot(), mm.record
+        if plan.decision is not Decision.EVICT or not snap.deep or snap.level is None:
+            return None
+        back = rec.holdings.asleep_bytes // max(1, len(plan.devices))
+        fields = {"model": mm.name, "phase": "policy"}
+        if plan.budget_bytes is not None and plan.used_bytes + back > plan.budget_bytes:
+            log.info(
+                "%s: restore after its evictions: %s held + %s it brings back > %s",
+                mm.name,
+                mib(plan.used_bytes),
+                mib(back),
+                mib(plan.budget_bytes),
+                extra=fields,
+            )
+            return None
+        log.info(
+            "%s: restore started with its evictions (%s back beside %s held)",
+            mm.name,
+            mib(back),
+            mib(plan.used_bytes),
+            extra=fields,
+        )
+        return self.manager.tasks.spawn(mm.restore_ahead(), f"hotswap-restore-{mm.name}")
+
     def overlap(self, mm: ModelManager, plan: WakePlan[ModelManager]) -> Overlap:
         """Whether this evicting wake may overlap the evicted model's offload with the
         target's load (controller.fleet.overlap.plan_overlap over the records' measured pools)."""
@@ -265,6 +302,7 @@ class SwapCoordinator(SwapView):
         victim: ModelManager,
         overlap: Overlap,
         lock: contextlib.AsyncExitStack,
+        ahead: asyncio.Task[Any] | None = None,
     ) -> tuple[Outcome, float, float]:
         """Put `victim` to sleep split by pool (fused, KV first, where both earlier starts
         fit) and wake `name` once the victim's KV cache is gone (at once, `overlap.early`):
@@ -272,8 +310,9 @@ class SwapCoordinator(SwapView):
         SUSPENDED (or gone), or its KV cache gone or going (`overlap.kv_early`). The device's
         `lock` goes once the victim's sleep has ended and `name` is RESUMING (counted at its
         footprint by every later plan): the rest of its wake (a deep target's restore, its
-        verify) runs beside the next plans. Returns the wake's outcome, when it started,
-        and how long the victim's sleep took."""
+        verify) runs beside the next plans. `ahead`: its restore, started with the victim's
+        sleep (`_restore_ahead`), awaited before its wake. Returns the wake's outcome, when
+        it started, and how long the victim's sleep took."""
         name, rec, released, t0 = mm.name, victim.record, asyncio.Event(), self._mono()
         notify = KvFirst(released.set) if overlap.early and overlap.kv_early else released.set
         sleep = self.manager.tasks.spawn(
@@ -340,6 +379,8 @@ class SwapCoordinator(SwapView):
 
         releasing = asyncio.ensure_future(release())
         try:
+            if ahead is not None:
+                await ahead  # its error (FAILED) is the wake's
             outcome = await mm.wake(room=room)
             if mm.snapshot().state is State.RUNNING:
                 mm.record.lane.hand_over()  # verified

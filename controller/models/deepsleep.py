@@ -153,6 +153,37 @@ class DeepSleep:
             self.runner.finish_same(run, error=changes.get("deep_error"), **changes)
             return self.record.snapshot
 
+    async def restore_ahead(self) -> ModelSnapshot:
+        """Deep, SUSPENDED at a known level: restore its engine now (transition `restore`,
+        phase `restore`), ahead of a wake that waits for its swap's evictions; it stays
+        SUSPENDED, a level-1 or level-2 sleeper no longer deep, counted at what it left
+        beside its pools before its checkpoint. A failed restore is FAILED (restarted).
+        409 in any other state."""
+        async with self.lock:
+            snap = self.record.snapshot
+            if (
+                snap.state is not State.SUSPENDED
+                or not snap.deep
+                or snap.level is None
+                or self.record.in_flight_task()
+            ):
+                raise TransitionConflict(
+                    f"cannot restore {self.name} ahead: {snap.state.value}"
+                    + ("" if snap.deep else ", not deep"),
+                    model=self.name,
+                )
+            run = self.runner.begin("restore", snap.level, State.SUSPENDED)
+            try:
+                await self.runner.run(
+                    run, (self.restore_step(),), protocol.Params(level=snap.level)
+                )
+            except PhaseFailed as failed:
+                raise self.runner.fail(run, failed) from failed.error
+            # what it holds now: what its sleep left beside its pools (holdings), not NVML's
+            # figure after the checkpoint
+            self.runner.finish_same(run, deep=False, resident_bytes=None)
+            return self.record.snapshot
+
     async def checkpoint(self, runner: Runner, run: Run, params: protocol.Params) -> dict[str, Any]:
         """Phase `checkpoint`, after the sleep's RPCs; the snapshot's changes. Raises
         PhaseFailed only when the processes' state is not known (FAILED)."""

@@ -287,6 +287,10 @@ class ModelManager:
         await self.deep.check()
         return await self.deep.deepen()
 
+    async def restore_ahead(self) -> ModelSnapshot:
+        """Deep and asleep: restore its engine now, before its wake (DeepSleep.restore_ahead)."""
+        return await self.deep.restore_ahead()
+
     async def _wake(self, room: Callable[[], Awaitable[None]] | None = None) -> Outcome:
         async with self._lock:
             # The level, the pools asleep and whether it is deep are read under the lock: a

@@ -359,3 +359,35 @@ async def test_a_helper_is_started_ahead_where_the_sidecar_may_go_deep(
         else:
             assert spare is not None
             assert spare.returncode is None  # warming, waiting for its call
+
+
+async def test_a_deep_models_restore_starts_with_its_swaps_eviction(
+    driver: Path, other_group: subprocess.Popen[bytes]
+) -> None:
+    """deep_sleep "always", room for one model: b is deep, its wake evicts a. b's restore
+    (what it brings back fits beside a) runs while a's sleep is still in its suspend, not
+    after it; b's wake then has no restore phase of its own."""
+    sc, fakes = fleet_of("ab", "always", budget_bytes=20_000, min_awake_s=0)
+    (driver / "cuda").write_text(f"{os.getpid()}\n{other_group.pid}\n")
+    sc.fleet["a"].process.engine = GroupOf(os.getpgid(0))  # type: ignore[assignment]
+    sc.fleet["b"].process.engine = GroupOf(other_group.pid)  # type: ignore[assignment]
+    async with asgi.client(sc.app, "http://s") as client:
+        await sc.started.wait()
+        assert (await client.post("/models/b/sleep")).status_code == 200
+        b = sc.fleet["b"]
+        assert b.snapshot.deep
+        gate = fakes["a"].block("hotswap_suspend")
+        wake = asyncio.create_task(client.post("/models/b/wake"))
+        await fakes["a"].entered["hotswap_suspend"].wait()  # a is being evicted
+        await until(lambda: not b.snapshot.deep, sc.fleet.changes, timeout_s=10.0)
+        assert b.snapshot.last_transition is not None
+        assert b.snapshot.last_transition.kind == "restore"
+        assert b.state.value == "SUSPENDED"  # restored, not woken: a still holds the room
+        gate.set()
+        r = await wake
+        assert r.status_code == 200, r.text
+        assert r.json()["policy"]["evicted"] == ["a"]
+        woke = (await client.get("/models/b")).json()
+        assert (woke["state"], woke["deep"]) == ("RUNNING", False)
+        assert woke["last_transition"]["kind"] == "wake"
+        assert "restore" not in phases({"transition": woke["last_transition"]})
