@@ -16,6 +16,7 @@ import torch
 from worker_ext import fingerprint
 from worker_ext.devmodels import realistic_fill_model_
 from worker_ext.extension import HotSwapExtension, rpc
+from worker_ext.settings import Tuning
 
 
 class RealWeightsExtension(HotSwapExtension):
@@ -64,17 +65,22 @@ class RealWeightsExtension(HotSwapExtension):
         read each storage as its own range); `rebuild` builds and proves the kernel check
         anew in every prepare (what the code did before checks were kept for their ranges);
         `kvlate` the fused sleep's KV cache released after its prepare (the tuning's
-        `kv_early` off, as before the KV cache first); `base` the code as it is:
-        before/after on one engine."""
+        `kv_early` off, as before the KV cache first); `share30` / `share100` the fused
+        sleep's first stage of copies at 30% of the weights' bytes (as before the tuning's
+        `sleep_stage_share`) / all of them; `base` the code as it is: before/after on one
+        engine."""
         import dataclasses
 
         if name not in VARIANTS:
             raise ValueError(f"variant {name!r}: expected one of {sorted(VARIANTS)}")
         fingerprint.Plan.baseline = VARIANTS[name]  # type: ignore[method-assign,assignment]
         st = self._hotswap_state()
-        tuning = dataclasses.replace(st.settings.tuning, kv_early=name != "kvlate")
+        share = SHARES.get(name, Tuning().sleep_stage_share)
+        tuning = dataclasses.replace(
+            st.settings.tuning, kv_early=name != "kvlate", sleep_stage_share=share
+        )
         st.use_settings(dataclasses.replace(st.settings, tuning=tuning))
-        return {"variant": name, "kv_early": tuning.kv_early}
+        return {"variant": name, "kv_early": tuning.kv_early, "sleep_stage_share": share}
 
 
 _BASELINE = fingerprint.Plan.baseline
@@ -96,4 +102,7 @@ VARIANTS = {
     "storagepass": _with_storage_pass,
     "rebuild": _rebuilt,
     "kvlate": _BASELINE,
+    "share30": _BASELINE,
+    "share100": _BASELINE,
 }
+SHARES = {"share30": 0.3, "share100": 1.0}  # the fused sleep's first stage, by variant

@@ -16,7 +16,7 @@ from typing import Any
 
 from worker_ext import ranges
 from worker_ext.ownership import TensorRecord, restored_by
-from worker_ext.pools import DISCARDED, policy
+from worker_ext.pools import DISCARDED, KV_CACHE, WEIGHTS, policy
 
 PoolRecord = tuple[int, int, str]  # (start, end, tag) of one allocation
 
@@ -28,6 +28,8 @@ class Protection:
     unnamed: list[PoolRecord]  # protected bytes no named tensor holds
     named: ranges.Named  # every named storage, for reports
     pools: dict[str, dict[str, int]] = field(default_factory=dict)
+    # the named tensors a sleep at `level` would lose (ownership.judge's `at_risk`)
+    at_risk: frozenset[str] = frozenset()
 
     @property
     def protected_bytes(self) -> int:
@@ -75,6 +77,7 @@ def plan(
         id(t): tag_of(s, e - s) for t in tensors if id(t) in spans for s, e in [spans[id(t)]]
     }
     named = ranges.Named.of((*spans[id(t)], t.name) for t in tensors if id(t) in spans)
+    at_risk = frozenset(t.name for t in tensors if _lost(level, pool_of.get(id(t)), t))
     protect: list[PoolRecord] = []
     unnamed: list[PoolRecord] = []
     summary: dict[str, dict[str, int]] = {}
@@ -100,7 +103,14 @@ def plan(
         protect.extend((s, e, tag) for s, e in kept)
         unnamed.extend((s, e, tag) for s, e in _split_heads(gaps, align))
         summary[tag] = row
-    return Protection(level, protect, unnamed, named, summary)
+    return Protection(level, protect, unnamed, named, summary, at_risk)
+
+
+def _lost(level: int, pool: str | None, t: TensorRecord) -> bool:
+    """ownership.judge's `at_risk` for one tensor in `pool` (None: it holds no bytes)."""
+    if pool not in (WEIGHTS, KV_CACHE) or t.is_kv:
+        return False
+    return policy(level, pool) == DISCARDED and not restored_by(level, pool, t.kind)
 
 
 def _split_heads(gaps: list[tuple[int, int]], align: int) -> list[tuple[int, int]]:

@@ -47,6 +47,11 @@ class Tuning:
     # a fused sleep releases the KV records holding nothing its prepare protects before
     # the prepare (docs/contracts.md §1, the KV cache first); False: after it
     kv_early: bool = True
+    # a fused sleep queues the copies of this share of the weights' bytes before its
+    # prepare, the rest once the prepare's protected copies are queued behind them: enough
+    # that the link is still busy when the prepare gets there (the KV cache's early release
+    # and the prepare's host work run meanwhile), no more (the protected copies wait behind it)
+    sleep_stage_share: float = 0.7
     # a wake's create refused for memory is asked again for up to this long: an overlapped
     # swap maps the woken model's KV cache while the victim releases its own
     map_oom_wait_s: float = 5.0
@@ -61,6 +66,7 @@ class Tuning:
                 ("codec_slots", 2 <= self.codec_slots <= 64),
                 ("disk_threads", self.disk_threads >= 1),
                 ("map_oom_wait_s", 0 <= self.map_oom_wait_s <= 600),
+                ("sleep_stage_share", 0 < self.sleep_stage_share <= 1),
             )
             if not ok
         ]

@@ -251,6 +251,8 @@ def test_the_prepare_runs_under_the_copies_and_a_failed_one_releases_nothing(
     assert seen == [False]  # nothing released while the prepare ran
     assert r["overlapped"] is True
     assert "prepare_under_copies_s" in r["timings"]
+    assert r["timings"]["link_s"] >= 0  # the copies' own time on the GPU, by their events
+    assert r["timings"]["at_link_done_s"] >= 0
     b.resume(["weights", "kv_cache"])
     b.synchronize()
     for p in _tags(alloc, "weights"):
@@ -422,6 +424,36 @@ def test_kv_records_named_early_go_before_the_prepare_and_come_back_if_it_fails(
     b.synchronize()
     for p in _tags(alloc, "weights"):
         assert alloc.read(p) == before[p]
+
+
+@pytest.mark.parametrize("share", [0.1, 1.0])
+def test_the_fused_sleeps_first_stage_is_the_tunings_share_of_the_weights(
+    alloc: _Allocator, monkeypatch: pytest.MonkeyPatch, share: float
+) -> None:
+    """The copies queued before `during` runs hold the tuning's `sleep_stage_share` of the
+    weights' bytes (whole records, in address order), the rest only once it calls go_on."""
+    _model(alloc)
+    lowest = alloc.pointer_to_data[_tags(alloc, "weights")[0]].handle[1]
+    first = lowest if share < 0.19 else 5096  # the records hold 4096 and 1000 bytes
+    copied: list[int] = []
+    move = CudaRT.memcpy_async
+
+    def count(s: CudaRT, dst: int, src: int, n: int, st: int) -> None:
+        copied.append(n)
+        move(s, dst, src, n, st)
+
+    monkeypatch.setattr(CudaRT, "memcpy_async", count)
+    b = _backend(alloc, sleep_stage_share=share)
+    seen: list[int] = []
+
+    def prepare(go_on: Callable[[], None]) -> list[tuple[int, int]]:
+        seen.append(sum(copied))
+        go_on()
+        seen.append(sum(copied))
+        return []
+
+    b.suspend(1, ["weights", "kv_cache"], during=prepare)
+    assert seen == [first, 5096]
 
 
 def test_a_wake_maps_with_the_tuned_wait_for_memory(alloc: _Allocator) -> None:

@@ -116,6 +116,21 @@ def test_the_kvlate_variant_turns_the_kv_cache_first_off_and_base_back_on() -> N
         w.hotswap_bench_variant("base")  # the fingerprint baseline as it was
 
 
+def test_the_share_variants_set_the_fused_sleeps_first_stage_and_base_the_default() -> None:
+    w = Worker()
+    try:
+        out = w.hotswap_bench_variant("share30")
+        assert out["ok"], out
+        assert w.backend.settings.tuning.sleep_stage_share == 0.3
+        assert w.backend.settings.tuning.kv_early is True
+        w.hotswap_bench_variant("share100")
+        assert w.backend.settings.tuning.sleep_stage_share == 1.0
+        w.hotswap_bench_variant("base")
+        assert w.backend.settings.tuning.sleep_stage_share == 0.7
+    finally:
+        w.hotswap_bench_variant("base")
+
+
 def test_loaded_library_without_vllm_reads_this_process_maps(monkeypatch: Any) -> None:
     # a torch-only device bench has no vLLM: the path comes from /proc/self/maps
     monkeypatch.setitem(sys.modules, "vllm.utils.system_utils", None)  # import fails

@@ -156,6 +156,26 @@ def test_the_prepare_runs_under_the_copies_and_nothing_is_released_before_it() -
     assert w.hotswap_info()["phase"] == "awake_verified"
 
 
+def test_a_prepare_by_range_runs_no_audit_pass_and_answers_its_at_risk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The range plan names what the level loses: the prepare answers the audit's at_risk
+    without walking the records a second time (ownership.judge) on the sleep's path."""
+    from worker_ext import ownership
+
+    w = FusedWorker()
+    audit = w.hotswap_audit(1)
+    assert audit["at_risk"]
+
+    def no_audit(*_a: Any, **_k: Any) -> Any:
+        raise AssertionError("an audit pass inside the sleep's prepare")
+
+    monkeypatch.setattr(ownership, "judge", no_audit)
+    out = w.hotswap_sleep(1)
+    assert out["ok"], out
+    assert out["at_risk"] == sorted(audit["at_risk"])
+
+
 def test_the_snapshot_is_taken_of_the_bytes_before_any_release() -> None:
     """A byte the sleep loses (the KV pool's block table, protected by range) comes back:
     the prepare inside the fused sleep copied it before the KV cache was released."""
@@ -238,11 +258,14 @@ def test_a_fused_sleep_is_refused_asleep_or_at_a_bad_level() -> None:
 
 def test_the_first_stage_holds_the_first_share_of_the_weights_bytes() -> None:
     """cumem.coded.cut: how many records (in order) the fused sleep's first copies take: the
-    fewest that hold STAGE_SHARE of the bytes, at least one; all of them at a share of 1."""
+    fewest that hold the tuning's sleep_stage_share of the bytes, at least one; all of them
+    at a share of 1."""
     from worker_ext.cumem.coded import cut as _cut
-    from worker_ext.cumem.suspend import STAGE_SHARE
+    from worker_ext.settings import Tuning
 
-    assert 0.0 < STAGE_SHARE < 1.0
+    assert 0.0 < Tuning().sleep_stage_share < 1.0
+    with pytest.raises(ValueError, match="sleep_stage_share"):
+        Tuning(sleep_stage_share=0.0)
     assert _cut(0.3, [10, 10, 10, 10]) == 2
     assert _cut(0.3, [100, 1, 1]) == 1
     assert _cut(0.3, [1, 1, 100]) == 3

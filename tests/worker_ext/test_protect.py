@@ -107,6 +107,20 @@ def test_every_byte_but_the_kv_cache_comes_back(level: int) -> None:
     assert torch.equal(p.buf[keep], original[keep])  # every byte outside the KV cache
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_the_plan_names_what_the_audit_names_at_risk(level: int) -> None:
+    """The range plan's `at_risk` is ownership.judge's, so a prepare by range needs no
+    audit pass of its own."""
+    from worker_ext.ownership import judge
+
+    p = Pools()
+    cover = protect.plan(level, p.records, p.tensors, p.tag_of)
+    audit = {r["name"] for r in judge(p.tensors, level, p.tag_of) if r["at_risk"]}
+    assert cover.at_risk == audit
+    assert "runner.meta" in audit  # a runner tensor in the discarded KV pool
+    assert ("model.b1" in audit) == (level == 2)  # a buffer: the reload does not refill it
+
+
 @pytest.mark.parametrize(
     ("level", "where", "pool"), [(1, "global_kv", "kv_cache"), (2, "global_w", "weights")]
 )

@@ -15,7 +15,7 @@ from worker_ext.cumem.records import Records, ranges, size
 from worker_ext.cumem.resident import Residency
 from worker_ext.cumem.resume import Onload, vllm_side_effects
 from worker_ext.cumem.streams import CopyStreams
-from worker_ext.cumem.suspend import STAGE_SHARE, Offload, map_again, release_early
+from worker_ext.cumem.suspend import Offload, map_again, release_early
 from worker_ext.cumem.tier import TierPart
 from worker_ext.pools import ALL_TAGS, DISCARDED, KV_CACHE, OFFLOADED, WEIGHTS, During, policy
 from worker_ext.settings import WorkerSettings
@@ -258,22 +258,6 @@ class CuMemBackend:
         self._unmap_and_release(data.handle)
         data.is_asleep = True
 
-    def _check_suspend(self, level: int, tags: list[str]) -> list[str]:
-        """The tags to suspend, once each; ValueError or RuntimeError before anything moves."""
-        if level not in (1, 2):
-            raise ValueError(f"level must be 1 or 2, not {level!r}")
-        tags = list(dict.fromkeys(tags))
-        unknown = [t for t in tags if t not in ALL_TAGS]
-        if unknown or not tags:
-            raise ValueError(f"tags must be a non-empty subset of {list(ALL_TAGS)}: {tags}")
-        asleep = [t for t in tags if t in self._suspended]
-        if asleep:
-            raise RuntimeError(f"already suspended: {asleep}")
-        stray = [p for t in tags for p, d in self._records.of(t) if d.is_asleep]
-        if stray:
-            raise RuntimeError(f"{len(stray)} records already asleep (vLLM's own sleep?)")
-        return tags
-
     def suspend(
         self,
         level: int,
@@ -283,13 +267,13 @@ class CuMemBackend:
         during: During | None = None,
         early_kv: Sequence[int] = (),
     ) -> dict[str, Any]:
-        """`during` (hotswap_sleep): called once the copies of the first STAGE_SHARE of the
-        weights' bytes are queued and `early_kv` released (suspend.release_early), with the
-        function that queues the rest (the prepare calls it once its protected copies are
-        queued: they then wait behind the first copies only; else called after it); its
-        answer replaces `rewritten`. If it raises, every queued copy is waited for,
+        """`during` (hotswap_sleep): called once the copies of the tuning's
+        `sleep_stage_share` of the weights' bytes are queued and `early_kv` released
+        (suspend.release_early), with the function that queues the rest (the prepare calls it
+        once its protected copies are queued behind the first copies; else called after it);
+        its answer replaces `rewritten`. If it raises, every queued copy is waited for,
         `early_kv` mapped back, nothing else released, and the error raised again."""
-        tags = self._check_suspend(level, tags)
+        tags = _check_suspend(level, tags, self._suspended, self._records)
         self._woke = hostcheck.WokeFrom()
         plan = {t: policy(level, t, keep_kv) for t in tags}
         recs = {t: self._records.of(t) for t in tags}
@@ -300,8 +284,9 @@ class CuMemBackend:
         timings: dict[str, float] = {}
         # Each offloaded pool has its own host buffer: the weights', the KV cache's.
         offload = {t: recs[t] for t in tags if plan[t] == OFFLOADED}
-        share = STAGE_SHARE if during is not None else 1.0
+        share = self.settings.tuning.sleep_stage_share if during is not None else 1.0
         copies = Offload(self._coded, self._streams, self._host_for, offload, timings, share)
+        link = _LinkClock(self._torch, self._streams, t0, bool(offload))
         overlapped = copies.queue_first()
         timings["at_queued_first_s"] = time.perf_counter() - t0
         early = release_early(early_kv if during else (), recs, plan, self._release, timings, t0)
@@ -317,6 +302,7 @@ class CuMemBackend:
         timings["at_prepared_s"] = time.perf_counter() - t0
         copies.go_on()
         copies.check_reused_plan()
+        link.queued()  # every copy is queued now
         if level == 2 and WEIGHTS in tags and plan[WEIGHTS] == DISCARDED:
             self._tier.put_away(recs[WEIGHTS], timings, rewritten)
         # Discarded pools need no copy: release them while the offload copies run.
@@ -331,6 +317,7 @@ class CuMemBackend:
         copies.release_copied(self._release)
         timings["at_released_s"] = time.perf_counter() - t0
         copies.finish()
+        link.done(timings)
         self._layout.update(copies.layout)
         self._suspended.update(plan)
         self._level = level
@@ -423,6 +410,25 @@ class CuMemBackend:
         }
 
 
+def _check_suspend(
+    level: int, tags: list[str], suspended: dict[str, str], records: Records
+) -> list[str]:
+    """The tags to suspend, once each; ValueError or RuntimeError before anything moves."""
+    if level not in (1, 2):
+        raise ValueError(f"level must be 1 or 2, not {level!r}")
+    tags = list(dict.fromkeys(tags))
+    unknown = [t for t in tags if t not in ALL_TAGS]
+    if unknown or not tags:
+        raise ValueError(f"tags must be a non-empty subset of {list(ALL_TAGS)}: {tags}")
+    asleep = [t for t in tags if t in suspended]
+    if asleep:
+        raise RuntimeError(f"already suspended: {asleep}")
+    stray = [p for t in tags for p, d in records.of(t) if d.is_asleep]
+    if stray:
+        raise RuntimeError(f"{len(stray)} records already asleep (vLLM's own sleep?)")
+    return tags
+
+
 def _wait_copies(sync: Callable[[], None], streams: CopyStreams, timings: dict[str, float]) -> None:
     """Wait for the copies an earlier resume left in flight (`sync`: the backend's), timed."""
     waited = streams.pending
@@ -432,3 +438,35 @@ def _wait_copies(sync: Callable[[], None], streams: CopyStreams, timings: dict[s
         timings["wait_copies_s"] = time.perf_counter() - t
         if streams.last_dma_s is not None:
             timings["copies_gpu_s"] = streams.last_dma_s
+
+
+class _LinkClock:
+    """When a suspend's copies ended on the GPU, in seconds from its start (`at_link_done_s`;
+    `link_s`: first queued to last done): whether the link or the host bounds the sleep."""
+
+    def __init__(self, torch: Any, streams: CopyStreams, t0: float, on: bool) -> None:
+        self._torch = torch
+        self._streams = streams
+        self._on = on  # anything to copy
+        self._ends: list[Any] = []
+        if on:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record(streams.all()[0])  # the streams are idle: it fires at once
+            self._at = time.perf_counter() - t0
+
+    def queued(self) -> None:
+        """Every copy is queued: an event after the last on each stream."""
+        if not self._on:
+            return
+        event = self._torch.cuda.Event
+        self._ends = [s.record_event(event(enable_timing=True)) for s in self._streams.all()]
+
+    def done(self, timings: dict[str, float]) -> None:
+        """Once the copies were waited for (the suspend's last piece on the host)."""
+        for e in self._ends:
+            e.synchronize()
+        if not self._ends:
+            return
+        gpu = max(self._start.elapsed_time(e) for e in self._ends) / 1000.0
+        timings["link_s"] = gpu
+        timings["at_link_done_s"] = self._at + gpu

@@ -19,11 +19,6 @@ from worker_ext.pools import DISCARDED, KV_CACHE, WEIGHTS
 
 log = logging.getLogger(__name__)
 
-# hotswap_sleep: the share of the weights' bytes whose copies are queued before the prepare
-# starts (its protected copies queue behind only these; the rest follow them); the link
-# moves it in about as long as the prepare's host work before those copies takes.
-STAGE_SHARE = 0.3
-
 
 class Offload:
     """The copies of the pools a suspend offloads (`offload`: tag -> its records), queued

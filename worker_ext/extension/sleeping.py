@@ -144,15 +144,18 @@ class SleepRPCs(ExtensionBase):
         t0 = time.perf_counter()
         records = self._hotswap_records()
         t1 = time.perf_counter()
-        rows = self._hotswap_audit_rows(level, records)
-        at_risk = {r["name"] for r in rows if r["at_risk"]}
-        t2 = time.perf_counter()
         # a sleep that keeps the KV cache cannot be demoted (cumem.demote_refusal)
         cover_level = level if keep else self._hotswap_cover_level(level)
         cover = self._hotswap_protection(cover_level, records)
         _check_released(st.backend, cover, released)
         if cover is not None and not keep:
             st.kv_droppable = _kv_droppable(st.backend, cover)
+        t2 = time.perf_counter()
+        # the range plan names what the level loses as the audit would (no second pass)
+        if cover is not None and cover_level == level:
+            at_risk = set(cover.at_risk)
+        else:
+            at_risk = {r["name"] for r in self._hotswap_audit_rows(level, records) if r["at_risk"]}
         t3 = time.perf_counter()
         # by range, the ranges hold every at-risk tensor's bytes: no copy per object
         backups = set() if cover is not None else at_risk
@@ -171,8 +174,8 @@ class SleepRPCs(ExtensionBase):
         )
         timings = {
             "records_s": t1 - t0,
-            "audit_s": t2 - t1,
-            "protect_plan_s": t3 - t2,
+            "protect_plan_s": t2 - t1,
+            "audit_s": t3 - t2,
             "snapshot_s": time.perf_counter() - t3,
             **steps,
         }
