@@ -152,6 +152,13 @@ class SwapSettings(BaseModel):
         le=HOUR_S,
         description="drain=wait timeout when a model is put to sleep to make room.",
     )
+    deepen_wait_s: float = Field(
+        3.0,
+        ge=0,
+        le=HOUR_S,
+        description="How long an evicted model's checkpoint after its swap (deep_sleep "
+        "always) waits for the wakes on its device to end before it runs beside them.",
+    )
     overlap: Literal["auto", "always", "never"] = Field(
         "auto",
         description="Overlap an evicted model's offload with the woken model's load when the "

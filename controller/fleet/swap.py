@@ -89,6 +89,7 @@ class SwapCoordinator(SwapView):
         self._mono = monotonic
         super().__init__(manager.fleet, manager.models(), settings, metrics, clock=clock)
         self.host = HostMemory(self)
+        self._ckpt_locks: dict[str, asyncio.Lock] = {}
 
     # ---- wake ----------------------------------------------------------------------------
 
@@ -181,7 +182,7 @@ class SwapCoordinator(SwapView):
                 self.metrics.swap(name, "failed", self._mono() - t0)
                 raise
             finally:
-                _deepen_later(self.manager, victims)
+                _deepen_later(self, victims)
             t2 = self._mono()
             # Awake: its host copy is back on the device; what it keeps there (a CUDA
             # engine's pinned backup) is what its resumes said.
@@ -233,6 +234,10 @@ class SwapCoordinator(SwapView):
             await asyncio.gather(*(_take_deep(view.model) for view in plan.deepen))
             plan = self.plan(mm, allow_evict=evict)
         return plan
+
+    def checkpoint_lock(self, device: str) -> asyncio.Lock:
+        """Held by an evicted model's checkpoint after its swap: one at a time per device."""
+        return self._ckpt_locks.setdefault(device, asyncio.Lock())
 
     def _restore_ahead(
         self, mm: ModelManager, plan: WakePlan[ModelManager]
@@ -583,7 +588,7 @@ async def _wake_beside(
     return await task
 
 
-def _deepen_later(manager: Manager, evicted: list[ModelManager]) -> None:
+def _deepen_later(coord: SwapCoordinator, evicted: list[ModelManager]) -> None:
     """The checkpoint of every evicted model whose `deep_sleep` is "always", each in a task
     of its own after the swap (docs/contracts.md §2.2): the woken model does not wait for the
     driver's copy. One with gateway requests held for it is about to be woken: it stays at
@@ -591,18 +596,50 @@ def _deepen_later(manager: Manager, evicted: list[ModelManager]) -> None:
     for mm in evicted:
         if mm.record.settings.deep_sleep != "always":
             continue
-        if mm.record.lane.held:
-            log.info(
-                "%s: not taken deep after its eviction: %d request(s) held for it",
-                mm.name,
-                mm.record.lane.held,
-            )
-        else:
-            task = manager.tasks.spawn(_deepen(mm), f"hotswap-deepen-{mm.name}")
-            mm.record.swapping.deepening(task)
+        if not _held(mm):
+            coord.manager.tasks.spawn(_deepen(coord, mm), f"hotswap-deepen-{mm.name}")
 
 
-async def _deepen(mm: ModelManager) -> None:
+def _held(mm: ModelManager) -> bool:
+    if mm.record.lane.held:
+        log.info(
+            "%s: not taken deep after its eviction: %d request(s) held for it",
+            mm.name,
+            mm.record.lane.held,
+        )
+    return bool(mm.record.lane.held)
+
+
+async def _deepen(coord: SwapCoordinator, mm: ModelManager) -> None:
+    """One checkpoint after a swap at a time per device, each once no wake on the device
+    is in flight (or `swap.deepen_wait_s` passed): the driver's copies share the link and
+    the driver with a woken model's restore and slow it (docs/contracts.md §2.2). Until its
+    turn the model is a level-1 sleeper like any (a wake of it goes ahead, and then it is
+    not taken deep); from its turn on it counts as busy until its checkpoint ends."""
+    rec = mm.record
+    async with contextlib.AsyncExitStack() as stack:
+        for d in sorted(rec.settings.placement):
+            await stack.enter_async_context(coord.checkpoint_lock(d))
+        mine = set(rec.settings.placement)
+        peers = [r for r in coord.fleet.values() if mine & set(r.settings.placement)]
+
+        def waking() -> bool:
+            return any(r.state is State.RESUMING or r.snapshot.phase == "restore" for r in peers)
+
+        if waking():
+            await coord.fleet.wait_for(lambda: not waking(), coord.settings.swap.deepen_wait_s)
+        if rec.state is not State.SUSPENDED or rec.snapshot.deep or rec.in_flight_task():
+            log.info("%s: not taken deep after its eviction: %s", mm.name, rec.state.value)
+            return
+        if _held(mm):  # about to be woken
+            return
+        task = asyncio.current_task()
+        if task is not None:
+            rec.swapping.deepening(task)
+        await _checkpoint(mm)
+
+
+async def _checkpoint(mm: ModelManager) -> None:
     try:
         await mm.deepen()
     except (DeepSleepRefused, TransitionConflict) as exc:

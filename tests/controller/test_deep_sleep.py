@@ -391,3 +391,44 @@ async def test_a_deep_models_restore_starts_with_its_swaps_eviction(
         assert (woke["state"], woke["deep"]) == ("RUNNING", False)
         assert woke["last_transition"]["kind"] == "wake"
         assert "restore" not in phases({"transition": woke["last_transition"]})
+
+
+async def test_the_checkpoints_after_a_swap_run_one_at_a_time_per_device(
+    driver: Path, other_group: subprocess.Popen[bytes]
+) -> None:
+    """deep_sleep "always": c's wake evicts a and b, each taken deep after the swap; their
+    checkpoints run one after the other (the driver's copies slow a restore beside them),
+    not at once."""
+    sc, _ = fleet_of("abc", "always", budget_bytes=20_000, min_awake_s=0)
+    (driver / "cuda").write_text(f"{os.getpid()}\n{other_group.pid}\n")
+    for n, group in (("a", os.getpgid(0)), ("b", other_group.pid), ("c", os.getpgid(0))):
+        sc.fleet[n].process.engine = GroupOf(group)  # type: ignore[assignment]
+    spans: dict[str, list[float]] = {}
+
+    def timed(n: str, real: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[Any]]:
+        async def deepen() -> Any:
+            loop = asyncio.get_running_loop()
+            spans[n] = [loop.time()]
+            await asyncio.sleep(0.2)  # a checkpoint that takes a while
+            try:
+                return await real()
+            finally:
+                spans[n].append(loop.time())
+
+        return deepen
+
+    for n in "ab":
+        mm = sc.manager.get(n)
+        mm.deepen = timed(n, mm.deepen)  # type: ignore[method-assign]
+    async with asgi.client(sc.app, "http://s") as client:
+        await sc.started.wait()
+        r = await client.post("/models/c/sleep", json={"deep": False})
+        assert r.status_code == 200, r.text
+        r = await client.post("/models/c/wake")
+        assert r.status_code == 200, r.text
+        assert sorted(r.json()["policy"]["evicted"]) == ["a", "b"]
+        await until(lambda: all(len(s) == 2 for s in spans.values()) and len(spans) == 2,
+                    sc.fleet.changes, timeout_s=10.0)  # fmt: skip
+        first, second = sorted(spans.values())
+        assert first[1] <= second[0]  # one after the other
+        assert [sc.fleet[n].snapshot.deep for n in "ab"] == [True, True]
