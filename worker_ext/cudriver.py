@@ -144,9 +144,17 @@ class Driver:
             )
         return err
 
+    def free_bytes(self) -> int | None:
+        """The device's free memory as the driver reports it (None: it did not answer)."""
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        err = self.lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))
+        return int(free.value) if err == 0 else None
+
     def create(self, size: int) -> int:
         """A new allocation's handle; refused for memory, asked again until `oom_wait_s`
-        has passed (the time spent waiting is `spent["oom_wait"]`, within `create`)."""
+        has passed (the time spent waiting is `spent["oom_wait"]`, within `create`), each
+        time only once the device reports `size` bytes free: a refused create is a costly
+        call into the driver, which the process releasing that memory waits behind."""
         h = ctypes.c_uint64()
         t = time.perf_counter()
         err = self._create(h, size)
@@ -154,7 +162,9 @@ class Driver:
             deadline = t + self.oom_wait_s
             while err == _OUT_OF_MEMORY and time.perf_counter() < deadline:
                 time.sleep(_OOM_POLL_S)
-                err = self._create(h, size)
+                free = self.free_bytes()
+                if free is None or free >= size:
+                    err = self._create(h, size)
             self.spent["oom_wait"] += time.perf_counter() - t
         self.spent["create"] += time.perf_counter() - t
         self._ok(err, "cuMemCreate")

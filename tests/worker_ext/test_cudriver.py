@@ -26,6 +26,8 @@ class FakeCuda:
         self.live: set[int] = set()  # created, not released
         self.mapped: set[int] = set()
         self.next_handle = 0x1000
+        self.free_now = 1 << 40  # what cuMemGetInfo answers; a create above it is refused
+        self.free_seq: list[int] = []  # the next answers, in turn (then the last one stays)
 
     def _err(self, name: str) -> int:
         queue = self.fail.get(name) or []
@@ -47,9 +49,18 @@ class FakeCuda:
         err = self._err("create")
         if err:
             return err
+        if size.value > self.free_now:
+            return 2  # CUDA_ERROR_OUT_OF_MEMORY
         self.next_handle += 1
         out._obj.value = self.next_handle
         self.live.add(self.next_handle)
+        return 0
+
+    def cuMemGetInfo_v2(self, free: Any, total: Any) -> int:
+        self.calls.append(("info",))
+        if self.free_seq:
+            self.free_now = self.free_seq.pop(0)
+        free._obj.value, total._obj.value = self.free_now, 1 << 40
         return 0
 
     def cuMemMap(self, ptr: Any, size: Any, offset: Any, h: Any, flags: Any) -> int:
@@ -149,6 +160,21 @@ def test_a_failed_step_leaves_nothing_behind(step: str) -> None:
     assert slot.value == 0  # the record's handle slot is untouched
 
 
+def test_a_create_refused_for_memory_is_asked_again_only_once_the_device_has_room() -> None:
+    """While the victim releases its memory the woken model's driver asks the device how
+    much is free (cuMemGetInfo), not the create again and again: a refused create is what
+    the releasing process waits behind."""
+    cuda = FakeCuda(fabric=False)
+    cuda.free_now = 0
+    cuda.free_seq = [0] * 6 + [GRANULARITY]
+    drv = Driver(0, lib=cuda, oom_wait_s=5.0)
+    handle, slot = record(0x7000_0000)
+    drv.create_and_map(handle)
+    assert slot.value in cuda.live
+    kinds = [c[0] for c in cuda.calls]
+    assert kinds == ["create"] + ["info"] * 7 + ["create", "map", "access"]
+
+
 def test_a_create_refused_for_memory_is_asked_again_within_oom_wait_s() -> None:
     """The memory an overlapped swap's victim is releasing: a create refused for memory is
     asked again until it passes (the wait timed apart), or until `oom_wait_s` has passed;
@@ -159,7 +185,8 @@ def test_a_create_refused_for_memory_is_asked_again_within_oom_wait_s() -> None:
     handle, slot = record(0x7000_0000)
     drv.create_and_map(handle)
     assert slot.value in cuda.live
-    assert [c[0] for c in cuda.calls] == ["create"] * 4 + ["map", "access"]
+    kinds = [c[0] for c in cuda.calls if c[0] != "info"]  # the device had room throughout
+    assert kinds == ["create"] * 4 + ["map", "access"]
     spent = drv.take_spent()
     assert 0 < spent["oom_wait"] <= spent["create"]
     cuda.fail["create"] = [2] * 1000
