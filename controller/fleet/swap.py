@@ -169,10 +169,7 @@ class SwapCoordinator(SwapView):
                     )
                     evicted.append(victims[0].name)
                 else:
-                    for victim in victims:
-                        await self.sleep(victim, drain="wait", reason="evict", deep=False)
-                        evicted.append(victim.name)
-                        self.metrics.eviction(victim.name, "lru")
+                    evicted += await self._evict_side_by_side(victims)
                     t1 = self._mono()
                     evict_s = t1 - t0
                     if ahead is not None:
@@ -234,6 +231,24 @@ class SwapCoordinator(SwapView):
             await asyncio.gather(*(_take_deep(view.model) for view in plan.deepen))
             plan = self.plan(mm, allow_evict=evict)
         return plan
+
+    async def _evict_side_by_side(self, victims: list[ModelManager]) -> list[str]:
+        """Every victim of one plan put to sleep at once (their drains and copies side by
+        side, not one after another); the names of those asleep, or the first error once
+        every sleep has ended."""
+        results = await asyncio.gather(
+            *(self.sleep(v, drain="wait", reason="evict", deep=False) for v in victims),
+            return_exceptions=True,
+        )
+        asleep = []
+        for victim, res in zip(victims, results, strict=True):
+            if not isinstance(res, BaseException):
+                asleep.append(victim.name)
+                self.metrics.eviction(victim.name, "lru")
+        for res in results:
+            if isinstance(res, BaseException):
+                raise res
+        return asleep
 
     def checkpoint_lock(self, device: str) -> asyncio.Lock:
         """Held by an evicted model's checkpoint after its swap: one at a time per device."""

@@ -481,3 +481,32 @@ def test_the_next_wake_is_planned_while_the_woken_models_verify_runs() -> None:
             )
 
     run(body)
+
+
+def test_the_victims_of_one_plan_sleep_side_by_side() -> None:
+    """c's wake needs both a and b asleep: their sleeps (drains and copies) run at once, not
+    one after the other."""
+
+    async def body() -> None:
+        swap = {"budget_bytes": 20_000, "max_awake": None}
+        big = {"pool_bytes": {"weights": 10240, "kv_cache": 4096}}
+        ctx, holder = logged_world(names=("a", "b", "c"), swap=swap, fakes={"c": big})
+        async with ctx as w:
+            log = holder["router"]
+            await w.coordinator.sleep(w.manager.get("a"))  # its footprint measured
+            for n in "ab":  # a and b awake
+                res = await w.coordinator.wake(w.manager.get(n))
+                assert res.plan is not None
+                assert res.plan.decision is Decision.WAKE, res.plan.reason
+            for n in "ab":
+                log.slow[(n, "hotswap_sleep")] = SLOW_OFFLOAD_S
+            log.log.clear()
+            r = await ask(w, "c")
+            assert r.status_code == 200, r.text
+            assert [w.state(n) for n in "abc"] == [State.SUSPENDED, State.SUSPENDED, State.RUNNING]
+            assert log.at("a", "hotswap_sleep", "start") < log.at("b", "hotswap_sleep", "end")
+            assert log.at("b", "hotswap_sleep", "start") < log.at("a", "hotswap_sleep", "end")
+            assert w.sample("hotswap_evictions_total", model="a", reason="lru") == 1
+            assert w.sample("hotswap_evictions_total", model="b", reason="lru") == 1
+
+    run(body)
