@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from worker_ext.pools import KV_CACHE, UNPOOLED, WEIGHTS, policy
+from worker_ext.pools import GRAPHS, KV_CACHE, UNPOOLED, WEIGHTS, policy
 
 PARAMETER = "parameter"
 BUFFER = "buffer"
@@ -227,6 +227,8 @@ def restored_by(level: int, pool: str, kind: str) -> bool:
     if pool == WEIGHTS:
         # Level 1 offloads the whole pool; level 2 gets back only what the reload refills.
         return level == 1 or kind == PARAMETER
+    if pool == GRAPHS:
+        return False  # mapped back empty: a tensor someone holds there is protected
     # The KV cache is discarded; pools the level does not discard keep their bytes.
     return pool != KV_CACHE
 
@@ -240,7 +242,7 @@ def judge(
         nbytes = r.nbytes
         pool = tag_of(r.tensor.untyped_storage().data_ptr(), nbytes) if nbytes else UNPOOLED
         restored = restored_by(level, pool, r.kind)
-        discarded = pool in (WEIGHTS, KV_CACHE) and policy(level, pool) == "discarded"
+        discarded = pool in (WEIGHTS, KV_CACHE, GRAPHS) and policy(level, pool) == "discarded"
         rows.append(
             {
                 "name": r.name,

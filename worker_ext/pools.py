@@ -23,6 +23,10 @@ WEIGHTS = "weights"
 KV_CACHE = "kv_cache"
 UNPOOLED = "unpooled"
 ALL_TAGS = (WEIGHTS, KV_CACHE)
+# CUDA: the CUDA graphs' pool when captured into a CuMem pool (worker_ext.graphpool). Not a
+# tag callers name: it sleeps with the KV cache, released without a copy and mapped back
+# empty (every replay writes what it reads); only named tensors in it are protected.
+GRAPHS = "cudagraph"
 
 OFFLOADED = "offloaded"  # bytes kept on the host, copied back on resume
 DISCARDED = "discarded"  # bytes dropped; content undefined after resume

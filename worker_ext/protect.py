@@ -2,7 +2,9 @@
 
 A pool discarded at a level loses every byte its records hold. The level's own mechanism
 brings some of them back (the reload refills the parameters at level 2) or needs none of
-them (the KV cache, whose content is dropped on purpose); every other byte is protected:
+them (the KV cache, whose content is dropped on purpose; the CUDA graphs' pool outside the
+tensors the walk finds there, scratch that every replay writes before it reads); every
+other byte is protected:
 copied to host before the sleep, written back in place after the wake, fingerprinted. The
 object walk names what it can; the rest are unnamed ranges, protected and verified all the
 same, reported with the nearest named tensor (docs/contracts.md §1.2).
@@ -16,7 +18,7 @@ from typing import Any
 
 from worker_ext import ranges
 from worker_ext.ownership import TensorRecord, restored_by
-from worker_ext.pools import DISCARDED, KV_CACHE, WEIGHTS, policy
+from worker_ext.pools import DISCARDED, GRAPHS, KV_CACHE, WEIGHTS, policy
 
 PoolRecord = tuple[int, int, str]  # (start, end, tag) of one allocation
 
@@ -92,6 +94,8 @@ def plan(
             continue
         mine = [t for t in tensors if pool_of.get(id(t)) == tag]
         back = [spans[id(t)] for t in mine if t.is_kv or restored_by(level, tag, t.kind)]
+        if tag == GRAPHS:  # scratch every replay writes first: only what is held is kept
+            back = ranges.subtract(recs, [spans[id(t)] for t in mine])
         kept = ranges.protect(recs, back)
         unused = ranges.total(kept)
         kept = ranges.protect(kept, free)
@@ -108,7 +112,7 @@ def plan(
 
 def _lost(level: int, pool: str | None, t: TensorRecord) -> bool:
     """ownership.judge's `at_risk` for one tensor in `pool` (None: it holds no bytes)."""
-    if pool not in (WEIGHTS, KV_CACHE) or t.is_kv:
+    if pool not in (WEIGHTS, KV_CACHE, GRAPHS) or t.is_kv:
         return False
     return policy(level, pool) == DISCARDED and not restored_by(level, pool, t.kind)
 

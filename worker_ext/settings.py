@@ -199,6 +199,18 @@ VARIABLES: tuple[Variable, ...] = (
         "gigabytes the tier's files may take in that directory (the oldest go first; a file"
         " larger than the budget is not written)",
     ),
+    Variable(
+        "HOTSWAP_GRAPH_POOL",
+        "graph_pool",
+        "release",
+        _choice("release", "keep", "poison"),
+        "`release`: on CUDA with sleep mode at world size 1, vLLM's CUDA graphs are captured"
+        " into a CuMem pool that sleeps with the KV cache, released without a copy and"
+        " mapped back empty (`worker_ext/graphpool.py`): a sleeper and a deep sleep's"
+        " checkpoint no longer hold it; `keep`: vLLM's own graph pool, resident while"
+        " asleep; `poison`: as `release`, and every wake fills it with 0xFF bytes before"
+        " anything runs (a test's proof that no replay reads what it held before the sleep)",
+    ),
 )
 
 
@@ -213,6 +225,7 @@ class WorkerSettings:
     demotable: bool = False
     disk_dir: str = ""
     disk_budget_bytes: int = 64 * 10**9
+    graph_pool: str = "release"
     tuning: Tuning = dataclasses.field(default_factory=Tuning)
 
     @property

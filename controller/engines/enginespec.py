@@ -49,6 +49,7 @@ WORKER_ENV = frozenset(
         "HOTSWAP_DEMOTABLE",
         "HOTSWAP_DISK_DIR",
         "HOTSWAP_DISK_BUDGET_GB",
+        "HOTSWAP_GRAPH_POOL",
     }
 )
 

@@ -295,3 +295,31 @@ def test_drop_backup_frees_the_kept_pinned_copy(llama: Engine) -> None:
     assert w["verify"]["mismatched"] == []
     assert llama.rpc("hotswap_info")["host_backup_bytes"] > 0  # pinned anew
     assert llama.gen() == base
+
+
+def test_graphs_replay_right_from_a_poisoned_graph_pool(
+    model_dir: Callable[[str], Path],
+    engines: Callable[..., Engine],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CUDA graphs' CuMem pool (worker_ext.graphpool) sleeps with the KV cache and comes
+    back empty; with HOTSWAP_GRAPH_POOL=poison every wake fills it with 0xFF (NaN in bf16)
+    before anything runs, so a replay that read a byte from before the sleep would change
+    the tokens or logprobs: they must equal the reference after every cycle."""
+    monkeypatch.setenv("HOTSWAP_GRAPH_POOL", "poison")  # the engine's processes inherit it
+    eng = engines(model_dir("llama"), **GRAPHS)
+    info = eng.rpc("hotswap_info")
+    assert info["graph_pool"]["pool"] == "cumem", info["graph_pool"]
+    graphs = info["pools"]["cudagraph"]
+    assert graphs > 0
+    base = eng.gen()
+    for level in (1, 2, 1):
+        awake = eng.rpc("hotswap_info")["resident"]["graph_pools"]
+        s = eng.sleep(level)
+        assert s["suspend"]["freed_bytes"]["cudagraph"] == graphs
+        assert eng.rpc("hotswap_info")["resident"]["graph_pools"] == awake - graphs
+        w = eng.wake(level)
+        assert w["kv_cache"]["restored_bytes"]["cudagraph"] == graphs
+        assert w["kv_cache"]["timings"]["cudagraph_poisoned"] == 1.0
+        assert w["verify"]["mismatched"] == []
+        assert eng.gen() == base, f"level {level}"

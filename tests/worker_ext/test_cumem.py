@@ -465,3 +465,89 @@ def test_a_wake_maps_with_the_tuned_wait_for_memory(alloc: _Allocator) -> None:
     b.resume(["weights", "kv_cache"])
     assert b._driver.oom_wait_s == 1.5
     assert _backend(alloc)._mapper().oom_wait_s == 5.0  # the default
+
+
+class _GraphPool:
+    """A MemPool's snapshot: its segments' base addresses."""
+
+    def __init__(self, ptrs: list[int]) -> None:
+        self.ptrs = ptrs
+
+    def snapshot(self) -> list[dict[str, int]]:
+        return [{"address": p, "total_size": 0} for p in self.ptrs]
+
+
+def _with_graphs(alloc: _Allocator) -> tuple[dict[int, bytes], list[int]]:
+    """The model, and two records the CUDA graphs were captured into (tagged as vLLM's
+    allocator tags what no pool context names)."""
+    before = _model(alloc)
+    graphs = [alloc.add("default", b"\x11" * 700), alloc.add("default", b"\x22" * 300)]
+    alloc.allocator_and_pools = {"cudagraph": (_GraphPool(graphs), None)}  # type: ignore[attr-defined]
+    return before, graphs
+
+
+def test_the_graph_pool_sleeps_with_the_kv_cache_without_a_copy(alloc: _Allocator) -> None:
+    """worker_ext.graphpool: the graphs' records are the pool `cudagraph` (tagged `kv_cache`
+    in vLLM's allocator, so its own sleep discards them and its wake maps them with the KV
+    cache); released with the KV cache, never copied, mapped back empty with it."""
+    before, graphs = _with_graphs(alloc)
+    b = _backend(alloc)
+    assert b.pools() == {"weights": 5096, "kv_cache": 812, "cudagraph": 1000}
+    assert [alloc.pointer_to_data[p].tag for p in graphs] == ["kv_cache", "kv_cache"]
+    assert b.tag_of(graphs[0] + 10, 4) == "cudagraph"
+    b.suspend(1, ["weights"])  # the weights alone: the graphs stay
+    assert not any(alloc.pointer_to_data[p].is_asleep for p in graphs)
+    b.resume(["weights"])
+    r = b.suspend(1, ["weights", "kv_cache"])
+    assert r["freed_bytes"] == {"weights": 5096, "kv_cache": 812, "cudagraph": 1000}
+    assert r["offloaded_bytes"] == {"weights": 5096, "kv_cache": 0}
+    assert b.host_backup_bytes() == 5096  # nothing of the graphs on the host
+    assert all(
+        alloc.read(p) == bytes([RELEASED]) * alloc.pointer_to_data[p].handle[1] for p in graphs
+    )
+    assert b.suspended() == {"weights": "offloaded", "kv_cache": "discarded"}
+    assert b.resume(["weights"])["restored_bytes"] == {"weights": 5096}
+    assert all(alloc.pointer_to_data[p].is_asleep for p in graphs)  # still with the KV cache
+    k = b.resume(["kv_cache"])
+    assert k["restored_bytes"] == {"kv_cache": 812, "cudagraph": 1000}
+    assert "cudagraph_s" in k["timings"]
+    assert "cudagraph_poisoned" not in k["timings"]
+    assert all(
+        alloc.read(p) == bytes([MAPPED]) * alloc.pointer_to_data[p].handle[1] for p in graphs
+    )
+    b.synchronize()
+    for p in _tags(alloc, "weights"):
+        assert alloc.read(p) == before[p]
+
+
+def test_a_kept_kv_cache_still_drops_the_graph_pool(alloc: _Allocator) -> None:
+    before, graphs = _with_graphs(alloc)
+    b = _backend(alloc)
+    b.prepare_kv_keep()
+    r = b.suspend(1, ["weights", "kv_cache"], keep_kv=True)
+    assert r["offloaded_bytes"] == {"weights": 5096, "kv_cache": 812}
+    assert r["kv_host_backup_bytes"] == 812  # the KV records only
+    b.resume(["weights", "kv_cache"])
+    b.synchronize()
+    assert all(alloc.read(p) == v for p, v in before.items())
+    assert all(
+        alloc.read(p) == bytes([MAPPED]) * alloc.pointer_to_data[p].handle[1] for p in graphs
+    )
+
+
+def test_the_poisoned_graph_pool_is_filled_at_every_wake(
+    alloc: _Allocator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HOTSWAP_GRAPH_POOL=poison: every mapping back is filled with 0xFF bytes before the
+    wake returns (a replay that read the old bytes would then change the tokens)."""
+    _before, graphs = _with_graphs(alloc)
+    from worker_ext.cumem import CuMemBackend
+
+    monkeypatch.setattr(CuMemBackend, "_fill", lambda _s, p, n, v: ctypes.memset(p, v, n))
+    settings = WorkerSettings(host_codec="none", verify_kernel="off", graph_pool="poison")
+    b = CuMemBackend(_Worker(), settings)
+    for level in (1, 2):
+        b.suspend(level, ["weights", "kv_cache"])
+        k = b.resume(["weights", "kv_cache"])
+        assert k["timings"]["cudagraph_poisoned"] == 1.0
+        assert all(alloc.read(p) == b"\xff" * alloc.pointer_to_data[p].handle[1] for p in graphs)

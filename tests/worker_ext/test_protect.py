@@ -204,3 +204,23 @@ def test_empty_and_untouched_pools() -> None:
         "discarded": 0,
         "restored_bytes": 32 * KIB,
     }
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_the_graph_pool_protects_only_the_tensors_held_in_it(level: int) -> None:
+    """The CUDA graphs' pool (worker_ext.graphpool) is scratch every replay writes before it
+    reads: a plan protects only the named tensors in it (someone holds them across forwards),
+    not its unnamed bytes, where any other discarded pool protects every unnamed byte."""
+    p = Pools()
+    graph = (p.base + 48 * KIB, p.base + 64 * KIB)
+    p.records[1] = (p.base + 32 * KIB, graph[0], "kv_cache")
+    p.records.append((*graph, "cudagraph"))
+    held = p._t("runner.graph_output", 56 * KIB, 512, RUNNER)
+    p.tensors = [t for t in p.tensors if t.name != "runner.meta"] + [held]
+    cover = protect.plan(level, p.records, p.tensors, p.tag_of)
+    in_graphs = [(s, e) for s, e, tag in cover.protect if tag == "cudagraph"]
+    assert in_graphs == [protect.storage_range(held)]
+    assert not [r for r in cover.unnamed if r[2] == "cudagraph"]
+    row = cover.pools["cudagraph"]
+    assert (row["discarded"], row["protected_bytes"], row["unnamed_bytes"]) == (1, 512, 0)
+    assert row["restored_bytes"] == 16 * KIB - 512  # dropped on purpose, as the KV tensors

@@ -30,6 +30,9 @@ class FakeRecords:
     def all(self) -> dict[int, Any]:
         return {}
 
+    def graphs(self) -> frozenset[int]:
+        return frozenset()
+
 
 class FakeLimits:
     def __init__(self, stack: int = 1024, fail: str | None = None) -> None:

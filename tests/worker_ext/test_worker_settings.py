@@ -24,6 +24,7 @@ def test_defaults() -> None:
     assert (s.keep_host_backup, s.pin_early, s.verify_kernel) == (True, True, "auto")
     assert (s.host_codec, s.warm_prepare, s.disk_dir) == ("exp", True, "")
     assert s.demotable is False  # it costs every level-1 sleep: on under a host budget only
+    assert s.graph_pool == "release"  # graphs captured into a CuMem pool the sleep releases
     assert s.tuning == Tuning()
     assert (s.tuning.codec_piece_mib, s.tuning.codec_slots, s.tuning.disk_threads) == (64, 2, 16)
     assert (s.tuning.protect, s.tuning.codec_plan_reuse) == ("ranges", True)
@@ -39,9 +40,11 @@ def test_every_variable_is_read() -> None:
             "HOTSWAP_DEMOTABLE": "on",
             "HOTSWAP_DISK_DIR": " /var/tier ",
             "HOTSWAP_DISK_BUDGET_GB": "1.5",
+            "HOTSWAP_GRAPH_POOL": " Poison",
         }
     )
-    assert s == WorkerSettings(False, "none", "off", False, True, "/var/tier", 1_500_000_000)
+    want = WorkerSettings(False, "none", "off", False, True, "/var/tier", 1_500_000_000, "poison")
+    assert s == want
 
 
 def test_one_variable_per_field_and_at_most_eight() -> None:
@@ -57,6 +60,7 @@ def test_bad_words_fall_back_to_the_defaults() -> None:
             "HOTSWAP_VERIFY_KERNEL": "maybe",
             "HOTSWAP_HOST_CODEC": "zstd",
             "HOTSWAP_DISK_BUDGET_GB": "lots",
+            "HOTSWAP_GRAPH_POOL": "off",
         }
     )
     assert s == WorkerSettings()

@@ -11,13 +11,24 @@ from worker_ext.cudart import CudaRT, HostBuffer
 from worker_ext.cudriver import Driver
 from worker_ext.cumem import hostbuf, hostcheck
 from worker_ext.cumem.coded import CodedCopies
+from worker_ext.cumem.graphs import GraphPart
 from worker_ext.cumem.records import Records, ranges, size
 from worker_ext.cumem.resident import Residency
 from worker_ext.cumem.resume import Onload, vllm_side_effects
 from worker_ext.cumem.streams import CopyStreams
 from worker_ext.cumem.suspend import Offload, map_again, release_early
 from worker_ext.cumem.tier import TierPart
-from worker_ext.pools import ALL_TAGS, DISCARDED, KV_CACHE, OFFLOADED, WEIGHTS, During, policy
+from worker_ext.pools import (
+    ALL_TAGS,
+    DISCARDED,
+    GRAPHS,
+    KV_CACHE,
+    OFFLOADED,
+    WEIGHTS,
+    During,
+    policy,
+)
+from worker_ext.rawmem import raw_bytes
 from worker_ext.settings import WorkerSettings
 
 
@@ -51,6 +62,7 @@ class CuMemBackend:
         self._release_host_after_pending = False
         self._woke = hostcheck.WokeFrom()  # what the last wake copied back from
         self._coded = CodedCopies(torch, self.device, self._streams, lambda: self.settings)
+        self._graphs = GraphPart(self._records, lambda: self.settings, self._fill)
         index = self.device.index or 0
 
         def threads() -> int:
@@ -258,6 +270,9 @@ class CuMemBackend:
         self._unmap_and_release(data.handle)
         data.is_asleep = True
 
+    def _fill(self, ptr: int, nbytes: int, value: int) -> None:
+        raw_bytes(ptr, nbytes, self.device).fill_(value)
+
     def suspend(
         self,
         level: int,
@@ -312,6 +327,8 @@ class CuMemBackend:
                 for _ptr, data in recs[tag]:
                     if not data.is_asleep:  # else released early
                         self._release(data)
+        # the CUDA graphs' pool sleeps with the KV cache, never copied (worker_ext.graphpool)
+        graphs = self._graphs.release(self._release, timings) if KV_CACHE in tags else 0
         timings["discard_s"] = time.perf_counter() - t
         timings["at_discarded_s"] = t + timings["discard_s"] - t0
         copies.release_copied(self._release)
@@ -324,7 +341,7 @@ class CuMemBackend:
         timings["trim_s"] = self.trim()  # with the stack's shrink (resident.stack)
         freed = {t: sum(size(d) for _, d in recs[t]) for t in tags}
         return {
-            "freed_bytes": freed,
+            "freed_bytes": {**freed, GRAPHS: graphs} if graphs else freed,
             "offloaded_bytes": {t: freed[t] if plan[t] == OFFLOADED else 0 for t in tags},
             "memory_before": before,
             "memory_after": self.memory()["free"],
@@ -376,6 +393,8 @@ class CuMemBackend:
                 continue
             t, cpu = time.perf_counter(), time.thread_time()
             restored[tag] += copies.map_back(self._records.of(tag), mode, driver)
+            if tag == KV_CACHE and (graphs := self._graphs.map_back(driver, timings)):
+                restored[GRAPHS] = graphs
             gc = self._coded.made
             if copies.wq is not None and gc is not None and tag == WEIGHTS:
                 timings["codec_scratch_bytes"] = float(gc.scratch_bytes(slots=copies.wq.n_slots))

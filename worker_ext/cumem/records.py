@@ -7,7 +7,8 @@ import bisect
 import logging
 from typing import Any
 
-from worker_ext.pools import ALL_TAGS, UNPOOLED
+from worker_ext import graphpool
+from worker_ext.pools import ALL_TAGS, GRAPHS, KV_CACHE, UNPOOLED
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,10 @@ def ranges(recs: list[tuple[int, Any]]) -> list[tuple[int, int]]:
 class Records:
     """The allocator's `pointer_to_data`: one cuMem segment per record, with its tag
     (`weights` while the model loads, `kv_cache` while the KV cache is set up) and its
-    `is_asleep`, which the backend keeps truthful."""
+    `is_asleep`, which the backend keeps truthful. The CUDA graphs' records (the segments
+    of worker_ext.graphpool's pool) are the pool GRAPHS here; in vLLM's allocator they are
+    tagged `kv_cache` when first seen, so vLLM's own sleep and wake treat them as the KV
+    cache (discarded, mapped back with it)."""
 
     def __init__(self, alloc: Any, torch: Any) -> None:
         self._alloc = alloc
@@ -33,23 +37,43 @@ class Records:
         self._index_key: tuple[int, int] = (-1, -1)
         self._starts: list[int] = []
         self._sizes: list[int] = []
+        self._graph_key: tuple[int, int] = (-1, -1)
+        self._graphs: frozenset[int] = frozenset()
 
     def all(self) -> dict[int, Any]:
         return self._alloc.pointer_to_data  # type: ignore[no-any-return]
 
+    def graphs(self) -> frozenset[int]:
+        """The addresses of the graph pool's records (read again when the records change),
+        each tagged `kv_cache` in vLLM's allocator."""
+        recs = self.all()
+        key = (len(recs), sum(recs))
+        if key != self._graph_key:
+            segs = graphpool.pool_segments(self._alloc) or frozenset()
+            self._graphs = frozenset(p for p in segs if p in recs)
+            self._graph_key = key
+            for p in self._graphs:
+                if recs[p].tag != KV_CACHE:
+                    recs[p].tag = KV_CACHE
+        return self._graphs
+
+    def _tagged(self) -> list[tuple[int, Any, str]]:
+        graphs = self.graphs()
+        return [(p, d, GRAPHS if p in graphs else str(d.tag)) for p, d in self.all().items()]
+
     def of(self, tag: str) -> list[tuple[int, Any]]:
-        """The records of `tag`, by address."""
-        return sorted((p, d) for p, d in self.all().items() if d.tag == tag)
+        """The records of `tag` (GRAPHS: the graph pool's), by address."""
+        return sorted((p, d) for p, d, t in self._tagged() if t == tag)
 
     def pools(self) -> dict[str, int]:
         out = dict.fromkeys(ALL_TAGS, 0)
-        for data in self.all().values():
-            out[data.tag] = out.get(data.tag, 0) + size(data)
+        for _p, data, tag in self._tagged():
+            out[tag] = out.get(tag, 0) + size(data)
         return out
 
     def spans(self) -> list[tuple[int, int, str]]:
         """(start, end, tag) of every record, by address."""
-        return sorted((p, p + size(d), str(d.tag)) for p, d in self.all().items())
+        return sorted((p, p + size(d), t) for p, d, t in self._tagged())
 
     def _rebuild_index(self) -> None:
         recs = self.all()
@@ -60,6 +84,7 @@ class Records:
     def tag_of(self, data_ptr: int, nbytes: int) -> str:
         """The pool holding [data_ptr, data_ptr + nbytes), or UNPOOLED."""
         recs = self.all()
+        graphs = self.graphs()
         if self._index_key != (len(recs), sum(recs)):
             self._rebuild_index()
         for attempt in range(2):
@@ -69,7 +94,7 @@ class Records:
                 rec = recs.get(start)
                 if rec is not None and size(rec) == n:
                     if data_ptr + max(nbytes, 1) <= start + n:
-                        return str(rec.tag)
+                        return GRAPHS if start in graphs else str(rec.tag)
                     return UNPOOLED
             if attempt == 0:
                 self._rebuild_index()  # an entry went stale under the same key: look again

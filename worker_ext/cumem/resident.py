@@ -80,12 +80,14 @@ class Residency:
         return {"free": int(free), "total": int(total)}
 
     def segments(self) -> dict[str, int]:
-        """torch's segments outside vLLM's pools, by kind, and the pools' mapped bytes."""
+        """torch's segments outside vLLM's pools, by kind, and the pools' mapped bytes (a
+        CuMem graph pool's among the graph pools)."""
         recs = self._records.all()
+        graphs = self._records.graphs()  # a CuMem graph pool (worker_ext.graphpool)
         out = {"pools_mapped": 0, "torch_allocated": 0, "torch_cached": 0, "graph_pools": 0}
-        for data in recs.values():
+        for ptr, data in recs.items():
             if not data.is_asleep:
-                out["pools_mapped"] += size(data)
+                out["graph_pools" if ptr in graphs else "pools_mapped"] += size(data)
         try:
             segments = self._torch.cuda.memory_snapshot()
         except Exception:

@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import torch
 
-from worker_ext import vllmcompat
+from worker_ext import graphpool, vllmcompat
 from worker_ext.extension.base import ExtensionBase
 from worker_ext.extension.hostmem import HostMemoryRPCs
 from worker_ext.extension.rpc import log, plain, rank_of, rpc
@@ -53,6 +53,7 @@ class HotSwapExtension(SleepRPCs, WakeRPCs, HostMemoryRPCs, ExtensionBase):
             "allocator_asleep": vllmcompat.allocator_asleep(),  # vLLM's own sleep shows here
             "vllm_sleep": vllmcompat.vllm_sleep(self),  # vLLM's sleep through our backend
             "resident": st.backend.resident(),
+            "graph_pool": graphpool.describe(),
             "level": st.level,
             "poisoned": st.quiescer.poisoned,
             **st.phase.report(),
