@@ -123,6 +123,10 @@ def resident(sock: Path) -> list[Any]:
             return [
                 {
                     "resident": x.get("resident"),
+                    # whether the CUDA graphs are in the CuMem pool a sleep releases, and
+                    # the pools' bytes (with `cudagraph` when they are)
+                    "graph_pool": x.get("graph_pool"),
+                    "pools": x.get("pools"),
                     "host_backup_bytes": x.get("host_backup_bytes"),
                     "kv_host_backup_bytes": (x.get("backend_detail") or {}).get(
                         "kv_host_backup_bytes"
