@@ -43,11 +43,12 @@ class Records:
     def all(self) -> dict[int, Any]:
         return self._alloc.pointer_to_data  # type: ignore[no-any-return]
 
-    def graphs(self) -> frozenset[int]:
-        """The addresses of the graph pool's records (read again when the records change),
-        each tagged `kv_cache` in vLLM's allocator."""
+    def graphs(self, key: tuple[int, int] | None = None) -> frozenset[int]:
+        """The addresses of the graph pool's records (read again when the records change:
+        `key`, their count and address sum, when the caller has it), each tagged
+        `kv_cache` in vLLM's allocator."""
         recs = self.all()
-        key = (len(recs), sum(recs))
+        key = (len(recs), sum(recs)) if key is None else key
         if key != self._graph_key:
             segs = graphpool.pool_segments(self._alloc) or frozenset()
             self._graphs = frozenset(p for p in segs if p in recs)
@@ -84,8 +85,9 @@ class Records:
     def tag_of(self, data_ptr: int, nbytes: int) -> str:
         """The pool holding [data_ptr, data_ptr + nbytes), or UNPOOLED."""
         recs = self.all()
-        graphs = self.graphs()
-        if self._index_key != (len(recs), sum(recs)):
+        key = (len(recs), sum(recs))
+        graphs = self.graphs(key)
+        if self._index_key != key:
             self._rebuild_index()
         for attempt in range(2):
             i = bisect.bisect_right(self._starts, data_ptr) - 1
