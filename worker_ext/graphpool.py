@@ -65,6 +65,18 @@ def _world_size() -> int:
     return int(get_world_group().world_size)
 
 
+def _in_worker() -> bool:
+    """Whether this process's vLLM worker has the extension: vLLM mixes the extension class
+    into its Worker class's bases, `HotSwapWorker` subclasses it (a process that only
+    imported the package, or a fork of one, keeps vLLM's pool)."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from worker_ext.extension.hotswap import HotSwapExtension
+
+    classes = [Worker, *Worker.__subclasses__()]
+    return any(issubclass(c, HotSwapExtension) for c in classes)
+
+
 def make_pool() -> tuple[Any, str | None]:
     """A MemPool of vLLM's CuMemAllocator's pluggable allocator, kept in its
     `allocator_and_pools` (released at exit in vLLM's order), and its id; or None and why."""
@@ -78,6 +90,8 @@ def make_pool() -> tuple[Any, str | None]:
         alloc = cumem.CuMemAllocator.instance
         if not cumem.cumem_available or alloc is None:
             return None, "no CuMemAllocator in this process (sleep mode off)"
+        if not _in_worker():
+            return None, "the extension is not in this process's vLLM worker"
         world = _world_size()
         if world != 1:
             # vLLM's custom all-reduce shares graph buffers by CUDA IPC with the other

@@ -95,6 +95,9 @@ def test_the_pool_is_refused_with_a_reason(monkeypatch: pytest.MonkeyPatch) -> N
     assert graphpool.make_pool() == (None, "no CuMemAllocator in this process (sleep mode off)")
     alloc = _Alloc()
     _fake_cumem(monkeypatch, alloc)  # type: ignore[arg-type]
+    monkeypatch.setattr(graphpool, "_in_worker", lambda: False)
+    assert graphpool.make_pool() == (None, "the extension is not in this process's vLLM worker")
+    monkeypatch.setattr(graphpool, "_in_worker", lambda: True)
     monkeypatch.setattr(graphpool, "_world_size", lambda: 2)
     pool, why = graphpool.make_pool()
     assert pool is None
@@ -113,3 +116,19 @@ def test_the_pools_segments_are_read_from_its_snapshot() -> None:
     alloc.allocator_and_pools["cudagraph"] = (Pool(), None)
     assert graphpool.pool_segments(alloc) == frozenset({4096, 8192})
     assert graphpool.pool_segments(object()) is None
+
+
+def test_only_a_worker_with_the_extension_takes_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM mixes the extension into its Worker class (`--worker-extension-cls`), or the
+    worker is `HotSwapWorker`; a process that only imported the package keeps vLLM's pool."""
+    from worker_ext.extension.hotswap import HotSwapExtension
+
+    worker = type("Worker", (), {})
+    fake = types.SimpleNamespace(Worker=worker)
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu_worker", fake)
+    assert graphpool._in_worker() is False
+    keep = type("HotSwapWorker", (worker, HotSwapExtension), {})  # a subclass, as sleepworker's
+    assert graphpool._in_worker() is True
+    del keep
+    fake.Worker = type("Worker", (HotSwapExtension,), {})  # the mixin, as vLLM's injection
+    assert graphpool._in_worker() is True
