@@ -6,17 +6,21 @@ Runs on the lent device (torch from the vLLM bundle). Each config is a child pro
 holds a CUDA context and one part more: device memory in one allocation or many, a raised or
 shrunk per-thread stack (`cuCtxSetLimit(CU_LIMIT_STACK_SIZE)`: the context's local-memory
 reserve is the stack times every thread the device holds), CUDA graphs (how many, how many
-kernel nodes each). The children start at once (this process never touches CUDA: the driver
-is called through the sidecar's own helper, `controller.engines.cudackpt`, one spawn per
-call as the sidecar does). Per config and cycle, one after the other: NVML's device bytes of
-the child, the helper's checkpoint (its `elapsed_s`: the driver's calls alone), the bytes
-after, the restore, then the child replays its graphs and checks the result. Prints a JSON
-line per config and cycle and writes $OUT/ckptcost.jsonl.
+kernel nodes each), pinned host memory (`cudaHostRegister` of touched pages, as a sleeper's
+host copy of its weights) or device address space reserved with nothing mapped
+(`cuMemAddressReserve`, as a sleeper's released pools). The children start at once (this
+process never touches CUDA: the driver is called through the sidecar's own helper,
+`controller.engines.cudackpt`, one spawn per call as the sidecar does). Per config and
+cycle, one after the other: NVML's device bytes of the child, the helper's checkpoint (its
+`elapsed_s`: the driver's calls alone), the bytes after, the restore, then the child replays
+its graphs and checks the result. Prints a JSON line per config and cycle and writes
+$OUT/ckptcost.jsonl.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import subprocess
@@ -29,26 +33,51 @@ from benchmarks.common import logger
 
 log = logger("ckptcost")
 
-# name: (MiB in one allocation, allocations it is split into, stack bytes or 0, graphs, nodes)
-CONFIGS: dict[str, tuple[int, int, int, int, int]] = {  # the most telling first
-    "base": (0, 0, 0, 0, 0),
-    "stack16": (0, 0, 16, 0, 0),
-    "g1000x10": (0, 0, 0, 1000, 10),
-    "mem1g": (1024, 1, 0, 0, 0),
-    "stack4k": (0, 0, 4096, 0, 0),
-    "g2000x10": (0, 0, 0, 2000, 10),
-    "mem1g_x512": (1024, 512, 0, 0, 0),
-    "g100x300": (0, 0, 0, 100, 300),
-    "g1000x10_stack16": (0, 0, 16, 1000, 10),
-    "g100x10": (0, 0, 0, 100, 10),
+# name: (MiB in one allocation, allocations it is split into, stack bytes or 0, graphs, nodes,
+# MiB of pinned host memory, GiB of device address space reserved with nothing mapped)
+CONFIGS: dict[str, tuple[int, int, int, int, int, int, int]] = {  # the most telling first
+    "base": (0, 0, 0, 0, 0, 0, 0),
+    "stack16": (0, 0, 16, 0, 0, 0, 0),
+    "g1000x10": (0, 0, 0, 1000, 10, 0, 0),
+    "mem1g": (1024, 1, 0, 0, 0, 0, 0),
+    "stack4k": (0, 0, 4096, 0, 0, 0, 0),
+    "g2000x10": (0, 0, 0, 2000, 10, 0, 0),
+    "mem1g_x512": (1024, 512, 0, 0, 0, 0, 0),
+    "g100x300": (0, 0, 0, 100, 300, 0, 0),
+    "g1000x10_stack16": (0, 0, 16, 1000, 10, 0, 0),
+    "g100x10": (0, 0, 0, 100, 10, 0, 0),
+    "stack16_pin4g": (0, 0, 16, 0, 0, 4096, 0),
+    "stack16_pin8g": (0, 0, 16, 0, 0, 8192, 0),
+    "stack16_va64g": (0, 0, 16, 0, 0, 0, 64),
 }
 
 
-def child(mib: int, allocs: int, stack: int, graphs: int, nodes: int) -> None:
+def _hold_host_and_address_space(pin_mib: int, va_gib: int, cu: Any) -> list[Any]:
+    """Pinned host pages (touched, then registered) and reserved device address space."""
+    import torch
+
+    held: list[Any] = []
+    if pin_mib:
+        host = torch.ones(pin_mib << 20, dtype=torch.uint8)  # every page touched
+        rc = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)
+        if int(rc) != 0:
+            raise RuntimeError(f"cudaHostRegister: {rc}")
+        held.append(host)
+    if va_gib:
+        ptr = ctypes.c_uint64()
+        size, align = ctypes.c_size_t(va_gib << 30), ctypes.c_size_t(2 << 20)
+        rc = cu.cuMemAddressReserve(ctypes.byref(ptr), size, align, ctypes.c_uint64(0), 0)
+        if rc != 0:
+            raise RuntimeError(f"cuMemAddressReserve: {rc}")
+        held.append(ptr.value)
+    return held
+
+
+def child(
+    mib: int, allocs: int, stack: int, graphs: int, nodes: int, pin_mib: int = 0, va_gib: int = 0
+) -> None:
     """Hold a context and the config's part, say ready, wait for a line per cycle
     ("check": replay, answer), end at EOF."""
-    import ctypes
-
     import torch
 
     dev = torch.device("cuda")
@@ -61,6 +90,7 @@ def child(mib: int, allocs: int, stack: int, graphs: int, nodes: int) -> None:
         if rc != 0:
             raise RuntimeError(f"cuMemAlloc_v2: {rc}")
         held.append(ptr.value)
+    held.extend(_hold_host_and_address_space(pin_mib, va_gib, cu))
     made = []
     y = torch.zeros(1024, device=dev)
     if graphs:
@@ -182,7 +212,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 7 and sys.argv[1] == "child":
+    if len(sys.argv) == 9 and sys.argv[1] == "child":
         child(*(int(a) for a in sys.argv[2:]))
     else:
         main()
