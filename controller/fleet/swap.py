@@ -25,20 +25,20 @@ from controller.config.settings import Settings
 from controller.errors import (
     DeepSleepRefused,
     DrainTimeout,
-    EngineError,
     HotswapError,
     TransitionConflict,
     WakeRefused,
 )
 from controller.fleet.hostswap import HostMemory
 from controller.fleet.overlap import Overlap, plan_overlap
-from controller.fleet.policy import Decision, WakePlan, estimate, mib, plan_wake
+from controller.fleet.policy import Decision, WakePlan, estimate, plan_wake
+from controller.fleet.swapsteps import OverlappedSwap, evict_side_by_side, restore_ahead
 from controller.fleet.swapview import SwapView
 from controller.models.footprints import footprint_from_sleep
 from controller.models.manager import Manager
 from controller.models.modelmanager import ModelManager, Outcome
 from controller.models.record import ModelRecord
-from controller.models.steps import DrainMode, KvFirst
+from controller.models.steps import DrainMode
 from controller.observe.swapmetrics import SwapMetrics
 from controller.state import Action, Request, State, decide
 
@@ -158,23 +158,11 @@ class SwapCoordinator(SwapView):
                     extra=fields,
                 )
             t0 = self._mono()
-            evicted: list[str] = []
             victims = [v.model for v in plan.evict]
-            early = overlap.ok and overlap.early  # its wake (and restore) starts at once
-            ahead = None if early else self._restore_ahead(mm, plan)
             try:
-                if overlap.ok:
-                    outcome, t1, evict_s = await self._overlapped(
-                        mm, victims[0], overlap, lock, ahead
-                    )
-                    evicted.append(victims[0].name)
-                else:
-                    evicted += await self._evict_side_by_side(victims)
-                    t1 = self._mono()
-                    evict_s = t1 - t0
-                    if ahead is not None:
-                        await ahead  # its error (FAILED) is the wake's
-                    outcome = await _wake_beside(self, mm, lock)  # its victims asleep
+                outcome, evicted, t1, evict_s = await self._evict_and_wake(
+                    mm, plan, overlap, lock, t0
+                )
             except HotswapError:
                 self.metrics.swap(name, "failed", self._mono() - t0)
                 raise
@@ -209,6 +197,30 @@ class SwapCoordinator(SwapView):
             )
             return result
 
+    async def _evict_and_wake(
+        self,
+        mm: ModelManager,
+        plan: WakePlan[ModelManager],
+        overlap: Overlap,
+        lock: contextlib.AsyncExitStack,
+        t0: float,
+    ) -> tuple[Outcome, list[str], float, float]:
+        """The plan's evictions and the wake (overlapped, or once the victims are asleep,
+        a deep target restored beside them where that fits): the wake's outcome, the
+        models evicted, when the wake started and how long the evictions took."""
+        victims = [v.model for v in plan.evict]
+        early = overlap.ok and overlap.early  # its wake (and restore) starts at once
+        ahead = None if early else restore_ahead(self, mm, plan)
+        if overlap.ok:
+            swap = OverlappedSwap(self, mm, victims[0], overlap)
+            outcome, t1, evict_s = await swap.run(lock, ahead)
+            return outcome, [victims[0].name], t1, evict_s
+        evicted = await evict_side_by_side(self, victims)
+        t1 = self._mono()
+        if ahead is not None:
+            await ahead  # its error (FAILED) is the wake's
+        return await _wake_beside(self, mm, lock), evicted, t1, t1 - t0  # its victims asleep
+
     async def _deepened_plan(self, mm: ModelManager, evict: bool) -> WakePlan[ModelManager]:
         """`_deep_plan`; a refusal that may pass while peers wake beside it (RESUMING, not
         evictable) is planned again once they are awake (bounded), as when their wakes held
@@ -232,58 +244,9 @@ class SwapCoordinator(SwapView):
             plan = self.plan(mm, allow_evict=evict)
         return plan
 
-    async def _evict_side_by_side(self, victims: list[ModelManager]) -> list[str]:
-        """Every victim of one plan put to sleep at once (their drains and copies side by
-        side, not one after another); the names of those asleep, or the first error once
-        every sleep has ended."""
-        results = await asyncio.gather(
-            *(self.sleep(v, drain="wait", reason="evict", deep=False) for v in victims),
-            return_exceptions=True,
-        )
-        asleep = []
-        for victim, res in zip(victims, results, strict=True):
-            if not isinstance(res, BaseException):
-                asleep.append(victim.name)
-                self.metrics.eviction(victim.name, "lru")
-        for res in results:
-            if isinstance(res, BaseException):
-                raise res
-        return asleep
-
     def checkpoint_lock(self, device: str) -> asyncio.Lock:
         """Held by an evicted model's checkpoint after its swap: one at a time per device."""
         return self._ckpt_locks.setdefault(device, asyncio.Lock())
-
-    def _restore_ahead(
-        self, mm: ModelManager, plan: WakePlan[ModelManager]
-    ) -> asyncio.Task[Any] | None:
-        """An evicting wake of a deep model: its restore started now, beside its victims'
-        sleeps (it needs none of their room: only what it left beside its pools before its
-        checkpoint, where that fits beside what the device holds now), in a task the wake
-        awaits before it begins (docs/contracts.md §2.2)."""
-        snap, rec = mm.snapshot(), mm.record
-        if plan.decision is not Decision.EVICT or not snap.deep or snap.level is None:
-            return None
-        back = rec.holdings.asleep_bytes // max(1, len(plan.devices))
-        fields = {"model": mm.name, "phase": "policy"}
-        if plan.budget_bytes is not None and plan.used_bytes + back > plan.budget_bytes:
-            log.info(
-                "%s: restore after its evictions: %s held + %s it brings back > %s",
-                mm.name,
-                mib(plan.used_bytes),
-                mib(back),
-                mib(plan.budget_bytes),
-                extra=fields,
-            )
-            return None
-        log.info(
-            "%s: restore started with its evictions (%s back beside %s held)",
-            mm.name,
-            mib(back),
-            mib(plan.used_bytes),
-            extra=fields,
-        )
-        return self.manager.tasks.spawn(mm.restore_ahead(), f"hotswap-restore-{mm.name}")
 
     def overlap(self, mm: ModelManager, plan: WakePlan[ModelManager]) -> Overlap:
         """Whether this evicting wake may overlap the evicted model's offload with the
@@ -315,103 +278,6 @@ class SwapCoordinator(SwapView):
             # and its wake fail in wait_room, in place of the drain's own answer).
             ov = dataclasses.replace(ov, early=False)
         return ov
-
-    async def _overlapped(
-        self,
-        mm: ModelManager,
-        victim: ModelManager,
-        overlap: Overlap,
-        lock: contextlib.AsyncExitStack,
-        ahead: asyncio.Task[Any] | None = None,
-    ) -> tuple[Outcome, float, float]:
-        """Put `victim` to sleep split by pool (fused, KV first, where both earlier starts
-        fit) and wake `name` once the victim's KV cache is gone (at once, `overlap.early`):
-        weights in while the victim's go out; `name`'s KV cache mapped once the victim is
-        SUSPENDED (or gone), or its KV cache gone or going (`overlap.kv_early`). The device's
-        `lock` goes once the victim's sleep has ended and `name` is RESUMING (counted at its
-        footprint by every later plan): the rest of its wake (a deep target's restore, its
-        verify) runs beside the next plans. `ahead`: its restore, started with the victim's
-        sleep (`_restore_ahead`), awaited before its wake. Returns the wake's outcome, when
-        it started, and how long the victim's sleep took."""
-        name, rec, released, t0 = mm.name, victim.record, asyncio.Event(), self._mono()
-        notify = KvFirst(released.set) if overlap.early and overlap.kv_early else released.set
-        sleep = self.manager.tasks.spawn(
-            self.sleep(victim, drain="wait", reason="evict", kv_released=notify, deep=False),
-            name=f"hotswap-evict-{victim.name}",
-        )
-
-        async def kv_gone() -> bool:
-            """Until the victim's KV cache is off the device (True) or its sleep ended
-            without that (False)."""
-            signal = asyncio.ensure_future(released.wait())
-            try:
-                await asyncio.wait({sleep, signal}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                signal.cancel()
-            return released.is_set()
-
-        if not overlap.early and not await kv_gone():
-            await sleep  # it ended before its KV cache went: its error (drain gave up, ...)
-        t1 = self._mono()
-        sleep_end: list[float] = []
-        sleep.add_done_callback(lambda _: sleep_end.append(self._mono()))
-
-        async def room() -> None:
-            if overlap.early and not await kv_gone():
-                raise EngineError(
-                    f"{victim.name}, evicted for {name}, ended its sleep before its KV cache "
-                    f"was released: the KV cache of {name} is not mapped",
-                    model=name,
-                    phase="wait_room",
-                )
-            if overlap.kv_early:
-                return  # the victim's KV cache is gone: this one fits beside its weights
-            await asyncio.wait({sleep})
-            # SUSPENDED with its weights among the pools asleep (a reconciliation after a
-            # failed step may find only the KV cache asleep), or its process gone.
-            gone = await rec.wait_for(
-                lambda r: (
-                    self.engine_gone(r)
-                    or (
-                        r.state is State.SUSPENDED
-                        and (r.facts.asleep is None or "weights" in r.facts.asleep)
-                    )
-                ),
-                self.settings.timeouts.rpc_s,
-            )
-            if not gone:
-                raise EngineError(
-                    f"{victim.name}, evicted for {name}, did not release its weights "
-                    f"(state {rec.state.value}): the KV cache of {name} is not mapped",
-                    model=name,
-                    phase="wait_room",
-                )
-
-        async def release() -> None:
-            """The lock goes once the victim's sleep has ended (its error known) and `name`
-            is counted at its footprint (RESUMING, or its wake over)."""
-            await asyncio.wait({sleep})
-            await mm.record.wait_for(
-                lambda r: r.state is not State.SUSPENDED or r.in_flight_task() is None,
-                self.settings.timeouts.rpc_s,
-            )
-            await lock.aclose()
-
-        releasing = asyncio.ensure_future(release())
-        try:
-            if ahead is not None:
-                await ahead  # its error (FAILED) is the wake's
-            outcome = await mm.wake(room=room)
-            if mm.snapshot().state is State.RUNNING:
-                mm.record.lane.hand_over()  # verified
-        finally:
-            if not sleep.done():
-                await asyncio.wait({sleep})
-            if not releasing.done():
-                releasing.cancel()
-        await sleep  # the eviction's own error, if it failed after its KV cache went
-        self.metrics.eviction(victim.name, "lru")
-        return outcome, t1, (sleep_end[0] if sleep_end else self._mono()) - t0
 
     async def make_room(self, mm: ModelManager) -> tuple[str, ...]:
         """Holding the device lock: put to sleep what a wake of the model would evict, so its
