@@ -285,6 +285,23 @@ def test_drop_backup_frees_the_kept_buffers_only_while_awake(alloc: _Allocator) 
     assert b.host_backup_bytes() == 0
 
 
+def test_a_level2_sleep_frees_the_kept_host_buffer(alloc: _Allocator) -> None:
+    """The pinned buffer kept from a level-1 cycle for the next sleep goes at a level-2
+    sleep (it holds nothing a level-2 wake reads); the next level-1 sleep pins anew."""
+    _model(alloc)
+    b = _backend(alloc)
+    b.suspend(1, ["weights", "kv_cache"])
+    b.resume(["weights", "kv_cache"])
+    b.synchronize()
+    assert b.host_backup_bytes() == 5096  # kept for the next sleep
+    r = b.suspend(2, ["weights", "kv_cache"])
+    assert b.host_backup_bytes() == 0
+    assert r["host_backup_bytes"] == 0
+    b.resume(["weights", "kv_cache"])
+    b.suspend(1, ["weights", "kv_cache"])
+    assert b.host_backup_bytes() == 5096
+
+
 def test_refusals_leave_everything_as_it_was(alloc: _Allocator) -> None:
     _model(alloc)
     b = _backend(alloc)

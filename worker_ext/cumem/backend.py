@@ -338,6 +338,7 @@ class CuMemBackend:
         self._layout.update(copies.layout)
         self._suspended.update(plan)
         self._level = level
+        _free_host_at_level2(self, level, plan)
         timings["trim_s"] = self.trim()  # with the stack's shrink (resident.stack)
         freed = {t: sum(size(d) for _, d in recs[t]) for t in tags}
         return {
@@ -446,6 +447,17 @@ def _check_suspend(
     if stray:
         raise RuntimeError(f"{len(stray)} records already asleep (vLLM's own sleep?)")
     return tags
+
+
+def _free_host_at_level2(b: CuMemBackend, level: int, plan: dict[str, str]) -> None:
+    """A level-2 sleep that discards the weights keeps no host copy of them: the pinned
+    buffers kept for the next sleep are freed (that sleep pins anew, in the foreground, as
+    after `drop_backup`), unless the disk tier's writer reads the weights' buffer now."""
+    if level != 2 or plan.get(WEIGHTS) != DISCARDED or b._tier.writing():
+        return
+    b._join_pinning()
+    b._host.release()
+    b._kv_host.release()
 
 
 def _wait_copies(sync: Callable[[], None], streams: CopyStreams, timings: dict[str, float]) -> None:
