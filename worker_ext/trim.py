@@ -25,6 +25,31 @@ def release_compile_workers() -> int:
     return n
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd",
+            "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+        )
+    ]  # fmt: skip
+
+
+def heap(libc: Any) -> dict[str, int] | None:
+    """What the C heap holds now (glibc's mallinfo2); None where there is no mallinfo2."""
+    info = getattr(libc, "mallinfo2", None)
+    if info is None:
+        return None
+    info.restype = _MallInfo2
+    m = info()
+    return {
+        "arena": int(m.arena),
+        "mmap": int(m.hblkhd),
+        "in_use": int(m.uordblks) + int(m.hblkhd),
+        "free": int(m.fordblks),
+    }
+
+
 @functools.cache
 def _libc() -> Any:
     """This process's C library, loaded once (None where it cannot be)."""
@@ -37,9 +62,9 @@ def _libc() -> Any:
 def release_host_memory(torch: Any = None, libc: Any = None) -> dict[str, Any]:
     """After a sleep: torch's host allocator gives its cached free pinned blocks back (the
     driver unpins and frees them; blocks in use stay), then glibc's `malloc_trim(0)` hands
-    the heap's free pages back to the kernel. Never raises: {`pinned_cache`, `malloc_trim`,
-    `s`} (each: true when done, false when released nothing, null when not there) or with
-    `error`. `torch`, `libc`: seams for tests (default: torch if imported, this process's C
+    the heap's free pages back to the kernel, and what the heap holds after (`heap`). Never
+    raises: {`pinned_cache`, `malloc_trim` (each: true when done, false when released
+    nothing, null when not there), `heap`, `s`} or with `error`. `torch`, `libc`: seams for tests (default: torch if imported, this process's C
     library)."""
     t = time.perf_counter()
     out: dict[str, Any] = {"pinned_cache": None, "malloc_trim": None}
@@ -59,6 +84,11 @@ def release_host_memory(torch: Any = None, libc: Any = None) -> dict[str, Any]:
             out["malloc_trim"] = bool(trim(0))
     except Exception as exc:
         errors.append(f"malloc_trim: {type(exc).__name__}: {exc}")
+    try:
+        out["heap"] = heap(libc)
+    except Exception as exc:
+        out["heap"] = None
+        errors.append(f"heap: {type(exc).__name__}: {exc}")
     if errors:
         out["error"] = "; ".join(errors)
     out["s"] = time.perf_counter() - t

@@ -79,3 +79,21 @@ def test_this_process_heap_is_trimmed_for_real() -> None:
     out = trim.release_host_memory()
     assert out["malloc_trim"] in (True, False)  # glibc here: the call was made
     assert "error" not in out
+
+
+def test_the_heap_after_the_trim_is_reported() -> None:
+    """glibc's mallinfo2 after the trim: in use (small chunks plus those mapped on their
+    own) and free (kept by the allocator); null where the C library has none."""
+    import ctypes
+
+    before = trim.heap(ctypes.CDLL(None))
+    assert before is not None  # glibc >= 2.33 here
+    block = ctypes.create_string_buffer(64 << 20)  # mapped on its own (over the threshold)
+    during = trim.heap(ctypes.CDLL(None))
+    assert during is not None
+    assert during["mmap"] >= before["mmap"] + (64 << 20)
+    assert during["in_use"] >= before["in_use"] + (64 << 20)
+    del block
+    out = trim.release_host_memory(types.SimpleNamespace(), ctypes.CDLL(None))
+    assert set(out["heap"]) == {"arena", "mmap", "in_use", "free"}
+    assert trim.release_host_memory(types.SimpleNamespace(), FakeLibc(0))["heap"] is None
