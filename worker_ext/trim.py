@@ -64,8 +64,8 @@ def release_host_memory(torch: Any = None, libc: Any = None) -> dict[str, Any]:
     driver unpins and frees them; blocks in use stay), then glibc's `malloc_trim(0)` hands
     the heap's free pages back to the kernel, and what the heap holds after (`heap`). Never
     raises: {`pinned_cache`, `malloc_trim` (each: true when done, false when released
-    nothing, null when not there), `heap`, `s`} or with `error`. `torch`, `libc`: seams for tests (default: torch if imported, this process's C
-    library)."""
+    nothing, null when not there), `heap`, `s`} or with `error`. `torch`, `libc`: seams
+    for tests (default: torch if imported, this process's C library)."""
     t = time.perf_counter()
     out: dict[str, Any] = {"pinned_cache": None, "malloc_trim": None}
     errors = []
