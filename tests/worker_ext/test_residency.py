@@ -110,3 +110,31 @@ def test_a_failing_limit_call_is_reported_never_raised(fail: str) -> None:
         woke = r.restore_stack()
         assert "cudaDeviceSetLimit failed" in woke["error"]
         assert r.restore_stack() == {}  # said once; kernels grow the stack as they need
+
+
+def test_the_layout_says_which_segments_hold_what_empty_cache_cannot_give_back() -> None:
+    """`resident.layout`: per private pool its segments and bytes, and the default pool's
+    segments with free bytes beside live blocks, the most free first."""
+    t = FakeTorch()
+
+    def seg(total: int, pool: tuple[int, int], *blocks: tuple[int, str]) -> dict[str, Any]:
+        used = sum(n for n, state in blocks if state == "active_allocated")
+        rows = [{"size": n, "state": state} for n, state in blocks]
+        return {"address": total, "total_size": total, "allocated_size": used,
+                "segment_pool_id": pool, "blocks": rows}  # fmt: skip
+
+    t.cuda.memory_snapshot = lambda: [
+        seg(20, (0, 0), (4, "active_allocated"), (16, "inactive")),
+        seg(30, (0, 0), (2, "active_allocated"), (1, "active_allocated"), (27, "inactive")),
+        seg(8, (0, 0), (8, "active_allocated")),
+        seg(100, (1, 5), (100, "inactive")),
+        seg(50, (1, 5), (10, "active_allocated"), (40, "inactive")),
+    ]
+    r = Residency(t, "cuda:0", FakeRecords())  # type: ignore[arg-type]
+    res = r.resident()
+    assert (res["torch_allocated"], res["torch_cached"], res["graph_pools"]) == (15, 43, 150)
+    assert res["layout"] == {
+        "private_pools": {"1,5": [2, 150, 10]},
+        "default_free": [[30, 3, 2, 2], [20, 4, 1, 4]],
+        "default_free_segments": 2,
+    }

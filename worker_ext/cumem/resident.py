@@ -42,6 +42,13 @@ def nvml_process_bytes(pid: int) -> int | None:
         return None
 
 
+LAYOUT_TOP = 12  # the default pool's segments with free bytes `resident.layout` lists
+
+
+def _live(block: dict[str, Any]) -> bool:
+    return str(block.get("state", "")).startswith("active")
+
+
 _STACK_SIZE = 0  # cudaLimitStackSize
 # The per-thread stack a sleeper's context keeps (its local-memory reserve is this times
 # every thread the device can hold); a kernel that needs more grows it again at its launch.
@@ -82,6 +89,14 @@ class Residency:
     def segments(self) -> dict[str, int]:
         """torch's segments outside vLLM's pools, by kind, and the pools' mapped bytes (a
         CuMem graph pool's among the graph pools)."""
+        return self._scan()[0]
+
+    def _scan(self, top: int = LAYOUT_TOP) -> tuple[dict[str, int], dict[str, Any]]:
+        """`segments`, and where torch's segments outside the pools are (`layout`): per
+        private pool (by its id) the segments, their bytes and the bytes in use; the default
+        pool's segments that hold free bytes, the `top` most free first: each one's total,
+        in use, live blocks and largest live block (free bytes in a segment that also holds
+        a live block are what `empty_cache` cannot give back)."""
         recs = self._records.all()
         graphs = self._records.graphs()  # a CuMem graph pool (worker_ext.graphpool)
         out = {"pools_mapped": 0, "torch_allocated": 0, "torch_cached": 0, "graph_pools": 0}
@@ -91,17 +106,31 @@ class Residency:
         try:
             segments = self._torch.cuda.memory_snapshot()
         except Exception:
-            return out
+            return out, {}
+        private: dict[str, list[int]] = {}
+        split: list[list[int]] = []
         for seg in segments:
             if int(seg.get("address", 0)) in recs:
                 continue
             total, used = int(seg.get("total_size", 0)), int(seg.get("allocated_size", 0))
-            if tuple(seg.get("segment_pool_id") or (0, 0)) != (0, 0):
+            pool = tuple(seg.get("segment_pool_id") or (0, 0))
+            if pool != (0, 0):
                 out["graph_pools"] += total  # a graph replays into its free blocks too
-            else:
-                out["torch_allocated"] += used
-                out["torch_cached"] += total - used
-        return out
+                row = private.setdefault(f"{pool[0]},{pool[1]}", [0, 0, 0])
+                row[0], row[1], row[2] = row[0] + 1, row[1] + total, row[2] + used
+                continue
+            out["torch_allocated"] += used
+            out["torch_cached"] += total - used
+            live = [int(b.get("size", 0)) for b in seg.get("blocks", []) if _live(b)]
+            if total > used:
+                split.append([total, used, len(live), max(live, default=0)])
+        split.sort(key=lambda r: r[1] - r[0])
+        layout = {
+            "private_pools": private,  # id: [segments, bytes, in use]
+            "default_free": split[:top],  # [total, in use, live blocks, largest live]
+            "default_free_segments": len(split),
+        }
+        return out, layout
 
     def _non_torch_bytes(self) -> int:
         """The device's used bytes no allocator of this process accounts for now (the CUDA
@@ -117,10 +146,10 @@ class Residency:
         """What this process holds on its device now: NVML's per-process figure where NVML
         sees this pid, else the allocators' segments plus what no allocator accounted for
         when the backend was made (the context), with the parts beside it."""
-        seg = self.segments()
+        seg, layout = self._scan()
         nvml = nvml_process_bytes(os.getpid())
         mine = sum(seg.values())
-        stack = {"stack": dict(self.stack)}
+        stack = {"stack": dict(self.stack), "layout": layout}
         if nvml is not None:
             return {**seg, "bytes": nvml, "source": "nvml", "other": max(0, nvml - mine), **stack}
         other = self._other_at_start
