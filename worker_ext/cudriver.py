@@ -23,7 +23,9 @@ Used by the cumem backend to map every record back, and by benchmarks/mapping.py
 from __future__ import annotations
 
 import ctypes
+import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 _ALLOCATION_PINNED = 1  # CU_MEM_ALLOCATION_TYPE_PINNED
@@ -37,7 +39,12 @@ _HANDLE_FABRIC = 8  # CU_MEM_HANDLE_TYPE_FABRIC
 _REFUSED = (800, 801)  # CUDA_ERROR_NOT_PERMITTED, CUDA_ERROR_NOT_SUPPORTED
 _OUT_OF_MEMORY = 2  # CUDA_ERROR_OUT_OF_MEMORY
 _OOM_POLL_S = 0.0005  # between two creates while waiting for memory another process frees
-STEPS = ("create", "map", "access", "oom_wait")
+STEPS = ("create", "map", "access", "oom_wait", "import")
+
+
+# for a record of this many bytes: a lent descriptor (the caller then owns it) and the size
+# of the allocation behind it, or None (kvlend.Inbox.take)
+Lent = Callable[[int], tuple[int, int] | None]
 
 
 class _Location(ctypes.Structure):
@@ -106,6 +113,9 @@ class Driver:
         )
         self.granularity = gran.value
         self.spent = dict.fromkeys(STEPS, 0.0)
+        self.imported = 0  # bytes mapped from lent memory (kvlend), since take_spent
+        self.import_refused = 0  # lent descriptors whose import failed (then created)
+        self.pieced: set[int] = set()  # records mapped from a smaller lent allocation + more
         # a create refused for memory is asked again for up to this long (the memory an
         # overlapped swap's victim is releasing); 0: refused at once
         self.oom_wait_s = oom_wait_s
@@ -150,23 +160,108 @@ class Driver:
         err = self.lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))
         return int(free.value) if err == 0 else None
 
+    def export_fd(self, handle: tuple[int, int, int, int]) -> int:
+        """A record's allocation exported as a POSIX file descriptor (the caller closes it;
+        while it is open the memory outlives the record's release)."""
+        if int(handle[2]) in self.pieced:  # its allocation is smaller than the record
+            raise DriverError("a record mapped from two allocations is not lent")
+        p_handle = int(handle[3])
+        h = ctypes.c_uint64.from_address(p_handle).value
+        fd = ctypes.c_int(-1)
+        err = self.lib.cuMemExportToShareableHandle(
+            ctypes.byref(fd), ctypes.c_uint64(h), ctypes.c_int(_HANDLE_POSIX_FD),
+            ctypes.c_uint64(0),
+        )  # fmt: skip
+        self._ok(err, "cuMemExportToShareableHandle")
+        return int(fd.value)
+
+    def _import(self, fd: int) -> int:
+        """The allocation behind a lent descriptor, as a handle of this process."""
+        t = time.perf_counter()
+        h = ctypes.c_uint64()
+        err = self.lib.cuMemImportFromShareableHandle(
+            ctypes.byref(h), ctypes.c_void_p(fd), ctypes.c_int(_HANDLE_POSIX_FD)
+        )
+        self.spent["import"] += time.perf_counter() - t
+        self._ok(err, "cuMemImportFromShareableHandle")
+        return h.value
+
+    def _map_lent(self, handle: tuple[int, int, int, int], fd: int, lent: int) -> None:
+        """Map a record from the allocation behind a lent descriptor of `lent` bytes: its
+        first bytes where it is larger than the record, all of it and a new allocation after
+        it where smaller (that one's handle released at once: it lives while mapped, and
+        the record's unmap covers both). The imported handle goes where the record's
+        `p_memHandle` points; on a failure nothing stays mapped or held."""
+        _device, size, ptr, p_handle = (int(x) for x in handle)
+        h = self._import(fd)
+        n, mapped = min(size, lent), 0
+        try:
+            self.map(ptr, n, h)
+            mapped = n
+            if n < size:
+                tail = self.create(size - n)
+                try:
+                    self.map(ptr + n, size - n, tail)
+                    mapped = size
+                finally:
+                    self.release(tail)
+            self.set_access(ptr, size)
+        except Exception:
+            if mapped:
+                self.unmap(ptr, mapped)
+            self.release(h)
+            raise
+        ctypes.c_uint64.from_address(p_handle).value = h
+        if n < size:
+            self.pieced.add(ptr)
+
+    def _try_lent(self, handle: tuple[int, int, int, int], lent: Lent | None) -> bool:
+        """Whether the record was mapped from memory `lent` has for its size (the
+        descriptor closed here); False: nothing lent, or mapping it failed (then created)."""
+        got = lent(int(handle[1])) if lent is not None else None
+        if got is None:
+            return False
+        fd, n = got
+        try:
+            self._map_lent(handle, fd, n)
+        except Exception:  # whatever went wrong, nothing of it stays: a create follows
+            self.import_refused += 1
+            return False
+        finally:
+            os.close(fd)
+        self.imported += int(handle[1])
+        return True
+
     def create(self, size: int) -> int:
         """A new allocation's handle; refused for memory, asked again until `oom_wait_s`
         has passed (the time spent waiting is `spent["oom_wait"]`, within `create`), each
         time only once the device reports `size` bytes free: a refused create is a costly
         call into the driver, which the process releasing that memory waits behind."""
+        h = self._create_waiting(size, None)
+        assert h is not None
+        return h
+
+    def _create_waiting(self, size: int, instead: Callable[[], bool] | None) -> int | None:
+        """create's body; while it waits for memory, `instead()` first (True: the record
+        was mapped another way, and None is returned)."""
         h = ctypes.c_uint64()
         t = time.perf_counter()
         err = self._create(h, size)
-        if err == _OUT_OF_MEMORY and self.oom_wait_s > 0:
+        waited = err == _OUT_OF_MEMORY and self.oom_wait_s > 0
+        try:
             deadline = t + self.oom_wait_s
-            while err == _OUT_OF_MEMORY and time.perf_counter() < deadline:
+            while waited and err == _OUT_OF_MEMORY and time.perf_counter() < deadline:
                 time.sleep(_OOM_POLL_S)
+                if instead is not None and instead():
+                    return None
                 free = self.free_bytes()
                 if free is None or free >= size:
                     err = self._create(h, size)
-            self.spent["oom_wait"] += time.perf_counter() - t
-        self.spent["create"] += time.perf_counter() - t
+        finally:
+            spent = time.perf_counter() - t
+            self.spent["create"] += spent
+            if waited:
+                self.spent["oom_wait"] += spent
         self._ok(err, "cuMemCreate")
         return h.value
 
@@ -200,11 +295,20 @@ class Driver:
     def release(self, h: int) -> None:
         self._ok(self.lib.cuMemRelease(ctypes.c_uint64(h)), "cuMemRelease")
 
-    def create_and_map(self, handle: tuple[int, int, int, int]) -> None:
+    def create_and_map(self, handle: tuple[int, int, int, int], lent: Lent | None = None) -> None:
         """vLLM's `create_and_map` for one allocator record; the handle it makes goes where
-        the record's `p_memHandle` points. On a failure nothing stays created or mapped."""
+        the record's `p_memHandle` points. On a failure nothing stays created or mapped.
+        `lent`: memory another process lent is mapped in place of a create (no scrub:
+        kvlend), before creating and while a create waits for memory."""
         _device, size, ptr, p_handle = (int(x) for x in handle)
-        h = self.create(size)
+        self.pieced.discard(ptr)
+        if self._try_lent(handle, lent):
+            return
+        h = self._create_waiting(
+            size, None if lent is None else lambda: self._try_lent(handle, lent)
+        )
+        if h is None:
+            return
         try:
             self.map(ptr, size, h)
         except DriverError:
@@ -221,4 +325,5 @@ class Driver:
     def take_spent(self) -> dict[str, float]:
         """Seconds per driver step since the last call; resets the counters."""
         out, self.spent = self.spent, dict.fromkeys(STEPS, 0.0)
+        self.imported = self.import_refused = 0
         return out

@@ -52,6 +52,10 @@ class Tuning:
     # that the link is still busy when the prepare gets there (the KV cache's early release
     # and the prepare's host work run meanwhile), no more (the protected copies wait behind it)
     sleep_stage_share: float = 0.7
+    # a sleep's KV records released first are lent to a rank of this user waking on the
+    # same device, which maps them in place of new memory (cumem.kvlend: no driver scrub),
+    # and a waking rank takes memory lent to it
+    kv_lend: bool = True
     # a wake's create refused for memory is asked again for up to this long: an overlapped
     # swap maps the woken model's KV cache while the victim releases its own
     map_oom_wait_s: float = 5.0

@@ -5,6 +5,7 @@ the GPU tests and benches.)"""
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import Any
 
 import pytest
@@ -63,8 +64,23 @@ class FakeCuda:
         free._obj.value, total._obj.value = self.free_now, 1 << 40
         return 0
 
+    def cuMemImportFromShareableHandle(self, out: Any, fd: Any, kind: Any) -> int:
+        self.calls.append(("import", fd.value, kind.value))
+        err = self._err("import")
+        if err:
+            return err
+        self.next_handle += 1
+        out._obj.value = self.next_handle
+        self.live.add(self.next_handle)
+        return 0
+
+    def cuMemExportToShareableHandle(self, out: Any, h: Any, kind: Any, flags: Any) -> int:
+        self.calls.append(("export", h.value, kind.value))
+        out._obj.value = os.dup(0)
+        return self._err("export")
+
     def cuMemMap(self, ptr: Any, size: Any, offset: Any, h: Any, flags: Any) -> int:
-        self.calls.append(("map", ptr.value, h.value))
+        self.calls.append(("map", ptr.value, h.value, size.value))
         err = self._err("map")
         if not err:
             self.mapped.add(ptr.value)
@@ -75,7 +91,7 @@ class FakeCuda:
         return self._err("access")
 
     def cuMemUnmap(self, ptr: Any, size: Any) -> int:
-        self.calls.append(("unmap", ptr.value))
+        self.calls.append(("unmap", ptr.value, size.value))
         self.mapped.discard(ptr.value)
         return 0
 
@@ -105,10 +121,16 @@ def test_the_new_handle_goes_where_the_record_points() -> None:
     assert drv.handle_type == "posix_fd"
     assert drv.rdma is True
     spent = drv.take_spent()
-    assert set(spent) == {"create", "map", "access", "oom_wait"}
+    assert set(spent) == {"create", "map", "access", "oom_wait", "import"}
     assert all(v >= 0 for v in spent.values())
     assert spent["oom_wait"] == 0.0
-    assert drv.take_spent() == {"create": 0.0, "map": 0.0, "access": 0.0, "oom_wait": 0.0}
+    assert drv.take_spent() == {
+        "create": 0.0,
+        "map": 0.0,
+        "access": 0.0,
+        "oom_wait": 0.0,
+        "import": 0.0,
+    }
 
 
 def test_a_refused_fabric_request_is_asked_once_then_a_posix_fd() -> None:
@@ -204,3 +226,91 @@ def test_a_create_refused_for_memory_is_asked_again_within_oom_wait_s() -> None:
     with pytest.raises(DriverError, match=r"CUresult 7"):
         drv.create_and_map(record(0x7300_0000)[0])
     assert [c[0] for c in cuda.calls] == ["create"]
+
+
+def _pipe_fd() -> int:
+    r, w = os.pipe()
+    os.close(w)
+    return r
+
+
+def _closed(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize(("lent", "maps"), [(8, [8]), (10, [8]), (6, [6, 2])])
+def test_a_record_maps_memory_lent_to_it_in_place_of_a_create(lent: int, maps: list[int]) -> None:
+    """kvlend: the allocation behind a lent descriptor is imported and mapped (its first
+    bytes where larger; all of it and a new allocation after it where smaller, that one's
+    handle released once mapped); the imported handle is the record's; the fd closed."""
+    g = GRANULARITY
+    cuda = FakeCuda(fabric=False)
+    drv = Driver(0, lib=cuda, oom_wait_s=5.0)
+    fd = _pipe_fd()
+    handle, slot = record(0x7000_0000, 8 * g)
+    drv.create_and_map(handle, lambda n: (fd, lent * g))
+    kinds = [c[0] for c in cuda.calls]
+    imported = cuda.calls[0][0] == "import" and cuda.calls[0][1] == fd
+    assert imported
+    assert [c[3] // g for c in cuda.calls if c[0] == "map"] == maps
+    assert slot.value == cuda.calls[1][2]  # the imported handle
+    if len(maps) == 2:  # the tail's own allocation: mapped after it, its handle released
+        tail = next(c for c in cuda.calls if c[0] == "create")
+        assert tail[1] == 2 * g
+        assert kinds.index("release") > kinds.index("map", kinds.index("create"))
+    assert kinds[-1] == "access"
+    assert _closed(fd)
+    assert drv.imported == 8 * g
+    if len(maps) == 2:  # lending it on would promise more than its allocation holds
+        with pytest.raises(DriverError, match="two allocations"):
+            drv.export_fd(handle)
+
+
+def test_memory_lent_while_a_create_waits_is_taken_in_its_place() -> None:
+    cuda = FakeCuda(fabric=False)
+    cuda.free_now = 0  # the victim's memory is still its own
+    drv = Driver(0, lib=cuda, oom_wait_s=5.0)
+    fd = _pipe_fd()
+    polls = {"n": 0}
+
+    def lent(n: int) -> tuple[int, int] | None:
+        polls["n"] += 1
+        return (fd, n) if polls["n"] >= 4 else None  # arrives at the fourth look
+
+    handle, slot = record(0x7000_0000)
+    drv.create_and_map(handle, lent)
+    kinds = [c[0] for c in cuda.calls]
+    assert kinds.count("create") == 1  # the first, refused; then only queries and looks
+    assert "import" in kinds
+    assert slot.value in cuda.live
+    assert _closed(fd)
+    assert drv.take_spent()["oom_wait"] > 0
+
+
+def test_a_lent_descriptor_that_fails_is_closed_and_the_record_created() -> None:
+    cuda = FakeCuda(fabric=False)
+    cuda.fail["map"] = [1]  # the lent memory's mapping refused
+    drv = Driver(0, lib=cuda)
+    fd = _pipe_fd()
+    handle, slot = record(0x7000_0000)
+    drv.create_and_map(handle, lambda n: (fd, n))
+    assert _closed(fd)
+    assert drv.import_refused == 1
+    kinds = [c[0] for c in cuda.calls]
+    assert kinds == ["import", "map", "release", "create", "map", "access"]
+    assert slot.value in cuda.live
+    assert len(cuda.live) == 1  # the imported handle went back
+
+
+def test_export_gives_a_descriptor_of_the_records_handle() -> None:
+    cuda = FakeCuda(fabric=False)
+    drv = Driver(0, lib=cuda)
+    handle, slot = record(0x7000_0000)
+    drv.create_and_map(handle)
+    fd = drv.export_fd(handle)
+    assert cuda.calls[-1] == ("export", slot.value, 1)  # as a POSIX file descriptor
+    os.close(fd)

@@ -104,10 +104,11 @@ def alloc(monkeypatch: pytest.MonkeyPatch) -> _Allocator:
 
     def drv_init(self: Driver, device: int, exportable: bool = True, **_k: Any) -> None:
         self.fabric_refused, self.rdma, self.spent = False, False, {}
+        self.imported = self.import_refused = 0
 
     monkeypatch.setattr(Driver, "__init__", drv_init)
     monkeypatch.setattr(Driver, "handle_type", property(lambda _s: "posix_fd"))
-    monkeypatch.setattr(Driver, "create_and_map", lambda _s, h: _scribble(h, MAPPED))
+    monkeypatch.setattr(Driver, "create_and_map", lambda _s, h, lent=None: _scribble(h, MAPPED))
     monkeypatch.setattr(Driver, "take_spent", lambda _s: {})
     cuda = torch.cuda
     monkeypatch.setattr(cuda, "Stream", _Stream)
@@ -179,7 +180,9 @@ def test_a_discarded_pool_is_mapped_before_the_earlier_copies_are_waited_for(
     b.suspend(1, ["weights", "kv_cache"])
     order: list[str] = []
     monkeypatch.setattr(
-        Driver, "create_and_map", lambda _s, h: (order.append("map"), _scribble(h, MAPPED))
+        Driver,
+        "create_and_map",
+        lambda _s, h, lent=None: (order.append("map"), _scribble(h, MAPPED)),
     )
     monkeypatch.setattr(_Stream, "synchronize", lambda _s: order.append("wait"))
     b.resume(["weights"])
@@ -568,3 +571,65 @@ def test_the_poisoned_graph_pool_is_filled_at_every_wake(
         k = b.resume(["weights", "kv_cache"])
         assert k["timings"]["cudagraph_poisoned"] == 1.0
         assert all(alloc.read(p) == b"\xff" * alloc.pointer_to_data[p].handle[1] for p in graphs)
+
+
+def test_kv_records_released_first_are_lent_to_a_rank_waking_on_the_device(
+    alloc: _Allocator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kvlend through the backend: a rank waking on the same device (by UUID) listens from
+    its first resume until its KV pool is mapped; the sleeping rank's KV records released
+    first are exported and lent to it; its KV records (only those) are mapped with what
+    was lent (the driver's side: test_cudriver)."""
+    import os
+    import uuid
+
+    from worker_ext.cumem import kvlend
+
+    dev = f"GPU-{uuid.uuid4()}"
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda _d: type("P", (), {"uuid": dev})()
+    )
+    exported: list[int] = []
+
+    def export(_s: Driver, handle: Any) -> int:
+        r, w = os.pipe()
+        os.close(w)
+        exported.append(handle[1])
+        return r
+
+    monkeypatch.setattr(Driver, "export_fd", export)
+    lents: list[tuple[int, Any]] = []
+
+    def create_and_map(_s: Driver, h: Any, lent: Any = None) -> None:
+        got = lent(h[1]) if lent is not None else None
+        lents.append((h[1], got))
+        if got is not None:
+            os.close(got[0])
+        _scribble(h, MAPPED)
+
+    monkeypatch.setattr(Driver, "create_and_map", create_and_map)
+    _model(alloc)
+    kv = _tags(alloc, "kv_cache")
+    waking = _backend(alloc)  # the same fake records stand in for its own
+    waking._suspended = {"kv_cache": "discarded"}  # as if asleep: its KV pool discarded
+    waking._lending.open()  # its first resume (the weights') opened it
+    sleeping = _backend(alloc)
+
+    def prepare(go_on: Callable[[], None]) -> list[tuple[int, int]]:
+        go_on()
+        return []
+
+    r = sleeping.suspend(1, ["weights", "kv_cache"], during=prepare, early_kv=kv)
+    assert sorted(exported) == sorted(alloc.pointer_to_data[p].handle[1] for p in kv)
+    assert r["timings"]["kv_lent_records"] == len(kv)
+    assert waking._lending.inbox is not None
+    nothing = kvlend.Lending(lambda: dev, lambda: waking.settings, print, print)
+    nothing.open()
+    assert nothing.inbox is None  # one listener per device: the waking rank's
+    out = waking.resume(["kv_cache"])
+    sizes = sorted(alloc.pointer_to_data[p].handle[1] for p in kv)
+    assert sorted(n for n, _got in lents) == sizes
+    assert all(got is not None and got[1] == n for n, got in lents)  # each from lent memory
+    assert out["timings"]["kv_lent_received"] == len(kv)
+    assert waking._lending.inbox is None  # closed once the KV pool is mapped
+    assert kvlend.connect(kvlend.address(dev)) is None

@@ -12,6 +12,7 @@ from worker_ext.cudriver import Driver
 from worker_ext.cumem import hostbuf, hostcheck
 from worker_ext.cumem.coded import CodedCopies
 from worker_ext.cumem.graphs import GraphPart
+from worker_ext.cumem.kvlend import Lending
 from worker_ext.cumem.records import Records, ranges, size
 from worker_ext.cumem.resident import Residency
 from worker_ext.cumem.resume import Onload, vllm_side_effects
@@ -79,6 +80,7 @@ class CuMemBackend:
             worker, torch, self.device, parts, self._host.take, lambda: self.settings
         )
         self._driver: Driver | None = None
+        self._lending = _lending(self)
         self._kernel_warm: dict[str, Any] | None = None
         self._coded.get_codec()
         if self.settings.pin_early:
@@ -283,12 +285,12 @@ class CuMemBackend:
         early_kv: Sequence[int] = (),
     ) -> dict[str, Any]:
         """`during` (hotswap_sleep): called once the copies of the tuning's
-        `sleep_stage_share` of the weights' bytes are queued and `early_kv` released
-        (suspend.release_early), with the function that queues the rest (the prepare calls it
-        once its protected copies are queued behind the first copies; else called after it);
-        its answer replaces `rewritten`. If it raises, every queued copy is waited for,
-        `early_kv` mapped back, nothing else released, and the error raised again."""
-        tags = _check_suspend(level, tags, self._suspended, self._records)
+        `sleep_stage_share` of the weights' bytes are queued and `early_kv` released (and
+        lent: kvlend), with the function that queues the rest (the prepare calls it once its
+        protected copies are queued; else called after it); its answer replaces `rewritten`.
+        If it raises, every queued copy is waited for, `early_kv` mapped back, nothing else
+        released, and the error raised again."""
+        tags = _check_suspend(level, tags, self._suspended, self._records, self._lending)
         self._woke = hostcheck.WokeFrom()
         plan = {t: policy(level, t, keep_kv) for t in tags}
         recs = {t: self._records.of(t) for t in tags}
@@ -304,7 +306,7 @@ class CuMemBackend:
         link = _LinkClock(self._torch, self._streams, t0, bool(offload))
         overlapped = copies.queue_first()
         timings["at_queued_first_s"] = time.perf_counter() - t0
-        early = release_early(early_kv if during else (), recs, plan, self._release, timings, t0)
+        early = release_early(early_kv if during else (), recs, plan, self._lending, timings, t0)
         if during is not None:
             t = time.perf_counter()
             try:
@@ -386,6 +388,7 @@ class CuMemBackend:
         restored = dict.fromkeys(want, 0)
         was_level = self._level
         driver = self._mapper()
+        self._lending.open(self._suspended.get(KV_CACHE) == DISCARDED)  # until it is mapped
         copies = Onload(self._coded, self._streams, self._layout, lambda: self._host.buf)
         # Weights first: their copies start at once and the KV mapping overlaps them.
         for tag in sorted(want, key=lambda t: (t != WEIGHTS, t)):
@@ -393,7 +396,8 @@ class CuMemBackend:
             if mode is None:
                 continue
             t, cpu = time.perf_counter(), time.thread_time()
-            restored[tag] += copies.map_back(self._records.of(tag), mode, driver)
+            lent = self._lending.lent if tag == KV_CACHE else None
+            restored[tag] += copies.map_back(self._records.of(tag), mode, driver, lent)
             if tag == KV_CACHE and (graphs := self._graphs.map_back(driver, timings)):
                 restored[GRAPHS] = graphs
             gc = self._coded.made
@@ -404,6 +408,7 @@ class CuMemBackend:
             timings[f"{tag}_s"] = time.perf_counter() - t
             # this thread's CPU time: far below the wall time means it waited (driver, GIL)
             timings[f"{tag}_cpu_s"] = time.thread_time() - cpu
+            self._lending.mapped(tag, timings, driver.imported)
             for step, spent in driver.take_spent().items():
                 timings[f"{tag}_{step}_s"] = spent
             del self._suspended[tag]
@@ -431,9 +436,11 @@ class CuMemBackend:
 
 
 def _check_suspend(
-    level: int, tags: list[str], suspended: dict[str, str], records: Records
+    level: int, tags: list[str], suspended: dict[str, str], records: Records, lending: Lending
 ) -> list[str]:
-    """The tags to suspend, once each; ValueError or RuntimeError before anything moves."""
+    """The tags to suspend, once each; ValueError or RuntimeError before anything moves.
+    An inbox a wake left open (its KV pool never mapped) is closed first."""
+    lending.close()
     if level not in (1, 2):
         raise ValueError(f"level must be 1 or 2, not {level!r}")
     tags = list(dict.fromkeys(tags))
@@ -501,3 +508,15 @@ class _LinkClock:
         gpu = max(self._start.elapsed_time(e) for e in self._ends) / 1000.0
         timings["link_s"] = gpu
         timings["at_link_done_s"] = self._at + gpu
+
+
+def _lending(b: CuMemBackend) -> Lending:
+    """The backend's kvlend side: by its device's UUID, lending through its own release
+    and its driver's export."""
+    props = b._torch.cuda.get_device_properties
+    return Lending(
+        lambda: str(props(b.device).uuid),
+        lambda: b.settings,
+        b._release,
+        lambda handle: b._mapper().export_fd(handle),
+    )

@@ -9,7 +9,7 @@ from typing import Any
 
 from worker_ext import codec
 from worker_ext.cudart import HostBuffer
-from worker_ext.cudriver import Driver
+from worker_ext.cudriver import Driver, Lent
 from worker_ext.cumem.coded import CodedCopies
 from worker_ext.cumem.records import size
 from worker_ext.cumem.streams import CopyStreams
@@ -37,16 +37,19 @@ class Onload:
         self.raw_done: dict[int, tuple[int, int, int]] = {}
         self.wq: codec.WakeQueue | None = None
 
-    def map_back(self, records: list[tuple[int, Any]], mode: str, driver: Driver) -> int:
+    def map_back(
+        self, records: list[tuple[int, Any]], mode: str, driver: Driver, lent: Lent | None = None
+    ) -> int:
         """Map every asleep record of one pool (`mode`: how it slept) and queue its copy
         back if it was offloaded; the bytes mapped. Each record's copies are queued as soon
         as it is mapped (mapping every record first and then copying measured slower:
-        docs/benchmarks.md)."""
+        docs/benchmarks.md). `lent`: memory lent by a sleeping rank, imported in place of
+        a create where a descriptor of the record's size is there (kvlend)."""
         mapped = 0
         for ptr, data in records:
             if not data.is_asleep:
                 continue
-            driver.create_and_map(data.handle)
+            driver.create_and_map(data.handle, lent)
             data.is_asleep = False
             mapped += size(data)
             if mode == OFFLOADED:

@@ -13,6 +13,7 @@ from worker_ext import codec
 from worker_ext.cudart import HostBuffer
 from worker_ext.cudriver import Driver
 from worker_ext.cumem.coded import CodedCopies, Queued, cut
+from worker_ext.cumem.kvlend import Lending
 from worker_ext.cumem.records import ranges, size
 from worker_ext.cumem.streams import CopyStreams
 from worker_ext.pools import DISCARDED, KV_CACHE, WEIGHTS
@@ -181,21 +182,24 @@ def release_early(
     ptrs: Sequence[int],
     recs: dict[str, list[tuple[int, Any]]],
     plan: dict[str, str],
-    release: Callable[[Any], None],
+    lending: Lending,
     timings: dict[str, float],
     t0: float,
 ) -> list[tuple[int, Any]]:
     """The KV cache first (docs/contracts.md §1): release the KV records at `ptrs` (the
     extension names those holding nothing its prepare protects) where this suspend
-    discards the KV pool, before the prepare; the records released, timed."""
+    discards the KV pool, before the prepare, each lent to a rank waking on this device
+    where one listens (`lending`: kvlend); the records released, timed."""
     if not ptrs or plan.get(KV_CACHE) != DISCARDED:
         return []
     want = set(ptrs)
     early = [(p, d) for p, d in recs.get(KV_CACHE, []) if p in want and not d.is_asleep]
     if early:
         t = time.perf_counter()
+        release = lending.lender()
         for _ptr, data in early:
             release(data)
+        release.send(timings)
         timings["kv_early_s"] = time.perf_counter() - t
         timings["at_kv_early_s"] = time.perf_counter() - t0
         timings["kv_early_bytes"] = float(sum(size(d) for _, d in early))
