@@ -26,14 +26,16 @@ cd "$root"
 # A lane marked "beside" waits on the network almost all its time: it starts at once and
 # does not count against the lanes running at once.
 # A lane's words go to pytest as they are (paths, --ignore=PATH).
+observe=tests/deploy/test_observability_e2e.py
 faults="tests/integration/test_fault_matrix.py tests/integration/test_soak.py tests/integration/test_density_cpu.py"
 lanes=(
   "bootstrap:tests/test_bootstrap.py:beside"
   "faults:$faults"
-  "integration:tests/integration ${faults//tests\//--ignore=tests/}"
+  # test_observability_e2e shares the integration lane's demo pair (tests/conftest.py).
+  "integration:tests/integration ${faults//tests\//--ignore=tests/} $observe"
   "worker:tests/worker_ext"
   "images:tests/docker"
-  "deploy:tests/deploy"
+  "deploy:tests/deploy --ignore=$observe"
   "unit:tests/controller tests/gpu tests/test_docs.py tests/test_kvreuse.py tests/test_lanes.py tests/test_shape.py tests/test_toolbox.py"
   "static:"
 )

@@ -12,6 +12,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from support.engines import EngineLauncher
@@ -19,6 +20,9 @@ from support.models import ModelFactory, model_factory
 
 from controller.engines.enginespec import MANDATORY_ENV
 from controller.engines.sockets import private_dir
+
+if TYPE_CHECKING:
+    from support.sidecarthread import DemoPair
 
 for _key, _value in MANDATORY_ENV.items():
     os.environ[_key] = _value
@@ -68,3 +72,24 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineLauncher
     finally:
         launcher.stop_all()
         shutil.rmtree(launcher.sockets, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def demo_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoPair]:
+    """The embedded default's two tiny models on two real CPU vLLM servers, exactly what
+    `hotswap serve --demo` runs (controller.demo.demo_engines: tiny-a and tiny-b, llama
+    seeds 0 and 1), booted once for the lane's session: the attached-mode modules
+    (tests/integration: test_fleet_host, test_fleet_idle, test_sidecar_demo,
+    test_sidecar_keep_prefix_cache; tests/deploy/test_observability_e2e, in the same lane) each
+    start their own sidecar over them, and leave them awake (support.sidecarthread.leave_awake).
+    An engine boot is most of such a module's cost: two processes importing vLLM."""
+    from support.sidecarthread import DemoPair, EngineHost, complete  # the sidecar's imports
+
+    from controller.demo import demo_engines
+
+    host = EngineHost(lambda: demo_engines(tmp_path_factory.mktemp("demo"))).start()
+    try:
+        models = {m.name: m for m in host.models}
+        yield DemoPair(models, {n: complete(m, n) for n, m in models.items()})
+    finally:
+        host.stop()

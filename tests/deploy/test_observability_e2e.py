@@ -3,6 +3,9 @@ on, one model awake at a time) while it sleeps, wakes and swaps two CPU vLLM ser
 its API and through gateway requests; then every panel's query, run through Prometheus' HTTP
 API, returns data, and no panel names a metric the sidecar does not export.
 
+The two servers are the lane's demo pair (tests/conftest.py `demo_pair`: this module runs in
+the integration lane, beside the modules that share it), left awake at the end.
+
 Panels whose metrics a setup cannot produce would be listed in EXPECTED_EMPTY (none now),
 checked against docs/contracts.md section 5 by name; a listed panel that returns data fails
 here, as a reminder to shrink the list.
@@ -35,10 +38,10 @@ from deploytools import (
     promql_metric_names,
 )
 from support.sidecar import SidecarProcess
+from support.sidecarthread import SidecarThread, attached, leave_awake
 
 if TYPE_CHECKING:
-    from support.engines import EngineLauncher
-    from support.models import ModelFactory
+    from support.sidecarthread import DemoPair
 
 pytestmark = pytest.mark.vllm
 
@@ -50,7 +53,7 @@ DASH = dashboard()
 QUERIES = panel_queries(DASH)
 CONTRACT = contract_metrics()
 HISTOGRAMS = {n for n, m in CONTRACT.items() if m.type == "histogram"}
-MODELS = ("alpha", "beta")
+MODELS = ("tiny-a", "tiny-b")  # the demo pair's
 JOB = "hotswap"
 
 
@@ -98,13 +101,8 @@ def _complete(side: SidecarProcess, model: str) -> httpx.Response:
 
 
 @pytest.fixture(scope="module")
-def observed(
-    engines: EngineLauncher, tiny_model: ModelFactory, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Observed]:
-    urls = {
-        name: f"unix:{engines.start(tiny_model('llama', seed, True), name).uds}"
-        for seed, name in enumerate(MODELS)
-    }
+def observed(demo_pair: DemoPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
+    urls = {name: f"unix:{demo_pair.models[name].uds}" for name in MODELS}
     work = tmp_path_factory.mktemp("observe")
     sidecar = start_sidecar(urls, work / "sidecar.log")
     try:
@@ -114,16 +112,16 @@ def observed(
             started = time.time()
             # Each step's state is held for a few scrapes, so the timeline sees it.
             steps: list[tuple[str, str, int | None]] = [
-                ("sleep", "alpha", 1),
-                ("wake", "alpha", None),  # one awake at most: beta is evicted
-                ("sleep", "alpha", 2),
-                ("wake", "alpha", None),
-                ("request", "beta", None),  # held at the gateway while beta wakes, alpha evicted
-                ("request", "beta", None),  # beta awake: straight through
-                ("request", "alpha", None),  # held, beta evicted
+                ("sleep", "tiny-a", 1),
+                ("wake", "tiny-a", None),  # one awake at most: tiny-b is evicted
+                ("sleep", "tiny-a", 2),
+                ("wake", "tiny-a", None),
+                ("request", "tiny-b", None),  # held at the gateway: tiny-b wakes, tiny-a evicted
+                ("request", "tiny-b", None),  # tiny-b awake: straight through
+                ("request", "tiny-a", None),  # held, tiny-b evicted
                 # Held again: a histogram's first observation creates its series, which rate()
                 # cannot see; the second one makes the hold percentiles real numbers.
-                ("request", "beta", None),
+                ("request", "tiny-b", None),
                 ("request", "no-such-model", None),  # refused
             ]
             for action, name, level in steps:
@@ -139,11 +137,17 @@ def observed(
                     assert resp.status_code == expected, resp.text
                 prom.wait_scrapes(JOB, 3, timeout_s=30)
             states = {n: m["state"] for n, m in sidecar.models().items()}
-            assert states == {"alpha": "SUSPENDED", "beta": "RUNNING"}
+            assert states == {"tiny-a": "SUSPENDED", "tiny-b": "RUNNING"}
             exposition = sidecar.get("/metrics", timeout=10).text
             yield Observed(prom, started, time.time(), exposition)
     finally:
         sidecar.stop()
+    # The pair as the lane's next module expects it: both awake (one is asleep here).
+    side = SidecarThread(attached(list(demo_pair.models.values()))).start()
+    try:
+        leave_awake(side)
+    finally:
+        side.stop()
 
 
 def _values(rows: list[dict[str, Any]]) -> list[float]:
@@ -182,12 +186,12 @@ def test_sleeps_released_bytes(observed: Observed) -> None:
     """Every sleep released bytes; the panel's rate shows them from a model's second sleep on.
 
     A labelled counter's first increment creates its series at the incremented value, and
-    rate() has no earlier sample to subtract: beta slept once, so only the raw counter shows
-    it, while alpha slept twice. (Counters created at zero when the pools are known would make
+    rate() has no earlier sample to subtract: tiny-b slept once, so only the raw counter shows
+    it, while tiny-a slept twice. (Counters created at zero when the pools are known would make
     the first sleep visible too.)"""
     (query,) = [q for q in QUERIES if q.panel.startswith("Bytes released")]
     rows = observed.prom.query(grafana_to_promql(query.expr, observed.window()))
-    assert {r["metric"]["model"] for r in rows if float(r["value"][1]) > 0} >= {"alpha"}
+    assert {r["metric"]["model"] for r in rows if float(r["value"][1]) > 0} >= {"tiny-a"}
     totals = observed.prom.query("sum by (model) (hotswap_bytes_released_total)")
     assert {r["metric"]["model"] for r in totals if float(r["value"][1]) > 0} == set(MODELS)
 

@@ -4,36 +4,17 @@ transitions are printed at the end of the session (the numbers the docs quote)."
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support.sidecarthread import DemoPair, EngineHost, complete
-
-from controller.demo import demo_engines
 
 
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_model: Callable[..., Path]) -> Path:
     return tiny_model("llama", 0, True)
-
-
-@pytest.fixture(scope="session")
-def demo_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoPair]:
-    """The embedded default's two tiny models on two real CPU vLLM servers, exactly what
-    `hotswap serve --demo` runs (controller.demo.demo_engines: tiny-a and tiny-b, llama
-    seeds 0 and 1), booted once for the session: the attached-mode modules (test_fleet_host,
-    test_fleet_idle, test_sidecar_demo, test_sidecar_keep_prefix_cache) each start their own
-    sidecar over them, and leave them awake (support.sidecarthread.leave_awake). An engine boot is
-    most of such a module's cost: about 20 s of CPU, two processes importing vLLM."""
-    host = EngineHost(lambda: demo_engines(tmp_path_factory.mktemp("demo"))).start()
-    try:
-        models = {m.name: m for m in host.models}
-        yield DemoPair(models, {n: complete(m, n) for n, m in models.items()})
-    finally:
-        host.stop()
 
 
 # ----------------------------------------------------------------------------- cycle report
