@@ -470,15 +470,33 @@ def overlap_reasons(path: Path) -> list[str]:
 
 
 # The ranks' timings printed as medians over the swaps, by (side, phase): the victim's
-# prepare (its snapshot's steps) and the woken model's copies.
+# prepare (its snapshot's steps), its KV release (and what it lent), the woken model's copies
+# and its KV cache's mapping (created, or mapped from the victim's lent memory).
 SWAP_RANK_KEYS = {
     ("sleep", "prepare"): ("snapshot_s", "snap_plan_s", "snap_baseline_s", "snap_check_reused"),
     ("sleep", "suspend_kv_cache"): ("discard_s", "trim_s"),
-    ("sleep", "prepare_and_suspend"): ("at_prepared_s", "at_released_s", "snap_check_reused"),
+    ("sleep", "prepare_and_suspend"): (
+        "at_queued_first_s",
+        "kv_early_s",
+        "at_kv_early_s",
+        "kv_lent_records",
+        "kv_lend_send_s",
+        "at_prepared_s",
+        "at_link_done_s",
+        "at_released_s",
+        "snap_check_reused",
+    ),
+    ("wake", "resume_weights"): ("weights_s",),
     ("wake", "resume_and_verify"): (
         "wait_copies_s",
         "copies_gpu_s",
+        "kv_cache_s",
         "kv_cache_create_s",
+        "kv_cache_oom_wait_s",
+        "kv_cache_import_s",
+        "kv_cache_lent_bytes",
+        "kv_lent_received",
+        "kv_lent_unused",
         "kv_cache_access_s",
         "verify_s",
     ),
