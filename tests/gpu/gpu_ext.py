@@ -283,3 +283,68 @@ class GpuTestExtension(HotSwapExtension):
             self.reload_weights(weights_iterator=iter(copy), is_checkpoint_format=False)  # type: ignore[attr-defined]
         torch.cuda.synchronize()
         return {"count": len(copy)}
+
+    @rpc
+    def hotswap_test_lend_inbox(self) -> dict[str, Any]:
+        """Listen on this rank's device for lent KV memory (worker_ext.cumem.kvlend) as a
+        waking rank would, so that this engine's next fused sleep lends to the test."""
+        from worker_ext.cumem import kvlend
+
+        b = self._hotswap_state().backend
+        uuid = str(torch.cuda.get_device_properties(b.device).uuid)
+
+        def never(_x: Any) -> Any:
+            raise RuntimeError("the test's inbox lends nothing")
+
+        lending = kvlend.Lending(lambda: uuid, lambda: b.settings, never, never)
+        lending.open()
+        _LENT["lending"] = lending
+        return {"listening": lending.inbox is not None}
+
+    @rpc
+    def hotswap_test_map_lent(self) -> dict[str, Any]:
+        """Map what was lent to the test's inbox as a waking rank's records would be (the
+        driver's import: the same size; a smaller record from a larger allocation; a larger
+        one with a new allocation after it), write and read each, unmap and free them; the
+        inbox closed (what is left goes back to the driver)."""
+        import ctypes
+
+        from worker_ext.cudriver import Driver
+        from worker_ext.rawmem import raw_bytes
+
+        lending = _LENT.pop("lending")
+        box = lending.inbox
+        box.poll()
+        b = self._hotswap_state().backend
+        drv = Driver(b.device.index or 0)
+        g = drv.granularity
+        out: dict[str, Any] = {"received": box.received, "mapped": []}
+        for extra in (0, -g, g):
+            got = box.take(1)  # the smallest lent allocation (any size >= 1 fits)
+            if got is None:
+                break
+            fd, n = got
+            size = n + extra
+            if size <= 0:
+                os.close(fd)
+                continue
+            ptr = drv.reserve(size)
+            slot = ctypes.c_uint64(0)
+            lent = (fd, n)
+            ok = drv._try_lent((0, size, ptr, ctypes.addressof(slot)), lambda _s, got=lent: got)
+            row: dict[str, Any] = {"lent": n, "size": size, "mapped": ok}
+            if ok:
+                view = raw_bytes(ptr, size, b.device)
+                view.fill_(0x5A)
+                torch.cuda.synchronize()
+                row["readback"] = bool((view == 0x5A).all().item())
+                del view
+                drv.unmap(ptr, size)
+                drv.release(slot.value)
+            drv.lib.cuMemAddressFree(ctypes.c_uint64(ptr), ctypes.c_size_t(size))
+            out["mapped"].append(row)
+        lending.close()
+        return out
+
+
+_LENT: dict[str, Any] = {}  # hotswap_test_lend_inbox's Lending, until hotswap_test_map_lent
