@@ -126,6 +126,7 @@ def test_a_lending_sleep_exports_releases_then_sends(name: str) -> None:
     assert order == ["export 4096", "release 4096", "export 8192", "release 8192"]
     assert timings["kv_lent_records"] == 2
     assert timings["kv_lent_bytes"] == 4096 + 8192
+    assert sleeping.lent_total == 4096 + 8192  # kept out of what it reports holding
     got = waking.lent(8192)
     assert got is not None
     assert got[1] == 8192

@@ -138,3 +138,28 @@ def test_the_layout_says_which_segments_hold_what_empty_cache_cannot_give_back()
         "default_free": [[30, 3, 2, 2], [20, 4, 1, 4]],
         "default_free_segments": 2,
     }
+
+
+@pytest.mark.parametrize(
+    ("nvml", "lent", "bytes_"),
+    [
+        (1_000, 0, 1_000),  # nothing lent: NVML's figure
+        (100_800, 100_000, 800),  # NVML counts the lent memory as ours: taken out
+        (800, 100_000, 500),  # it does not: never below the allocators' estimate
+        (400, 100_000, 400),  # nor above NVML's own figure
+    ],
+)
+def test_kv_memory_lent_is_not_counted_as_what_a_sleeper_holds(
+    monkeypatch: pytest.MonkeyPatch, nvml: int, lent: int, bytes_: int
+) -> None:
+    """cumem.kvlend: the KV memory a sleep lent to a waking engine may stay on NVML's
+    account of this process while the borrower maps it; what the sleeper reports holding
+    (the controller's leftover bytes) leaves it out."""
+    from worker_ext.cumem import resident as mod
+
+    monkeypatch.setattr(mod, "nvml_process_bytes", lambda _pid: nvml)
+    r = Residency(FakeTorch(), "cuda:0", FakeRecords())  # type: ignore[arg-type]
+    r._other_at_start = 500  # the context's share, as estimated when the backend was made
+    res = r.resident(lent)
+    assert res["bytes"] == bytes_
+    assert res["source"] == "nvml"

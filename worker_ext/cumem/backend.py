@@ -124,7 +124,7 @@ class CuMemBackend:
         return self._residency.memory()
 
     def resident(self) -> dict[str, Any]:
-        return self._residency.resident()
+        return self._residency.resident(self._lending.lent_total)
 
     def trim(self) -> float:
         return self._residency.trim()

@@ -196,6 +196,9 @@ class Lending:
         self._release = release  # one record, as the backend releases it
         self._export = export  # one record's handle as a POSIX descriptor
         self.inbox: Inbox | None = None
+        # every byte this process ever lent: the driver may go on counting lent memory as
+        # this process's while the borrower holds it (Residency.resident takes it out)
+        self.lent_total = 0
 
     def _name(self) -> str | None:
         if not self._settings().tuning.kv_lend:
@@ -242,7 +245,10 @@ class Lending:
         on the returned object hands the lent ones over."""
         name = self._name()
         sock = connect(name) if name else None
-        return Lender(sock, self._release, self._export)
+        return Lender(sock, self._release, self._export, self._count)
+
+    def _count(self, n: int) -> None:
+        self.lent_total += n
 
 
 class Lender:
@@ -253,10 +259,12 @@ class Lender:
         sock: socket.socket | None,
         release: Callable[[Any], None],
         export: Callable[[Any], int],
+        sent: Callable[[int], None] = lambda _n: None,
     ) -> None:
         self._sock = sock
         self._release = release
         self._export = export
+        self._sent = sent  # told the bytes that went
         self._items: list[tuple[int, int]] = []
         self.export_failed = 0
 
@@ -283,6 +291,7 @@ class Lender:
         _close(fd for fd, _n in self._items)
         timings["kv_lent_records"] = float(sent)
         timings["kv_lent_bytes"] = float(sum(n for _fd, n in self._items[:sent]))
+        self._sent(int(timings["kv_lent_bytes"]))
         timings["kv_lend_send_s"] = time.perf_counter() - t
         if self.export_failed:
             timings["kv_lend_export_failed"] = float(self.export_failed)

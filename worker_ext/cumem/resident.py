@@ -142,17 +142,22 @@ class Residency:
             return 0
         return max(0, mem["total"] - mem["free"] - sum(seg.values()))
 
-    def resident(self) -> dict[str, Any]:
+    def resident(self, lent: int = 0) -> dict[str, Any]:
         """What this process holds on its device now: NVML's per-process figure where NVML
         sees this pid, else the allocators' segments plus what no allocator accounted for
-        when the backend was made (the context), with the parts beside it."""
+        when the backend was made (the context), with the parts beside it. `lent`: the
+        bytes this process ever lent to another (cumem.kvlend), which NVML may still count
+        as its own while the borrower maps them: taken out of NVML's figure, never below
+        that estimate (nor above NVML's)."""
         seg, layout = self._scan()
         nvml = nvml_process_bytes(os.getpid())
         mine = sum(seg.values())
         stack = {"stack": dict(self.stack), "layout": layout}
-        if nvml is not None:
-            return {**seg, "bytes": nvml, "source": "nvml", "other": max(0, nvml - mine), **stack}
         other = self._other_at_start
+        if nvml is not None:
+            own = min(nvml, max(nvml - lent, mine + other)) if lent else nvml
+            out = {**seg, "bytes": own, "source": "nvml", "other": max(0, own - mine), **stack}
+            return {**out, "nvml_bytes": nvml, "lent_bytes": lent} if lent else out
         return {**seg, "bytes": mine + other, "source": "estimate", "other": other, **stack}
 
     def trim(self) -> float:
