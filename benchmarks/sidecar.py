@@ -510,6 +510,7 @@ SLEEP_RANK_KEYS = (
     "copy_unmap_s",
     "trim_s",
     "host_trim_s",
+    "answer_s",
     "copy_wait_s",
     "snap_copied_s",
     "snap_plan_s",

@@ -144,7 +144,9 @@ def test_the_prepare_runs_under_the_copies_and_nothing_is_released_before_it() -
     assert out["fingerprinted"] > 0
     assert out["protection"] == "ranges"
     assert "failed_step" not in out
-    assert {"prepare_s", "suspend_s", "sleep_s", "records_s", "snapshot_s"} <= set(out["timings"])
+    assert {"prepare_s", "suspend_s", "answer_s", "sleep_s", "records_s", "snapshot_s"} <= set(
+        out["timings"]
+    )
     truth = _truth(w)
     assert (truth["phase"], truth["phase_level"], truth["level"]) == ("suspended", 1, 1)
     assert truth["suspended"] == {WEIGHTS: OFFLOADED, KV_CACHE: DISCARDED}

@@ -395,11 +395,13 @@ class SleepRPCs(ExtensionBase):
         suspend_s = time.perf_counter() - t_suspend
         st.level = level
         st.phase.suspended(level, st.backend.suspended())
+        t_answer = time.perf_counter()
         out = {**prepared, **self._hotswap_suspended(level, chosen, "discard", res, before)}
         timings = {**prepared.get("timings", {}), **out.get("timings", {})}
         timings.update(
             prepare_s=prepared.pop("prepare_s", 0.0),
             suspend_s=suspend_s,
+            answer_s=time.perf_counter() - t_answer,  # the host trim, what it holds now
             sleep_s=time.perf_counter() - began,
         )
         out.pop("prepare_s", None)
