@@ -592,6 +592,13 @@ def engine_argv(args: argparse.Namespace, shape: str, name: str, work: Path) -> 
     return spec.argv()
 
 
+def engine_env(args: argparse.Namespace) -> dict[str, str]:
+    """The CPU engines run the uni executor their spec names (`engine_argv`: two processes, the
+    API server and its engine core, not three): a models file's argv carries no environment,
+    so it is given here; the GPU engines keep vLLM's default layout."""
+    return {} if args.engine == "gpu" else {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 def pools_bytes(args: argparse.Namespace, name: str) -> dict[str, int]:
     """The vllm arm's `footprint_bytes` for model `name` on the GPU: its weights and its KV
     cache, what the other arms' sidecars learn from their sleeps' freed bytes (a sidecar
@@ -691,7 +698,7 @@ def boot(
                 time.sleep(args.stagger_s)  # their imports and inspections not all at once
             socks[name] = socks_dir / f"{name}.sock"
             argv = engine_argv(args, shape, name, work)
-            wave[name] = launch_on_socket(name, argv, socks[name], {}, work)
+            wave[name] = launch_on_socket(name, argv, socks[name], engine_env(args), work)
             engines[name] = wave[name]
         up, failed = wait_up(wave, args.boot_timeout_s)
         for name, why in failed.items():
