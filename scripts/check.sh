@@ -5,7 +5,7 @@
 #   scripts/check.sh          every check and every test, in lanes that run side by side
 #                             (HOTSWAP_CHECK_JOBS at once, default: the machine's cores, at
 #                             least 2), the longest first; each lane's output is printed as
-#                             it ends, and the time of each lane at the end
+#                             it ends, and the wall and CPU time of each lane at the end
 #   scripts/check.sh ARGS     the static checks, then pytest ARGS (one lane)
 #   scripts/check.sh --lanes  the lanes, one a line: NAME:PYTEST WORDS[:beside|:version]
 #
@@ -127,7 +127,14 @@ run_lane() { # NAME PATHS KIND: the lane's output to its log, its exit code to N
     # shellcheck disable=SC2086 # the paths are words
     pytest_lane -p no:cacheprovider $paths >"$logs/$name.log" 2>&1 || rc=$?
   fi
+  # The CPU of this lane's processes that were waited for (bash's `times`: its children's).
+  times >"$logs/$name.cpu"
   echo "$rc" >"$logs/$name.rc"
+}
+
+lane_cpu() { # NAME: whole seconds of user + system CPU from its children's `times` line
+  awk 'NR == 2 { t = 0; for (i = 1; i <= 2; i++) { split($i, a, "m"); sub("s", "", a[2]); t += a[1] * 60 + a[2] }
+         printf "%d", t }' "$logs/$1.cpu" 2>/dev/null || echo "?"
 }
 
 finish() { # NAME: print its log and record its time and result
@@ -161,14 +168,20 @@ while [ "${#pids[@]}" -gt 0 ]; do
   reap
 done
 
-printf '\n== lanes (%s at once, %s s in all)\n' "$jobs_max" "$(($(date +%s) - begin))"
+printf '\n== lanes (%s at once, %s s in all; CPU: user + system of the processes each lane\n' \
+  "$jobs_max" "$(($(date +%s) - begin))"
+printf '   waited for, so an orphaned engine process is not counted)\n'
 failed=()
+cpu_sum=0
 for lane in "${lanes[@]}"; do
   name=${lane%%:*}
-  printf '%-12s %5s s  %s\n' "$name" "${took[$name]}" \
+  cpu=$(lane_cpu "$name")
+  [ "$cpu" = "?" ] || cpu_sum=$((cpu_sum + cpu))
+  printf '%-12s %5s s  %5s s CPU  %s\n' "$name" "${took[$name]}" "$cpu" \
     "$([ "${result[$name]}" = 0 ] && echo ok || echo "FAILED (exit ${result[$name]})")"
   [ "${result[$name]}" = 0 ] || failed+=("$name")
 done
+printf '%-12s %5s    %5s s CPU\n' "all" "" "$cpu_sum"
 if [ ${#failed[@]} -gt 0 ]; then
   printf 'check: FAILED: %s\n' "${failed[*]}" >&2
   exit 1
