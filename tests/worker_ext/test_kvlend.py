@@ -193,3 +193,28 @@ def test_a_record_that_cannot_be_exported_is_released_all_the_same(name: str) ->
 
 def test_lending_is_on_by_default() -> None:
     assert WorkerSettings.from_env({}).tuning.kv_lend is True
+
+
+def test_lent_memory_that_fits_no_record_goes_back_after_a_while(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A create may be waiting for the memory a victim lent in pieces too small for the
+    records still to map: STALE_S after the last one received or taken, they are closed."""
+    box = kvlend.Inbox.open(name)
+    assert box is not None
+    sock = kvlend.connect(name)
+    assert sock is not None
+    fds = [_fd(), _fd()]
+    kvlend.lend(sock, [(fds[0], 100), (fds[1], 100)])
+    for fd in fds:
+        os.close(fd)
+    assert box.take(1000) is None  # too small: kept a while (another record may fit)
+    held = [fd for fds in box._lent.values() for fd in fds]
+    assert len(held) == 2
+    assert all(_is_open(fd) for fd in held)
+    now = [kvlend.time.monotonic() + kvlend.STALE_S + 1]
+    monkeypatch.setattr(kvlend.time, "monotonic", lambda: now[0])
+    assert box.take(1000) is None
+    assert box.dropped == 2
+    assert not any(_is_open(fd) for fd in held)
+    box.close()

@@ -30,6 +30,9 @@ from typing import Any
 from worker_ext.pools import KV_CACHE
 
 MAX_FDS = 200  # descriptors per message (the kernel's limit is 253)
+# Lent memory no record took for this long (since the last one received or taken) is given
+# back: none of the records still to map fits it, and a create may be waiting for it.
+STALE_S = 0.1
 _MSG = 1 << 16
 
 
@@ -92,6 +95,8 @@ class Inbox:
         self._lent: dict[int, list[int]] = {}
         self.received = 0  # descriptors received
         self.taken = 0  # descriptors taken
+        self.dropped = 0  # descriptors closed untaken after STALE_S
+        self._moved = time.monotonic()  # the last one received or taken
 
     @classmethod
     def open(cls, name: str) -> Inbox | None:
@@ -141,13 +146,15 @@ class Inbox:
             for fd, n in zip(fds, sizes, strict=True):
                 self._lent.setdefault(n, []).append(fd)
             self.received += len(fds)
+            self._moved = time.monotonic()
 
     def take(self, size: int) -> tuple[int, int] | None:
         """For a record of `size` bytes: a lent descriptor (the caller owns it now) and its
         allocation's size, or None. The allocation of exactly that size, else the smallest
         larger one (its first bytes mapped), else the largest smaller one of at least three
         quarters of it (a new allocation maps the rest): two models' KV records differ by a
-        few blocks (cudriver)."""
+        few blocks (cudriver). Lent memory that fits none for STALE_S is closed (a create
+        of the record may be waiting for that memory)."""
         self.poll()
         sizes = [n for n, fds in self._lent.items() if fds]
         if not sizes:
@@ -155,8 +162,14 @@ class Inbox:
         larger = [n for n in sizes if n >= size]
         n = min(larger) if larger else max(sizes)
         if n * 4 < size * 3:  # the new allocation after it would be more than a quarter
+            if time.monotonic() - self._moved > STALE_S:  # what nothing took: back to the driver
+                left = [fd for fds in self._lent.values() for fd in fds]
+                self._lent = {}
+                self.dropped += len(left)
+                _close(left)
             return None
         self.taken += 1
+        self._moved = time.monotonic()
         return self._lent[n].pop(0), n
 
     def close(self) -> int:
