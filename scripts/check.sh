@@ -176,7 +176,7 @@ cpu_sum=0
 for lane in "${lanes[@]}"; do
   name=${lane%%:*}
   cpu=$(lane_cpu "$name")
-  [ "$cpu" = "?" ] || cpu_sum=$((cpu_sum + cpu))
+  case $cpu in '' | *[!0-9]*) cpu="?" ;; *) cpu_sum=$((cpu_sum + cpu)) ;; esac
   printf '%-12s %5s s  %5s s CPU  %s\n' "$name" "${took[$name]}" "$cpu" \
     "$([ "${result[$name]}" = 0 ] && echo ok || echo "FAILED (exit ${result[$name]})")"
   [ "${result[$name]}" = 0 ] || failed+=("$name")
