@@ -10,13 +10,17 @@ cases, from the ranks' `hotswap_info`.
 from __future__ import annotations
 
 import contextlib
+import http.client
+import json
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from support.metrics import metric_sum
@@ -48,6 +52,67 @@ def rpc(base_url: str, method: str, *args: Any, timeout_s: float = 60.0) -> list
 def hold_next(base_url: str, point: str, seconds: float, skip: int = 0) -> None:
     """Hold every rank at the fault point of the next (after `skip`) call that reaches it."""
     rpc(base_url, "hotswap_test_hold_next", point, seconds, skip)
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    """http.client over a Unix socket (an engine's `--uds`)."""
+
+    def __init__(self, path: str, timeout_s: float) -> None:
+        super().__init__("localhost", timeout=timeout_s)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self._path)
+        self.sock = sock
+
+
+class _Poller:
+    """One kept-alive connection for a watcher's polls: http.client, not httpx, since a poll
+    every 20 ms through httpx cost about 1.5 ms of the test process's CPU (0.6 ms here),
+    which over a matrix run is tens of seconds. A failed call closes the connection; the
+    next one opens a new one (the engine or the sidecar may have been restarted)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._url = ""
+        self._conn: http.client.HTTPConnection | None = None
+
+    def get(self, url: str, path: str) -> tuple[int, bytes]:
+        """(status, body) of GET `path` at `url` (`unix:PATH` or http://HOST:PORT); raises
+        OSError or http.client.HTTPException. A kept connection the server closed meanwhile
+        is opened anew and the call made once more (as httpx does)."""
+        kept = self._conn is not None and url == self._url
+        try:
+            return self._once(url, path)
+        except ConnectionError:  # reset or closed (http.client.RemoteDisconnected); not a timeout
+            if not kept:
+                raise
+            return self._once(url, path)
+
+    def _once(self, url: str, path: str) -> tuple[int, bytes]:
+        if self._conn is None or url != self._url:
+            self.close()
+            if url.startswith("unix:"):
+                self._conn = _UnixConnection(url.removeprefix("unix:"), self.timeout_s)
+            else:
+                where = urlsplit(url)
+                host, port = where.hostname or "127.0.0.1", where.port
+                self._conn = http.client.HTTPConnection(host, port, timeout=self.timeout_s)
+            self._url = url
+        try:
+            self._conn.request("GET", path)
+            r = self._conn.getresponse()
+            return r.status, r.read()
+        except (OSError, http.client.HTTPException):
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
 
 @dataclass(frozen=True)
@@ -88,13 +153,15 @@ class Watcher:
 
     def _loop(self, poll: Any) -> None:
         deadline = time.monotonic() + self.max_s
-        engine = poll == self._engine_once
-        with engine_http(self.engine_url, 5.0) if engine else httpx.Client(timeout=5.0) as client:
+        client = _Poller(5.0)
+        try:
             while not self._stop.is_set() and time.monotonic() < deadline:
                 sent = time.monotonic()
                 value = poll(client)
                 self._record(Sample(sent, time.monotonic(), value), poll)
                 self._stop.wait(self.interval_s)
+        finally:
+            client.close()
 
     def _record(self, s: Sample, poll: Any) -> None:
         (self.health if poll == self._health_once else self.engine).append(s)
@@ -105,27 +172,31 @@ class Watcher:
     def _poll_engine(self) -> None:
         self._loop(self._engine_once)
 
-    def _health_once(self, client: httpx.Client) -> int:
-        if not self.sidecar.url:
+    def _health_once(self, client: _Poller) -> int:
+        url = self.sidecar.url  # a new port after each restart of the sidecar
+        if not url:
             return 0
         try:
-            return client.get(f"{self.sidecar.url}/models/{self.name}/health").status_code
-        except httpx.HTTPError:
+            return client.get(url, f"/models/{self.name}/health")[0]
+        except (OSError, http.client.HTTPException):
             return 0
 
-    def _engine_once(self, client: httpx.Client) -> tuple[bool, int] | None:
+    def _engine_once(self, client: _Poller) -> tuple[bool, int] | None:
         """(paused, requests in flight); the in-flight count only while paused, the one time
         `violations` reads it: vLLM renders its whole /metrics for it (about 7 ms of the
         engine's CPU a call, /is_paused 1.5 ms), which every 20 ms kept a quarter of a core
         busy for as long as a case ran."""
         try:
-            paused = bool(client.get("/is_paused").json()["is_paused"])  # on its socket
+            status, body = client.get(self.engine_url, "/is_paused")  # on its socket
+            if status != 200:
+                return None
+            paused = bool(json.loads(body)["is_paused"])
             if not paused:
                 return False, 0
-            text = client.get("/metrics").text
-        except (httpx.HTTPError, ValueError, KeyError):
+            body = client.get(self.engine_url, "/metrics")[1]
+        except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError):
             return None
-        return paused, int(metric_sum(text, *IN_FLIGHT))
+        return paused, int(metric_sum(body.decode(errors="replace"), *IN_FLIGHT))
 
     def violations(self) -> list[str]:
         out: list[str] = []
