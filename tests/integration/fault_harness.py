@@ -23,6 +23,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+from support import oneshot
 from support.metrics import metric_sum
 from support.sidecar import SidecarProcess
 
@@ -254,7 +255,7 @@ class GatewayClient:
             return 0, "no sidecar"
         t0 = time.monotonic()
         try:
-            r = httpx.post(
+            r = oneshot.post(
                 f"{self.sidecar.gateway_url}/v1/completions",
                 json=completion_body(self.model),
                 timeout=self.timeout_s,

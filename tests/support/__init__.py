@@ -7,5 +7,6 @@ from here (a conftest or a test module is never imported as a module).
 - engines: real vLLM servers (`engines`), the fake vLLM (`fakevllm`), tiny seeded models
   (`models`);
 - waiting on a record's changes (`wait`), process trees and a benchmark run as a process
-  (`procs`), Prometheus samples (`metrics`).
+  (`procs`), Prometheus samples (`metrics`), httpx's one-call functions without a CA
+  bundle loaded per call (`oneshot`).
 """

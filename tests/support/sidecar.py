@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import yaml
 
+from support import oneshot
 from support.metrics import metric_sum
 
 ENDED = ("RUNNING", "SUSPENDED", "FAILED")
@@ -115,7 +116,7 @@ class SidecarProcess:
                 for port in ports:
                     url = f"http://127.0.0.1:{port}"
                     with contextlib.suppress(httpx.HTTPError):
-                        control = httpx.get(f"{url}/livez", timeout=5).status_code == 200
+                        control = oneshot.get(f"{url}/livez", timeout=5).status_code == 200
                         if control:
                             self.url = url
                         else:
@@ -156,10 +157,10 @@ class SidecarProcess:
     # ---- the control API ----------------------------------------------------------------
 
     def get(self, path: str, **kw: Any) -> httpx.Response:
-        return httpx.get(f"{self.url}{path}", timeout=kw.pop("timeout", 60.0), **kw)
+        return oneshot.get(f"{self.url}{path}", timeout=kw.pop("timeout", 60.0), **kw)
 
     def post(self, path: str, **kw: Any) -> httpx.Response:
-        return httpx.post(f"{self.url}{path}", timeout=kw.pop("timeout", 300.0), **kw)
+        return oneshot.post(f"{self.url}{path}", timeout=kw.pop("timeout", 300.0), **kw)
 
     def model(self, name: str) -> dict[str, Any]:
         r = self.get(f"/models/{name}")

@@ -27,6 +27,7 @@ from controller.config.modelsettings import ModelSettings
 from controller.config.settings import Settings
 from controller.engines.launcher import EngineProcess
 from controller.sidecar import Sidecar
+from support import oneshot
 from support.metrics import metric_sum
 
 ModelsSource = Callable[[], AbstractAsyncContextManager[list[ModelSettings]]]
@@ -303,10 +304,10 @@ class Api:
         self.timeout_s = timeout_s
 
     def post(self, path: str, **kw: Any) -> httpx.Response:
-        return httpx.post(f"{self.base_url}{path}", timeout=self.timeout_s, **kw)
+        return oneshot.post(f"{self.base_url}{path}", timeout=self.timeout_s, **kw)
 
     def get(self, path: str, **kw: Any) -> httpx.Response:
-        return httpx.get(f"{self.base_url}{path}", timeout=self.timeout_s, **kw)
+        return oneshot.get(f"{self.base_url}{path}", timeout=self.timeout_s, **kw)
 
     def sleep(self, name: str, level: int, **body: Any) -> httpx.Response:
         return self.post(f"/models/{name}/sleep", json={"level": level, **body})
