@@ -205,21 +205,25 @@ class SwapCoordinator(SwapView):
         lock: contextlib.AsyncExitStack,
         t0: float,
     ) -> tuple[Outcome, list[str], float, float]:
-        """The plan's evictions and the wake (overlapped, or once the victims are asleep,
-        a deep target restored beside them where that fits): the wake's outcome, the
-        models evicted, when the wake started and how long the evictions took."""
+        """The plan's evictions and the wake (overlapped, or once the victims are asleep),
+        a deep target restored beside the evictions where that fits: its wake begins (and
+        the device's lock goes) with the restore still ending under it. The wake's outcome,
+        the models evicted, when the wake started and how long the evictions took."""
         victims = [v.model for v in plan.evict]
         early = overlap.ok and overlap.early  # its wake (and restore) starts at once
         ahead = None if early else restore_ahead(self, mm, plan)
-        if overlap.ok:
-            swap = OverlappedSwap(self, mm, victims[0], overlap)
-            outcome, t1, evict_s = await swap.run(lock, ahead)
-            return outcome, [victims[0].name], t1, evict_s
-        evicted = await evict_side_by_side(self, victims)
-        t1 = self._mono()
-        if ahead is not None:
-            await ahead  # its error (FAILED) is the wake's
-        return await _wake_beside(self, mm, lock), evicted, t1, t1 - t0  # its victims asleep
+        try:
+            if overlap.ok:
+                swap = OverlappedSwap(self, mm, victims[0], overlap)
+                outcome, t1, evict_s = await swap.run(lock)
+                return outcome, [victims[0].name], t1, evict_s
+            evicted = await evict_side_by_side(self, victims)
+            t1 = self._mono()
+            return await _wake_beside(self, mm, lock), evicted, t1, t1 - t0
+        except BaseException:
+            if ahead is not None:  # an eviction failed: it stays asleep, restored or FAILED
+                await asyncio.wait({ahead})  # before the lock goes
+            raise
 
     async def _deepened_plan(self, mm: ModelManager, evict: bool) -> WakePlan[ModelManager]:
         """`_deep_plan`; a refusal that may pass while peers wake beside it (RESUMING, not

@@ -10,7 +10,7 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-from controller.errors import EngineError
+from controller.errors import EngineError, TransitionConflict
 from controller.fleet.overlap import Overlap
 from controller.fleet.policy import Decision, WakePlan, mib
 from controller.models.modelmanager import ModelManager, Outcome
@@ -71,7 +71,14 @@ def restore_ahead(
         mib(plan.used_bytes),
         extra=fields,
     )
-    return coord.manager.tasks.spawn(mm.restore_ahead(), f"hotswap-restore-{mm.name}")
+    return coord.manager.tasks.spawn(_restore(mm), f"hotswap-restore-{mm.name}")
+
+
+async def _restore(mm: ModelManager) -> None:
+    try:
+        await mm.restore_ahead()
+    except TransitionConflict as exc:  # its wake began first: that wake restores it
+        log.info("%s: no restore ahead: %s", mm.name, exc.message)
 
 
 class OverlappedSwap:
@@ -90,12 +97,10 @@ class OverlappedSwap:
         self.released = asyncio.Event()
         self.sleep: asyncio.Task[Outcome] | None = None
 
-    async def run(
-        self, lock: contextlib.AsyncExitStack, ahead: asyncio.Task[Any] | None = None
-    ) -> tuple[Outcome, float, float]:
-        """`ahead`: the target's restore, started with the victim's sleep (`restore_ahead`),
-        awaited before its wake. Returns the wake's outcome, when it started, and how long
-        the victim's sleep took."""
+    async def run(self, lock: contextlib.AsyncExitStack) -> tuple[Outcome, float, float]:
+        """The wake's outcome, when it started, and how long the victim's sleep took. A
+        restore ahead of the target (`restore_ahead`) ends under its wake (which waits for
+        it: the model's lock)."""
         coord, mm, victim, overlap = self.coord, self.mm, self.victim, self.overlap
         t0 = coord._mono()
         rel = self.released.set
@@ -111,8 +116,6 @@ class OverlappedSwap:
         sleep.add_done_callback(lambda _: sleep_end.append(coord._mono()))
         releasing = asyncio.ensure_future(self.release(lock))
         try:
-            if ahead is not None:
-                await ahead  # its error (FAILED) is the wake's
             outcome = await mm.wake(room=self.room)
             if mm.snapshot().state is State.RUNNING:
                 mm.record.lane.hand_over()  # verified

@@ -294,7 +294,15 @@ class ModelManager:
     async def _wake(self, room: Callable[[], Awaitable[None]] | None = None) -> Outcome:
         async with self._lock:
             # The level, the pools asleep and whether it is deep are read under the lock: a
-            # demotion or a deepening in flight (each holds the lock) ends first.
+            # demotion, a deepening or a restore ahead in flight (each holds the lock) ends
+            # first. One that failed left the model FAILED: nothing more is sent (never a
+            # second restore on the same process).
+            if self.record.state is not State.RESUMING:
+                snap = self.record.snapshot
+                raise TransitionConflict(
+                    f"cannot wake {self.name}: {snap.state.value} ({snap.last_error})",
+                    model=self.name,
+                )
             level = self.record.snapshot.level
             run = self.runner.begin("wake", level or 1, State.SUSPENDED)
             if self.record.snapshot.deep:

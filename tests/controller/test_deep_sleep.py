@@ -432,3 +432,52 @@ async def test_the_checkpoints_after_a_swap_run_one_at_a_time_per_device(
         first, second = sorted(spans.values())
         assert first[1] <= second[0]  # one after the other
         assert [sc.fleet[n].snapshot.deep for n in "ab"] == [True, True]
+
+
+async def test_the_wake_begins_once_its_victims_sleep_while_its_restore_ahead_ends(
+    driver: Path, other_group: subprocess.Popen[bytes]
+) -> None:
+    """b's restore ahead outlasts a's eviction: b's wake begins (RESUMING, counted by every
+    later plan, the device's lock given back) once a is asleep, and waits for the restore
+    under it; a restore that fails there leaves b FAILED with no second restore."""
+    sc, _ = fleet_of("ab", "always", budget_bytes=20_000, min_awake_s=0)
+    (driver / "cuda").write_text(f"{os.getpid()}\n{other_group.pid}\n")
+    sc.fleet["a"].process.engine = GroupOf(os.getpgid(0))  # type: ignore[assignment]
+    sc.fleet["b"].process.engine = GroupOf(other_group.pid)  # type: ignore[assignment]
+    ckpt = sc.manager.checkpointer
+    real, gate, ops = ckpt.call, asyncio.Event(), []
+
+    async def call(op: str, pids: tuple[int, ...]) -> Any:
+        ops.append(op)
+        if op == "restore":
+            await gate.wait()
+        return await real(op, pids)
+
+    ckpt.call = call  # type: ignore[method-assign]
+    async with asgi.client(sc.app, "http://s") as client:
+        await sc.started.wait()
+        assert (await client.post("/models/b/sleep")).status_code == 200
+        a, b = sc.fleet["a"], sc.fleet["b"]
+        assert b.snapshot.deep
+        wake = asyncio.create_task(client.post("/models/b/wake"))
+        await until(lambda: a.state.value == "SUSPENDED", sc.fleet.changes, timeout_s=10.0)
+        await until(lambda: b.state.value == "RESUMING", sc.fleet.changes, timeout_s=10.0)
+        assert ops.count("restore") == 1 and b.snapshot.deep  # the restore still runs
+        gate.set()
+        r = await wake
+        assert r.status_code == 200, r.text
+        assert b.state.value == "RUNNING"
+        assert ops.count("restore") == 1
+        # again, with the restore failing: FAILED, and no second restore by the wake
+        ops.clear()
+        assert (await client.post("/models/b/sleep")).status_code == 200
+        await until(lambda: b.snapshot.deep, sc.fleet.changes, timeout_s=10.0)
+        r = await client.post("/models/a/wake", params={"evict": "false"})
+        assert r.status_code == 200, r.text
+        assert a.state.value == "RUNNING"  # b's wake evicts it: a restore ahead again
+        ops.clear()  # a's wake may have restored a (deepened after its eviction)
+        (driver / "fail").write_text("restore")
+        r = await client.post("/models/b/wake")
+        assert r.status_code >= 400
+        assert b.state.value == "FAILED"
+        assert ops.count("restore") == 1
