@@ -76,6 +76,9 @@ class ModelView(Generic[M]):
     # then what NVML measured), and whether the policy may take it deep while it sleeps.
     deep: bool = False
     deepable: bool = False
+    # A deep sleeper: what its restore brings back to its devices (what it left beside its
+    # pools before its checkpoint, in all); a wake of it needs that beside its footprint.
+    restore_bytes: int = 0
     # The gateway's requests in flight and held for it, and whether a transition runs.
     in_flight: int = 0
     queued: int = 0
@@ -233,7 +236,9 @@ class _Wake(Generic[M]):
             m for m in models if m.name != t.name and m.holds and set(m.placement) & set(self.mine)
         ]
         self.scratch = max(0, t.wake_scratch_bytes)
-        self.need_total = sizes[t.name] + self.scratch
+        # a deep target's restore brings back what its own leftover no longer counts
+        self.restore = max(0, t.restore_bytes - t.asleep_bytes) if t.deep else 0
+        self.need_total = sizes[t.name] + self.scratch + self.restore
         self.need = {d: _share(self.need_total, t) for d in self.mine}
         # Sleepers the plan takes deep: their leftover is freed (the third tier).
         self.deepened: list[str] = []
@@ -299,6 +304,8 @@ class _Wake(Generic[M]):
         dev = max(mine, key=lambda d: self.used_on(d)[0] + need[d]) if len(mine) > 1 else mine[0]
         if scratch:
             why += f" (the need includes {mib(scratch)} of scratch the wake holds while it runs)"
+        if self.restore:
+            why += f" (the need includes {mib(self.restore)} its restore brings back)"
         return WakePlan(
             self.t.name,
             decision,

@@ -117,6 +117,7 @@ class SwapView:
             level=rec.snapshot.level if rec.state is State.SUSPENDED else None,
             demotable=held.demotable and not rec.snapshot.deep,
             deep=rec.snapshot.deep,
+            restore_bytes=held.asleep_bytes if rec.snapshot.deep else 0,
             deepable=rec.settings.deep_sleep != "off" and rec.ckpt.deepable is not False,
             in_flight=rec.lane.in_flight,
             queued=rec.lane.held,

@@ -104,3 +104,21 @@ def test_a_sleeper_about_to_be_woken_is_not_taken_deep() -> None:
     plan = plan_wake("t", models, BUDGET, NOW)
     assert plan.decision is Decision.DEEPEN
     assert handed(plan.deepen) == ("s2",)
+
+
+def test_a_deep_targets_wake_needs_what_its_restore_brings_back() -> None:
+    """t is deep: NVML says it holds 0 now, but its restore brings back the 150 it left
+    beside its pools before its checkpoint: 400 awake + 400 + 150 > 900 evicts, where the
+    footprint alone (800) would fit."""
+    t = dataclasses.replace(v("t", S.SUSPENDED, 400), deep=True, restore_bytes=150 * MIB)
+    models = [t, v("awake", S.RUNNING, 400, used=NOW - 1)]
+    plan = plan_wake("t", models, Budget(bytes=900 * MIB), NOW)
+    assert plan.decision is Decision.EVICT
+    assert handed(plan.evict) == ("awake",)
+    assert "restore brings back" in plan.reason
+    assert plan.need_bytes == 550 * MIB
+    # not deep: its leftover is counted where it is (held), not again in the need
+    woke = dataclasses.replace(t, deep=False, asleep_bytes=150 * MIB)
+    plan = plan_wake("t", [woke, models[1]], Budget(bytes=1000 * MIB), NOW)
+    assert plan.decision is Decision.WAKE
+    assert plan.need_bytes == 400 * MIB
