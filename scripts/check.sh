@@ -15,10 +15,10 @@
 # the CPU (an engine's start-up, podman's layers, a prometheus scrape), so two lanes on two
 # cores finish well before one after the other.
 #
-# vLLM's caches: VLLM_CACHE_ROOT persists next to the cached venv (the first engine of each
-# architecture spends ~10 s inspecting the model, once per machine); TMPDIR is private to
-# this run (vLLM drops its dist-init files there) and removed at exit, together with any
-# /dev/shm/vllm_dist_* segment this run left behind.
+# vLLM's caches: VLLM_CACHE_ROOT and TORCHINDUCTOR_CACHE_DIR persist next to the cached venv
+# (the first engine of each architecture spends ~10 s inspecting the model, once per machine;
+# compiled kernels likewise); TMPDIR is private to this run (vLLM drops its dist-init files
+# there) and removed at exit, together with any /dev/shm/vllm_dist_* segment this run left.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -53,8 +53,12 @@ venv=${HOTSWAP_VENV:-$(scripts/bootstrap.sh)}
 # The venv holds dependencies only: this checkout's code comes first on the path.
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 cache=${HOTSWAP_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/vllm-hotswap}
-mkdir -p "$cache/vllm"
+mkdir -p "$cache/vllm" "$cache/torchinductor"
 export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$cache/vllm}
+# Inductor's kernels persist beside it: an engine compiles vLLM's torch.compile'd helpers (the
+# sampler's logprob ranks) at its first logprobs request, and in TMPDIR (private to each lane
+# of this run) every lane compiled them again, C++ included.
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$cache/torchinductor}
 # An overriding VLLM_CPU_KVCACHE_SPACE would give every test engine at least 1 GiB of KV.
 unset VLLM_CPU_KVCACHE_SPACE
 
