@@ -68,13 +68,12 @@ def _world_size() -> int:
 def _in_worker() -> bool:
     """Whether this process's vLLM worker has the extension: vLLM mixes the extension class
     into its Worker class's bases, `HotSwapWorker` subclasses it (a process that only
-    imported the package, or a fork of one, keeps vLLM's pool)."""
+    imported the package, or a fork of one, keeps vLLM's pool). Known by the extension's own
+    method, not its class: the extension's package imports this one."""
     from vllm.v1.worker.gpu_worker import Worker
 
-    from worker_ext.extension.hotswap import HotSwapExtension
-
     classes = [Worker, *Worker.__subclasses__()]
-    return any(issubclass(c, HotSwapExtension) for c in classes)
+    return any(callable(getattr(c, "hotswap_info", None)) for c in classes)
 
 
 def make_pool() -> tuple[Any, str | None]:
