@@ -22,6 +22,7 @@ Used by the cumem backend to map every record back, and by benchmarks/mapping.py
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import time
@@ -115,7 +116,9 @@ class Driver:
         self.spent = dict.fromkeys(STEPS, 0.0)
         self.imported = 0  # bytes mapped from lent memory (kvlend), since take_spent
         self.import_refused = 0  # lent descriptors whose import failed (then created)
-        self.pieced: set[int] = set()  # records mapped from a smaller lent allocation + more
+        # record -> the lent descriptor its memory came from and that allocation's size,
+        # kept while it is mapped: lent on as it came (export_fd), closed at its release
+        self.kept: dict[int, tuple[int, int]] = {}
         # a create refused for memory is asked again for up to this long (the memory an
         # overlapped swap's victim is releasing); 0: refused at once
         self.oom_wait_s = oom_wait_s
@@ -160,11 +163,14 @@ class Driver:
         err = self.lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))
         return int(free.value) if err == 0 else None
 
-    def export_fd(self, handle: tuple[int, int, int, int]) -> int:
-        """A record's allocation exported as a POSIX file descriptor (the caller closes it;
-        while it is open the memory outlives the record's release)."""
-        if int(handle[2]) in self.pieced:  # its allocation is smaller than the record
-            raise DriverError("a record mapped from two allocations is not lent")
+    def export_fd(self, handle: tuple[int, int, int, int]) -> tuple[int, int]:
+        """A record's allocation as a POSIX file descriptor (the caller closes it; while it
+        is open the memory outlives the record's release) and that allocation's size: for a
+        record mapped from lent memory, the descriptor it came with (a duplicate: what was
+        lent goes on as it came, a new allocation after it stays behind); else exported."""
+        kept = self.kept.get(int(handle[2]))
+        if kept is not None:
+            return os.dup(kept[0]), kept[1]
         p_handle = int(handle[3])
         h = ctypes.c_uint64.from_address(p_handle).value
         fd = ctypes.c_int(-1)
@@ -173,7 +179,15 @@ class Driver:
             ctypes.c_uint64(0),
         )  # fmt: skip
         self._ok(err, "cuMemExportToShareableHandle")
-        return int(fd.value)
+        return int(fd.value), int(handle[1])
+
+    def forget(self, ptr: int) -> None:
+        """The record at `ptr` was released: the descriptor its lent memory came with is
+        closed (its memory then goes back to the driver, unless lent on meanwhile)."""
+        kept = self.kept.pop(ptr, None)
+        if kept is not None:
+            with contextlib.suppress(OSError):
+                os.close(kept[0])
 
     def _import(self, fd: int) -> int:
         """The allocation behind a lent descriptor, as a handle of this process."""
@@ -187,14 +201,16 @@ class Driver:
         return h.value
 
     def _map_lent(self, handle: tuple[int, int, int, int], fd: int, lent: int) -> None:
-        """Map a record from the allocation behind a lent descriptor of `lent` bytes: its
-        first bytes where it is larger than the record, all of it and a new allocation after
-        it where smaller (that one's handle released at once: it lives while mapped, and
-        the record's unmap covers both). The imported handle goes where the record's
-        `p_memHandle` points; on a failure nothing stays mapped or held."""
+        """Map a record from the allocation behind a lent descriptor of `lent` bytes (no
+        larger than the record: the driver refused to map part of one on the H200): all of
+        it, and a new allocation after it where smaller (that one's handle released at once:
+        it lives while mapped, and the record's unmap covers both). The imported handle goes
+        where the record's `p_memHandle` points; on a failure nothing stays mapped or held."""
         _device, size, ptr, p_handle = (int(x) for x in handle)
+        if lent > size:
+            raise DriverError(f"lent {lent} bytes for a record of {size}: not mapped in part")
         h = self._import(fd)
-        n, mapped = min(size, lent), 0
+        n, mapped = lent, 0
         try:
             self.map(ptr, n, h)
             mapped = n
@@ -212,12 +228,11 @@ class Driver:
             self.release(h)
             raise
         ctypes.c_uint64.from_address(p_handle).value = h
-        if n < size:
-            self.pieced.add(ptr)
 
     def _try_lent(self, handle: tuple[int, int, int, int], lent: Lent | None) -> bool:
         """Whether the record was mapped from memory `lent` has for its size (the
-        descriptor closed here); False: nothing lent, or mapping it failed (then created)."""
+        descriptor then kept until the record's release: `kept`); False: nothing lent, or
+        mapping it failed (the descriptor closed, then a create)."""
         got = lent(int(handle[1])) if lent is not None else None
         if got is None:
             return False
@@ -226,10 +241,11 @@ class Driver:
             self._map_lent(handle, fd, n)
         except Exception:  # whatever went wrong, nothing of it stays: a create follows
             self.import_refused += 1
-            return False
-        finally:
             os.close(fd)
-        self.imported += int(handle[1])
+            return False
+        self.forget(int(handle[2]))
+        self.kept[int(handle[2])] = (fd, n)
+        self.imported += n
         return True
 
     def create(self, size: int) -> int:
@@ -301,7 +317,7 @@ class Driver:
         `lent`: memory another process lent is mapped in place of a create (no scrub:
         kvlend), before creating and while a create waits for memory."""
         _device, size, ptr, p_handle = (int(x) for x in handle)
-        self.pieced.discard(ptr)
+        self.forget(ptr)  # released already; a stale descriptor would hold its old memory
         if self._try_lent(handle, lent):
             return
         h = self._create_waiting(

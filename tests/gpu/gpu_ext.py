@@ -304,9 +304,9 @@ class GpuTestExtension(HotSwapExtension):
     @rpc
     def hotswap_test_map_lent(self) -> dict[str, Any]:
         """Map what was lent to the test's inbox as a waking rank's records would be (the
-        driver's import: the same size; a smaller record from a larger allocation; a larger
-        one with a new allocation after it), write and read each, unmap and free them; the
-        inbox closed (what is left goes back to the driver)."""
+        driver's import: the same size; a larger record with a new allocation after it),
+        write and read each, unmap and free them; the inbox closed (what is left goes back
+        to the driver)."""
         import ctypes
 
         from worker_ext.cudriver import Driver
@@ -319,8 +319,9 @@ class GpuTestExtension(HotSwapExtension):
         drv = Driver(b.device.index or 0)
         g = drv.granularity
         out: dict[str, Any] = {"received": box.received, "mapped": []}
-        for extra in (0, -g, g):
-            got = box.take(1)  # the smallest lent allocation (any size >= 1 fits)
+        for extra in (0, g):
+            there = [k for k, fds in box._lent.items() if fds]
+            got = box.take(min(there)) if there else None  # the smallest, by its own size
             if got is None:
                 break
             fd, n = got
@@ -339,8 +340,22 @@ class GpuTestExtension(HotSwapExtension):
                 torch.cuda.synchronize()
                 row["readback"] = bool((view == 0x5A).all().item())
                 del view
-                drv.unmap(ptr, size)
+                # lent on as it came (export_fd: its descriptor, its own size), mapped again
+                fd2, n2 = drv.export_fd((0, size, ptr, ctypes.addressof(slot)))
+                ptr2, slot2 = drv.reserve(n2), ctypes.c_uint64(0)
+                again = (fd2, n2)
+                row["lent_on"] = n2
+                if drv._try_lent((0, n2, ptr2, ctypes.addressof(slot2)), lambda _s, a=again: a):
+                    seen = raw_bytes(ptr2, n2, b.device)
+                    row["same_memory"] = bool((seen == 0x5A).all().item())
+                    del seen
+                    drv.unmap(ptr2, n2)
+                    drv.release(slot2.value)
+                    drv.forget(ptr2)
+                drv.lib.cuMemAddressFree(ctypes.c_uint64(ptr2), ctypes.c_size_t(n2))
+                drv.unmap(ptr, size)  # both allocations at once, where two
                 drv.release(slot.value)
+                drv.forget(ptr)  # the lent descriptor kept for it
             drv.lib.cuMemAddressFree(ctypes.c_uint64(ptr), ctypes.c_size_t(size))
             out["mapped"].append(row)
         lending.close()

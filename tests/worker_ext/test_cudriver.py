@@ -242,11 +242,12 @@ def _closed(fd: int) -> bool:
     return False
 
 
-@pytest.mark.parametrize(("lent", "maps"), [(8, [8]), (10, [8]), (6, [6, 2])])
+@pytest.mark.parametrize(("lent", "maps"), [(8, [8]), (6, [6, 2])])
 def test_a_record_maps_memory_lent_to_it_in_place_of_a_create(lent: int, maps: list[int]) -> None:
-    """kvlend: the allocation behind a lent descriptor is imported and mapped (its first
-    bytes where larger; all of it and a new allocation after it where smaller, that one's
-    handle released once mapped); the imported handle is the record's; the fd closed."""
+    """kvlend: the allocation behind a lent descriptor is imported and mapped (all of it,
+    and a new allocation after it where smaller, that one's handle released once mapped);
+    the imported handle is the record's; the descriptor kept until the record's release,
+    and lent on as it came (its own size, not the record's)."""
     g = GRANULARITY
     cuda = FakeCuda(fabric=False)
     drv = Driver(0, lib=cuda, oom_wait_s=5.0)
@@ -254,8 +255,8 @@ def test_a_record_maps_memory_lent_to_it_in_place_of_a_create(lent: int, maps: l
     handle, slot = record(0x7000_0000, 8 * g)
     drv.create_and_map(handle, lambda n: (fd, lent * g))
     kinds = [c[0] for c in cuda.calls]
-    imported = cuda.calls[0][0] == "import" and cuda.calls[0][1] == fd
-    assert imported
+    assert cuda.calls[0][0] == "import"
+    assert cuda.calls[0][1] == fd
     assert [c[3] // g for c in cuda.calls if c[0] == "map"] == maps
     assert slot.value == cuda.calls[1][2]  # the imported handle
     if len(maps) == 2:  # the tail's own allocation: mapped after it, its handle released
@@ -263,11 +264,31 @@ def test_a_record_maps_memory_lent_to_it_in_place_of_a_create(lent: int, maps: l
         assert tail[1] == 2 * g
         assert kinds.index("release") > kinds.index("map", kinds.index("create"))
     assert kinds[-1] == "access"
+    assert drv.kept == {0x7000_0000: (fd, lent * g)}
+    assert not _closed(fd)
+    assert drv.imported == lent * g
+    again, n = drv.export_fd(handle)  # lent on: the same memory, its own size
+    assert n == lent * g
+    assert "export" not in [c[0] for c in cuda.calls]
+    os.close(again)
+    drv.forget(0x7000_0000)  # the record released: its descriptor closed
     assert _closed(fd)
-    assert drv.imported == 8 * g
-    if len(maps) == 2:  # lending it on would promise more than its allocation holds
-        with pytest.raises(DriverError, match="two allocations"):
-            drv.export_fd(handle)
+    assert drv.kept == {}
+
+
+def test_a_larger_lent_allocation_is_not_mapped_in_part() -> None:
+    """The H200's driver refused to map the first bytes of a larger allocation (2026-12-03
+    14:26): such a descriptor is closed and the record created."""
+    g = GRANULARITY
+    cuda = FakeCuda(fabric=False)
+    drv = Driver(0, lib=cuda)
+    fd = _pipe_fd()
+    handle, _slot = record(0x7000_0000, 8 * g)
+    drv.create_and_map(handle, lambda n: (fd, 10 * g))
+    assert [c[0] for c in cuda.calls] == ["create", "map", "access"]
+    assert _closed(fd)
+    assert drv.import_refused == 1
+    assert drv.kept == {}
 
 
 def test_memory_lent_while_a_create_waits_is_taken_in_its_place() -> None:
@@ -287,8 +308,9 @@ def test_memory_lent_while_a_create_waits_is_taken_in_its_place() -> None:
     assert kinds.count("create") == 1  # the first, refused; then only queries and looks
     assert "import" in kinds
     assert slot.value in cuda.live
-    assert _closed(fd)
+    assert drv.kept == {0x7000_0000: (fd, GRANULARITY)}
     assert drv.take_spent()["oom_wait"] > 0
+    drv.forget(0x7000_0000)
 
 
 def test_a_lent_descriptor_that_fails_is_closed_and_the_record_created() -> None:
@@ -311,6 +333,7 @@ def test_export_gives_a_descriptor_of_the_records_handle() -> None:
     drv = Driver(0, lib=cuda)
     handle, slot = record(0x7000_0000)
     drv.create_and_map(handle)
-    fd = drv.export_fd(handle)
+    fd, n = drv.export_fd(handle)
     assert cuda.calls[-1] == ("export", slot.value, 1)  # as a POSIX file descriptor
+    assert n == GRANULARITY
     os.close(fd)

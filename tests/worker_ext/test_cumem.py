@@ -105,6 +105,7 @@ def alloc(monkeypatch: pytest.MonkeyPatch) -> _Allocator:
     def drv_init(self: Driver, device: int, exportable: bool = True, **_k: Any) -> None:
         self.fabric_refused, self.rdma, self.spent = False, False, {}
         self.imported = self.import_refused = 0
+        self.kept = {}
 
     monkeypatch.setattr(Driver, "__init__", drv_init)
     monkeypatch.setattr(Driver, "handle_type", property(lambda _s: "posix_fd"))
@@ -591,11 +592,11 @@ def test_kv_records_released_first_are_lent_to_a_rank_waking_on_the_device(
     )
     exported: list[int] = []
 
-    def export(_s: Driver, handle: Any) -> int:
+    def export(_s: Driver, handle: Any) -> tuple[int, int]:
         r, w = os.pipe()
         os.close(w)
         exported.append(handle[1])
-        return r
+        return r, handle[1]
 
     monkeypatch.setattr(Driver, "export_fd", export)
     lents: list[tuple[int, Any]] = []

@@ -61,6 +61,8 @@ def test_lent_descriptors_reach_the_inbox_and_those_not_taken_are_closed(name: s
 
 
 def test_take_is_the_best_fit_by_size(name: str) -> None:
+    """Exact, else the largest smaller one of at least three quarters (a new allocation maps
+    the rest); never a larger one: the H200's driver refused to map part of one."""
     box = kvlend.Inbox.open(name)
     assert box is not None
     sock = kvlend.connect(name)
@@ -71,12 +73,12 @@ def test_take_is_the_best_fit_by_size(name: str) -> None:
         os.close(fd)
     assert box.take(500) is None  # 300 < three quarters of it: a create
     taken = []
-    for want in (200, 250, 120):
+    for want in (200, 320, 120):
         got = box.take(want)
         assert got is not None
         os.close(got[0])
         taken.append(got[1])
-    # exact; else the smallest larger; else the largest smaller (>= 3/4)
+    # exact; else the largest smaller (>= 3/4 of it); never a larger one
     assert taken == [200, 300, 100]
     assert box.take(100) is None
     box.close()
@@ -110,9 +112,9 @@ def test_a_lending_sleep_exports_releases_then_sends(name: str) -> None:
     waking.open()
     assert waking.inbox is not None
 
-    def export(handle: Any) -> int:
+    def export(handle: Any) -> tuple[int, int]:
         order.append(f"export {handle[1]}")
-        return _fd()
+        return _fd(), handle[1]
 
     def release(data: Any) -> None:
         order.append(f"release {data.handle[1]}")

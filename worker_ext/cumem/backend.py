@@ -49,7 +49,7 @@ class CuMemBackend:
         self._worker = worker
         # read once (the environment when not given): docs in worker_ext/settings.py
         self.settings = settings if settings is not None else WorkerSettings.from_env()
-        self._unmap_and_release = unmap_and_release
+        self._unmap_and_release = _forgetting(unmap_and_release, self)
         device = getattr(worker, "device", None)
         self.device = device if device is not None else torch.device("cuda", 0)
         self._records = Records(CuMemAllocator.get_instance(), torch)
@@ -520,3 +520,15 @@ def _lending(b: CuMemBackend) -> Lending:
         b._release,
         lambda handle: b._mapper().export_fd(handle),
     )
+
+
+def _forgetting(release: Callable[[Any], None], b: CuMemBackend) -> Callable[[Any], None]:
+    """vLLM's unmap_and_release, then the descriptor a record's lent memory came with
+    closed (cudriver.Driver.forget): its memory goes back to the driver, unless lent on."""
+
+    def call(handle: Any) -> None:
+        release(handle)
+        if b._driver is not None:
+            b._driver.forget(int(handle[2]))
+
+    return call

@@ -150,17 +150,17 @@ class Inbox:
 
     def take(self, size: int) -> tuple[int, int] | None:
         """For a record of `size` bytes: a lent descriptor (the caller owns it now) and its
-        allocation's size, or None. The allocation of exactly that size, else the smallest
-        larger one (its first bytes mapped), else the largest smaller one of at least three
-        quarters of it (a new allocation maps the rest): two models' KV records differ by a
-        few blocks (cudriver). Lent memory that fits none for STALE_S is closed (a create
-        of the record may be waiting for that memory)."""
+        allocation's size, or None. The allocation of exactly that size, else the largest
+        smaller one of at least three quarters of it (a new allocation maps the rest): two
+        models' KV records differ by a few blocks (cudriver); never a larger one (the driver
+        refused to map part of an allocation on the H200). Lent memory that fits none for
+        STALE_S is closed (a create of the record may be waiting for that memory)."""
         self.poll()
         sizes = [n for n, fds in self._lent.items() if fds]
         if not sizes:
             return None
-        larger = [n for n in sizes if n >= size]
-        n = min(larger) if larger else max(sizes)
+        fits = [n for n in sizes if n <= size]
+        n = max(fits) if fits else 0
         if n * 4 < size * 3:  # the new allocation after it would be more than a quarter
             if time.monotonic() - self._moved > STALE_S:  # what nothing took: back to the driver
                 left = [fd for fds in self._lent.values() for fd in fds]
@@ -202,12 +202,12 @@ class Lending:
         uuid: Callable[[], str | None],
         settings: Callable[[], Any],
         release: Callable[[Any], None],
-        export: Callable[[Any], int],
+        export: Callable[[Any], tuple[int, int]],
     ) -> None:
         self._uuid = uuid
         self._settings = settings
         self._release = release  # one record, as the backend releases it
-        self._export = export  # one record's handle as a POSIX descriptor
+        self._export = export  # one record's memory: a POSIX descriptor and its size
         self.inbox: Inbox | None = None
         # every byte this process ever lent: the driver may go on counting lent memory as
         # this process's while the borrower holds it (Residency.resident takes it out)
@@ -271,7 +271,7 @@ class Lender:
         self,
         sock: socket.socket | None,
         release: Callable[[Any], None],
-        export: Callable[[Any], int],
+        export: Callable[[Any], tuple[int, int]],
         sent: Callable[[int], None] = lambda _n: None,
     ) -> None:
         self._sock = sock
@@ -282,15 +282,15 @@ class Lender:
         self.export_failed = 0
 
     def __call__(self, data: Any) -> None:
-        fd = None
+        got = None
         if self._sock is not None:
             try:
-                fd = self._export(data.handle)
+                got = self._export(data.handle)
             except Exception:  # not exportable (another handle type): released as usual
                 self.export_failed += 1
         self._release(data)
-        if fd is not None:
-            self._items.append((fd, int(data.handle[1])))
+        if got is not None:
+            self._items.append(got)
 
     def send(self, timings: dict[str, float]) -> None:
         """Hand the lent records over (once), then close this side's descriptors."""
