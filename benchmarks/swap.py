@@ -480,6 +480,8 @@ SWAP_RANK_KEYS = {
         "kv_early_s",
         "at_kv_early_s",
         "kv_lent_records",
+        "kv_lent_bytes",
+        "kv_lend_export_failed",
         "kv_lend_send_s",
         "at_prepared_s",
         "at_link_done_s",
