@@ -65,9 +65,9 @@ class RealWeightsExtension(HotSwapExtension):
         read each storage as its own range); `rebuild` builds and proves the kernel check
         anew in every prepare (what the code did before checks were kept for their ranges);
         `kvlate` the fused sleep's KV cache released after its prepare (the tuning's
-        `kv_early` off, as before the KV cache first); `share30` / `share100` the fused
-        sleep's first stage of copies at 30% of the weights' bytes (as before the tuning's
-        `sleep_stage_share`) / all of them; `base` the code as it is: before/after on one
+        `kv_early` off, as before the KV cache first); `share70` / `share100` the fused
+        sleep's first stage of copies at 70% of the weights' bytes / all of them (the
+        tuning's `sleep_stage_share`, 30% by default); `base` the code as it is: before/after on one
         engine."""
         import dataclasses
 
@@ -102,7 +102,7 @@ VARIANTS = {
     "storagepass": _with_storage_pass,
     "rebuild": _rebuilt,
     "kvlate": _BASELINE,
-    "share30": _BASELINE,
+    "share70": _BASELINE,
     "share100": _BASELINE,
 }
-SHARES = {"share30": 0.3, "share100": 1.0}  # the fused sleep's first stage, by variant
+SHARES = {"share70": 0.7, "share100": 1.0}  # the fused sleep's first stage, by variant

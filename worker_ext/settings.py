@@ -48,10 +48,10 @@ class Tuning:
     # the prepare (docs/contracts.md §1, the KV cache first); False: after it
     kv_early: bool = True
     # a fused sleep queues the copies of this share of the weights' bytes before its
-    # prepare, the rest once the prepare's protected copies are queued behind them: enough
-    # that the link is still busy when the prepare gets there (the KV cache's early release
-    # and the prepare's host work run meanwhile), no more (the protected copies wait behind it)
-    sleep_stage_share: float = 0.7
+    # prepare, the rest once the prepare's protected copies are queued behind them; more
+    # delays the KV cache's early release and the prepare by its own queueing (0.7 on the
+    # H200: queued first 0.053-0.059 s in, not 0.021-0.023, and no shorter sleep)
+    sleep_stage_share: float = 0.3
     # a sleep's KV records released first are lent to a rank of this user waking on the
     # same device, which maps them in place of new memory (cumem.kvlend: no driver scrub),
     # and a waking rank takes memory lent to it

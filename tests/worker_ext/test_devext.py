@@ -119,14 +119,14 @@ def test_the_kvlate_variant_turns_the_kv_cache_first_off_and_base_back_on() -> N
 def test_the_share_variants_set_the_fused_sleeps_first_stage_and_base_the_default() -> None:
     w = Worker()
     try:
-        out = w.hotswap_bench_variant("share30")
+        out = w.hotswap_bench_variant("share70")
         assert out["ok"], out
-        assert w.backend.settings.tuning.sleep_stage_share == 0.3
+        assert w.backend.settings.tuning.sleep_stage_share == 0.7
         assert w.backend.settings.tuning.kv_early is True
         w.hotswap_bench_variant("share100")
         assert w.backend.settings.tuning.sleep_stage_share == 1.0
         w.hotswap_bench_variant("base")
-        assert w.backend.settings.tuning.sleep_stage_share == 0.7
+        assert w.backend.settings.tuning.sleep_stage_share == 0.3
     finally:
         w.hotswap_bench_variant("base")
 
