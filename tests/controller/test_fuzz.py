@@ -11,6 +11,8 @@ answer is a 500. At least 1,000 cases per app per run, in well under a minute.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import zlib
 from collections import Counter
@@ -38,6 +40,103 @@ from support.gatewayworld import Chunks, Engine, Router
 
 from controller.config.modelsettings import ModelSettings
 from controller.config.settings import Settings
+
+# schemathesis and hypothesis are pytest plugins, so pytest rewrites each of their modules
+# (ast.parse) as it is imported. The modules a fuzz case imports lazily are imported here, at
+# collection, where no other thread runs: in CI (Python 3.11.7), after test_deep_sleep, one
+# parsed during the first case raised "SystemError: AST constructor recursion depth mismatch".
+LAZY_IMPORTS = (
+    "hypothesis.strategies._internal.flatmapped",
+    "hypothesis.strategies._internal.random",
+    "schemathesis.core.jsonschema.numeric",
+    "schemathesis.core.jsonschema.patterns",
+    "schemathesis.core.schema_analysis",
+    "schemathesis.core.text",
+    "schemathesis.engine.link_calibration",
+    "schemathesis.engine.supervisor",
+    "schemathesis.generation._cache",
+    "schemathesis.generation.body_overrides",
+    "schemathesis.generation.dictionaries",
+    "schemathesis.generation.hypothesis._response_matching",
+    "schemathesis.generation.jsonschema.builder",
+    "schemathesis.generation.jsonschema.strategy",
+    "schemathesis.generation.stateful.control",
+    "schemathesis.generation.value",
+    "schemathesis.openapi.generation",
+    "schemathesis.openapi.generation.filters",
+    "schemathesis.specs.openapi._hypothesis",
+    "schemathesis.specs.openapi._operation_lookup",
+    "schemathesis.specs.openapi.adapter",
+    "schemathesis.specs.openapi.adapter.base_paths",
+    "schemathesis.specs.openapi.adapter.content_types",
+    "schemathesis.specs.openapi.adapter.formdata",
+    "schemathesis.specs.openapi.adapter.parameters",
+    "schemathesis.specs.openapi.adapter.protocol",
+    "schemathesis.specs.openapi.adapter.references",
+    "schemathesis.specs.openapi.adapter.responses",
+    "schemathesis.specs.openapi.adapter.security",
+    "schemathesis.specs.openapi.adapter.servers",
+    "schemathesis.specs.openapi.adapter.v2",
+    "schemathesis.specs.openapi.adapter.v3_0",
+    "schemathesis.specs.openapi.adapter.v3_1",
+    "schemathesis.specs.openapi.adapter.v3_2",
+    "schemathesis.specs.openapi.adapter.validators",
+    "schemathesis.specs.openapi.analysis",
+    "schemathesis.specs.openapi.auth_flow",
+    "schemathesis.specs.openapi.auth_flow.models",
+    "schemathesis.specs.openapi.auth_jwt",
+    "schemathesis.specs.openapi.auths",
+    "schemathesis.specs.openapi.content_keywords",
+    "schemathesis.specs.openapi.converter",
+    "schemathesis.specs.openapi.coverage",
+    "schemathesis.specs.openapi.coverage._schema",
+    "schemathesis.specs.openapi.coverage._wire",
+    "schemathesis.specs.openapi.definitions",
+    "schemathesis.specs.openapi.diagnostics",
+    "schemathesis.specs.openapi.discriminator",
+    "schemathesis.specs.openapi.error_feedback",
+    "schemathesis.specs.openapi.examples",
+    "schemathesis.specs.openapi.expressions",
+    "schemathesis.specs.openapi.expressions.errors",
+    "schemathesis.specs.openapi.expressions.extractors",
+    "schemathesis.specs.openapi.expressions.lexer",
+    "schemathesis.specs.openapi.expressions.nodes",
+    "schemathesis.specs.openapi.expressions.parser",
+    "schemathesis.specs.openapi.extra_data_source",
+    "schemathesis.specs.openapi.headers",
+    "schemathesis.specs.openapi.negative",
+    "schemathesis.specs.openapi.negative.mutations",
+    "schemathesis.specs.openapi.negative.types",
+    "schemathesis.specs.openapi.negative.utils",
+    "schemathesis.specs.openapi.negative.value_channel",
+    "schemathesis.specs.openapi.operations",
+    "schemathesis.specs.openapi.resources",
+    "schemathesis.specs.openapi.schemas",
+    "schemathesis.specs.openapi.semantic_pool",
+    "schemathesis.specs.openapi.stateful",
+    "schemathesis.specs.openapi.stateful.dependencies",
+    "schemathesis.specs.openapi.stateful.dependencies.inputs",
+    "schemathesis.specs.openapi.stateful.dependencies.layers",
+    "schemathesis.specs.openapi.stateful.dependencies.models",
+    "schemathesis.specs.openapi.stateful.dependencies.naming",
+    "schemathesis.specs.openapi.stateful.dependencies.outputs",
+    "schemathesis.specs.openapi.stateful.dependencies.resources",
+    "schemathesis.specs.openapi.stateful.dependencies.schemas",
+    "schemathesis.specs.openapi.stateful.inference",
+    "schemathesis.specs.openapi.stateful.links",
+    "schemathesis.specs.openapi.types",
+    "schemathesis.specs.openapi.types.common",
+    "schemathesis.specs.openapi.types.v2",
+    "schemathesis.specs.openapi.types.v3",
+    "schemathesis.specs.openapi.validation",
+    "schemathesis.specs.openapi.warnings",
+    "schemathesis.transport.asgi",
+    "schemathesis.transport.requests",
+    "schemathesis.transport.wsgi",
+)
+for _name in LAZY_IMPORTS:
+    with contextlib.suppress(ImportError):  # another schemathesis release: its own layout
+        importlib.import_module(_name)
 
 TOKEN = "fuzz-token"
 NAMES = ("a", "b")
