@@ -77,7 +77,7 @@ from benchmarks.fleetbench import (
     gpu_bytes,
     launch_on_socket,
     pss,
-    sidecar_on,
+    start_sidecar,
 )
 from controller.engines.launcher import EngineProcess
 
@@ -388,10 +388,7 @@ def run_arm(
     work: Path,
     env: dict[str, str],
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    from benchmarks.common import free_port
-
     names = list(socks)
-    gw = free_port()
     models = [
         {
             "name": n,
@@ -408,14 +405,15 @@ def run_arm(
         swap["budget_bytes"] = int(args.budget_gib * (1 << 30))
     if args.max_awake:
         swap["max_awake"] = args.max_awake
-    extra = {"gateway": {"enabled": True, "port": gw, "hold_timeout_s": 60.0}, "swap": swap}
-    spec = sidecar_on(free_port(), models, extra)
-    spec.extra_env.update(env)
-    side = EngineProcess(spec, work / f"sidecar-{arm}.log")
     began = time.monotonic()
-    side.start()
+    side, gw = start_sidecar(
+        models,
+        work / f"sidecar-{arm}.log",
+        {"swap": swap},
+        gateway={"hold_timeout_s": 60.0},
+        env=env,
+    )
     try:
-        side.wait_ready(timeout_s=180)
         base = side.base_url
         normalize(base, names, deep=DEEP_SLEEP.get(arm) == "always", vllm=arm == "vllm")
         served, refused = (
@@ -743,13 +741,9 @@ def wait_up(
 
 def sleep_raw(wave: dict[str, EngineProcess], socks: dict[str, Path]) -> None:
     """Put a wave to sleep through a sidecar of its own (attached by socket, no gateway)."""
-    from benchmarks.common import free_port
-
     models = [{"name": n, "uds": str(socks[n]), "served_model_name": n} for n in wave]
-    side = EngineProcess(sidecar_on(free_port(), models), Path(tempfile.mkdtemp()) / "s.log")
-    side.start()
+    side, _ = start_sidecar(models, Path(tempfile.mkdtemp()) / "s.log", timeout_s=120)
     try:
-        side.wait_ready(timeout_s=120)
         with httpx.Client(base_url=side.base_url, timeout=600.0) as c:
             for n in wave:
                 c.post(f"/models/{n}/sleep", json={"level": 1}).raise_for_status()

@@ -64,6 +64,47 @@ def sidecar_on(
     return EngineSpec.from_command("sidecar", argv, port, {})
 
 
+PORT_TAKEN = "address already in use"
+
+
+def start_sidecar(
+    models: list[dict[str, Any]],
+    log_path: Path,
+    extra: Mapping[str, Any] | None = None,
+    *,
+    gateway: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = 180.0,
+    tries: int = 3,
+) -> tuple[EngineProcess, int | None]:
+    """`hotswap serve` on loopback ports picked free just before it starts, ready, and its
+    gateway's port (None without `gateway`, the gateway's settings but its port). A port is
+    picked before the process binds it, and the machine's other processes (vLLM's engines
+    among them) open ports of their own meanwhile: a start whose log says a port was taken
+    is tried again on new ports, up to `tries` times; any other failure is raised at once."""
+    from benchmarks.common import free_port
+
+    for attempt in range(1, tries + 1):
+        more = dict(extra or {})
+        gw = None
+        if gateway is not None:
+            gw = free_port()
+            more["gateway"] = {**gateway, "enabled": True, "port": gw}
+        spec = sidecar_on(free_port(), models, more)
+        spec.extra_env.update(env or {})
+        side = EngineProcess(spec, log_path)
+        side.start()
+        try:
+            side.wait_ready(timeout_s=timeout_s)
+        except Exception:
+            side.stop(20.0)
+            if attempt == tries or PORT_TAKEN not in side.log_tail(200).lower():
+                raise
+            continue
+        return side, gw
+    raise AssertionError("unreachable")  # the last try returns or raises
+
+
 def role(pid: int) -> str:
     """What a process of an engine is, from its command line and name."""
     try:

@@ -6,6 +6,7 @@ docs/benchmarks.md)."""
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -255,3 +256,27 @@ def test_explain_reads_where_an_arms_misses_came_from(tmp_path: Path) -> None:
     assert got["within_slo"] == 0.25
     early = density.explain(tmp_path, prefix_s=25.0)["l1"]  # the first 25 s of the trace
     assert (early["requests"], early["missed"], early["within_slo"]) == (2, 2, 0.0)
+
+
+def test_a_sidecar_whose_port_was_taken_starts_again_on_new_ports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The harness picks a port free, then the sidecar binds it: a port another process took
+    meanwhile is picked again (a real `hotswap serve`, its first port held by this test)."""
+    from benchmarks import fleetbench
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        held = taken.getsockname()[1]
+        picks = iter([held])
+        real = common.free_port
+        monkeypatch.setattr(common, "free_port", lambda: next(picks, None) or real())
+        side, gw = fleetbench.start_sidecar([], tmp_path / "s.log", timeout_s=60)
+        try:
+            assert gw is None
+            assert side.ping()
+            assert f":{held}" not in side.base_url
+            assert fleetbench.PORT_TAKEN in (tmp_path / "s.log").read_text().lower()
+        finally:
+            side.stop(10.0)
