@@ -40,6 +40,9 @@ class PassThrough:
         """A read-only RPC outside a transition. It never changes the model's state, except
         that a call which may have left the reply queues out of step (a timeout, a broken
         connection, a 5xx) makes it FAILED: nothing can be sent to that process again."""
+        if self._lock.locked() and self.record.in_flight_task() is None:
+            async with self._lock:  # a reconciliation of the sidecar's own: wait it out
+                pass
         rec = self.record
         if rec.facts.desynced:
             raise TransitionConflict(

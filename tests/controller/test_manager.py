@@ -1194,6 +1194,24 @@ async def test_an_audit_is_refused_while_a_transition_is_in_flight() -> None:
 
 
 @pytest.mark.anyio
+async def test_an_audit_waits_for_a_reconciliation_of_the_sidecars_own() -> None:
+    """The periodic reprobe holds the model's lock with no transition in flight: an audit
+    then waits for it and answers, instead of a 409 for a check nobody asked for."""
+    rig = await started()
+    lock = rig.m.passthrough._lock
+    await lock.acquire()  # as check_recovered does around its reconciliation
+    audit = asyncio.create_task(rig.m.audit(1))
+    for _ in range(50):  # bounded: the audit must be waiting, not refused
+        await asyncio.sleep(0)
+    assert not audit.done()
+    lock.release()
+    reports = await asyncio.wait_for(audit, 10.0)
+    assert reports
+    assert rig.world.rpc_calls().count("hotswap_audit") == 1
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize(
     ("raised", "state", "out_of_step"),
     [
