@@ -49,8 +49,8 @@ class Tuning:
     kv_early: bool = True
     # a fused sleep queues the copies of this share of the weights' bytes before its
     # prepare, the rest once the prepare's protected copies are queued behind them; more
-    # delays the KV cache's early release and the prepare by its own queueing (0.7 on the
-    # H200: queued first 0.053-0.059 s in, not 0.021-0.023, and no shorter sleep)
+    # delays the KV cache's early release and the prepare by its own queueing (measured
+    # against 0.7 in docs/benchmarks.md, the sleep section)
     sleep_stage_share: float = 0.3
     # a sleep's KV records released first are lent to a rank of this user waking on the
     # same device, which maps them in place of new memory (cumem.kvlend: no driver scrub),

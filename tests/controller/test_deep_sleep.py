@@ -320,15 +320,24 @@ async def test_an_evicted_model_is_taken_deep_after_the_swap(
         assert (await client.get("/models/b")).json()["state"] == "RUNNING"
 
 
+def always_pair(
+    driver: Path, other_group: subprocess.Popen[bytes]
+) -> tuple[Any, dict[str, FakeVllm]]:
+    """deep_sleep "always", room for one of a and b; a's engine is this test's process group,
+    b's another one, both seen by the fake driver."""
+    sc, fakes = fleet_of("ab", "always", budget_bytes=20_000, min_awake_s=0)
+    (driver / "cuda").write_text(f"{os.getpid()}\n{other_group.pid}\n")
+    sc.fleet["a"].process.engine = GroupOf(os.getpgid(0))  # type: ignore[assignment]
+    sc.fleet["b"].process.engine = GroupOf(other_group.pid)  # type: ignore[assignment]
+    return sc, fakes
+
+
 async def test_an_evicted_model_with_requests_held_for_it_is_not_taken_deep(
     driver: Path, other_group: subprocess.Popen[bytes]
 ) -> None:
     """deep_sleep "always", a request held for a when b's wake evicts it: a is about to be
     woken, so it stays at level 1 (no checkpoint now and no restore on that request's path)."""
-    sc, fakes = fleet_of("ab", "always", budget_bytes=20_000, min_awake_s=0)
-    (driver / "cuda").write_text(f"{os.getpid()}\n{other_group.pid}\n")
-    sc.fleet["a"].process.engine = GroupOf(os.getpgid(0))  # type: ignore[assignment]
-    sc.fleet["b"].process.engine = GroupOf(other_group.pid)  # type: ignore[assignment]
+    sc, fakes = always_pair(driver, other_group)
     async with asgi.client(sc.app, "http://s") as client:
         await sc.started.wait()
         assert (await client.post("/models/b/sleep")).status_code == 200
@@ -367,10 +376,7 @@ async def test_a_deep_models_restore_starts_with_its_swaps_eviction(
     """deep_sleep "always", room for one model: b is deep, its wake evicts a. b's restore
     (what it brings back fits beside a) runs while a's sleep is still in its suspend, not
     after it; b's wake then has no restore phase of its own."""
-    sc, fakes = fleet_of("ab", "always", budget_bytes=20_000, min_awake_s=0)
-    (driver / "cuda").write_text(f"{os.getpid()}\n{other_group.pid}\n")
-    sc.fleet["a"].process.engine = GroupOf(os.getpgid(0))  # type: ignore[assignment]
-    sc.fleet["b"].process.engine = GroupOf(other_group.pid)  # type: ignore[assignment]
+    sc, fakes = always_pair(driver, other_group)
     async with asgi.client(sc.app, "http://s") as client:
         await sc.started.wait()
         assert (await client.post("/models/b/sleep")).status_code == 200
