@@ -14,6 +14,7 @@ from controller.errors import EngineError, TransitionConflict
 from controller.fleet.overlap import Overlap
 from controller.fleet.policy import Decision, WakePlan, mib
 from controller.models.modelmanager import ModelManager, Outcome
+from controller.models.record import ModelRecord
 from controller.models.steps import KvFirst
 from controller.state import State
 
@@ -96,6 +97,8 @@ class OverlappedSwap:
         self.coord, self.mm, self.victim, self.overlap = coord, mm, victim, overlap
         self.released = asyncio.Event()
         self.sleep: asyncio.Task[Outcome] | None = None
+        # Whether the victim had released its weights as its sleep ended (None: not ended).
+        self.freed: bool | None = None
 
     async def run(self, lock: contextlib.AsyncExitStack) -> tuple[Outcome, float, float]:
         """The wake's outcome, when it started, and how long the victim's sleep took. A
@@ -109,6 +112,7 @@ class OverlappedSwap:
             coord.sleep(victim, drain="wait", reason="evict", kv_released=notify, deep=False),
             name=f"hotswap-evict-{victim.name}",
         )
+        sleep.add_done_callback(self._sleep_ended)
         if not overlap.early and not await self.kv_gone():
             await sleep  # it ended before its KV cache went: its error (drain gave up, ...)
         t1 = coord._mono()
@@ -153,25 +157,34 @@ class OverlappedSwap:
         if self.overlap.kv_early:
             return  # the victim's KV cache is gone: this one fits beside its weights
         await asyncio.wait({self.sleep})
-        # SUSPENDED with its weights among the pools asleep (a reconciliation after a
-        # failed step may find only the KV cache asleep), or its process gone.
-        gone = await rec.wait_for(
-            lambda r: (
-                self.coord.engine_gone(r)
-                or (
-                    r.state is State.SUSPENDED
-                    and (r.facts.asleep is None or "weights" in r.facts.asleep)
-                )
-            ),
+        if self.freed:
+            return  # its room is this wake's, even if its own wake has begun since
+        # A reconciliation after a failed step may yet find it asleep; woken again, never.
+        ended = await rec.wait_for(
+            lambda r: self._room_freed(r) or r.state in (State.RESUMING, State.RUNNING),
             self.coord.settings.timeouts.rpc_s,
         )
-        if not gone:
+        if not ended or not self._room_freed(rec):
             raise EngineError(
                 f"{victim}, evicted for {name}, did not release its weights (state "
                 f"{rec.state.value}): the KV cache of {name} is not mapped",
                 model=name,
                 phase="wait_room",
             )
+
+    def _room_freed(self, rec: ModelRecord) -> bool:
+        """SUSPENDED with its weights among the pools asleep (a reconciliation after a
+        failed step may find only the KV cache asleep), or its process gone."""
+        return self.coord.engine_gone(rec) or (
+            rec.state is State.SUSPENDED
+            and (rec.facts.asleep is None or "weights" in rec.facts.asleep)
+        )
+
+    def _sleep_ended(self, _: asyncio.Task[Outcome]) -> None:
+        """The victim's state as its sleep ends, taken before the device's lock goes (no
+        plan has woken it since): its room is the target's from then on (docs/contracts.md,
+        wait_room)."""
+        self.freed = self._room_freed(self.victim.record)
 
     async def release(self, lock: contextlib.AsyncExitStack) -> None:
         """The lock goes once the victim's sleep has ended (its error known) and the target

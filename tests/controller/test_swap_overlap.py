@@ -510,3 +510,45 @@ def test_the_victims_of_one_plan_sleep_side_by_side() -> None:
             assert w.sample("hotswap_evictions_total", model="b", reason="lru") == 1
 
     run(body)
+
+
+def test_a_victim_woken_again_by_its_own_plan_does_not_stall_the_wake_it_made_room_for() -> None:
+    """a is evicted for b (overlapped, b's KV cache waits for a's weights to leave) while a
+    request for a arrives: a's own wake is planned as soon as the device's lock goes (a
+    asleep, b RESUMING and counted whole), evicts c and wakes a. b's wait_room, counting on
+    a's weights, starts after that (its weights come in slowly): a released them when its
+    sleep ended, so b maps its KV cache at once (the H200 density run: m04 waited the whole
+    RPC timeout for m08, woken again by its own plan, and every plan of the device with it)."""
+
+    async def body() -> None:
+        swap = {"budget_bytes": 15_500, "overlap": "always", "max_awake": None}
+        ctx, holder = logged_world(names=("a", "b", "c"), swap=swap, rpc_s=3.0)
+        async with ctx as w:
+            log = holder["router"]
+            res = await w.coordinator.wake(w.manager.get("c"))
+            assert res.plan is not None
+            assert res.plan.decision is Decision.WAKE, res.plan.reason
+            for _ in range(2):  # c is used more than a: b's plan evicts a
+                assert (await ask(w, "c")).status_code == 200
+            log.slow[("a", "hotswap_suspend[weights]")] = SLOW_OFFLOAD_S
+            log.slow[("b", "hotswap_resume[weights]")] = 1.0
+            t0 = time.monotonic()
+            to_b = asyncio.ensure_future(ask(w, "b"))
+            going = await w.manager.fleet["a"].wait_for(lambda r: r.state is State.SUSPENDING, 5.0)
+            assert going
+            to_a = asyncio.ensure_future(ask(w, "a"))  # held for a: its wake waits its turn
+            rb, ra = await to_b, await to_a
+            assert (rb.status_code, ra.status_code) == (200, 200), (rb.text, ra.text)
+            assert (rb.json()["model"], ra.json()["model"]) == ("b", "a")
+            assert time.monotonic() - t0 < 2.5  # not the RPC timeout
+            assert phases(w, "b")[:3] == ["resume_weights", "wait_room", "resume_and_verify"]
+            # b's KV cache came in after a's weights left, though a was awake again by then
+            assert log.at("a", "hotswap_suspend[weights]", "end") < log.at(
+                "b", "hotswap_wake", "start"
+            )
+            assert log.at("a", "hotswap_wake", "start") < log.at("b", "hotswap_wake", "start")
+            assert [w.state(n) for n in "abc"] == [State.RUNNING, State.RUNNING, State.SUSPENDED]
+            for n in "abc":
+                assert w.engines[n].wrong == []
+
+    run(body)
