@@ -404,9 +404,34 @@ class _Wake(Generic[M]):
             if not allow_evict:
                 why = f"does not fit without evicting {', '.join(names)}, and evict=false"
                 return self.plan(Decision.REFUSE, why, names)
+            later = self.after_wakes(names)
+            if later is not None:
+                return later
             why = f"over budget ({short}): " + (f"{took}, then " if took else "")
             return self.plan(Decision.EVICT, why + f"evicting the least used {lru}", names)
         return self.refuse(now, chosen, fresh, min_awake)
+
+    def after_wakes(self, names: Sequence[str]) -> WakePlan[M] | None:
+        """A refusal to be planned again (retry 1.0) when a victim is asked more often
+        than the target while a peer asked less often than that victim is RESUMING: once
+        awake it may go in its place (no thrash: the most used model is not evicted because
+        the others were all mid-wake)."""
+        waking = [p for p in self.peers if not p.pinned and p.state is State.RESUMING]
+        wanted = self.t.recent_uses
+        for n in names:
+            victim = self.by_name[n]
+            if victim.recent_uses <= wanted:
+                continue
+            less = [p for p in waking if p.recent_uses < victim.recent_uses]
+            if less:
+                why = (
+                    f"over budget ({self.over_text()}): not evicting {n} "
+                    f"({victim.recent_uses:.1f} recent requests, {self.t.name} "
+                    f"{wanted:.1f}) while {', '.join(p.name for p in less)}, asked less, "
+                    "still wake"
+                )
+                return self.plan(Decision.REFUSE, why, retry=1.0)
+        return None
 
     def spare(self, chosen: list[str]) -> list[str]:
         """The victims the wake needs: each one it fits without is spared, the last taken

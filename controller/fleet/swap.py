@@ -231,6 +231,14 @@ class SwapCoordinator(SwapView):
         the device's lock."""
         plan = await self._deep_plan(mm, evict)
         passes = plan.decision is Decision.REFUSE and plan.retry_after_s is not None
+        if passes:
+            fields = {"model": mm.name, "phase": "policy"}
+            log.info(
+                "%s: wake planned again once its peers settle: %s",
+                mm.name,
+                plan.reason,
+                extra=fields,
+            )
         if passes and await _settle(self, mm.record, waking=True):
             plan = await self._deep_plan(mm, evict)
         return plan

@@ -105,6 +105,45 @@ CASES = [
         evict=("c",),
     ),
     Case(
+        # b (asked often) is the only model awake; c, asked less, is still waking: a's
+        # plan waits for c rather than evict b (the coordinator plans it again once c is up)
+        "a victim asked more than the target waits for a less asked peer's wake",
+        "a",
+        (
+            v("a", mib=100, uses=2.0),
+            v("b", S.RUNNING, mib=100, used=10, uses=40.0),
+            v("c", S.RESUMING, mib=100, uses=1.0),
+        ),
+        Budget(250 * MIB),
+        Decision.REFUSE,
+        reason_has="not evicting b (40.0 recent requests, a 2.0) while c, asked less, still wake",
+        retry=1.0,
+    ),
+    Case(
+        "with no peer waking the victim asked more goes (nothing else to take)",
+        "a",
+        (
+            v("a", mib=100, uses=2.0),
+            v("b", S.RUNNING, mib=100, used=10, uses=40.0),
+            v("c", S.RESUMING, mib=100, uses=50.0),  # asked more than b: no better victim
+        ),
+        Budget(250 * MIB),
+        Decision.EVICT,
+        evict=("b",),
+    ),
+    Case(
+        "a victim asked less than the target goes though peers wake",
+        "a",
+        (
+            v("a", mib=100, uses=9.0),
+            v("b", S.RUNNING, mib=100, used=10, uses=4.0),
+            v("c", S.RESUMING, mib=100, uses=1.0),
+        ),
+        Budget(250 * MIB),
+        Decision.EVICT,
+        evict=("b",),
+    ),
+    Case(
         "nothing else evictable: refused, to be asked again",
         "a",
         (v("a", mib=100), v("b", S.RUNNING, mib=100, queued=1)),

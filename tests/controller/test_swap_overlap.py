@@ -525,11 +525,13 @@ def test_a_victim_woken_again_by_its_own_plan_does_not_stall_the_wake_it_made_ro
         ctx, holder = logged_world(names=("a", "b", "c"), swap=swap, rpc_s=3.0)
         async with ctx as w:
             log = holder["router"]
+            assert (await ask(w, "a")).status_code == 200
             res = await w.coordinator.wake(w.manager.get("c"))
             assert res.plan is not None
             assert res.plan.decision is Decision.WAKE, res.plan.reason
-            for _ in range(2):  # c is used more than a: b's plan evicts a
-                assert (await ask(w, "c")).status_code == 200
+            # c asked as often as a but later: b's plan evicts a; a's own plan, with its
+            # held request counted, evicts c (asked less than a by then)
+            assert (await ask(w, "c")).status_code == 200
             log.slow[("a", "hotswap_suspend[weights]")] = SLOW_OFFLOAD_S
             log.slow[("b", "hotswap_resume[weights]")] = 1.0
             t0 = time.monotonic()
@@ -550,5 +552,36 @@ def test_a_victim_woken_again_by_its_own_plan_does_not_stall_the_wake_it_made_ro
             assert [w.state(n) for n in "abc"] == [State.RUNNING, State.RUNNING, State.SUSPENDED]
             for n in "abc":
                 assert w.engines[n].wrong == []
+
+    run(body)
+
+
+def test_the_most_asked_model_is_not_evicted_while_a_less_asked_one_still_wakes() -> None:
+    """b (asked often) is the only model awake when a's wake is planned; c, asked less, is
+    still RESUMING. a's plan waits for c's wake and evicts c, not b (the H200 density run: a
+    1B model evicted m00, the most used model, while two 8B models were mid-wake)."""
+
+    async def body() -> None:
+        swap = {"budget_bytes": 13_000, "max_awake": None}
+        ctx, holder = logged_world(names=("b", "a", "c"), swap=swap)
+        async with ctx as w:
+            log = holder["router"]
+            for _ in range(3):
+                assert (await ask(w, "b")).status_code == 200
+            log.slow[("c", "hotswap_wake")] = 0.8  # c's verify
+            waking_c = asyncio.ensure_future(w.coordinator.wake(w.manager.get("c")))
+            up = await w.manager.fleet["c"].wait_for(lambda r: r.state is State.RESUMING, 5.0)
+            assert up
+            log.log.clear()
+            r = await ask(w, "a")
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == "a"
+            res = await waking_c
+            assert res.plan is not None
+            assert res.plan.decision is Decision.WAKE, res.plan.reason
+            assert [w.state(n) for n in "bac"] == [State.RUNNING, State.RUNNING, State.SUSPENDED]
+            assert not [c for c in log.calls("b") if "sleep" in c or "suspend" in c]
+            assert w.sample("hotswap_evictions_total", model="c", reason="lru") == 1
+            assert w.sample("hotswap_evictions_total", model="b", reason="lru") == 0
 
     run(body)
