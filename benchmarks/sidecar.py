@@ -517,6 +517,10 @@ SLEEP_RANK_KEYS = (
     "snap_baseline_s",
     "snap_check_reused",
     "snap_sync_s",
+    "kv_thread",
+    "kv_join_wait_s",
+    "prepare_under_copies_s",
+    "discard_s",
 )
 
 

@@ -93,6 +93,8 @@ class Driver:
         oom_wait_s: float = 0.0,
     ) -> None:
         self.lib = ctypes.CDLL("libcuda.so.1") if lib is None else lib  # releases the GIL
+        self.device = device
+        self._context: ctypes.c_void_p | None = None  # the primary context, once retained
         if rdma is None:
             rdma = self.attribute(_ATTR_RDMA_WITH_VMM, device)
         self.rdma = rdma
@@ -310,6 +312,31 @@ class Driver:
 
     def release(self, h: int) -> None:
         self._ok(self.lib.cuMemRelease(ctypes.c_uint64(h)), "cuMemRelease")
+
+    def bind_context(self) -> None:
+        """Make the device's primary context current on the calling thread where none is
+        (a thread of the worker's own, as vLLM's allocator does before its calls); it is
+        retained once per driver."""
+        current = ctypes.c_void_p()
+        self._ok(self.lib.cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
+        if current.value:
+            return
+        if self._context is None:
+            dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+            self._ok(self.lib.cuDeviceGet(ctypes.byref(dev), self.device), "cuDeviceGet")
+            err = self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+            self._ok(err, "cuDevicePrimaryCtxRetain")
+            self._context = ctx
+        self._ok(self.lib.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
+
+    def unmap_release(self, handle: tuple[int, int, int, int]) -> None:
+        """vLLM's `unmap_and_release` of one allocator record (cuMemUnmap, then cuMemRelease
+        of the handle its `p_memHandle` points to), each call dropping the GIL (vLLM's holds
+        it), from any thread (the context bound first)."""
+        _device, size, ptr, p_handle = (int(x) for x in handle)
+        self.bind_context()
+        self.unmap(ptr, size)
+        self.release(ctypes.c_uint64.from_address(p_handle).value)
 
     def create_and_map(self, handle: tuple[int, int, int, int], lent: Lent | None = None) -> None:
         """vLLM's `create_and_map` for one allocator record; the handle it makes goes where

@@ -67,8 +67,9 @@ class RealWeightsExtension(HotSwapExtension):
         `kvlate` the fused sleep's KV cache released after its prepare (the tuning's
         `kv_early` off, as before the KV cache first); `share70` / `share100` the fused
         sleep's first stage of copies at 70% of the weights' bytes / all of them (the
-        tuning's `sleep_stage_share`, 30% by default); `base` the code as it is: before/after on one
-        engine."""
+        tuning's `sleep_stage_share`, 30% by default); `kvthread` the KV records released
+        first on a thread of their own (the tuning's `kv_thread`, off by default); `base`
+        the code as it is: before/after on one engine."""
         import dataclasses
 
         if name not in VARIANTS:
@@ -76,11 +77,20 @@ class RealWeightsExtension(HotSwapExtension):
         fingerprint.Plan.baseline = VARIANTS[name]  # type: ignore[method-assign,assignment]
         st = self._hotswap_state()
         share = SHARES.get(name, Tuning().sleep_stage_share)
+        thread = Tuning().kv_thread or name == "kvthread"
         tuning = dataclasses.replace(
-            st.settings.tuning, kv_early=name != "kvlate", sleep_stage_share=share
+            st.settings.tuning,
+            kv_early=name != "kvlate",
+            sleep_stage_share=share,
+            kv_thread=thread,
         )
         st.use_settings(dataclasses.replace(st.settings, tuning=tuning))
-        return {"variant": name, "kv_early": tuning.kv_early, "sleep_stage_share": share}
+        return {
+            "variant": name,
+            "kv_early": tuning.kv_early,
+            "sleep_stage_share": share,
+            "kv_thread": thread,
+        }
 
 
 _BASELINE = fingerprint.Plan.baseline
@@ -104,5 +114,6 @@ VARIANTS = {
     "kvlate": _BASELINE,
     "share70": _BASELINE,
     "share100": _BASELINE,
+    "kvthread": _BASELINE,
 }
 SHARES = {"share70": 0.7, "share100": 1.0}  # the fused sleep's first stage, by variant

@@ -337,3 +337,70 @@ def test_export_gives_a_descriptor_of_the_records_handle() -> None:
     assert cuda.calls[-1] == ("export", slot.value, 1)  # as a POSIX file descriptor
     assert n == GRANULARITY
     os.close(fd)
+
+
+class _ContextCuda(FakeCuda):
+    """A fake driver whose current context is per thread, as the real one's."""
+
+    def __init__(self) -> None:
+        import threading
+
+        super().__init__(fabric=False)
+        self.current = threading.local()  # a new thread has none (its ident may be reused)
+        self.retained = 0
+
+    def cuCtxGetCurrent(self, out: Any) -> int:
+        out._obj.value = getattr(self.current, "ctx", None)
+        return 0
+
+    def cuDeviceGet(self, out: Any, ordinal: int) -> int:
+        out._obj.value = ordinal
+        return 0
+
+    def cuDevicePrimaryCtxRetain(self, out: Any, dev: Any) -> int:
+        self.retained += 1
+        out._obj.value = 0xC0 + dev.value
+        return 0
+
+    def cuCtxSetCurrent(self, ctx: Any) -> int:
+        self.calls.append(("set_current", ctx.value))
+        self.current.ctx = ctx.value
+        return 0
+
+
+def test_unmap_release_binds_the_context_on_another_thread_and_releases_the_records_handle() -> (
+    None
+):
+    """The KV release on a thread of its own (the tuning's kv_thread): the device's primary
+    context is made current there first (retained once per driver), then the record is
+    unmapped and the handle its slot holds released, as vLLM's unmap_and_release does."""
+    import threading
+
+    cuda = _ContextCuda()
+    drv = Driver(3, lib=cuda)
+    handles = [record(0x7000_0000 + i * GRANULARITY) for i in range(3)]
+    for handle, _slot in handles:
+        drv.create_and_map(handle)
+    errors: list[BaseException] = []
+
+    def run(mine: list[tuple[tuple[int, int, int, int], Any]]) -> None:
+        try:
+            for handle, _slot in mine:
+                drv.unmap_release(handle)
+        except BaseException as e:
+            errors.append(e)
+
+    for mine in (handles[:2], handles[2:]):  # two threads: the context retained once
+        t = threading.Thread(target=run, args=(mine,))
+        t.start()
+        t.join()
+    assert not errors
+    assert cuda.retained == 1
+    assert not cuda.mapped
+    assert not cuda.live
+    kinds = [c[0] for c in cuda.calls if c[0] in ("set_current", "unmap", "release")]
+    first, second = ["set_current", "unmap", "release", "unmap", "release"], kinds[5:]
+    assert kinds[:5] == first
+    assert second == ["set_current", "unmap", "release"]
+    assert ("set_current", 0xC3) in cuda.calls  # device 3's primary context
+    assert getattr(cuda.current, "ctx", None) is None  # this thread's was never touched

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from worker_ext.cudart import CudaRT
-from worker_ext.cudriver import Driver
+from worker_ext.cudriver import Driver, DriverError
 from worker_ext.settings import Tuning, WorkerSettings
 
 RELEASED, MAPPED = 0xEE, 0xDD  # what a released record, then a fresh mapping, holds
@@ -447,6 +449,115 @@ def test_kv_records_named_early_go_before_the_prepare_and_come_back_if_it_fails(
         assert alloc.read(p) == before[p]
 
 
+def _threaded_release(
+    monkeypatch: pytest.MonkeyPatch, wait_for: threading.Event, fail: bool = False
+) -> list[tuple[int, bool]]:
+    """Driver.unmap_release faked: each call waits (bounded) for `wait_for`, then scribbles
+    the record (or raises, with `fail`); (thread, whether it was set) per call."""
+    calls: list[tuple[int, bool]] = []
+
+    def unmap_release(_s: Driver, handle: Any) -> None:
+        calls.append((threading.get_ident(), wait_for.wait(5.0)))
+        if fail:
+            raise DriverError("cuMemUnmap: CUresult 1")
+        _scribble(handle, RELEASED)
+
+    monkeypatch.setattr(Driver, "unmap_release", unmap_release)
+    monkeypatch.setattr(Driver, "bind_context", lambda _s: None)
+    return calls
+
+
+def test_kv_records_released_first_on_a_thread_of_their_own_run_beside_the_prepare(
+    alloc: _Allocator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tuning's kv_thread: the KV records named early are released on another thread
+    through the driver (no GIL held), while the prepare runs: the release waits for the
+    prepare to start and the prepare sees the record go; the suspend waits for the thread
+    before anything else is released, and the weights come back."""
+    before = _model(alloc)
+    kv = _tags(alloc, "kv_cache")
+    started = threading.Event()
+    calls = _threaded_release(monkeypatch, started)
+    b = _backend(alloc, kv_thread=True)
+    seen: list[bool] = []
+
+    def prepare(go_on: Callable[[], None]) -> list[tuple[int, int]]:
+        started.set()
+        for _ in range(500):  # bounded: the thread releases the record meanwhile
+            if alloc.pointer_to_data[kv[0]].is_asleep:
+                break
+            time.sleep(0.01)
+        seen.append(alloc.pointer_to_data[kv[0]].is_asleep)
+        seen.append(alloc.pointer_to_data[kv[1]].is_asleep)  # not named early: after
+        go_on()
+        return []
+
+    r = b.suspend(1, ["weights", "kv_cache"], during=prepare, early_kv=[kv[0]])
+    assert calls == [(calls[0][0], True)]  # one record, released once the prepare began
+    assert calls[0][0] != threading.get_ident()
+    assert seen == [True, False]
+    assert all(d.is_asleep for d in alloc.pointer_to_data.values())
+    n = alloc.pointer_to_data[kv[0]].handle[1]
+    assert alloc.read(kv[0]) == bytes([RELEASED]) * n
+    t = r["timings"]
+    assert (t["kv_thread"], t["kv_early_records"], t["kv_early_bytes"]) == (1.0, 1.0, n)
+    assert t["kv_join_wait_s"] >= 0
+    b.resume(["weights", "kv_cache"])
+    b.synchronize()
+    for p in _tags(alloc, "weights"):
+        assert alloc.read(p) == before[p]
+
+
+def test_a_failed_prepare_waits_for_the_kv_thread_then_maps_its_records_back(
+    alloc: _Allocator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prepare that fails while the thread releases: the thread is waited for, what it
+    released is mapped back (fresh memory), nothing else is released, the error raised."""
+    _model(alloc)
+    kv = _tags(alloc, "kv_cache")
+    started = threading.Event()
+    calls = _threaded_release(monkeypatch, started)
+    b = _backend(alloc, kv_thread=True)
+
+    def failing(go_on: Callable[[], None]) -> list[tuple[int, int]]:
+        started.set()
+        raise RuntimeError("the prepare failed")
+
+    with pytest.raises(RuntimeError, match="the prepare failed"):
+        b.suspend(1, ["weights", "kv_cache"], during=failing, early_kv=kv)
+    assert [ok for _t, ok in calls] == [True, True]
+    assert b.suspended() == {}
+    assert not any(d.is_asleep for d in alloc.pointer_to_data.values())
+    for p in kv:
+        assert alloc.read(p) == bytes([MAPPED]) * alloc.pointer_to_data[p].handle[1]
+
+
+def test_a_driver_error_on_the_kv_thread_fails_the_suspend_after_the_prepare(
+    alloc: _Allocator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The thread's driver error is raised on the suspend's thread once the prepare ended
+    (the rank is then failed), before any weights record is released."""
+    before = _model(alloc)
+    kv = _tags(alloc, "kv_cache")
+    started = threading.Event()
+    _threaded_release(monkeypatch, started, fail=True)
+    b = _backend(alloc, kv_thread=True)
+    ended: list[bool] = []
+
+    def prepare(go_on: Callable[[], None]) -> list[tuple[int, int]]:
+        started.set()
+        go_on()
+        ended.append(True)
+        return []
+
+    with pytest.raises(DriverError, match="cuMemUnmap"):
+        b.suspend(1, ["weights", "kv_cache"], during=prepare, early_kv=[kv[0]])
+    assert ended == [True]
+    for p in _tags(alloc, "weights"):
+        assert not alloc.pointer_to_data[p].is_asleep
+        assert alloc.read(p) == before[p]
+
+
 @pytest.mark.parametrize("share", [0.1, 1.0])
 def test_the_fused_sleeps_first_stage_is_the_tunings_share_of_the_weights(
     alloc: _Allocator, monkeypatch: pytest.MonkeyPatch, share: float
@@ -574,17 +685,23 @@ def test_the_poisoned_graph_pool_is_filled_at_every_wake(
         assert all(alloc.read(p) == b"\xff" * alloc.pointer_to_data[p].handle[1] for p in graphs)
 
 
+@pytest.mark.parametrize("kv_thread", [False, True])
 def test_kv_records_released_first_are_lent_to_a_rank_waking_on_the_device(
-    alloc: _Allocator, monkeypatch: pytest.MonkeyPatch
+    alloc: _Allocator, monkeypatch: pytest.MonkeyPatch, kv_thread: bool
 ) -> None:
     """kvlend through the backend: a rank waking on the same device (by UUID) listens from
     its first resume until its KV pool is mapped; the sleeping rank's KV records released
-    first are exported and lent to it; its KV records (only those) are mapped with what
-    was lent (the driver's side: test_cudriver)."""
+    first are exported and lent to it (from the KV thread too: the tuning's kv_thread); its
+    KV records (only those) are mapped with what was lent (the driver's side:
+    test_cudriver)."""
     import os
     import uuid
 
     from worker_ext.cumem import kvlend
+
+    go = threading.Event()
+    go.set()
+    _threaded_release(monkeypatch, go)  # used only with kv_thread
 
     dev = f"GPU-{uuid.uuid4()}"
     monkeypatch.setattr(
@@ -614,13 +731,14 @@ def test_kv_records_released_first_are_lent_to_a_rank_waking_on_the_device(
     waking = _backend(alloc)  # the same fake records stand in for its own
     waking._suspended = {"kv_cache": "discarded"}  # as if asleep: its KV pool discarded
     waking._lending.open()  # its first resume (the weights') opened it
-    sleeping = _backend(alloc)
+    sleeping = _backend(alloc, kv_thread=kv_thread)
 
     def prepare(go_on: Callable[[], None]) -> list[tuple[int, int]]:
         go_on()
         return []
 
     r = sleeping.suspend(1, ["weights", "kv_cache"], during=prepare, early_kv=kv)
+    assert r["timings"].get("kv_thread", 0.0) == float(kv_thread)
     assert sorted(exported) == sorted(alloc.pointer_to_data[p].handle[1] for p in kv)
     assert r["timings"]["kv_lent_records"] == len(kv)
     assert waking._lending.inbox is not None

@@ -12,7 +12,7 @@ import torch
 from worker_ext import cudart
 from worker_ext.devext import RealWeightsExtension
 from worker_ext.extension import _HotswapState
-from worker_ext.settings import WorkerSettings
+from worker_ext.settings import Tuning, WorkerSettings
 
 
 class _Backend:
@@ -114,6 +114,20 @@ def test_the_kvlate_variant_turns_the_kv_cache_first_off_and_base_back_on() -> N
         assert w.backend.settings.tuning.kv_early is True
     finally:
         w.hotswap_bench_variant("base")  # the fingerprint baseline as it was
+
+
+def test_the_kvthread_variant_turns_the_kv_release_thread_on_and_base_back_to_the_default() -> None:
+    w = Worker()
+    try:
+        out = w.hotswap_bench_variant("kvthread")
+        assert out["ok"], out
+        assert out["kv_thread"] is True
+        assert w.backend.settings.tuning.kv_thread is True
+        assert w.backend.settings.tuning.kv_early is True  # it needs the KV cache first
+        assert w.hotswap_bench_variant("base")["kv_thread"] is Tuning().kv_thread
+        assert w.backend.settings.tuning.kv_thread is Tuning().kv_thread
+    finally:
+        w.hotswap_bench_variant("base")
 
 
 def test_the_share_variants_set_the_fused_sleeps_first_stage_and_base_the_default() -> None:

@@ -17,7 +17,7 @@ from worker_ext.cumem.records import Records, ranges, size
 from worker_ext.cumem.resident import Residency
 from worker_ext.cumem.resume import Onload, vllm_side_effects
 from worker_ext.cumem.streams import CopyStreams
-from worker_ext.cumem.suspend import Offload, map_again, release_early
+from worker_ext.cumem.suspend import EarlyKv, Offload, map_again, release_early
 from worker_ext.cumem.tier import TierPart
 from worker_ext.pools import (
     ALL_TAGS,
@@ -304,18 +304,18 @@ class CuMemBackend:
         share = self.settings.tuning.sleep_stage_share if during is not None else 1.0
         copies = Offload(self._coded, self._streams, self._host_for, offload, timings, share)
         link = _LinkClock(self._torch, self._streams, t0, bool(offload))
+        early_kv = early_kv if during is not None else ()
+        # on a thread of its own (the tuning's kv_thread): started before the first copies
+        threaded = bool(early_kv) and self.settings.tuning.kv_thread
+        early = _early_on_thread(self, early_kv, recs, plan, timings, t0) if threaded else None
         overlapped = copies.queue_first()
         timings["at_queued_first_s"] = time.perf_counter() - t0
-        early = release_early(early_kv if during else (), recs, plan, self._lending, timings, t0)
+        if early is None:
+            early = EarlyKv(
+                lambda: release_early(early_kv, recs, plan, self._lending, timings, t0), False
+            )
         if during is not None:
-            t = time.perf_counter()
-            try:
-                rewritten = during(copies.go_on)
-            except BaseException:
-                copies.abandon()
-                map_again(early, self._mapper)  # a refusal here raises: the rank fails
-                raise
-            timings["prepare_under_copies_s"] = time.perf_counter() - t
+            rewritten = _prepare_under(during, copies, early, self._mapper, timings)
         timings["at_prepared_s"] = time.perf_counter() - t0
         copies.go_on()
         copies.check_reused_plan()
@@ -454,6 +454,58 @@ def _check_suspend(
     if stray:
         raise RuntimeError(f"{len(stray)} records already asleep (vLLM's own sleep?)")
     return tags
+
+
+def _early_on_thread(
+    b: CuMemBackend,
+    ptrs: Sequence[int],
+    recs: dict[str, list[tuple[int, Any]]],
+    plan: dict[str, str],
+    timings: dict[str, float],
+    t0: float,
+) -> EarlyKv:
+    """release_early on a thread of its own, each record released through the backend's
+    driver (every call drops the GIL; vLLM's release holds it), made on this thread."""
+    driver = b._mapper()
+    timings["kv_thread"] = 1.0
+
+    def release(data: Any) -> None:
+        driver.unmap_release(data.handle)
+        driver.forget(int(data.handle[2]))
+        data.is_asleep = True
+
+    def run() -> list[tuple[int, Any]]:
+        driver.bind_context()  # before the first export (kvlend) as before any release
+        return release_early(ptrs, recs, plan, b._lending, timings, t0, release)
+
+    return EarlyKv(run, threaded=True)
+
+
+def _prepare_under(
+    during: During,
+    copies: Offload,
+    early: EarlyKv,
+    mapper: Callable[[], Driver],
+    timings: dict[str, float],
+) -> Sequence[tuple[int, int]]:
+    """`during` (the prepare) under the queued copies, then the KV records released early
+    waited for. If it raises: every queued copy waited for, the records released early
+    mapped back (a refusal there raises: the rank fails) and its error raised again. An
+    error of the early release is raised once the copies were waited for (the rank fails)."""
+    t = time.perf_counter()
+    try:
+        rewritten = during(copies.go_on)
+    except BaseException:
+        copies.abandon()
+        map_again(early.join(timings), mapper)
+        raise
+    timings["prepare_under_copies_s"] = time.perf_counter() - t
+    try:
+        early.join(timings)
+    except BaseException:
+        copies.abandon()
+        raise
+    return rewritten
 
 
 def _free_host_at_level2(b: CuMemBackend, level: int, plan: dict[str, str]) -> None:

@@ -252,13 +252,13 @@ class Lending:
             timings["kv_lent_received"] = float(box.received)
             timings["kv_lent_unused"] = float(unused)
 
-    def lender(self) -> Lender:
+    def lender(self, release: Callable[[Any], None] | None = None) -> Lender:
         """The release of one KV record, lending it first where a waking rank of this
-        device listens (its descriptor exported, then the record released as usual); `send`
-        on the returned object hands the lent ones over."""
+        device listens (its descriptor exported, then the record released as usual, or by
+        `release`); `send` on the returned object hands the lent ones over."""
         name = self._name()
         sock = connect(name) if name else None
-        return Lender(sock, self._release, self._export, self._count)
+        return Lender(sock, release or self._release, self._export, self._count)
 
     def _count(self, n: int) -> None:
         self.lent_total += n

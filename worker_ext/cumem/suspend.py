@@ -5,6 +5,7 @@ record released as soon as its own copies are done."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -185,18 +186,20 @@ def release_early(
     lending: Lending,
     timings: dict[str, float],
     t0: float,
+    how: Callable[[Any], None] | None = None,
 ) -> list[tuple[int, Any]]:
     """The KV cache first (docs/contracts.md §1): release the KV records at `ptrs` (the
     extension names those holding nothing its prepare protects) where this suspend
     discards the KV pool, before the prepare, each lent to a rank waking on this device
-    where one listens (`lending`: kvlend); the records released, timed."""
+    where one listens (`lending`: kvlend), by `how` (None: the backend's release); the
+    records released, timed."""
     if not ptrs or plan.get(KV_CACHE) != DISCARDED:
         return []
     want = set(ptrs)
     early = [(p, d) for p, d in recs.get(KV_CACHE, []) if p in want and not d.is_asleep]
     if early:
         t = time.perf_counter()
-        release = lending.lender()
+        release = lending.lender(how)
         for _ptr, data in early:
             release(data)
         release.send(timings)
@@ -205,6 +208,41 @@ def release_early(
         timings["kv_early_bytes"] = float(sum(size(d) for _, d in early))
         timings["kv_early_records"] = float(len(early))
     return early
+
+
+class EarlyKv:
+    """release_early now, or on a thread of its own (`threaded`: the tuning's kv_thread),
+    whose driver calls drop the GIL, so the copies' queueing and the prepare's host work
+    run beside them; `join` waits for it and raises its error again (the rank is failed)."""
+
+    def __init__(self, run: Callable[[], list[tuple[int, Any]]], threaded: bool) -> None:
+        self._run = run
+        self._out: list[tuple[int, Any]] = []
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if threaded:
+            self._thread = threading.Thread(target=self._body, name="hotswap-kv-release")
+            self._thread.start()
+        else:
+            self._out = run()
+
+    def _body(self) -> None:
+        try:
+            self._out = self._run()
+        except BaseException as e:  # raised again by join, on the suspend's thread
+            self._error = e
+
+    def join(self, timings: dict[str, float]) -> list[tuple[int, Any]]:
+        """The records released early, once released (the time waited in `kv_join_wait_s`)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            t = time.perf_counter()
+            thread.join()
+            timings["kv_join_wait_s"] = time.perf_counter() - t
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return self._out
 
 
 def map_again(early: list[tuple[int, Any]], mapper: Callable[[], Driver]) -> None:
