@@ -397,6 +397,7 @@ class ModelManager:
             await self.reconciler.run("start-up", kind="start", fresh=fresh)
             pools = pools_from_info(self.record.snapshot.last_transition)
             self._learn_pools(pools, "hotswap_info pools")
+            _footprint_at_start(self.record, sum(pools.values()))
             return self.record.snapshot
 
     def mark_starting(self) -> None:
@@ -450,3 +451,15 @@ class ModelManager:
 
     async def info(self) -> list[dict[str, Any]]:
         return await self.passthrough.info()
+
+
+def _footprint_at_start(rec: ModelRecord, n: int) -> None:
+    """The awake footprint from the start probe's pools, where none is known yet (an
+    attached engine found asleep is counted at it, not as the largest model known, until
+    its first sleep through the sidecar measures what it frees)."""
+    held = rec.holdings
+    if n > 0 and held.footprint is None and held.learn_footprint(n):
+        fields = {"model": rec.name}
+        log.info(
+            "%s: awake footprint %d bytes (hotswap_info pools at start)", rec.name, n, extra=fields
+        )

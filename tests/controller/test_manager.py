@@ -132,6 +132,25 @@ async def test_start_probes_suspended_engine_and_keeps_its_level() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("asleep", [False, True])
+async def test_start_learns_the_awake_footprint_from_the_pools_its_ranks_list(asleep: bool) -> None:
+    """An attached engine found asleep (or awake) at start-up is counted at its pools'
+    bytes from then on, not as the largest model known until its first sleep through the
+    sidecar (the H200 density run: the 1B models found asleep were counted as 8B ones, 40
+    GiB, so its warm-up woke three models and the first swaps evicted for room not needed)."""
+    rig = make_rig()
+    if asleep:
+        rig.world.suspended = {"weights": "offloaded", "kv_cache": "discarded"}
+        rig.world.level = 1
+        rig.world.paused = True
+        rig.world.set_truth(phase="suspended", phase_level=1, phase_tags=["kv_cache", "weights"])
+    await rig.manager.start()
+    assert rig.m.snapshot().state is (State.SUSPENDED if asleep else State.RUNNING)
+    assert rig.manager.fleet["m"].holdings.footprint == 2 * (1000 + 500)  # over both ranks
+    await rig.manager.stop()
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize(
     ("paused", "truth", "state", "calls"),
     [
