@@ -26,6 +26,9 @@ from controller.state import State
 
 # States whose engine holds its awake footprint (SUSPENDING until its suspend has finished).
 HOLDING = frozenset({State.RUNNING, State.RESUMING, State.SUSPENDING, State.STARTING})
+# A victim asked this many times as often as the target (its recent requests, the
+# target's counted as at least one) waits for a less asked peer's wake (`after_wakes`).
+MORE_ASKED = 2.0
 # States that say nothing of the engine's memory: counted at the footprint while it may live.
 UNSURE = frozenset({State.FAILED, State.UNKNOWN})
 
@@ -412,15 +415,15 @@ class _Wake(Generic[M]):
         return self.refuse(now, chosen, fresh, min_awake)
 
     def after_wakes(self, names: Sequence[str]) -> WakePlan[M] | None:
-        """A refusal to be planned again (retry 1.0) when a victim is asked more often
-        than the target while a peer asked less often than that victim is RESUMING: once
-        awake it may go in its place (no thrash: the most used model is not evicted because
-        the others were all mid-wake)."""
+        """A refusal to be planned again (retry 1.0) when a victim is asked `MORE_ASKED`
+        times as often as the target (counted as one request at least) or more, while a peer
+        asked less often than that victim is RESUMING: once awake it may go in its place (no
+        thrash: the most used model is not evicted because the others were all mid-wake)."""
         waking = [p for p in self.peers if not p.pinned and p.state is State.RESUMING]
         wanted = self.t.recent_uses
         for n in names:
             victim = self.by_name[n]
-            if victim.recent_uses <= wanted:
+            if victim.recent_uses < MORE_ASKED * max(wanted, 1.0):
                 continue
             less = [p for p in waking if p.recent_uses < victim.recent_uses]
             if less:

@@ -132,6 +132,30 @@ CASES = [
         evict=("b",),
     ),
     Case(
+        "a victim asked more than the target, but not twice as often, goes though peers wake",
+        "a",
+        (
+            v("a", mib=100, uses=3.0),
+            v("b", S.RUNNING, mib=100, used=10, uses=5.0),
+            v("c", S.RESUMING, mib=100, uses=1.0),
+        ),
+        Budget(250 * MIB),
+        Decision.EVICT,
+        evict=("b",),
+    ),
+    Case(
+        "a target never asked counts as one request",
+        "a",
+        (
+            v("a", mib=100),
+            v("b", S.RUNNING, mib=100, used=10, uses=1.5),
+            v("c", S.RESUMING, mib=100, uses=0.0),
+        ),
+        Budget(250 * MIB),
+        Decision.EVICT,
+        evict=("b",),
+    ),
+    Case(
         "a victim asked less than the target goes though peers wake",
         "a",
         (
