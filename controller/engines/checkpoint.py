@@ -56,6 +56,19 @@ class CkptResult:
             return None
         return sum(int(b or 0) for b in held)
 
+    def by_pid(self) -> dict[str, Any]:
+        """A phase's detail from the answer: `driver_by_pid` {PID: {call: seconds}} (the
+        driver's calls on each process) and `left_running` (the processes the driver knows
+        that hold no CUDA context: not locked, not checkpointed); each only when not empty."""
+        out: dict[str, Any] = {}
+        took = {str(p): dict(v["s"]) for p, v in self.pids.items() if v.get("s")}
+        if took:
+            out["driver_by_pid"] = took
+        idle = [p for p, v in self.pids.items() if v.get("context") is False]
+        if idle:
+            out["left_running"] = idle
+        return out
+
     @property
     def incapable(self) -> bool:
         return not self.ok and self.code in INCAPABLE

@@ -8,15 +8,19 @@ Standard library and ctypes only, like the keeper (`reaper`): it runs inside the
 from stdin (`OP LOCK_TIMEOUT_MS PID...`); EOF instead ends it quietly (the sidecar's spare).
 
 OPs: `probe`/`state` (which PIDs hold a CUDA context, their state, and the device bytes each
-holds as NVML counts them), `checkpoint` (lock every PID that holds a context, then checkpoint
-each: every one or none), `restore` (restore each checkpointed PID, then unlock each). It prints
-one JSON object: `ok`, `error` and `code` when not ok, `pids` ({PID: {cuda, state, bytes,
-error}}; `bytes` None after a restore, whose wake does not wait for NVML), `elapsed_s` (the
+holds as NVML counts them; a process the driver knows but NVML lists with no memory beside
+one that holds some is `context` false: it ran cuInit and made no context), `checkpoint`
+(lock every PID that holds a context, then checkpoint each: every one or none), `restore`
+(restore each checkpointed PID, then unlock each). It prints one JSON object: `ok`, `error`
+and `code` when not ok, `pids` ({PID: {cuda, state, bytes, context?, s?, error?}}; `bytes`
+None after a restore, whose wake does not wait for NVML; `s` the seconds of each driver call
+made on it: lock, checkpoint, restore, unlock), `elapsed_s` (the
 driver calls' own time), `init_s` (libcuda's load and cuInit), `probe_s` (the states and
 bytes read after the calls). Exit 0 when ok, 1 when not, 2 on usage.
 
 `HOTSWAP_CUDACKPT_FAKE=DIR` replaces the driver with `FakeDriver`, a file-backed stand-in for
-CPU tests: `DIR/cuda` lists the PIDs that hold a context ("PID [BYTES]" a line), `DIR/fail`
+CPU tests: `DIR/cuda` lists the PIDs the driver knows ("PID [BYTES]" a line; BYTES 0: it ran
+cuInit and holds no context, NVML lists no memory for it), `DIR/fail`
 names an OP to fail ("lock", "checkpoint", "restore", "unlock", or "OP PID" for one PID),
 `DIR/noapi` and `DIR/nodriver` make the driver lack the API or be absent; the states live in
 `DIR/state.json` across calls, as the real driver keeps them across helper processes.
@@ -217,8 +221,12 @@ Driver = CudaDriver | FakeDriver
 
 
 def probe(drv: Driver, pids: list[int], with_bytes: bool = True) -> dict[int, dict[str, Any]]:
-    """Per PID: whether it holds a CUDA context (GetState answers), its state, its bytes
-    (None unless `with_bytes`: NVML's start and stop cost time a wake waits for)."""
+    """Per PID: whether it holds a CUDA context (`cuda`), its state, its bytes (None unless
+    `with_bytes`: NVML's start and stop cost time a wake waits for). The driver answers
+    GetState for any process that ran cuInit; with the bytes, a running one that NVML lists
+    with no device memory while another of `pids` holds some or is checkpointed or locked
+    holds no context (vLLM's API server: cuInit, no context): `cuda` false, `context` false,
+    and no call touches it."""
     held = drv.device_bytes() if with_bytes else None
     out: dict[int, dict[str, Any]] = {}
     for pid in pids:
@@ -227,7 +235,22 @@ def probe(drv: Driver, pids: list[int], with_bytes: bool = True) -> dict[int, di
         except DriverError as exc:
             out[pid] = {"cuda": False, "state": None, "error": str(exc)}
         out[pid]["bytes"] = None if held is None else held.get(pid, 0)
+    if held is None:
+        return out
+    holds = [p for p, v in out.items() if v["bytes"] or v["state"] in ("checkpointed", "locked")]
+    for pid, v in out.items():
+        if holds and pid not in holds and v["state"] == "running":
+            v.update(cuda=False, context=False)
     return out
+
+
+def _timed(took: dict[int, dict[str, float]], pid: int, step: str, fn: Callable[[], None]) -> None:
+    """`fn()`, its seconds kept in `took[pid][step]` (kept when it raises too)."""
+    t0 = time.monotonic()
+    try:
+        fn()
+    finally:
+        took.setdefault(pid, {})[step] = time.monotonic() - t0
 
 
 def _undo(steps: list[Callable[[], None]]) -> list[str]:
@@ -241,17 +264,21 @@ def _undo(steps: list[Callable[[], None]]) -> list[str]:
     return errors
 
 
-def checkpoint(drv: Driver, pids: list[int], timeout_ms: int) -> None:
+def checkpoint(
+    drv: Driver, pids: list[int], timeout_ms: int, took: dict[int, dict[str, float]] | None = None
+) -> None:
     """Lock every PID, then checkpoint each; on any failure undo what was done (every PID or
-    none). A failed rollback raises with code "rollback"."""
+    none). A failed rollback raises with code "rollback". `took`: each call's seconds per
+    PID."""
+    took = {} if took is None else took
     undo: list[Callable[[], None]] = []
     try:
         for pid in pids:
-            drv.lock(pid, timeout_ms)
+            _timed(took, pid, "lock", functools.partial(drv.lock, pid, timeout_ms))
             undo.append(functools.partial(drv.unlock, pid))
         for pid in pids:
             try:
-                drv.checkpoint(pid)
+                _timed(took, pid, "checkpoint", functools.partial(drv.checkpoint, pid))
             except DriverError:
                 if drv.state(pid) == "checkpointed":  # it went through after all
                     undo.append(functools.partial(drv.restore, pid))
@@ -264,14 +291,16 @@ def checkpoint(drv: Driver, pids: list[int], timeout_ms: int) -> None:
         raise
 
 
-def restore(drv: Driver, pids: list[int]) -> None:
-    """Restore every checkpointed PID, then unlock every locked one."""
+def restore(drv: Driver, pids: list[int], took: dict[int, dict[str, float]] | None = None) -> None:
+    """Restore every checkpointed PID, then unlock every locked one. `took`: each call's
+    seconds per PID."""
+    took = {} if took is None else took
     for pid in pids:
         if drv.state(pid) == "checkpointed":
-            drv.restore(pid)
+            _timed(took, pid, "restore", functools.partial(drv.restore, pid))
     for pid in pids:
         if drv.state(pid) == "locked":
-            drv.unlock(pid)
+            _timed(took, pid, "unlock", functools.partial(drv.unlock, pid))
 
 
 def load() -> Driver:
@@ -289,6 +318,7 @@ def run(
     """`op` on `pids`; `loaded`: the driver (or its loading's error) made ahead of the call
     (`--warm`), else it is made now."""
     t0 = time.monotonic()
+    took: dict[int, dict[str, float]] = {}
     try:
         if isinstance(loaded, DriverError):
             raise loaded
@@ -296,18 +326,21 @@ def run(
         init_s = time.monotonic() - t0 if init_s is None else init_s
         t0 = time.monotonic()
         if op in ("checkpoint", "restore"):
-            found = probe(drv, pids, with_bytes=False)
+            # a checkpoint reads NVML first: a process with no context is left as it is
+            found = probe(drv, pids, with_bytes=op == "checkpoint")
             cuda = [p for p in pids if found[p]["cuda"]]
             if not cuda:
                 raise DriverError("no-cuda", "no process of the engine holds a CUDA context")
             if op == "checkpoint":
-                checkpoint(drv, cuda, timeout_ms)
+                checkpoint(drv, cuda, timeout_ms, took)
             else:
-                restore(drv, cuda)
+                restore(drv, cuda, took)
         elapsed = time.monotonic() - t0
         t0 = time.monotonic()
         # after a restore the bytes are not asked for (the wake waits on this answer)
         found = probe(drv, pids, with_bytes=op != "restore")
+        for pid, steps in took.items():
+            found[pid]["s"] = steps
         return {
             "ok": True,
             "pids": found,

@@ -194,7 +194,12 @@ class DeepSleep:
             if not res.ok:
                 cls = NotDeep if res.code in ROLLED_BACK else EngineError
                 raise cls(f"{res.code}: {res.error}")
-            return {"pids": list(pids), "driver_s": res.elapsed_s, "device_bytes": res.device_bytes}
+            return {
+                "pids": list(pids),
+                "driver_s": res.elapsed_s,
+                "device_bytes": res.device_bytes,
+                **res.by_pid(),
+            }
 
         step = EngineStep("checkpoint", "cuCheckpointProcessCheckpoint", call)
         try:
@@ -224,7 +229,7 @@ class DeepSleep:
                 self.record.facts.desync()  # no RPC to it again: restart
                 raise EngineError(f"restore failed, the engine is restarted: {res.error}")
             r.record.update(deep=False)
-            return {"pids": list(pids), "driver_s": res.elapsed_s}
+            return {"pids": list(pids), "driver_s": res.elapsed_s, **res.by_pid()}
 
         return EngineStep("restore", "cuCheckpointProcessRestore", call)
 

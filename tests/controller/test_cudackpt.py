@@ -37,6 +37,38 @@ def test_probe_tells_cuda_processes_and_their_bytes(fake: Path) -> None:
     assert out["pids"][101] == {"cuda": True, "state": "running", "bytes": 1000}
 
 
+def test_a_process_without_a_context_is_left_running(fake: Path) -> None:
+    """vLLM's API server runs cuInit (the driver answers for it) and makes no context (NVML
+    lists no memory for it): no driver call touches it, the rank's process alone is
+    checkpointed and restored, and each call on it is timed."""
+    (fake / "cuda").write_text("101 1000\n102 0\n")
+    out = call("probe", 101, 102)
+    assert out["pids"][102] == {"cuda": False, "state": "running", "bytes": 0, "context": False}
+    assert out["pids"][101]["cuda"] is True
+    out = call("checkpoint", 101, 102)
+    assert out["ok"], out
+    assert states(fake) == {"101": "checkpointed"}  # 102 never locked
+    assert out["pids"][101]["s"].keys() == {"lock", "checkpoint"}
+    assert "s" not in out["pids"][102]
+    assert out["pids"][102]["context"] is False  # beside a checkpointed process too
+    out = call("state", 101, 102)
+    assert [p for p, v in out["pids"].items() if v["cuda"]] == [101]
+    out = call("restore", 101, 102)
+    assert out["ok"], out
+    assert states(fake) == {"101": "running"}
+    assert out["pids"][101]["s"].keys() == {"restore", "unlock"}
+
+
+def test_where_nvml_lists_none_of_them_every_process_the_driver_knows_counts(
+    fake: Path,
+) -> None:
+    """NVML blind to these PIDs (another PID namespace): nothing is left out."""
+    (fake / "cuda").write_text("101 0\n102 0\n")
+    out = call("checkpoint", 101, 102)
+    assert out["ok"], out
+    assert states(fake) == {"101": "checkpointed", "102": "checkpointed"}
+
+
 def test_checkpoint_then_restore_every_process(fake: Path) -> None:
     out = call("checkpoint", 100, 101, 102)
     assert out["ok"], out
@@ -96,6 +128,8 @@ def test_checkpointer_runs_the_helper_as_a_process(fake: Path) -> None:
     async def go() -> None:
         res = await ck.call("checkpoint", (100, 101))
         assert res.ok
+        assert res.by_pid()["driver_by_pid"]["101"].keys() == {"lock", "checkpoint"}
+        assert "left_running" not in res.by_pid()
         assert res.cuda_pids == (101,)
         assert res.states == {"checkpointed"}
         assert res.device_bytes == 0
@@ -121,12 +155,14 @@ def test_a_restore_does_not_wait_for_nvml(fake: Path, monkeypatch: pytest.Monkey
     monkeypatch.setattr(cudackpt.FakeDriver, "device_bytes", counted)
     out = call("checkpoint", 100, 101, 102)
     assert out["ok"]
-    assert asked == ["nvml"]
+    assert asked == ["nvml", "nvml"]  # which processes hold a context, then what they hold
     assert out["pids"][101]["bytes"] == 0
     asked.clear()
     out = call("restore", 100, 101, 102)
     assert out["ok"]
     assert asked == []
+    assert out["pids"][101]["s"].keys() == {"restore", "unlock"}
+    del out["pids"][101]["s"]
     assert out["pids"][101] == {"cuda": True, "state": "running", "bytes": None}
     assert set(out) >= {"elapsed_s", "init_s", "probe_s"}
 

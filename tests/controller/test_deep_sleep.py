@@ -203,6 +203,38 @@ async def test_a_restarted_sidecar_finds_a_checkpointed_engine(driver: Path) -> 
         assert driver_states(driver) == {"running"}
 
 
+@pytest.fixture
+def same_group() -> Iterator[subprocess.Popen[bytes]]:
+    """A process in this test's process group: one more process of the engine."""
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc
+    proc.kill()
+    proc.wait(5)
+
+
+async def test_a_process_without_a_context_is_left_running(
+    driver: Path, same_group: subprocess.Popen[bytes]
+) -> None:
+    """A process of the engine the driver knows (it ran cuInit) with no device memory in
+    NVML, as vLLM's API server: the deep sleep and its wake leave it alone (each call on
+    the rank's process timed), and a restarted sidecar still finds the engine deep."""
+    (driver / "cuda").write_text(f"{os.getpid()} 123456\n{same_group.pid} 0\n")
+    async with deep_sidecar(FakeVllm(name="a")) as (client, _):
+        r = await client.post("/models/a/sleep", json={"deep": True})
+        assert r.status_code == 200, r.text
+        ckpt = r.json()["transition"]["phases"][-1]["detail"]
+        assert ckpt["pids"] == [os.getpid()]  # the probe left the other one out
+        assert ckpt["driver_by_pid"][str(os.getpid())].keys() == {"lock", "checkpoint"}
+        assert json.loads((driver / "state.json").read_text()) == {str(os.getpid()): "checkpointed"}
+    async with deep_sidecar(FakeVllm(name="a").asleep(level=1)) as (client, _):
+        snap = (await client.get("/models/a")).json()
+        assert (snap["state"], snap["deep"]) == ("SUSPENDED", True)  # not "mixed"
+        r = await client.post("/models/a/wake")
+        assert r.status_code == 200, r.text
+        assert r.json()["state"] == "RUNNING"
+        assert driver_states(driver) == {"running"}
+
+
 async def test_mixed_driver_states_are_failed(driver: Path) -> None:
     (driver / "cuda").write_text(f"{os.getpid()}\n{os.getppid()}\n")
     ppid_in_group = os.getpgid(os.getppid()) == os.getpgid(0)
