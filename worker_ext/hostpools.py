@@ -188,6 +188,9 @@ class HostBackend:
         """No device: a CPU engine leaves nothing on one (its RSS is in hotswap_info)."""
         return {"bytes": 0, "source": "none"}
 
+    def release_cached(self) -> float:
+        return 0.0  # no device allocator
+
     def host_backup_bytes(self) -> int:
         return 0  # level 1 keeps the weights in place: no copy is ever kept beside them
 

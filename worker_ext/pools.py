@@ -108,6 +108,11 @@ class PoolBackend(Protocol):
         """What this process holds on its device now (hotswap_info's `resident`)."""
         ...
 
+    def release_cached(self) -> float:
+        """At a suspend's end, once its own scratch is freed: the device allocator's cached
+        free blocks back to the driver; the seconds it took (0.0 where there is none)."""
+        ...
+
     def host_backup_bytes(self) -> int:
         """Host RAM kept now for the pools' copies (CUDA: the pinned buffers kept for the
         next sleep); 0 where none is kept."""

@@ -69,6 +69,9 @@ class InPlacePools:
     def resident(self) -> dict[str, Any]:
         return {"bytes": 0, "source": "none"}
 
+    def release_cached(self) -> float:
+        return 0.0
+
     def host_backup_bytes(self) -> int:
         return sum(int(t.numel()) for t in self.host.values())
 

@@ -27,6 +27,7 @@ class OverlappingPools(InPlacePools):
         super().__init__(base.buf, base.records())
         self.settings = base.settings
         self.log: list[str] = []
+        self.cache_released: list[list[str]] = []
         self.release_fails = False
 
     def suspend(
@@ -77,6 +78,10 @@ class OverlappingPools(InPlacePools):
             self._asleep[tag] = how[tag]
         self._level = level
         return {"freed_bytes": freed, "offloaded_bytes": offloaded, "overlapped": bool(queued)}
+
+    def release_cached(self) -> float:
+        self.cache_released.append(list(self.log))  # what was released before it
+        return 0.002
 
     def _view(self, tag: str) -> torch.Tensor:
         mine = [(s, e) for s, e, t in self._records if t == tag]  # a pool of several records
@@ -378,6 +383,27 @@ def test_the_host_is_trimmed_once_everything_is_released(monkeypatch: pytest.Mon
     assert seen[0][-1] == "release kv_cache"
     assert out["host_trim"] == {"pinned_cache": None, "malloc_trim": True, "s": 0.001}
     assert out["timings"]["host_trim_s"] == 0.001
+
+
+def test_the_device_cache_is_released_again_once_the_suspend_has_returned() -> None:
+    """What the suspend's own scratch freed after its trim (the codec's encode buffers: two
+    whole free 66 MiB segments on the H200's 8B sleeper) is handed back at the RPC's end,
+    after the last release, so neither a level-1 sleeper nor a deep sleep's checkpoint
+    keeps it; both sleep RPCs."""
+    w = FusedWorker()
+    out = w.hotswap_sleep(1)
+    assert out["ok"], out
+    assert w.pools.cache_released == [w.pools.log]  # once, after the last release
+    assert w.pools.log[-1] == "release kv_cache"
+    assert out["timings"]["cache_release_s"] == 0.002
+    assert w.hotswap_wake()["ok"]
+    w.pools.log.clear()
+    w.pools.cache_released.clear()
+    assert w.hotswap_prepare(1)["ok"]
+    out = w.hotswap_suspend(1)
+    assert out["ok"], out
+    assert w.pools.cache_released == [w.pools.log]
+    assert out["timings"]["cache_release_s"] == 0.002
 
 
 def test_the_kv_records_that_hold_only_the_kv_cache_go_before_the_prepare() -> None:

@@ -73,6 +73,14 @@ def test_trim_empties_the_cache_and_leaves_the_blas_workspaces() -> None:
     assert torch.calls == ["empty_cache"]  # a graph may replay into a stream's workspace
 
 
+def test_release_cached_empties_the_cache_and_leaves_the_stack() -> None:
+    torch = FakeTorch()
+    limits = FakeLimits(stack=1024)
+    assert residency(torch, limits).release_cached() >= 0
+    assert torch.calls == ["empty_cache"]
+    assert limits.sets == []
+
+
 def test_the_stack_shrinks_asleep_and_comes_back_at_the_wake() -> None:
     limits = FakeLimits(stack=3072)  # grown by a kernel that needed it
     r = residency(FakeTorch(), limits)

@@ -126,8 +126,8 @@ class CuMemBackend:
     def resident(self) -> dict[str, Any]:
         return self._residency.resident(self._lending.lent_total)
 
-    def trim(self) -> float:
-        return self._residency.trim()
+    def release_cached(self) -> float:
+        return self._residency.release_cached()
 
     def refresh(self) -> None:
         """Nothing to re-read: the allocator's records are read at every call."""
@@ -341,7 +341,7 @@ class CuMemBackend:
         self._suspended.update(plan)
         self._level = level
         _free_host_at_level2(self, level, plan)
-        timings["trim_s"] = self.trim()  # with the stack's shrink (resident.stack)
+        timings["trim_s"] = self._residency.trim()  # with the stack's shrink (resident.stack)
         freed = {t: sum(size(d) for _, d in recs[t]) for t in tags}
         return {
             "freed_bytes": {**freed, GRAPHS: graphs} if graphs else freed,

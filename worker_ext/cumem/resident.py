@@ -173,6 +173,16 @@ class Residency:
         self.shrink_stack()
         return time.perf_counter() - t
 
+    def release_cached(self) -> float:
+        """torch's cached free blocks back to the driver again at the end of a suspend's
+        RPC: the suspend's `trim` runs while its own scratch (the codec's encode buffers,
+        the prepare's) is still held, and what that scratch frees after it stays cached
+        (whole free segments a sleeper would keep and a checkpoint copy); no gc, no stack
+        change. Returns the seconds it took."""
+        t = time.perf_counter()
+        self._torch.cuda.empty_cache()
+        return time.perf_counter() - t
+
     def shrink_stack(self) -> dict[str, Any]:
         """Asleep: the context's per-thread stack down to ASLEEP_STACK_BYTES, so its
         local-memory reserve (the stack times every thread the device holds: hundreds of

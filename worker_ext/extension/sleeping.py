@@ -320,10 +320,16 @@ class SleepRPCs(ExtensionBase):
     ) -> dict[str, Any]:
         """A suspend's answer (hotswap_suspend's keys; hotswap_sleep's suspend part)."""
         st = self._hotswap_state()
+        # what the suspend's own scratch freed after its trim: not kept while it sleeps
+        cache_s = st.backend.release_cached()
         host_trim = trim.release_host_memory()  # asleep: what the host need not keep
         after = st.backend.memory()
         resident = st.backend.resident()
-        timings = {**res.get("timings", {}), "host_trim_s": host_trim["s"]}
+        timings = {
+            **res.get("timings", {}),
+            "cache_release_s": cache_s,
+            "host_trim_s": host_trim["s"],
+        }
         return {
             "level": level,
             "tags": chosen,
