@@ -109,8 +109,9 @@ class SwapView:
             devices=rec.settings.placement,
             process_gone=self.engine_gone(rec),
             # What it leaves on its devices asleep: the last suspend's report (kept awake:
-            # an eviction counts what the model will leave behind).
-            asleep_bytes=rec.leftover_bytes,
+            # an eviction counts what the model will leave behind); a deep model waking,
+            # what its restore brings back.
+            asleep_bytes=_leftover(rec),
             wake_scratch_bytes=held.wake_scratch,
             host_bytes=held.host_bytes,
             host_weights_bytes=held.host_weights or held.pools.get("weights"),
@@ -153,3 +154,12 @@ class SwapView:
     def device_lock(self, rec: ModelRecord) -> contextlib.AbstractAsyncContextManager[None]:
         """The locks every wake plan of the model's devices runs under (boots take them too)."""
         return self._device_locks(rec)
+
+
+def _leftover(rec: ModelRecord) -> int:
+    """What the policy counts for the model's engine besides its pools: the record's
+    figure, but for a deep model whose wake has begun (RESUMING, its restore running), what
+    that restore brings back (NVML's figure after the checkpoint is what it held asleep)."""
+    if rec.state is State.RESUMING and rec.snapshot.deep:
+        return max(rec.leftover_bytes, rec.holdings.asleep_bytes)
+    return rec.leftover_bytes

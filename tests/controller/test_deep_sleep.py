@@ -26,6 +26,7 @@ from support.wait import until
 from controller.config.modelsettings import ModelSettings
 from controller.config.settings import Settings, TimeoutSettings
 from controller.sidecar import Sidecar
+from controller.state import State
 
 pytestmark = pytest.mark.anyio
 
@@ -520,3 +521,39 @@ async def test_the_wake_begins_once_its_victims_sleep_while_its_restore_ahead_en
         assert r.status_code >= 400
         assert b.state.value == "FAILED"
         assert ops.count("restore") == 1
+
+
+async def test_a_deep_model_waking_is_counted_at_what_its_restore_brings_back(
+    driver: Path,
+) -> None:
+    """While b's deep wake restores it (RESUMING; the device's lock has gone), every other
+    plan counts b's engine at what it left beside its pools before its checkpoint, which the
+    restore brings back, not NVML's 0 after the checkpoint."""
+    sc, _ = fleet_of("ab", budget_bytes=60_000)
+    for n in "ab":
+        sc.fleet[n].process.engine = GroupOf(os.getpgid(0))  # type: ignore[assignment]
+    async with asgi.client(sc.app, "http://s") as client:
+        await sc.started.wait()
+        r = await client.post("/models/b/sleep", json={"deep": True})
+        assert r.status_code == 200, r.text
+        b = sc.fleet["b"]
+        assert b.snapshot.deep
+        assert b.leftover_bytes == 0  # NVML's after the checkpoint
+        left = b.holdings.asleep_bytes
+        assert left > 0
+        assert sc.swap is not None
+        coord, mm = sc.swap, sc.manager.get("b")
+        seen: list[int] = []
+
+        def look(rec: Any) -> bool:
+            if rec.state is State.RESUMING and rec.snapshot.deep:
+                seen.append(coord.view(mm).asleep_bytes)
+            return bool(rec.state is State.RUNNING)
+
+        watch = asyncio.ensure_future(b.wait_for(look, 10.0))
+        r = await client.post("/models/b/wake")
+        assert r.status_code == 200, r.text
+        assert await watch
+        assert seen  # its restore was seen under way
+        assert set(seen) == {left}
+        assert coord.view(mm).asleep_bytes == b.leftover_bytes  # awake: the record's again
