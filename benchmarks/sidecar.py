@@ -519,6 +519,7 @@ SLEEP_RANK_KEYS = (
     "snap_sync_s",
     "kv_thread",
     "kv_join_wait_s",
+    "discard_join_wait_s",
     "prepare_under_copies_s",
     "discard_s",
 )

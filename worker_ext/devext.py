@@ -68,7 +68,8 @@ class RealWeightsExtension(HotSwapExtension):
         `kv_early` off, as before the KV cache first); `share70` / `share100` the fused
         sleep's first stage of copies at 70% of the weights' bytes / all of them (the
         tuning's `sleep_stage_share`, 30% by default); `kvthread` the KV records released
-        first on a thread of their own (the tuning's `kv_thread`, off by default); `base`
+        first, and after the prepare the discarded pools, on threads of their own (the
+        tuning's `kv_thread`, off by default); `base`
         the code as it is: before/after on one engine."""
         import dataclasses
 

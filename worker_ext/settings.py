@@ -57,8 +57,9 @@ class Tuning:
     # and a waking rank takes memory lent to it
     kv_lend: bool = True
     # a fused sleep releases those KV records on a thread of its own, through the driver's
-    # calls (each drops the GIL), beside the copies' queueing and the prepare's host work;
-    # off: on the sleep's thread, before the prepare (not yet measured on a GPU)
+    # calls (each drops the GIL), beside the copies' queueing and the prepare's host work,
+    # and after the prepare the discarded pools on another, beside the weights' releases;
+    # off: all on the sleep's thread (not yet measured on a GPU)
     kv_thread: bool = False
     # a wake's create refused for memory is asked again for up to this long: an overlapped
     # swap maps the woken model's KV cache while the victim releases its own

@@ -450,14 +450,19 @@ def test_kv_records_named_early_go_before_the_prepare_and_come_back_if_it_fails(
 
 
 def _threaded_release(
-    monkeypatch: pytest.MonkeyPatch, wait_for: threading.Event, fail: bool = False
-) -> list[tuple[int, bool]]:
-    """Driver.unmap_release faked: each call waits (bounded) for `wait_for`, then scribbles
-    the record (or raises, with `fail`); (thread, whether it was set) per call."""
-    calls: list[tuple[int, bool]] = []
+    monkeypatch: pytest.MonkeyPatch,
+    wait_for: threading.Event,
+    fail: bool = False,
+    waits: dict[int, threading.Event] | None = None,
+) -> list[tuple[int, int, bool]]:
+    """Driver.unmap_release faked: each call waits (bounded) for `wait_for` (or for the
+    record's own event in `waits`), then scribbles the record (or raises, with `fail`);
+    (record, thread, whether the event was set) per call."""
+    calls: list[tuple[int, int, bool]] = []
 
     def unmap_release(_s: Driver, handle: Any) -> None:
-        calls.append((threading.get_ident(), wait_for.wait(5.0)))
+        event = (waits or {}).get(handle[2], wait_for)
+        calls.append((handle[2], threading.get_ident(), event.wait(5.0)))
         if fail:
             raise DriverError("cuMemUnmap: CUresult 1")
         _scribble(handle, RELEASED)
@@ -472,8 +477,8 @@ def test_kv_records_released_first_on_a_thread_of_their_own_run_beside_the_prepa
 ) -> None:
     """The tuning's kv_thread: the KV records named early are released on another thread
     through the driver (no GIL held), while the prepare runs: the release waits for the
-    prepare to start and the prepare sees the record go; the suspend waits for the thread
-    before anything else is released, and the weights come back."""
+    prepare to start and the prepare sees the record go; the rest of the KV cache goes
+    after the prepare, on a thread too; the weights come back."""
     before = _model(alloc)
     kv = _tags(alloc, "kv_cache")
     started = threading.Event()
@@ -493,8 +498,8 @@ def test_kv_records_released_first_on_a_thread_of_their_own_run_beside_the_prepa
         return []
 
     r = b.suspend(1, ["weights", "kv_cache"], during=prepare, early_kv=[kv[0]])
-    assert calls == [(calls[0][0], True)]  # one record, released once the prepare began
-    assert calls[0][0] != threading.get_ident()
+    assert [(p, ok) for p, _t, ok in calls] == [(kv[0], True), (kv[1], True)]
+    assert threading.get_ident() not in {t for _p, t, _ok in calls}
     assert seen == [True, False]
     assert all(d.is_asleep for d in alloc.pointer_to_data.values())
     n = alloc.pointer_to_data[kv[0]].handle[1]
@@ -502,10 +507,45 @@ def test_kv_records_released_first_on_a_thread_of_their_own_run_beside_the_prepa
     t = r["timings"]
     assert (t["kv_thread"], t["kv_early_records"], t["kv_early_bytes"]) == (1.0, 1.0, n)
     assert t["kv_join_wait_s"] >= 0
+    assert t["discard_join_wait_s"] >= 0
+    assert t["at_discarded_s"] <= t["at_released_s"]
     b.resume(["weights", "kv_cache"])
     b.synchronize()
     for p in _tags(alloc, "weights"):
         assert alloc.read(p) == before[p]
+
+
+def test_the_discarded_pools_go_on_a_thread_beside_the_weights_releases(
+    alloc: _Allocator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tuning's kv_thread: once the prepare has ended, the KV records not released
+    first are released on a thread while the suspend's thread releases the weights as
+    their copies end: the KV record's release waits for a weights release (serially it
+    would come first, and time out); the suspend answers once both are done."""
+    from vllm.device_allocator import cumem as vllm_cumem
+
+    _model(alloc)
+    kv = _tags(alloc, "kv_cache")
+    weights_gone = threading.Event()
+
+    def release_weights(h: Any) -> None:
+        _scribble(h, RELEASED)
+        weights_gone.set()
+
+    monkeypatch.setattr(vllm_cumem, "unmap_and_release", release_weights)
+    calls = _threaded_release(monkeypatch, weights_gone)
+    b = _backend(alloc, kv_thread=True)
+
+    def prepare(go_on: Callable[[], None]) -> list[tuple[int, int]]:
+        go_on()
+        return []
+
+    r = b.suspend(1, ["weights", "kv_cache"], during=prepare)  # nothing released first
+    assert [(p, ok) for p, _t, ok in calls] == [(kv[0], True), (kv[1], True)]
+    assert threading.get_ident() not in {t for _p, t, _ok in calls}
+    assert all(d.is_asleep for d in alloc.pointer_to_data.values())
+    assert r["timings"]["kv_thread"] == 1.0
+    assert "kv_join_wait_s" not in r["timings"]  # no KV record named early: no thread
 
 
 def test_a_failed_prepare_waits_for_the_kv_thread_then_maps_its_records_back(
@@ -525,7 +565,7 @@ def test_a_failed_prepare_waits_for_the_kv_thread_then_maps_its_records_back(
 
     with pytest.raises(RuntimeError, match="the prepare failed"):
         b.suspend(1, ["weights", "kv_cache"], during=failing, early_kv=kv)
-    assert [ok for _t, ok in calls] == [True, True]
+    assert [ok for _p, _t, ok in calls] == [True, True]
     assert b.suspended() == {}
     assert not any(d.is_asleep for d in alloc.pointer_to_data.values())
     for p in kv:

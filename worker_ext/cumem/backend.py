@@ -17,7 +17,7 @@ from worker_ext.cumem.records import Records, ranges, size
 from worker_ext.cumem.resident import Residency
 from worker_ext.cumem.resume import Onload, vllm_side_effects
 from worker_ext.cumem.streams import CopyStreams
-from worker_ext.cumem.suspend import EarlyKv, Offload, map_again, release_early
+from worker_ext.cumem.suspend import Beside, Offload, Unlocked, map_again, release_early
 from worker_ext.cumem.tier import TierPart
 from worker_ext.pools import (
     ALL_TAGS,
@@ -305,15 +305,20 @@ class CuMemBackend:
         copies = Offload(self._coded, self._streams, self._host_for, offload, timings, share)
         link = _LinkClock(self._torch, self._streams, t0, bool(offload))
         early_kv = early_kv if during is not None else ()
-        # on a thread of its own (the tuning's kv_thread): started before the first copies
-        threaded = bool(early_kv) and self.settings.tuning.kv_thread
-        early = _early_on_thread(self, early_kv, recs, plan, timings, t0) if threaded else None
+        # the KV cache's releases on threads of their own (the tuning's kv_thread)
+        on = during is not None and self.settings.tuning.kv_thread
+        unlocked = Unlocked(self._mapper()) if on else None
+        if unlocked is not None:
+            timings["kv_thread"] = 1.0
+
+        def kv_first(how: Callable[[Any], None] | None = None) -> list[tuple[int, Any]]:
+            return release_early(early_kv, recs, plan, self._lending, timings, t0, how)
+
+        # threaded, it starts before the first copies are queued; else after them
+        early = unlocked.run(lambda: kv_first(unlocked)) if unlocked and early_kv else None
         overlapped = copies.queue_first()
         timings["at_queued_first_s"] = time.perf_counter() - t0
-        if early is None:
-            early = EarlyKv(
-                lambda: release_early(early_kv, recs, plan, self._lending, timings, t0), False
-            )
+        early = early or Beside(kv_first, threaded=False)
         if during is not None:
             rewritten = _prepare_under(during, copies, early, self._mapper, timings)
         timings["at_prepared_s"] = time.perf_counter() - t0
@@ -322,18 +327,9 @@ class CuMemBackend:
         link.queued()  # every copy is queued now
         if level == 2 and WEIGHTS in tags and plan[WEIGHTS] == DISCARDED:
             self._tier.put_away(recs[WEIGHTS], timings, rewritten)
-        # Discarded pools need no copy: release them while the offload copies run.
-        t = time.perf_counter()
-        for tag in tags:
-            if plan[tag] == DISCARDED:
-                for _ptr, data in recs[tag]:
-                    if not data.is_asleep:  # else released early
-                        self._release(data)
-        # the CUDA graphs' pool sleeps with the KV cache, never copied (worker_ext.graphpool)
-        graphs = self._graphs.release(self._release, timings) if KV_CACHE in tags else 0
-        timings["discard_s"] = time.perf_counter() - t
-        timings["at_discarded_s"] = t + timings["discard_s"] - t0
+        discard = _discarding(self, tags, plan, recs, timings, t0, unlocked)
         copies.release_copied(self._release)
+        graphs = discard.join(timings, "discard_join_wait_s")
         timings["at_released_s"] = time.perf_counter() - t0
         copies.finish()
         link.done(timings)
@@ -456,35 +452,40 @@ def _check_suspend(
     return tags
 
 
-def _early_on_thread(
+def _discarding(
     b: CuMemBackend,
-    ptrs: Sequence[int],
-    recs: dict[str, list[tuple[int, Any]]],
+    tags: list[str],
     plan: dict[str, str],
+    recs: dict[str, list[tuple[int, Any]]],
     timings: dict[str, float],
     t0: float,
-) -> EarlyKv:
-    """release_early on a thread of its own, each record released through the backend's
-    driver (every call drops the GIL; vLLM's release holds it), made on this thread."""
-    driver = b._mapper()
-    timings["kv_thread"] = 1.0
+    unlocked: Unlocked | None,
+) -> Beside[int]:
+    """The discarded pools released (they need no copy) while the offload copies run, and
+    the CUDA graphs' pool with the KV cache (never copied: worker_ext.graphpool): on a
+    thread of its own where `unlocked`, beside the weights' releases. Its answer: the graph
+    pool's bytes released."""
+    release = unlocked or b._release
 
-    def release(data: Any) -> None:
-        driver.unmap_release(data.handle)
-        driver.forget(int(data.handle[2]))
-        data.is_asleep = True
+    def run() -> int:
+        t = time.perf_counter()
+        for tag in tags:
+            if plan[tag] == DISCARDED:
+                for _ptr, data in recs[tag]:
+                    if not data.is_asleep:  # else released early
+                        release(data)
+        graphs = b._graphs.release(release, timings) if KV_CACHE in tags else 0
+        timings["discard_s"] = time.perf_counter() - t
+        timings["at_discarded_s"] = time.perf_counter() - t0
+        return graphs
 
-    def run() -> list[tuple[int, Any]]:
-        driver.bind_context()  # before the first export (kvlend) as before any release
-        return release_early(ptrs, recs, plan, b._lending, timings, t0, release)
-
-    return EarlyKv(run, threaded=True)
+    return unlocked.run(run) if unlocked is not None else Beside(run, threaded=False)
 
 
 def _prepare_under(
     during: During,
     copies: Offload,
-    early: EarlyKv,
+    early: Beside[list[tuple[int, Any]]],
     mapper: Callable[[], Driver],
     timings: dict[str, float],
 ) -> Sequence[tuple[int, int]]:
@@ -497,11 +498,11 @@ def _prepare_under(
         rewritten = during(copies.go_on)
     except BaseException:
         copies.abandon()
-        map_again(early.join(timings), mapper)
+        map_again(early.join(timings, "kv_join_wait_s"), mapper)
         raise
     timings["prepare_under_copies_s"] = time.perf_counter() - t
     try:
-        early.join(timings)
+        early.join(timings, "kv_join_wait_s")
     except BaseException:
         copies.abandon()
         raise

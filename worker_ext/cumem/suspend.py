@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from worker_ext import codec
 from worker_ext.cudart import HostBuffer
@@ -20,6 +20,7 @@ from worker_ext.cumem.streams import CopyStreams
 from worker_ext.pools import DISCARDED, KV_CACHE, WEIGHTS
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Offload:
@@ -210,18 +211,19 @@ def release_early(
     return early
 
 
-class EarlyKv:
-    """release_early now, or on a thread of its own (`threaded`: the tuning's kv_thread),
-    whose driver calls drop the GIL, so the copies' queueing and the prepare's host work
-    run beside them; `join` waits for it and raises its error again (the rank is failed)."""
+class Beside(Generic[T]):
+    """`run` now, or on a thread of its own (`threaded`: the tuning's kv_thread) whose
+    driver calls drop the GIL, so the work of the suspend's thread (the copies' queueing,
+    the prepare, the weights' releases) goes on beside it; `join` waits for it and raises
+    its error again (the rank is failed)."""
 
-    def __init__(self, run: Callable[[], list[tuple[int, Any]]], threaded: bool) -> None:
+    def __init__(self, run: Callable[[], T], threaded: bool) -> None:
         self._run = run
-        self._out: list[tuple[int, Any]] = []
+        self._out: T | None = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         if threaded:
-            self._thread = threading.Thread(target=self._body, name="hotswap-kv-release")
+            self._thread = threading.Thread(target=self._body, name="hotswap-release")
             self._thread.start()
         else:
             self._out = run()
@@ -232,17 +234,38 @@ class EarlyKv:
         except BaseException as e:  # raised again by join, on the suspend's thread
             self._error = e
 
-    def join(self, timings: dict[str, float]) -> list[tuple[int, Any]]:
-        """The records released early, once released (the time waited in `kv_join_wait_s`)."""
+    def join(self, timings: dict[str, float], waited: str) -> T:
+        """Its answer, once it is done (the time waited for it in `timings[waited]`)."""
         thread, self._thread = self._thread, None
         if thread is not None:
             t = time.perf_counter()
             thread.join()
-            timings["kv_join_wait_s"] = time.perf_counter() - t
+            timings[waited] = time.perf_counter() - t
         if self._error is not None:
             error, self._error = self._error, None
             raise error
-        return self._out
+        return self._out  # type: ignore[return-value]
+
+
+class Unlocked:
+    """A record's release through `driver` (cuMemUnmap, cuMemRelease), each call dropping
+    the GIL where vLLM's release holds it, for the KV cache's releases on threads of their
+    own (the tuning's kv_thread); `run` starts one, the device's context bound there."""
+
+    def __init__(self, driver: Driver) -> None:
+        self._driver = driver
+
+    def __call__(self, data: Any) -> None:
+        self._driver.unmap_release(data.handle)
+        self._driver.forget(int(data.handle[2]))
+        data.is_asleep = True
+
+    def run(self, fn: Callable[[], T]) -> Beside[T]:
+        def body() -> T:
+            self._driver.bind_context()  # before any export (kvlend) or release
+            return fn()
+
+        return Beside(body, threaded=True)
 
 
 def map_again(early: list[tuple[int, Any]], mapper: Callable[[], Driver]) -> None:
