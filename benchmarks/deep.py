@@ -142,7 +142,8 @@ def phases(tr: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for p in tr.get("phases", []):
         d = p.get("detail") or {}
-        keep = ("driver_s", "device_bytes", "driver_by_pid")  # each driver call per process
+        # each driver call per process, the helper's own start and its read-back
+        keep = ("driver_s", "device_bytes", "driver_by_pid", "helper_init_s", "probe_s")
         out[p["name"]] = {"s": p["duration_s"], **{k: d[k] for k in keep if k in d}}
         if "pids" in d:  # the processes the driver checkpointed or restored, one after another
             out[p["name"]]["cuda_processes"] = len(d["pids"])

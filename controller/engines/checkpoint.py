@@ -39,6 +39,10 @@ class CkptResult:
     error: str | None = None
     pids: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
     elapsed_s: float = 0.0
+    # the helper's own start (libcuda's load, cuInit, NVML's start) and its read-back after
+    # the calls: None when it did not say
+    init_s: float | None = None
+    probe_s: float | None = None
 
     @property
     def cuda_pids(self) -> tuple[int, ...]:
@@ -58,9 +62,13 @@ class CkptResult:
 
     def by_pid(self) -> dict[str, Any]:
         """A phase's detail from the answer: `driver_by_pid` {PID: {call: seconds}} (the
-        driver's calls on each process) and `left_running` (the processes the driver knows
-        that hold no CUDA context: not locked, not checkpointed); each only when not empty."""
-        out: dict[str, Any] = {}
+        driver's calls on each process), `left_running` (the processes the driver knows
+        that hold no CUDA context: not locked, not checkpointed), `helper_init_s` (the
+        helper's start, ahead of the call when it was warm) and `probe_s`; each only when
+        not empty."""
+        out: dict[str, Any] = {
+            k: v for k, v in (("helper_init_s", self.init_s), ("probe_s", self.probe_s)) if v
+        }
         took = {str(p): dict(v["s"]) for p, v in self.pids.items() if v.get("s")}
         if took:
             out["driver_by_pid"] = took
@@ -224,7 +232,13 @@ def parse(op: str, out: bytes, err: bytes, code: int | None) -> CkptResult:
         return CkptResult(False, "helper", f"the checkpoint helper ({op}) exited {code}: {tail}")
     pids = {int(p): v for p, v in raw.get("pids", {}).items()}
     return CkptResult(
-        bool(raw.get("ok")), raw.get("code"), raw.get("error"), pids, raw.get("elapsed_s", 0.0)
+        bool(raw.get("ok")),
+        raw.get("code"),
+        raw.get("error"),
+        pids,
+        raw.get("elapsed_s", 0.0),
+        raw.get("init_s"),
+        raw.get("probe_s"),
     )
 
 

@@ -130,6 +130,8 @@ def test_checkpointer_runs_the_helper_as_a_process(fake: Path) -> None:
         assert res.ok
         assert res.by_pid()["driver_by_pid"]["101"].keys() == {"lock", "checkpoint"}
         assert "left_running" not in res.by_pid()
+        assert res.init_s is not None
+        assert res.probe_s is not None
         assert res.cuda_pids == (101,)
         assert res.states == {"checkpointed"}
         assert res.device_bytes == 0
