@@ -107,6 +107,16 @@ class GpuTestExtension(HotSwapExtension):
         return {"mode": self._hotswap_protect_mode()}
 
     @rpc
+    def hotswap_test_kv_thread(self, on: bool) -> dict[str, Any]:
+        """The tuning's kv_thread on or off for this worker's later sleeps."""
+        import dataclasses
+
+        st = self._hotswap_state()
+        tuning = dataclasses.replace(st.settings.tuning, kv_thread=bool(on))
+        st.use_settings(dataclasses.replace(st.settings, tuning=tuning))
+        return {"kv_thread": st.settings.tuning.kv_thread}
+
+    @rpc
     def hotswap_test_planted(self, value: float | None = None) -> dict[str, Any]:
         """The unreachable tensors: per pool, each one's pool (by the allocator's records),
         address, whether the walk reaches it and its sum; `value` fills them first."""
