@@ -119,7 +119,9 @@ class SwapView:
             demotable=held.demotable and not rec.snapshot.deep,
             deep=rec.snapshot.deep,
             restore_bytes=held.asleep_bytes if rec.snapshot.deep else 0,
-            deepable=rec.settings.deep_sleep != "off" and rec.ckpt.deepable is not False,
+            deepable=rec.settings.deep_sleep != "off"
+            and rec.ckpt.deepable is not False
+            and _weights_asleep(rec),
             in_flight=rec.lane.in_flight,
             queued=rec.lane.held,
             busy=any(
@@ -163,3 +165,10 @@ def _leftover(rec: ModelRecord) -> int:
     if rec.state is State.RESUMING and rec.snapshot.deep:
         return max(rec.leftover_bytes, rec.holdings.asleep_bytes)
     return rec.leftover_bytes
+
+
+def _weights_asleep(rec: ModelRecord) -> bool:
+    """Whether its weights are among the pools asleep (all are, unless a reconciliation read
+    fewer back): a plan takes no sleeper deep whose checkpoint would copy its weights
+    through the driver."""
+    return rec.facts.asleep is None or "weights" in rec.facts.asleep

@@ -286,6 +286,26 @@ async def test_under_pressure_a_sleeper_goes_deep_before_an_eviction(driver: Pat
         assert states["c"]["state"] == "RUNNING"
 
 
+async def test_a_sleeper_whose_weights_are_still_mapped_is_not_taken_deep(driver: Path) -> None:
+    """As above, but b's ranks were read back with only its KV cache asleep (a failed
+    wake's reconciliation): its checkpoint would copy its weights through the driver on c's
+    path (8.29 s for an 8B in the H200 density run), so c's plan evicts a instead."""
+    sc, _ = fleet_of("abc", min_awake_s=0)
+    for n in "abc":
+        sc.fleet[n].process.engine = GroupOf(os.getpgid(0))  # type: ignore[assignment]
+    async with asgi.client(sc.app, "http://s") as client:
+        await sc.started.wait()
+        for n in "bc":
+            assert (await client.post(f"/models/{n}/sleep", json={"level": 1})).status_code == 200
+        sc.fleet["b"].facts.asleep = ("kv_cache",)  # as that reconciliation finds it
+        r = await client.post("/models/c/wake")
+        assert r.status_code == 200, r.text
+        assert r.json()["policy"]["evicted"] == ["a"]
+        b = (await client.get("/models/b")).json()
+        assert (b["state"], b["deep"]) == ("SUSPENDED", False)
+        assert b["last_transition"]["kind"] == "sleep"
+
+
 async def test_the_sleepers_of_one_plan_go_deep_side_by_side(
     driver: Path, other_group: subprocess.Popen[bytes]
 ) -> None:
