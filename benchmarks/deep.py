@@ -27,7 +27,8 @@ Host PSS is split by role and by kind (anon, file, shmem), and per process (`awa
 `asleep_procs`: pid, role, PSS and its kinds); after the first sleep of each kind the two largest
 processes' PSS by mapping (`asleep_maps`: a file's path, [heap], [anon]). `--level2 2` ends
 every model with a level-2 sleep measured asleep and not woken (its host PSS; a dummy-weights
-engine cannot reload). Prints one JSON line per cycle and writes $OUT/deep.jsonl.
+engine cannot reload), `--level2 1` the first (the largest) only. Prints one JSON line per
+cycle and writes $OUT/deep.jsonl.
 """
 
 from __future__ import annotations
@@ -367,14 +368,12 @@ def main() -> None:
         out["sidecar_pss"] = pss(side.pid or 0)
         kinds = ["l1", "deep"] * args.cycles
         for i, name in enumerate(reversed(engines)):  # the last shape (the largest) first
-            # `--level2 1`: the first model also sleeps at level 2 (real weights only: a
-            # dummy-weights engine cannot reload); `--level2 2`: every model ends with a
-            # level-2 sleep measured asleep and not woken (its host PSS); the variant only
-            # at level 1
-            if args.level2 == 2:
-                ks = [*kinds, "l2-nowake"]
-            else:
-                ks = [*kinds, "l2"] if i == 0 and args.level2 else kinds
+            # every engine here has dummy weights, which vLLM cannot reload (its level-2
+            # wake fails): a level-2 sleep is measured asleep and not woken (its host PSS),
+            # at the end of the first model (`--level2 1`) or of every model (`--level2 2`);
+            # the variant only at level 1
+            last = args.level2 == 2 or (args.level2 == 1 and i == 0)
+            ks = [*kinds, "l2-nowake"] if last else kinds
             ks = ["l1"] if name.endswith("-t1") else ks
             try:
                 one_model(base, name, socks / f"{name}.sock", ks, deadline, out["models"])
