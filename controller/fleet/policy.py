@@ -179,9 +179,11 @@ def plan_wake(
     now: float,
     *,
     allow_evict: bool = True,
+    wait_for_wakes: bool = True,
 ) -> WakePlan[M]:
     """Decide how `target` (a view's `model`) can wake within the budget of each of its
-    devices.
+    devices. `wait_for_wakes`: a victim asked far more than the target may wait for peers
+    still waking (`_Wake.after_wakes`; off for a caller that plans only once, a boot's room).
 
     `budget` is one Budget for every device, or one per device. A model on several devices
     (tensor parallel) needs its share (footprint / devices) on each; only models that share a
@@ -196,6 +198,7 @@ def plan_wake(
     if t.state is not State.SUSPENDED:
         return WakePlan(t.name, Decision.REFUSE, f"cannot wake a model in state {t.state.value}")
     w = _Wake.of(t, models, budget)
+    w.wait_for_wakes = wait_for_wakes
     refused = w.beyond_budget()
     if refused is not None:
         return refused
@@ -245,6 +248,7 @@ class _Wake(Generic[M]):
         self.need = {d: _share(self.need_total, t) for d in self.mine}
         # Sleepers the plan takes deep: their leftover is freed (the third tier).
         self.deepened: list[str] = []
+        self.wait_for_wakes = True
 
     @classmethod
     def of(
@@ -407,7 +411,7 @@ class _Wake(Generic[M]):
             if not allow_evict:
                 why = f"does not fit without evicting {', '.join(names)}, and evict=false"
                 return self.plan(Decision.REFUSE, why, names)
-            later = self.after_wakes(names)
+            later = self.after_wakes(names) if self.wait_for_wakes else None
             if later is not None:
                 return later
             why = f"over budget ({short}): " + (f"{took}, then " if took else "")

@@ -302,7 +302,8 @@ class SwapCoordinator(SwapView):
             else v
             for v in self.views()
         ]
-        plan = plan_wake(mm, views, self.budgets(mm.record), self._clock())
+        # planned once: no refusal that waits for the device's wakes to end
+        plan = plan_wake(mm, views, self.budgets(mm.record), self._clock(), wait_for_wakes=False)
         fields = {"model": name, "phase": "policy"}
         log.info("%s: start plan %s: %s", name, plan.decision.value, plan.reason, extra=fields)
         evicted = []

@@ -442,3 +442,17 @@ def test_a_models_recent_requests_decay_with_a_time_constant() -> None:
     lane.touch()  # one more, on top of what is left
     assert lane.recent_uses(clock[0]) == pytest.approx(2.0 / math.e + 1.0)
     assert lane.last_used == clock[0]
+
+
+def test_a_plan_made_once_does_not_wait_for_the_devices_wakes() -> None:
+    """A boot's room (`SwapCoordinator.make_room`) is planned once: the victim asked more goes
+    at once rather than a refusal nobody plans again."""
+    models = (
+        v("a", mib=100, uses=2.0),
+        v("b", S.RUNNING, mib=100, used=10, uses=40.0),
+        v("c", S.RESUMING, mib=100, uses=1.0),
+    )
+    assert plan_wake("a", models, Budget(250 * MIB), NOW).decision is Decision.REFUSE
+    once = plan_wake("a", models, Budget(250 * MIB), NOW, wait_for_wakes=False)
+    assert once.decision is Decision.EVICT, once.reason
+    assert handed(once.evict) == ("b",)
