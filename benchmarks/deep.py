@@ -14,7 +14,11 @@ TORCHINDUCTOR_COMPILE_THREADS=1 (vLLM 0.26 sets it itself: off by default).
 worker setting such as HOTSWAP_DISK_DIR=... on the small shape, the other shapes
 at the defaults: an experiment beside the product in one call, without a third engine);
 `--variant SHAPE:K=V,...` boots one more engine of SHAPE with them (`SHAPE-v`, measured
-first, through the same kinds): the same shape with and without a setting in one call.
+after the largest shape, through the same kinds): the same shape with and without a setting
+in one call. `--eager-variant SHAPE[:KV_GIB]` boots one more engine of SHAPE eager (no
+compile, no CUDA graphs; its KV cache KV_GIB, 8 by default; `SHAPE-eager`, measured
+likewise): what compile and the graphs cost a sleeper on the device, in the driver's
+checkpoint and restore, and in host PSS.
 Per model, one after the other:
 the reference greedy tokens and logprobs, the device bytes (nvidia-smi per process) and the
 host PSS by process role awake; then per cycle and kind (level 1, deep, ...): POST sleep
@@ -162,6 +166,7 @@ GiB_ = 1 << 30
 DEEP_WAKE_OVER_S = 0.35  # issue 29's targets: deep wake <= level-1 wake + this (8B)
 DEEP_SLEEP_OVER_S = 1.0  # deep sleep <= level-1 sleep + this
 PSS_OVER_CODED = 1.5 * GiB_  # a level-1 sleeper's host PSS <= its coded weights + this
+EAGER_UTIL = 0.2  # an eager variant's utilization (its start's free-memory check only)
 
 
 def _median(xs: list[Any]) -> float | None:
@@ -309,6 +314,43 @@ def _cycles(
     return res
 
 
+def _plan(
+    args: argparse.Namespace, out: dict[str, Any]
+) -> list[tuple[str, str, dict[str, str], int | None]]:
+    """The engines to boot: (name, shape, environment, KV bytes of an eager variant or None)
+    per shape, then `--variant`'s, `--eager-variant`'s and `--threads-variant`'s."""
+    extra: dict[str, dict[str, str]] = {}
+    if args.shape_env:
+        shape, _, kvs = args.shape_env.partition(":")
+        extra[shape] = dict(kv.split("=", 1) for kv in kvs.split(","))
+        out["shape_env"] = extra
+    plan: list[tuple[str, str, dict[str, str], int | None]] = [
+        (s, s, env_with(**extra.get(s, {})), None) for s in args.shapes.split(",")
+    ]
+    if args.variant:
+        shape, _, kvs = args.variant.partition(":")
+        env = env_with(**dict(kv.split("=", 1) for kv in kvs.split(",")))
+        plan.append((f"{shape}-v", shape, env, None))
+        out["variant"] = args.variant
+    if args.eager_variant:
+        shape, _, gib = args.eager_variant.partition(":")
+        plan.append((f"{shape}-eager", shape, env_with(), int(float(gib or 8) * GiB_)))
+        out["eager_variant"] = args.eager_variant
+    if args.threads_variant:
+        small = args.shapes.split(",")[0]
+        plan.append((f"{small}-t1", small, env_with(TORCHINDUCTOR_COMPILE_THREADS="1"), None))
+    return plan
+
+
+def _order(names: list[str], shapes: str) -> list[str]:
+    """The order the models are measured in: the last shape named (the largest) first, then
+    the variants, then the other shapes (the last ones measured are the first a budget
+    cuts)."""
+    main = shapes.split(",")
+    rest = [n for n in names if n not in main]
+    return [main[-1], *rest, *reversed(main[:-1])]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="llama32-1b,llama3-8b")
@@ -323,6 +365,12 @@ def main() -> None:
     ap.add_argument(
         "--variant", default="", help="SHAPE:K=V,...: one more engine of SHAPE with them (SHAPE-v)"
     )
+    ap.add_argument(
+        "--eager-variant",
+        default="",
+        help="SHAPE[:KV_GIB]: one more engine of SHAPE, eager (no compile, no CUDA graphs), its"
+        " KV cache that many GiB (8): what compile and graphs cost a sleeper (SHAPE-eager)",
+    )
     args = ap.parse_args()
     deadline = time.monotonic() + args.budget_s
     work = Path(tempfile.mkdtemp(prefix="bench-deep-"))
@@ -331,28 +379,16 @@ def main() -> None:
     engines: dict[str, EngineProcess] = {}
     side: EngineProcess | None = None
     out: dict[str, Any] = {"graphs": args.graphs, "models": []}
-    extra: dict[str, dict[str, str]] = {}
-    if args.shape_env:
-        shape, _, kvs = args.shape_env.partition(":")
-        extra[shape] = dict(kv.split("=", 1) for kv in kvs.split(","))
-        out["shape_env"] = extra
-    plan: list[tuple[str, str, dict[str, str]]] = [
-        (s, s, env_with(**extra.get(s, {}))) for s in args.shapes.split(",")
-    ]
-    if args.variant:
-        shape, _, kvs = args.variant.partition(":")
-        plan.append(
-            (f"{shape}-v", shape, env_with(**dict(kv.split("=", 1) for kv in kvs.split(","))))
-        )
-        out["variant"] = args.variant
-    if args.threads_variant:
-        small = args.shapes.split(",")[0]
-        plan.append((f"{small}-t1", small, env_with(TORCHINDUCTOR_COMPILE_THREADS="1")))
+    plan = _plan(args, out)
     try:
-        for name, shape, env in plan:
+        for name, shape, env, eager_kv in plan:
             d = write_config(shape, str(work / name))
+            eager = not args.graphs or eager_kv is not None
+            # an eager variant's KV cache is sized in bytes: its utilization is only vLLM's
+            # check of the free memory at its start, kept low beside the others booting
+            util = UTIL[shape] if eager_kv is None else min(UTIL[shape], EAGER_UTIL)
             spec = gpu_engine(
-                d, 0, "m", util=UTIL[shape], dummy=True, eager=not args.graphs, env=env
+                d, 0, "m", util=util, dummy=True, eager=eager, env=env, kv_bytes=eager_kv
             )
             engines[name] = launch_on_socket(name, spec.argv(), socks / f"{name}.sock", env, work)
         out["boot_s"] = wait_all(engines, args.boot_s)
@@ -367,7 +403,7 @@ def main() -> None:
         base = side.base_url
         out["sidecar_pss"] = pss(side.pid or 0)
         kinds = ["l1", "deep"] * args.cycles
-        for i, name in enumerate(reversed(engines)):  # the last shape (the largest) first
+        for i, name in enumerate(_order(list(engines), args.shapes)):
             # every engine here has dummy weights, which vLLM cannot reload (its level-2
             # wake fails): a level-2 sleep is measured asleep and not woken (its host PSS),
             # at the end of the first model (`--level2 1`) or of every model (`--level2 2`);
