@@ -155,7 +155,7 @@ def phases(tr: dict[str, Any]) -> dict[str, Any]:
         ranks = [r for r in p.get("ranks") or [] if isinstance(r, dict)]
         if any("host_trim" in r for r in ranks):  # what the sleep gave back to the host
             out[p["name"]]["host_trim"] = [r.get("host_trim") for r in ranks]
-        steps = ("trim_s", "stack_restore_s", "host_trim_s")
+        steps = ("trim_s", "cache_release_s", "stack_restore_s", "host_trim_s")
         timed = [{k: v for k, v in (r.get("timings") or {}).items() if k in steps} for r in ranks]
         if any(timed):
             out[p["name"]]["rank_steps"] = timed
