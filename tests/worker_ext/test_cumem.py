@@ -548,6 +548,39 @@ def test_the_discarded_pools_go_on_a_thread_beside_the_weights_releases(
     assert "kv_join_wait_s" not in r["timings"]  # no KV record named early: no thread
 
 
+def test_a_release_thread_without_a_device_context_releases_nothing_and_the_sleep_does(
+    alloc: _Allocator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kv_thread where a thread cannot bind the device's context: it releases nothing, and
+    its records are released on the sleep's thread at the join (vLLM's release), the
+    sleep whole; `release_thread_unbound` says so."""
+    before = _model(alloc)
+    kv = _tags(alloc, "kv_cache")
+    calls = _threaded_release(monkeypatch, threading.Event())
+
+    def unbound(_s: Driver) -> None:
+        raise DriverError("cuCtxSetCurrent: CUresult 201")
+
+    monkeypatch.setattr(Driver, "bind_context", unbound)
+    b = _backend(alloc, kv_thread=True)
+
+    def prepare(go_on: Callable[[], None]) -> list[tuple[int, int]]:
+        go_on()
+        return []
+
+    r = b.suspend(1, ["weights", "kv_cache"], during=prepare, early_kv=[kv[0]])
+    assert calls == []  # nothing through the thread's driver
+    assert all(d.is_asleep for d in alloc.pointer_to_data.values())
+    assert all(alloc.read(p) == bytes([RELEASED]) * len(v) for p, v in before.items())
+    t = r["timings"]
+    assert t["release_thread_unbound"] == 1.0
+    assert t["kv_early_records"] == 1.0
+    b.resume(["weights", "kv_cache"])
+    b.synchronize()
+    for p in _tags(alloc, "weights"):
+        assert alloc.read(p) == before[p]
+
+
 def test_a_failed_prepare_waits_for_the_kv_thread_then_maps_its_records_back(
     alloc: _Allocator, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -315,7 +315,9 @@ class CuMemBackend:
             return release_early(early_kv, recs, plan, self._lending, timings, t0, how)
 
         # threaded, it starts before the first copies are queued; else after them
-        early = unlocked.run(lambda: kv_first(unlocked)) if unlocked and early_kv else None
+        early = (
+            unlocked.run(lambda: kv_first(unlocked), kv_first) if unlocked and early_kv else None
+        )
         overlapped = copies.queue_first()
         timings["at_queued_first_s"] = time.perf_counter() - t0
         early = early or Beside(kv_first, threaded=False)
@@ -465,9 +467,8 @@ def _discarding(
     the CUDA graphs' pool with the KV cache (never copied: worker_ext.graphpool): on a
     thread of its own where `unlocked`, beside the weights' releases. Its answer: the graph
     pool's bytes released."""
-    release = unlocked or b._release
 
-    def run() -> int:
+    def run(release: Callable[[Any], None]) -> int:
         t = time.perf_counter()
         for tag in tags:
             if plan[tag] == DISCARDED:
@@ -479,7 +480,12 @@ def _discarding(
         timings["at_discarded_s"] = time.perf_counter() - t0
         return graphs
 
-    return unlocked.run(run) if unlocked is not None else Beside(run, threaded=False)
+    def here() -> int:
+        return run(b._release)
+
+    if unlocked is None:
+        return Beside(here, threaded=False)
+    return unlocked.run(lambda: run(unlocked), here)
 
 
 def _prepare_under(

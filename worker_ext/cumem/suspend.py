@@ -211,14 +211,22 @@ def release_early(
     return early
 
 
+class _Unbound(RuntimeError):
+    """A release thread could not bind the device's context: it released nothing."""
+
+
 class Beside(Generic[T]):
     """`run` now, or on a thread of its own (`threaded`: the tuning's kv_thread) whose
     driver calls drop the GIL, so the work of the suspend's thread (the copies' queueing,
     the prepare, the weights' releases) goes on beside it; `join` waits for it and raises
-    its error again (the rank is failed)."""
+    its error again (the rank is failed), but runs `instead` there where the thread could
+    not bind the device's context (it released nothing)."""
 
-    def __init__(self, run: Callable[[], T], threaded: bool) -> None:
+    def __init__(
+        self, run: Callable[[], T], threaded: bool, instead: Callable[[], T] | None = None
+    ) -> None:
         self._run = run
+        self._instead = instead
         self._out: T | None = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -243,6 +251,10 @@ class Beside(Generic[T]):
             timings[waited] = time.perf_counter() - t
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, _Unbound) and self._instead is not None:
+                log.warning("hotswap: %s: released on the sleep's thread instead", error)
+                timings["release_thread_unbound"] = 1.0
+                return self._instead()
             raise error
         return self._out  # type: ignore[return-value]
 
@@ -260,12 +272,18 @@ class Unlocked:
         self._driver.forget(int(data.handle[2]))
         data.is_asleep = True
 
-    def run(self, fn: Callable[[], T]) -> Beside[T]:
+    def run(self, fn: Callable[[], T], instead: Callable[[], T]) -> Beside[T]:
+        """`fn` on a thread, or `instead` at the join if that thread cannot bind the
+        device's context (before any export or release)."""
+
         def body() -> T:
-            self._driver.bind_context()  # before any export (kvlend) or release
+            try:
+                self._driver.bind_context()
+            except Exception as e:
+                raise _Unbound(f"no device context on the release thread: {e}") from e
             return fn()
 
-        return Beside(body, threaded=True)
+        return Beside(body, threaded=True, instead=instead)
 
 
 def map_again(early: list[tuple[int, Any]], mapper: Callable[[], Driver]) -> None:
