@@ -524,8 +524,15 @@ def _explain_log(text: str) -> dict[str, Any]:
     victims: dict[str, int] = {}
     swapped: list[float] = []
     took: dict[str, list[float]] = {}
+    # wakes planned again once the device's wakes had ended (a victim asked far more than
+    # the target), and wakes failed waiting for a victim's room
+    waits = {"planned_again": 0, "room_failed": 0}
     for ln in text.splitlines():
-        if m := _PLAN.search(ln):
+        if ": wake planned again once its peers settle: " in ln:
+            waits["planned_again"] += 1
+        elif "wake failed in wait_room" in ln:
+            waits["room_failed"] += 1
+        elif m := _PLAN.search(ln):
             plans[m.group(2)] = plans.get(m.group(2), 0) + 1
             if (v := _VICTIM.search(m.group(3))) is not None:
                 for name in re.findall(r"(\w+) \(idle", v.group(1)):
@@ -544,6 +551,7 @@ def _explain_log(text: str) -> dict[str, Any]:
 
     return {
         "plans": plans,
+        **waits,
         "victims": victims,
         "swapped_in_s": spread(swapped),
         "driver_s": {k: spread(v) for k, v in sorted(took.items())},

@@ -241,6 +241,10 @@ def test_explain_reads_where_an_arms_misses_came_from(tmp_path: Path) -> None:
         f"{manager} [model=m05 phase=checkpoint] m05: deepen checkpoint took 0.650 s",
         f"{manager} [model=m02 phase=restore] m02: wake restore took 0.500 s",
         f"{manager} [model=m02 phase=warmup] m02: wake warmup took 0.001 s",
+        f"{swap} m01: wake planned again once its peers settle: over budget (...): not"
+        " evicting m00 (40.0 recent requests, m01 2.0) while m04, asked less, still wake",
+        "ERROR   hotswap.manager [model=m04 phase=wait_room] m04: wake failed in wait_room:"
+        " m08, evicted for m04, did not release its weights (state RUNNING)",
     ]
     (tmp_path / "sidecar-l1.log").write_text("\n".join(log) + "\n# the log's last 100 lines\n")
     got = density.explain(tmp_path)["l1"]
@@ -248,6 +252,7 @@ def test_explain_reads_where_an_arms_misses_came_from(tmp_path: Path) -> None:
     assert got["missed_by"]["window"] == {"cold": 1, "burst": 1, "between": 1}
     assert got["missed_by"]["code"] == {"200": 2, "429": 1}
     assert got["plans"] == {"evict": 1, "deepen": 1}
+    assert (got["planned_again"], got["room_failed"]) == (1, 1)
     assert got["victims"] == {"m03": 1, "m04": 1}
     assert got["swapped_in_s"]["p50"] == 0.7
     assert got["driver_s"]["deepen checkpoint"]["sum"] == 0.65
