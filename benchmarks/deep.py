@@ -148,7 +148,10 @@ def phases(tr: dict[str, Any]) -> dict[str, Any]:
     for p in tr.get("phases", []):
         d = p.get("detail") or {}
         # each driver call per process, the helper's own start and its read-back
-        keep = ("driver_s", "device_bytes", "driver_by_pid", "helper_init_s", "probe_s")
+        keep = (
+            *("driver_s", "device_bytes", "driver_by_pid", "helper_init_s", "helper_idle_s"),
+            *("probe_s", "call_s"),
+        )
         out[p["name"]] = {"s": p["duration_s"], **{k: d[k] for k in keep if k in d}}
         if "pids" in d:  # the processes the driver checkpointed or restored, one after another
             out[p["name"]]["cuda_processes"] = len(d["pids"])

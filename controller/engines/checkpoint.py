@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import socket
 import sys
+import time
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +45,8 @@ class CkptResult:
     # the calls: None when it did not say
     init_s: float | None = None
     probe_s: float | None = None
+    idle_s: float | None = None  # a warm helper's wait for its call (about 0: it was late)
+    call_s: float | None = None  # the call's round trip, as the sidecar timed it
 
     @property
     def cuda_pids(self) -> tuple[int, ...]:
@@ -64,11 +68,16 @@ class CkptResult:
         """A phase's detail from the answer: `driver_by_pid` {PID: {call: seconds}} (the
         driver's calls on each process), `left_running` (the processes the driver knows
         that hold no CUDA context: not locked, not checkpointed), `helper_init_s` (the
-        helper's start, ahead of the call when it was warm) and `probe_s`; each only when
-        not empty."""
-        out: dict[str, Any] = {
-            k: v for k, v in (("helper_init_s", self.init_s), ("probe_s", self.probe_s)) if v
-        }
+        helper's start, ahead of the call when it was warm), `helper_idle_s` (how long the
+        warm helper waited for the call: about 0 when the call waited for its start),
+        `probe_s` and `call_s` (the round trip); each only when known."""
+        said = (
+            ("helper_init_s", self.init_s),
+            ("helper_idle_s", self.idle_s),
+            ("probe_s", self.probe_s),
+            ("call_s", self.call_s),
+        )
+        out: dict[str, Any] = {k: v for k, v in said if v is not None}
         took = {str(p): dict(v["s"]) for p, v in self.pids.items() if v.get("s")}
         if took:
             out["driver_by_pid"] = took
@@ -172,6 +181,7 @@ class Checkpointer:
             return CkptResult(False, "no-pids", "no process of the engine can be reached")
         proc = self._take() or await self._spawn()
         line = " ".join([op, str(int(self.lock_timeout_s * 1000)), *map(str, pids)]) + "\n"
+        t0 = time.monotonic()
         try:
             out = await asyncio.wait_for(_answer(proc, line.encode()), self.call_timeout_s)
         except ValueError:  # a line past the reader's limit: not an answer of this helper
@@ -192,9 +202,10 @@ class Checkpointer:
             # for; the next call's helper is started (its spawn only: it warms while
             # nothing waits; a spawn is never left to a background task, whose cancellation
             # at the loop's end would wait for the child it kills)
+            call_s = time.monotonic() - t0
             self._background(_close(proc))
             await self._refill()
-            return parse(op, out, b"", None)
+            return dataclasses.replace(parse(op, out, b"", None), call_s=call_s)
         # no answer line: it ended (usage, a crash); its stderr and status say why
         _, err = await proc.communicate()
         await self._refill()
@@ -239,6 +250,7 @@ def parse(op: str, out: bytes, err: bytes, code: int | None) -> CkptResult:
         raw.get("elapsed_s", 0.0),
         raw.get("init_s"),
         raw.get("probe_s"),
+        raw.get("idle_s"),
     )
 
 

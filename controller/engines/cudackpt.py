@@ -16,7 +16,8 @@ and `code` when not ok, `pids` ({PID: {cuda, state, bytes, context?, s?, error?}
 None after a restore, whose wake does not wait for NVML; `s` the seconds of each driver call
 made on it: lock, checkpoint, restore, unlock), `elapsed_s` (the
 driver calls' own time), `init_s` (libcuda's load and cuInit), `probe_s` (the states and
-bytes read after the calls). Exit 0 when ok, 1 when not, 2 on usage.
+bytes read after the calls), `idle_s` (`--warm`: from its start's end to its call's line;
+about 0 when the call waited for the start). Exit 0 when ok, 1 when not, 2 on usage.
 
 `HOTSWAP_CUDACKPT_FAKE=DIR` replaces the driver with `FakeDriver`, a file-backed stand-in for
 CPU tests: `DIR/cuda` lists the PIDs the driver knows ("PID [BYTES]" a line; BYTES 0: it ran
@@ -374,10 +375,11 @@ def parse_call(argv: list[str]) -> tuple[str, int, list[int]] | None:
 Loaded = Driver | DriverError | None
 
 
-def warm(stdin: Any) -> tuple[list[str], Loaded, float] | None:
+def warm(stdin: Any) -> tuple[list[str], Loaded, float, float] | None:
     """`--warm`: the driver loaded and cuInit run now, then one call read from `stdin` as
-    `OP LOCK_TIMEOUT_MS PID...`: that call's words, the driver (or its loading's error) and
-    the seconds the loading took. The fake is made at the call (its files are read then).
+    `OP LOCK_TIMEOUT_MS PID...`: that call's words, the driver (or its loading's error), the
+    seconds the loading took and the seconds from its end to the call's line (about 0: the
+    call waited for the loading). The fake is made at the call (its files are read then).
     None at EOF: the sidecar closed this spare, or is gone."""
     t0 = time.monotonic()
     loaded: Loaded = None
@@ -388,27 +390,31 @@ def warm(stdin: Any) -> tuple[list[str], Loaded, float] | None:
         except DriverError as exc:
             loaded = exc
     init_s = time.monotonic() - t0
+    ready = time.monotonic()
     words = stdin.readline().split()
     if not words:
         return None
     argv = [words[0], "--lock-timeout-ms", *words[1:]] if len(words) >= 2 else words
-    return argv, loaded, init_s
+    return argv, loaded, init_s, time.monotonic() - ready
 
 
 def main(argv: list[str]) -> int:
     loaded: Loaded = None
     init_s: float | None = None
+    idle_s: float | None = None
     if argv == ["--warm"]:
         got = warm(sys.stdin)
         if got is None:
             return 0
-        argv, loaded, init_s = got
+        argv, loaded, init_s, idle_s = got
     call = parse_call(argv)
     if call is None:
         print(USAGE, file=sys.stderr)
         return 2
     op, timeout_ms, pids = call
     result = run(op, pids, timeout_ms, loaded, init_s)
+    if idle_s is not None:
+        result["idle_s"] = idle_s  # warm: how long it waited for its call
     result["pids"] = {str(k): v for k, v in result.get("pids", {}).items()}
     print(json.dumps(result))
     return 0 if result["ok"] else 1

@@ -132,6 +132,9 @@ def test_checkpointer_runs_the_helper_as_a_process(fake: Path) -> None:
         assert "left_running" not in res.by_pid()
         assert res.init_s is not None
         assert res.probe_s is not None
+        assert res.call_s is not None
+        assert res.call_s >= res.elapsed_s
+        assert {"call_s", "helper_init_s", "probe_s"} <= res.by_pid().keys()
         assert res.cuda_pids == (101,)
         assert res.states == {"checkpointed"}
         assert res.device_bytes == 0
@@ -206,6 +209,8 @@ def test_each_call_is_answered_by_the_helper_started_ahead(fake: Path) -> None:
         res = await ck.call("restore", (101, 102))
         assert res.ok
         assert res.states == {"running"}
+        assert res.idle_s is not None  # the spare answered: it says how long it waited
+        assert res.by_pid()["helper_idle_s"] == res.idle_s
         await ck.settle()  # its exit and the refill went on after the answer
         assert spare.returncode == 0  # it answered that call and ended
         nxt = ck._spare
@@ -291,6 +296,7 @@ def test_a_warm_helper_reads_its_call_from_stdin_and_ends_at_eof(
     assert cudackpt.main(["--warm"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["ok"]
+    assert out["idle_s"] >= 0  # from its start's end to its call's line
     assert states(fake) == {"101": "checkpointed", "102": "checkpointed"}
     monkeypatch.setattr("sys.stdin", io.StringIO("freeze 500 101\n"))
     assert cudackpt.main(["--warm"]) == 2
