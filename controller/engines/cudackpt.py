@@ -226,8 +226,8 @@ def probe(drv: Driver, pids: list[int], with_bytes: bool = True) -> dict[int, di
     `with_bytes`: NVML's start and stop cost time a wake waits for). The driver answers
     GetState for any process that ran cuInit; with the bytes, a running one that NVML lists
     with no device memory while another of `pids` holds some or is checkpointed or locked
-    holds no context (vLLM's API server: cuInit, no context): `cuda` false, `context` false,
-    and no call touches it."""
+    holds no context (a front end that ran cuInit and made none): `cuda` false, `context`
+    false, and no call touches it."""
     held = drv.device_bytes() if with_bytes else None
     out: dict[int, dict[str, Any]] = {}
     for pid in pids:
