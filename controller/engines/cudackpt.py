@@ -416,7 +416,10 @@ def main(argv: list[str]) -> int:
     if idle_s is not None:
         result["idle_s"] = idle_s  # warm: how long it waited for its call
     result["pids"] = {str(k): v for k, v in result.get("pids", {}).items()}
-    print(json.dumps(result))
+    # flushed now: stdout is a pipe (block-buffered unless PYTHONUNBUFFERED is set), and the
+    # sidecar reads this line without waiting for the exit (the interpreter's and libcuda's
+    # teardown after it)
+    print(json.dumps(result), flush=True)
     return 0 if result["ok"] else 1
 
 

@@ -302,6 +302,19 @@ def test_a_warm_helper_reads_its_call_from_stdin_and_ends_at_eof(
     assert cudackpt.main(["--warm"]) == 2
 
 
+def test_the_answer_line_is_flushed_before_the_helper_ends(
+    fake: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stdout to a pipe is block-buffered (the sidecar sets no PYTHONUNBUFFERED): unflushed,
+    the sidecar would read the answer only at the helper's exit, after libcuda's teardown."""
+    raw = io.BytesIO()
+    monkeypatch.setattr("sys.stdout", io.TextIOWrapper(raw, line_buffering=False))
+    monkeypatch.setattr("sys.stdin", io.StringIO("restore 500 101\n"))
+    assert cudackpt.main(["--warm"]) == 0
+    line = raw.getvalue().decode()  # what the pipe holds before the process ends
+    assert json.loads(line)["ok"] is True
+
+
 def test_a_warm_helper_without_a_driver_says_so_at_its_call(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
