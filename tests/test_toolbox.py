@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 # The one module that imports a benchmark: the density harness's own unit tests.
 BENCHMARK_UNIT_TESTS = {"controller/test_density_plan.py"}
@@ -44,3 +46,23 @@ def test_the_check_sees_each_kind() -> None:
     source = "import conftest\nfrom test_api import x\nfrom benchmarks.coverage import ROWS\n"
     assert len(_offences("controller/test_x.py", source)) == 3
     assert _offences("controller/test_x.py", "from support.asgi import served\n") == []
+
+
+def test_forked_core_runs_the_same_server_with_the_same_arguments() -> None:
+    from support.engines import API_SERVER, FORKED_CORE_MAIN, forked_core
+
+    argv = ["python", "-m", API_SERVER, "--model", "m", "--enforce-eager"]
+    assert forked_core(argv) == [
+        "python",
+        "-c",
+        FORKED_CORE_MAIN,
+        "--model",
+        "m",
+        "--enforce-eager",
+    ]
+    assert f'runpy.run_module("{API_SERVER}"' in FORKED_CORE_MAIN
+    compile(FORKED_CORE_MAIN, "<forked_core>", "exec")
+    with pytest.raises(ValueError, match="not vLLM's API server"):
+        forked_core(["vllm", "serve", API_SERVER])
+    with pytest.raises(ValueError, match="is not in list"):
+        forked_core(["python", "-m", "some.other.server"])

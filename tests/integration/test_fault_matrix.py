@@ -39,6 +39,7 @@ from fault_harness import (
     rpc,
     stopped,
 )
+from support.procs import children, holds_socket, listening_socket
 from support.sidecar import SidecarProcess, phase_of
 
 from controller.engines.launcher import EngineProcess
@@ -364,6 +365,20 @@ def _in_drain(side: SidecarProcess, eng: Engine, attempts: int = 3) -> threading
 
 
 # ----------------------------------------------------------------------------- cases
+
+
+def test_the_engine_core_does_not_hold_the_listening_socket(engine: Engine) -> None:
+    """The EngineCore is forked from its API server (support.engines.forked_core): it must
+    not keep the server's listening socket, or a killed API server's socket would take
+    connections nobody answers instead of refusing them, which the kill cases count on."""
+    assert engine.proc.pid is not None
+    (api,) = children(engine.proc.pid)  # the keeper's one child
+    cores = children(api)
+    assert cores, "no EngineCore under the API server"
+    inode = listening_socket(engine.proc.uds)
+    assert inode is not None, f"nothing listens at {engine.proc.uds}"
+    assert holds_socket(api, inode)
+    assert [c for c in cores if holds_socket(c, inode)] == []
 
 
 @pytest.mark.parametrize("case", _params(SIDECAR_KILLS))

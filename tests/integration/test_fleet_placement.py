@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from support.engines import forked_core
 from support.sidecarthread import Api, SidecarThread, attached
 
 from controller.config.settings import ModelSettings
@@ -31,7 +32,7 @@ def _managed(name: str, path: Path) -> ModelSettings:
     return ModelSettings.model_validate(
         {
             "name": name,
-            "command": managed_argv(spec),
+            "command": forked_core(managed_argv(spec)),
             "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
         }
     )

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+from support.engines import forked_core
 from support.sidecarthread import Api, SidecarThread, attached, post
 
 from controller.config.modelsettings import ModelSettings
@@ -46,7 +47,7 @@ def _settings(models: dict[str, Path], logs: Path) -> dict[str, Any]:
             ModelSettings.model_validate(
                 {
                     "name": name,
-                    "command": managed_argv(spec),  # the sidecar adds its own --uds
+                    "command": forked_core(managed_argv(spec)),  # the sidecar adds its own --uds
                     "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
                 }
             )

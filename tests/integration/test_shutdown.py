@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+from support.engines import forked_core
 from support.procs import alive, descendants
 from support.sidecar import SidecarProcess
 
@@ -60,7 +61,7 @@ def test_sigterm_stops_admitting_and_lets_the_stream_in_flight_finish(
         "models": [
             {
                 "name": NAME,
-                "command": managed_argv(spec),
+                "command": forked_core(managed_argv(spec)),
                 "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
                 "served_model_name": NAME,
                 "pinned": True,

@@ -43,6 +43,7 @@ from typing import Any
 import httpx
 import pytest
 from loadgen import Load, StreamedText
+from support.engines import forked_core
 from support.procs import alive, children, cmdline, descendants, engine_pid, rss_bytes
 from support.sidecar import SidecarProcess
 
@@ -184,7 +185,7 @@ def sidecar(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         models.append(
             {
                 "name": name,
-                "command": managed_argv(spec),
+                "command": forked_core(managed_argv(spec)),
                 "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
                 "served_model_name": name,
             }

