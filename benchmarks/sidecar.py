@@ -520,6 +520,8 @@ SLEEP_RANK_KEYS = (
     "kv_thread",
     "kv_join_wait_s",
     "discard_join_wait_s",
+    "free_later_wait_s",
+    "free_later_close_s",
     "prepare_under_copies_s",
     "discard_s",
 )

@@ -69,7 +69,9 @@ class RealWeightsExtension(HotSwapExtension):
         sleep's first stage of copies at 70% of the weights' bytes / all of them (the
         tuning's `sleep_stage_share`, 30% by default); `kvthread` the KV records released
         first, and after the prepare the discarded pools, on threads of their own (the
-        tuning's `kv_thread`, off by default); `base`
+        tuning's `kv_thread`, off by default); `freelater` every record's memory freed as
+        its exported descriptor closes on a thread (the tuning's `free_later`, off by
+        default); `freelater50` that with the first stage at 50%; `base`
         the code as it is: before/after on one engine."""
         import dataclasses
 
@@ -79,11 +81,13 @@ class RealWeightsExtension(HotSwapExtension):
         st = self._hotswap_state()
         share = SHARES.get(name, Tuning().sleep_stage_share)
         thread = Tuning().kv_thread or name == "kvthread"
+        later = Tuning().free_later or name.startswith("freelater")
         tuning = dataclasses.replace(
             st.settings.tuning,
             kv_early=name != "kvlate",
             sleep_stage_share=share,
             kv_thread=thread,
+            free_later=later,
         )
         st.use_settings(dataclasses.replace(st.settings, tuning=tuning))
         return {
@@ -91,6 +95,7 @@ class RealWeightsExtension(HotSwapExtension):
             "kv_early": tuning.kv_early,
             "sleep_stage_share": share,
             "kv_thread": thread,
+            "free_later": later,
         }
 
 
@@ -116,5 +121,11 @@ VARIANTS = {
     "share70": _BASELINE,
     "share100": _BASELINE,
     "kvthread": _BASELINE,
+    "freelater": _BASELINE,
+    "freelater50": _BASELINE,
 }
-SHARES = {"share70": 0.7, "share100": 1.0}  # the fused sleep's first stage, by variant
+SHARES = {
+    "share70": 0.7,
+    "share100": 1.0,
+    "freelater50": 0.5,
+}  # the fused sleep's first stage, by variant

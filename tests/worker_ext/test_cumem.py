@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -579,6 +580,104 @@ def test_a_release_thread_without_a_device_context_releases_nothing_and_the_slee
     b.synchronize()
     for p in _tags(alloc, "weights"):
         assert alloc.read(p) == before[p]
+
+
+def _exports(monkeypatch: pytest.MonkeyPatch, refuse: set[int] | None = None) -> list[int]:
+    """Driver.export_fd faked: a new descriptor per record (its memory kept alive while
+    open), refused for the records in `refuse`; the descriptors handed out, in order."""
+    fds: list[int] = []
+
+    def export(_s: Driver, handle: Any) -> tuple[int, int]:
+        if refuse and handle[2] in refuse:
+            raise DriverError("cuMemExportToShareableHandle: CUresult 801")
+        fds.append(os.dup(2))  # a new descriptor; closing it leaves stderr open
+        return fds[-1], handle[1]
+
+    monkeypatch.setattr(Driver, "export_fd", export)
+    return fds
+
+
+def _closed(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return True
+    return False
+
+
+def test_free_later_releases_every_record_and_answers_once_every_descriptor_is_closed(
+    alloc: _Allocator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tuning's free_later: each record the fused sleep releases (the KV records first,
+    the rest of the KV pool, the weights after their copies) is exported first, released
+    as usual, and its descriptor closed on another thread; the suspend answers once all
+    are closed; a record that cannot be exported is released as usual; the wake is whole."""
+    before = _model(alloc)
+    kv = _tags(alloc, "kv_cache")
+    weights = _tags(alloc, "weights")
+    fds = _exports(monkeypatch, refuse={weights[1]})
+    closer: list[tuple[int, int]] = []
+    real_close = os.close
+
+    def close(fd: int) -> None:
+        closer.append((fd, threading.get_ident()))
+        real_close(fd)
+
+    monkeypatch.setattr(os, "close", close)
+    b = _backend(alloc, free_later=True)
+
+    def prepare(go_on: Callable[[], None]) -> list[tuple[int, int]]:
+        go_on()
+        return []
+
+    r = b.suspend(1, ["weights", "kv_cache"], during=prepare, early_kv=[kv[0]])
+    monkeypatch.setattr(os, "close", real_close)
+    assert len(fds) == 3  # both KV records and the exportable weights record
+    assert all(_closed(fd) for fd in fds)
+    by = {t for fd, t in closer if fd in fds}
+    assert by
+    assert threading.get_ident() not in by  # closed on the closer thread
+    assert all(d.is_asleep for d in alloc.pointer_to_data.values())
+    assert all(alloc.read(p) == bytes([RELEASED]) * len(v) for p, v in before.items())
+    t = r["timings"]
+    assert (t["free_later"], t["free_later_records"], t["free_later_not_exported"]) == (
+        1.0, 3.0, 1.0
+    )  # fmt: skip
+    assert t["free_later_wait_s"] >= 0
+    assert t["kv_early_records"] == 1.0
+    b.resume(["weights", "kv_cache"])
+    b.synchronize()
+    for p in weights:
+        assert alloc.read(p) == before[p]
+
+
+def test_free_later_frees_the_early_records_before_a_failed_prepare_maps_them_back(
+    alloc: _Allocator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """free_later and a failed prepare: the descriptors of the KV records released first
+    are all closed (their memory free) before those records are mapped back, and nothing
+    else is released."""
+    _model(alloc)
+    kv = _tags(alloc, "kv_cache")
+    fds = _exports(monkeypatch)
+    at_map: list[bool] = []
+
+    def create_and_map(_s: Driver, h: Any, lent: Any = None) -> None:
+        at_map.append(all(_closed(fd) for fd in fds))
+        _scribble(h, MAPPED)
+
+    monkeypatch.setattr(Driver, "create_and_map", create_and_map)
+    b = _backend(alloc, free_later=True)
+
+    def failing(go_on: Callable[[], None]) -> list[tuple[int, int]]:
+        raise RuntimeError("the prepare failed")
+
+    with pytest.raises(RuntimeError, match="the prepare failed"):
+        b.suspend(1, ["weights", "kv_cache"], during=failing, early_kv=kv)
+    assert len(fds) == 2
+    assert at_map == [True, True]
+    assert b.suspended() == {}
+    assert not any(d.is_asleep for d in alloc.pointer_to_data.values())
 
 
 def test_a_failed_prepare_waits_for_the_kv_thread_then_maps_its_records_back(

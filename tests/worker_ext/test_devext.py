@@ -130,6 +130,23 @@ def test_the_kvthread_variant_turns_the_kv_release_thread_on_and_base_back_to_th
         w.hotswap_bench_variant("base")
 
 
+def test_the_freelater_variants_turn_free_later_on_and_base_back_to_the_default() -> None:
+    w = Worker()
+    try:
+        out = w.hotswap_bench_variant("freelater")
+        assert out["ok"], out
+        assert out["free_later"] is True
+        assert w.backend.settings.tuning.free_later is True
+        assert w.backend.settings.tuning.sleep_stage_share == Tuning().sleep_stage_share
+        w.hotswap_bench_variant("freelater50")
+        assert w.backend.settings.tuning.free_later is True
+        assert w.backend.settings.tuning.sleep_stage_share == 0.5
+        assert w.hotswap_bench_variant("base")["free_later"] is Tuning().free_later
+        assert w.backend.settings.tuning.sleep_stage_share == Tuning().sleep_stage_share
+    finally:
+        w.hotswap_bench_variant("base")
+
+
 def test_the_share_variants_set_the_fused_sleeps_first_stage_and_base_the_default() -> None:
     w = Worker()
     try:

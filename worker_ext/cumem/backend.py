@@ -17,7 +17,14 @@ from worker_ext.cumem.records import Records, ranges, size
 from worker_ext.cumem.resident import Residency
 from worker_ext.cumem.resume import Onload, vllm_side_effects
 from worker_ext.cumem.streams import CopyStreams
-from worker_ext.cumem.suspend import Beside, Offload, Unlocked, map_again, release_early
+from worker_ext.cumem.suspend import (
+    Beside,
+    FreeLater,
+    Offload,
+    Unlocked,
+    map_again,
+    release_early,
+)
 from worker_ext.cumem.tier import TierPart
 from worker_ext.pools import (
     ALL_TAGS,
@@ -305,13 +312,10 @@ class CuMemBackend:
         copies = Offload(self._coded, self._streams, self._host_for, offload, timings, share)
         link = _LinkClock(self._torch, self._streams, t0, bool(offload))
         early_kv = early_kv if during is not None else ()
-        # the KV cache's releases on threads of their own (the tuning's kv_thread)
-        on = during is not None and self.settings.tuning.kv_thread
-        unlocked = Unlocked(self._mapper()) if on else None
-        if unlocked is not None:
-            timings["kv_thread"] = 1.0
+        unlocked, later = _release_modes(self, during is not None, timings)
 
         def kv_first(how: Callable[[Any], None] | None = None) -> list[tuple[int, Any]]:
+            how = how or later
             return release_early(early_kv, recs, plan, self._lending, timings, t0, how)
 
         # threaded, it starts before the first copies are queued; else after them
@@ -322,16 +326,18 @@ class CuMemBackend:
         timings["at_queued_first_s"] = time.perf_counter() - t0
         early = early or Beside(kv_first, threaded=False)
         if during is not None:
-            rewritten = _prepare_under(during, copies, early, self._mapper, timings)
+            rewritten = _prepare_under(during, copies, early, self._mapper, timings, later)
         timings["at_prepared_s"] = time.perf_counter() - t0
         copies.go_on()
         copies.check_reused_plan()
         link.queued()  # every copy is queued now
         if level == 2 and WEIGHTS in tags and plan[WEIGHTS] == DISCARDED:
             self._tier.put_away(recs[WEIGHTS], timings, rewritten)
-        discard = _discarding(self, tags, plan, recs, timings, t0, unlocked)
-        copies.release_copied(self._release)
+        discard = _discarding(self, tags, plan, recs, timings, t0, unlocked, later)
+        copies.release_copied(later or self._release)
         graphs = discard.join(timings, "discard_join_wait_s")
+        if later is not None:
+            later.join(timings)  # every record's memory free before the answer
         timings["at_released_s"] = time.perf_counter() - t0
         copies.finish()
         link.done(timings)
@@ -462,6 +468,7 @@ def _discarding(
     timings: dict[str, float],
     t0: float,
     unlocked: Unlocked | None,
+    later: FreeLater | None = None,
 ) -> Beside[int]:
     """The discarded pools released (they need no copy) while the offload copies run, and
     the CUDA graphs' pool with the KV cache (never copied: worker_ext.graphpool): on a
@@ -481,11 +488,26 @@ def _discarding(
         return graphs
 
     def here() -> int:
-        return run(b._release)
+        return run(later or b._release)
 
     if unlocked is None:
         return Beside(here, threaded=False)
     return unlocked.run(lambda: run(unlocked), here)
+
+
+def _release_modes(
+    b: CuMemBackend, fused: bool, timings: dict[str, float]
+) -> tuple[Unlocked | None, FreeLater | None]:
+    """A fused sleep's releases as its tuning asks: the KV cache's on threads of their own
+    (`kv_thread`: Unlocked), each record's memory freed on a thread as its exported
+    descriptor closes (`free_later`: FreeLater); None for either when off."""
+    tuning = b.settings.tuning
+    unlocked = Unlocked(b._mapper()) if fused and tuning.kv_thread else None
+    later = FreeLater(b._mapper().export_fd, b._release) if fused and tuning.free_later else None
+    for key, on in (("kv_thread", unlocked), ("free_later", later)):
+        if on is not None:
+            timings[key] = 1.0
+    return unlocked, later
 
 
 def _prepare_under(
@@ -494,17 +516,22 @@ def _prepare_under(
     early: Beside[list[tuple[int, Any]]],
     mapper: Callable[[], Driver],
     timings: dict[str, float],
+    later: FreeLater | None = None,
 ) -> Sequence[tuple[int, int]]:
     """`during` (the prepare) under the queued copies, then the KV records released early
     waited for. If it raises: every queued copy waited for, the records released early
-    mapped back (a refusal there raises: the rank fails) and its error raised again. An
-    error of the early release is raised once the copies were waited for (the rank fails)."""
+    mapped back (once their memory is free: `later`; a refusal there raises: the rank
+    fails) and its error raised again. An error of the early release is raised once the
+    copies were waited for (the rank fails)."""
     t = time.perf_counter()
     try:
         rewritten = during(copies.go_on)
     except BaseException:
         copies.abandon()
-        map_again(early.join(timings, "kv_join_wait_s"), mapper)
+        released = early.join(timings, "kv_join_wait_s")
+        if later is not None:
+            later.join(timings)
+        map_again(released, mapper)
         raise
     timings["prepare_under_copies_s"] = time.perf_counter() - t
     try:

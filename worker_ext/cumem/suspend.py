@@ -4,7 +4,10 @@ record released as soon as its own copies are done."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -284,6 +287,70 @@ class Unlocked:
             return fn()
 
         return Beside(body, threaded=True, instead=instead)
+
+
+class FreeLater:
+    """A record's release whose memory an exported descriptor keeps alive (the tuning's
+    free_later): the record is unmapped and its handle released at once (cheap: the driver
+    frees nothing yet), and the descriptor is closed on a thread of its own, where the
+    driver frees the memory, beside the suspend's thread; `join` waits until every one is
+    closed (the memory free). A record whose handle cannot be exported is released as
+    usual (its memory freed there)."""
+
+    def __init__(
+        self, export: Callable[[Any], tuple[int, int]], release: Callable[[Any], None]
+    ) -> None:
+        self._export = export
+        self._release = release
+        self._fds: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._count = 0
+        self._close_s = 0.0
+        self.failed = 0  # records released as usual (not exportable)
+
+    def __call__(self, data: Any) -> None:
+        fd = None
+        try:
+            fd, _n = self._export(data.handle)
+        except Exception:
+            self.failed += 1
+        try:
+            self._release(data)
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            raise
+        if fd is not None:
+            self._count += 1
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._closer, name="hotswap-free", daemon=True
+                )
+                self._thread.start()
+            self._fds.put(fd)
+
+    def _closer(self) -> None:
+        while (fd := self._fds.get()) is not None:
+            t = time.perf_counter()
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            self._close_s += time.perf_counter() - t
+
+    def join(self, timings: dict[str, float]) -> None:
+        """Once every descriptor so far is closed (their memory free); timed."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        t = time.perf_counter()
+        self._fds.put(None)
+        thread.join()
+        timings["free_later_wait_s"] = timings.get("free_later_wait_s", 0.0) + (
+            time.perf_counter() - t
+        )
+        timings["free_later_close_s"] = self._close_s
+        timings["free_later_records"] = float(self._count)
+        if self.failed:
+            timings["free_later_not_exported"] = float(self.failed)
 
 
 def map_again(early: list[tuple[int, Any]], mapper: Callable[[], Driver]) -> None:
