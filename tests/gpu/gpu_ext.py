@@ -107,14 +107,16 @@ class GpuTestExtension(HotSwapExtension):
         return {"mode": self._hotswap_protect_mode()}
 
     @rpc
-    def hotswap_test_kv_thread(self, on: bool) -> dict[str, Any]:
-        """The tuning's kv_thread on or off for this worker's later sleeps."""
+    def hotswap_test_release_mode(self, name: str, on: bool) -> dict[str, Any]:
+        """The tuning's kv_thread or free_later (`name`) on or off for later sleeps."""
         import dataclasses
 
+        if name not in ("kv_thread", "free_later"):
+            raise ValueError(f"release mode {name!r}")
         st = self._hotswap_state()
-        tuning = dataclasses.replace(st.settings.tuning, kv_thread=bool(on))
+        tuning = dataclasses.replace(st.settings.tuning, **{name: bool(on)})
         st.use_settings(dataclasses.replace(st.settings, tuning=tuning))
-        return {"kv_thread": st.settings.tuning.kv_thread}
+        return {name: getattr(st.settings.tuning, name)}
 
     @rpc
     def hotswap_test_planted(self, value: float | None = None) -> dict[str, Any]:

@@ -279,33 +279,36 @@ def test_kv_records_released_first_are_lent_and_mapped_by_another_handle(llama: 
     assert llama.gen() == base
 
 
-def test_the_kv_thread_releases_beside_the_prepare_and_the_wake_verifies(llama: Engine) -> None:
-    """The tuning's kv_thread on the driver: the fused sleep releases its KV records named
-    early on a thread of its own (the driver's calls there, its context bound) and the
-    discarded pools on another after the prepare; every byte is released, the wake
-    verifies, tokens and logprobs equal; off again, the sleep is as before."""
+@pytest.mark.parametrize("mode", ["kv_thread", "free_later"])
+def test_the_release_modes_free_every_byte_and_the_wake_verifies(llama: Engine, mode: str) -> None:
+    """The tuning's kv_thread (the KV cache's releases on threads of their own) and
+    free_later (each record's memory freed as its exported descriptor closes on a thread)
+    on the driver: every byte is back on the device when the fused sleep answers
+    (cudaMemGetInfo), the wake verifies, tokens and logprobs equal; off again, as before."""
     base = llama.gen()
     pools = llama.rpc("hotswap_info")["pools"]
     llama.sleep(1, fused=True)  # a prepare names the KV records that hold only the KV cache
     assert llama.wake(1, fused=True)["verify"]["mismatched"] == []
-    assert llama.rpc("hotswap_test_kv_thread", True)["kv_thread"] is True
+    assert llama.rpc("hotswap_test_release_mode", mode, True)[mode] is True
     try:
         for _ in range(2):
             s = llama.sleep(1, fused=True)["prepare_and_suspend"]
             assert "failed_step" not in s, s
             t = s["timings"]
-            assert t["kv_thread"] == 1.0, t
-            assert "discard_join_wait_s" in t, t
-            if t.get("kv_early_records"):
-                assert "kv_join_wait_s" in t, t
+            assert t[mode] == 1.0, t
+            if mode == "free_later":
+                assert t.get("free_later_records", 0) > 0, t
+                assert "free_later_not_exported" not in t, t
+            else:
+                assert "discard_join_wait_s" in t, t
             _check_bytes(llama, pools, s, ["weights", "kv_cache"])
             w = llama.wake(1, fused=True)
             assert w["verify"]["mismatched"] == [], w["verify"]
             assert llama.gen() == base
     finally:
-        llama.rpc("hotswap_test_kv_thread", False)
+        llama.rpc("hotswap_test_release_mode", mode, False)
     s = llama.sleep(1, fused=True)["prepare_and_suspend"]
-    assert "kv_thread" not in s["timings"], s["timings"]
+    assert mode not in s["timings"], s["timings"]
     assert llama.wake(1, fused=True)["verify"]["mismatched"] == []
     assert llama.gen() == base
 
