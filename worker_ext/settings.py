@@ -61,9 +61,9 @@ class Tuning:
     # and after the prepare the discarded pools on another, beside the weights' releases;
     # off: all on the sleep's thread (not yet measured on a GPU)
     kv_thread: bool = False
-    # a fused sleep exports each record it releases and closes the descriptor on a thread of
-    # its own, where the driver frees the memory, beside the sleep's thread; the sleep
-    # answers once all are closed (not yet measured on a GPU)
+    # a fused sleep exports each KV and graph-pool record it releases and closes the
+    # descriptor on a thread of its own, where the driver frees the memory, beside the
+    # sleep's thread; the sleep answers once all are closed (not yet measured on a GPU)
     free_later: bool = False
     # a wake's create refused for memory is asked again for up to this long: an overlapped
     # swap maps the woken model's KV cache while the victim releases its own

@@ -334,7 +334,7 @@ class CuMemBackend:
         if level == 2 and WEIGHTS in tags and plan[WEIGHTS] == DISCARDED:
             self._tier.put_away(recs[WEIGHTS], timings, rewritten)
         discard = _discarding(self, tags, plan, recs, timings, t0, unlocked, later)
-        copies.release_copied(later or self._release)
+        copies.release_copied(self._release)
         graphs = discard.join(timings, "discard_join_wait_s")
         if later is not None:
             later.join(timings)  # every record's memory free before the answer
@@ -479,9 +479,11 @@ def _discarding(
         t = time.perf_counter()
         for tag in tags:
             if plan[tag] == DISCARDED:
+                weights = tag == WEIGHTS and isinstance(release, FreeLater)
+                how = b._release if weights else release  # free_later: not the weights
                 for _ptr, data in recs[tag]:
                     if not data.is_asleep:  # else released early
-                        release(data)
+                        how(data)
         graphs = b._graphs.release(release, timings) if KV_CACHE in tags else 0
         timings["discard_s"] = time.perf_counter() - t
         timings["at_discarded_s"] = time.perf_counter() - t0
