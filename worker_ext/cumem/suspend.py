@@ -291,11 +291,11 @@ class Unlocked:
 
 class FreeLater:
     """A record's release whose memory an exported descriptor keeps alive (the tuning's
-    free_later, for the KV and graph pools' records): the record is unmapped and its handle released at once (cheap: the driver
-    frees nothing yet), and the descriptor is closed on a thread of its own, where the
-    driver frees the memory, beside the suspend's thread; `join` waits until every one is
-    closed (the memory free). A record whose handle cannot be exported is released as
-    usual (its memory freed there)."""
+    free_later, for the KV and graph pools' records): the record is unmapped and its
+    handle released at once (cheap: the driver frees nothing yet), and the descriptor is
+    closed on a thread of its own, where the driver frees the memory, beside the suspend's
+    thread; `join` waits until every one is closed (the memory free). A record whose
+    handle cannot be exported is released as usual (its memory freed there)."""
 
     def __init__(
         self, export: Callable[[Any], tuple[int, int]], release: Callable[[Any], None]
