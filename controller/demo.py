@@ -11,8 +11,8 @@ import logging
 import shutil
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from controller.config.modelsettings import ModelSettings
@@ -72,9 +72,15 @@ async def write_demo_models(models_dir: Path, models: Sequence[DemoModel] = DEMO
 
 @contextlib.asynccontextmanager
 async def demo_engines(
-    workdir: Path | None = None, *, uni: bool = True, ready_timeout_s: float = 300.0
+    workdir: Path | None = None,
+    *,
+    uni: bool = True,
+    ready_timeout_s: float = 300.0,
+    argv: Callable[[list[str]], Sequence[str]] | None = None,
 ) -> AsyncIterator[list[ModelSettings]]:
     """Two tiny models on two real CPU vLLM servers, started one after the other.
+
+    `argv`, if given, rewrites each engine's argv (the tests fork the EngineCore through it).
 
     Yields their ModelSettings (attached mode: the sidecar drives, this owns the processes);
     stops both on exit. Models and logs go to `workdir` (a temporary folder when None).
@@ -92,6 +98,8 @@ async def demo_engines(
             spec = EngineSpec(
                 model=root / "models" / m.name, uds=uds, served_model_name=m.name, uni=uni
             )
+            if argv is not None:
+                spec = replace(spec, command=tuple(argv(spec.argv())))
             engine = EngineProcess(spec, root / "logs" / f"{m.name}.log")
             engines.append(engine)
             engine.start()  # on this thread: the keeper dies with it

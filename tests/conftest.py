@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from support.engines import EngineLauncher
+from support.engines import EngineLauncher, forked_core
 from support.models import ModelFactory, model_factory
 
 from controller.engines.enginespec import MANDATORY_ENV
@@ -82,12 +82,15 @@ def demo_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoPair]:
     (tests/integration: test_fleet_host, test_fleet_idle, test_sidecar_demo,
     test_sidecar_keep_prefix_cache; tests/deploy/test_observability_e2e, in the same lane) each
     start their own sidecar over them, and leave them awake (support.sidecarthread.leave_awake).
-    An engine boot is most of such a module's cost: two processes importing vLLM."""
+    An engine boot is most of such a module's cost: vLLM's import (its EngineCore forked,
+    support.engines.forked_core, so once per engine)."""
     from support.sidecarthread import DemoPair, EngineHost, complete  # the sidecar's imports
 
     from controller.demo import demo_engines
 
-    host = EngineHost(lambda: demo_engines(tmp_path_factory.mktemp("demo"))).start()
+    host = EngineHost(
+        lambda: demo_engines(tmp_path_factory.mktemp("demo"), argv=forked_core)
+    ).start()
     try:
         models = {m.name: m for m in host.models}
         yield DemoPair(models, {n: complete(m, n) for n, m in models.items()})

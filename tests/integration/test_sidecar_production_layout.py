@@ -26,8 +26,9 @@ NAME = "tiny-mp"
 
 @pytest.fixture(scope="module")
 def server(engines: EngineLauncher, tiny_llama: Path) -> EngineProcess:
-    # The test extension only adds hotswap_test_* seams (here: hold a wake open).
-    return engines.start_with_seams(tiny_llama, NAME, uni=False)
+    # The test extension only adds hotswap_test_* seams (here: hold a wake open). Its
+    # EngineCore spawned as in production (the other test engines fork theirs).
+    return engines.start_with_seams(tiny_llama, NAME, uni=False, fork_core=False)
 
 
 @pytest.fixture(scope="module")

@@ -43,8 +43,8 @@ runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alte
 
 def forked_core(argv: list[str]) -> list[str]:
     """An engine's argv (EngineSpec.argv, managed_argv) with its EngineCore forked from the
-    API server (FORKED_CORE_MAIN): the same vLLM server at one import of vLLM per boot. For
-    the one-process (uni) layout only; the production layout's tests keep vLLM's spawn."""
+    API server (FORKED_CORE_MAIN): the same vLLM server at one import of vLLM less per boot
+    (a multiprocess layout's workers are still spawned by the EngineCore)."""
     i = argv.index(API_SERVER)
     if argv[i - 1] != "-m":
         raise ValueError(f"not vLLM's API server run as a module: {argv[: i + 1]}")
@@ -66,12 +66,14 @@ class EngineLauncher:
         *,
         uni: bool = True,
         tp: int = 1,
+        fork_core: bool = True,
         ready_timeout_s: float = 240.0,
         **spec: Any,
     ) -> EngineProcess:
-        """uni=True: the one-process executor, the EngineCore forked (forked_core); uni=False:
-        vLLM's default multiprocess layout (API server, EngineCore, worker, each spawned), the
-        production topology; tp=2 implies uni=False."""
+        """uni=True: the one-process executor; uni=False: vLLM's default multiprocess layout
+        (API server, EngineCore, a worker per rank, the workers spawned), the production
+        topology; tp=2 implies uni=False. fork_core: the EngineCore forked from the API server
+        (forked_core); False: spawned, as vLLM starts it in production."""
         if tp > 1:
             uni = False
             # Auto binding wants a NUMA node per rank; pin one core per rank instead.
@@ -84,7 +86,7 @@ class EngineLauncher:
             tensor_parallel_size=tp,
             **spec,
         )
-        if uni:
+        if fork_core:
             made = replace(made, command=tuple(forked_core(made.argv())))
         engine = EngineProcess(made, self.logs / f"{name}-{len(self.started)}.log")
         self.started.append(engine)
