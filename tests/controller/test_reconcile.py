@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import re
 from collections import Counter
@@ -565,20 +566,31 @@ def _memories() -> list[Memory]:
 OBS, MEMS = _observations(), _memories()
 
 
-def _all() -> Iterator[tuple[Observation, Memory, Verdict]]:
-    # A generator, not a list: 140k verdicts kept alive slow every later test's GC.
-    for o, m in itertools.product(OBS, MEMS):
-        yield o, m, reconcile(o, m)
+Judged = list[tuple[Observation, Memory, Verdict]]
 
 
-def test_the_product_is_large_and_every_rule_is_reached() -> None:
-    reached = Counter(v.rule for _, _, v in _all())
+@pytest.fixture(scope="module")
+def judged() -> Iterator[Judged]:
+    """Every (observation, memory) and its verdict, judged once for the module's tests. The
+    140k verdicts are frozen out of the collector's sweeps while they live (kept, they slowed
+    every later collection) and released after the module."""
+    made = [(o, m, reconcile(o, m)) for o, m in itertools.product(OBS, MEMS)]
+    gc.freeze()
+    try:
+        yield made
+    finally:
+        made.clear()
+        gc.unfreeze()
+
+
+def test_the_product_is_large_and_every_rule_is_reached(judged: Judged) -> None:
+    reached = Counter(v.rule for _, _, v in judged)
     assert sum(reached.values()) > 50_000
     assert set(reached) == {r.id for r in RULES}
 
 
-def test_running_only_when_every_rank_is_awake_and_verified_and_unpaused() -> None:
-    for o, m, v in _all():
+def test_running_only_when_every_rank_is_awake_and_verified_and_unpaused(judged: Judged) -> None:
+    for o, m, v in judged:
         if v.state is not S.RUNNING:
             continue
         assert o.reachable
@@ -603,8 +615,8 @@ def test_running_only_when_every_rank_is_awake_and_verified_and_unpaused() -> No
         assert len(o.ranks) == o.ranks[0].world_size
 
 
-def test_never_an_rpc_to_an_engine_whose_queues_may_be_out_of_step() -> None:
-    for o, m, v in _all():
+def test_never_an_rpc_to_an_engine_whose_queues_may_be_out_of_step(judged: Judged) -> None:
+    for o, m, v in judged:
         if not v.sends_rpc:
             continue
         assert o.reachable
@@ -616,10 +628,10 @@ def test_never_an_rpc_to_an_engine_whose_queues_may_be_out_of_step() -> None:
             assert o.process != m.process
 
 
-def test_verdicts_are_complete_and_match_their_rule() -> None:
+def test_verdicts_are_complete_and_match_their_rule(judged: Judged) -> None:
     by_id = {r.id: r for r in RULES}
     allowed = {S.RUNNING, S.SUSPENDED, S.FAILED, S.RESUMING}
-    for o, _m, v in _all():
+    for o, _m, v in judged:
         assert v.do is by_id[v.rule].do
         assert v.reason
         if v.do is Do.PROBE:
@@ -638,15 +650,15 @@ def test_verdicts_are_complete_and_match_their_rule() -> None:
             assert not v.unverified
 
 
-def test_mixed_ranks_are_failed_whatever_else_holds() -> None:
-    for o, _, v in _all():
+def test_mixed_ranks_are_failed_whatever_else_holds(judged: Judged) -> None:
+    for o, _, v in judged:
         if o.reachable and o.alive and o.ranks and len({r.phase for r in o.ranks}) > 1:
             assert v.state in (S.FAILED, None) or v.rule == "desynced"
             assert v.state is S.FAILED
 
 
-def test_a_fresh_process_with_memory_steps_is_never_taken_for_ours() -> None:
-    for o, m, v in _all():
+def test_a_fresh_process_with_memory_steps_is_never_taken_for_ours(judged: Judged) -> None:
+    for o, m, v in judged:
         if m.fresh and o.ranks and any(r.transitions for r in o.ranks):
             assert v.state is not S.RUNNING
 
