@@ -65,9 +65,9 @@ class RealWeightsExtension(HotSwapExtension):
         read each storage as its own range); `rebuild` builds and proves the kernel check
         anew in every prepare (what the code did before checks were kept for their ranges);
         `kvlate` the fused sleep's KV cache released after its prepare (the tuning's
-        `kv_early` off, as before the KV cache first); `share70` / `share100` the fused
-        sleep's first stage of copies at 70% of the weights' bytes / all of them (the
-        tuning's `sleep_stage_share`, 30% by default); `kvthread` the KV records released
+        `kv_early` off, as before the KV cache first); `share50` / `share70` / `share100`
+        the fused sleep's first stage of copies at 50% / 70% of the weights' bytes / all
+        of them (the tuning's `sleep_stage_share`, 30% by default); `kvthread` the KV records released
         first, and after the prepare the discarded pools, on threads of their own (the
         tuning's `kv_thread`, off by default); `freelater` every record's memory freed as
         its exported descriptor closes on a thread (the tuning's `free_later`, off by
@@ -118,6 +118,7 @@ VARIANTS = {
     "storagepass": _with_storage_pass,
     "rebuild": _rebuilt,
     "kvlate": _BASELINE,
+    "share50": _BASELINE,
     "share70": _BASELINE,
     "share100": _BASELINE,
     "kvthread": _BASELINE,
@@ -125,6 +126,7 @@ VARIANTS = {
     "freelater50": _BASELINE,
 }
 SHARES = {
+    "share50": 0.5,
     "share70": 0.7,
     "share100": 1.0,
     "freelater50": 0.5,

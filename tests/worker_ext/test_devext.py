@@ -153,6 +153,9 @@ def test_the_share_variants_set_the_fused_sleeps_first_stage_and_base_the_defaul
         out = w.hotswap_bench_variant("share70")
         assert out["ok"], out
         assert w.backend.settings.tuning.sleep_stage_share == 0.7
+        w.hotswap_bench_variant("share50")
+        assert w.backend.settings.tuning.sleep_stage_share == 0.5
+        assert w.backend.settings.tuning.free_later is Tuning().free_later
         assert w.backend.settings.tuning.kv_early is True
         w.hotswap_bench_variant("share100")
         assert w.backend.settings.tuning.sleep_stage_share == 1.0
