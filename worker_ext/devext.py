@@ -67,12 +67,12 @@ class RealWeightsExtension(HotSwapExtension):
         `kvlate` the fused sleep's KV cache released after its prepare (the tuning's
         `kv_early` off, as before the KV cache first); `share50` / `share70` / `share100`
         the fused sleep's first stage of copies at 50% / 70% of the weights' bytes / all
-        of them (the tuning's `sleep_stage_share`, 30% by default); `kvthread` the KV records released
-        first, and after the prepare the discarded pools, on threads of their own (the
-        tuning's `kv_thread`, off by default); `freelater` every record's memory freed as
-        its exported descriptor closes on a thread (the tuning's `free_later`, off by
-        default); `freelater50` that with the first stage at 50%; `base`
-        the code as it is: before/after on one engine."""
+        of them (the tuning's `sleep_stage_share`, 30% by default); `kvthread` the KV
+        records released first, and after the prepare the discarded pools, on threads of
+        their own (the tuning's `kv_thread`, off by default); `freelater` the KV and graph
+        pools' records' memory freed as their exported descriptors close on a thread (the
+        tuning's `free_later`, off by default); `freelater50` that with the first stage at
+        50%; `base` the code as it is: before/after on one engine."""
         import dataclasses
 
         if name not in VARIANTS:
