@@ -127,7 +127,8 @@ def test_the_layout_says_which_segments_hold_what_empty_cache_cannot_give_back()
 
     def seg(total: int, pool: tuple[int, int], *blocks: tuple[int, str]) -> dict[str, Any]:
         used = sum(n for n, state in blocks if state == "active_allocated")
-        rows = [{"size": n, "state": state} for n, state in blocks]
+        # torch rounds a block up from the size asked for: the size asked for is one less
+        rows = [{"size": n, "requested_size": n - 1, "state": state} for n, state in blocks]
         return {"address": total, "total_size": total, "allocated_size": used,
                 "segment_pool_id": pool, "blocks": rows}  # fmt: skip
 
@@ -137,14 +138,19 @@ def test_the_layout_says_which_segments_hold_what_empty_cache_cannot_give_back()
         seg(8, (0, 0), (8, "active_allocated")),
         seg(100, (1, 5), (100, "inactive")),
         seg(50, (1, 5), (10, "active_allocated"), (40, "inactive")),
+        seg(16, (0, 0), (2, "active_allocated"), (2, "active_allocated"), (12, "inactive")),
     ]
     r = Residency(t, "cuda:0", FakeRecords())  # type: ignore[arg-type]
     res = r.resident()
-    assert (res["torch_allocated"], res["torch_cached"], res["graph_pools"]) == (15, 43, 150)
+    assert (res["torch_allocated"], res["torch_cached"], res["graph_pools"]) == (19, 55, 150)
     assert res["layout"] == {
         "private_pools": {"1,5": [2, 150, 10]},
-        "default_free": [[30, 3, 2, 2], [20, 4, 1, 4]],
-        "default_free_segments": 2,
+        "default_free": [[30, 3, 2, 2], [20, 4, 1, 4], [16, 4, 2, 2]],
+        "default_free_segments": 3,
+        # [size asked for, blocks], the most bytes first: 7 x 1, 3 x 1, 1 x 3 (two of them
+        # in one segment), 0 x 1
+        "default_live": [[7, 1], [3, 1], [1, 3], [0, 1]],
+        "private_live": {"1,5": [[9, 1]]},
     }
 
 

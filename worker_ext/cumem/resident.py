@@ -43,10 +43,25 @@ def nvml_process_bytes(pid: int) -> int | None:
 
 
 LAYOUT_TOP = 12  # the default pool's segments with free bytes `resident.layout` lists
+LIVE_TOP = 8  # the live blocks' sizes `resident.layout` lists per pool, the most bytes first
 
 
 def _live(block: dict[str, Any]) -> bool:
     return str(block.get("state", "")).startswith("active")
+
+
+def _count_live(into: dict[int, int], seg: dict[str, Any]) -> None:
+    """Count the segment's live blocks by the size asked for (torch's `requested_size`)."""
+    for b in seg.get("blocks", []):
+        if _live(b):
+            n = int(b.get("requested_size", b.get("size", 0)))
+            into[n] = into.get(n, 0) + 1
+
+
+def _top_live(sizes: dict[int, int]) -> list[list[int]]:
+    """[size asked for, blocks] rows, the most bytes first, at most LIVE_TOP."""
+    rows = sorted(sizes.items(), key=lambda kv: (-kv[0] * kv[1], -kv[0]))
+    return [[n, k] for n, k in rows[:LIVE_TOP]]
 
 
 _STACK_SIZE = 0  # cudaLimitStackSize
@@ -96,7 +111,9 @@ class Residency:
         private pool (by its id) the segments, their bytes and the bytes in use; the default
         pool's segments that hold free bytes, the `top` most free first: each one's total,
         in use, live blocks and largest live block (free bytes in a segment that also holds
-        a live block are what `empty_cache` cannot give back)."""
+        a live block are what `empty_cache` cannot give back); and per pool (the default's
+        and each private one's) its live blocks by the size they were asked for, the most
+        bytes first (LIVE_TOP rows of [size, blocks]: a tensor's size says what it is)."""
         recs = self._records.all()
         graphs = self._records.graphs()  # a CuMem graph pool (worker_ext.graphpool)
         out = {"pools_mapped": 0, "torch_allocated": 0, "torch_cached": 0, "graph_pools": 0}
@@ -109,11 +126,14 @@ class Residency:
             return out, {}
         private: dict[str, list[int]] = {}
         split: list[list[int]] = []
+        # the live blocks by the size asked for: what holds the bytes (a tensor's size names it)
+        by_size: dict[str, dict[int, int]] = {}
         for seg in segments:
             if int(seg.get("address", 0)) in recs:
                 continue
             total, used = int(seg.get("total_size", 0)), int(seg.get("allocated_size", 0))
             pool = tuple(seg.get("segment_pool_id") or (0, 0))
+            _count_live(by_size.setdefault(f"{pool[0]},{pool[1]}", {}), seg)
             if pool != (0, 0):
                 out["graph_pools"] += total  # a graph replays into its free blocks too
                 row = private.setdefault(f"{pool[0]},{pool[1]}", [0, 0, 0])
@@ -125,10 +145,13 @@ class Residency:
             if total > used:
                 split.append([total, used, len(live), max(live, default=0)])
         split.sort(key=lambda r: r[1] - r[0])
+        default_live = by_size.pop("0,0", {})
         layout = {
             "private_pools": private,  # id: [segments, bytes, in use]
             "default_free": split[:top],  # [total, in use, live blocks, largest live]
             "default_free_segments": len(split),
+            "default_live": _top_live(default_live),  # [size asked for, blocks]
+            "private_live": {k: _top_live(v) for k, v in by_size.items()},
         }
         return out, layout
 
