@@ -76,7 +76,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineLauncher
 
 @pytest.fixture(scope="session")
 def demo_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoPair]:
-    """The embedded default's two tiny models on two real CPU vLLM servers, exactly what
+    """The embedded default's two tiny models on two real CPU vLLM servers, the models
     `hotswap serve --demo` runs (controller.demo.demo_engines: tiny-a and tiny-b, llama
     seeds 0 and 1), booted once for the lane's session: the attached-mode modules
     (tests/integration: test_fleet_host, test_fleet_idle, test_sidecar_demo,

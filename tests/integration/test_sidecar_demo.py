@@ -1,5 +1,6 @@
 """The sidecar's HTTP API against the embedded default: two tiny models on two real CPU vLLM
-servers (uni executor), exactly what `hotswap serve --demo` runs.
+servers (uni executor), the models `hotswap serve --demo` runs (the engines' EngineCore
+forked, tests/conftest.py's demo_pair says why).
 
 Sleep/wake cycles at levels 1 and 2 must give back identical greedy tokens and logprobs;
 readiness must say 503 from the first moment of a transition until the wake is verified;
