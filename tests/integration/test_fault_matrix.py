@@ -319,29 +319,44 @@ def _back_after_restart(
     _settle_and_check(side, eng, baseline, _replace_end(case, "RUNNING"), t0)
 
 
-def _long_request(url: str) -> threading.Thread:
+class _LongRequest(threading.Thread):
     """A completion long enough for a drain to wait on (straight to the engine, streamed:
-    its first token says it runs)."""
-    running = threading.Event()
+    its first token says it runs). `cancel()` closes its stream: vLLM aborts a request whose
+    client went away, so the engine's drain ends without generating the rest."""
 
-    def run() -> None:
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True, name="long-request")
+        self.url = url
+        self.running = threading.Event()
+        self.cancelled = threading.Event()
+
+    def run(self) -> None:
         body = {**completion_body(NAME, max_tokens=LONG_TOKENS), "stream": True}
         with (
-            engine_http(url, 300) as client,
+            engine_http(self.url, 300) as client,
             client.stream("POST", "/v1/completions", json=body) as r,
         ):
             for _ in r.iter_lines():
-                running.set()
-        running.set()
+                self.running.set()
+                if self.cancelled.is_set():
+                    break
+        self.running.set()
 
-    t = threading.Thread(target=run, daemon=True, name="long-request")
+    def cancel(self, timeout_s: float) -> None:
+        self.cancelled.set()
+        self.join(timeout_s)
+        assert not self.is_alive(), "the long request did not end"
+
+
+def _long_request(url: str) -> _LongRequest:
+    t = _LongRequest(url)
     t.start()
-    assert running.wait(60), "the long request never ran"
+    assert t.running.wait(60), "the long request never ran"
     assert t.is_alive(), "the long request ended before the drain"
     return t
 
 
-def _in_drain(side: SidecarProcess, eng: Engine, attempts: int = 3) -> threading.Thread:
+def _in_drain(side: SidecarProcess, eng: Engine, attempts: int = 3) -> _LongRequest:
     """A level-1 sleep held in its drain by a long request. On a starved machine the
     engine can finish the request before the client thread has read its first line, and
     the drain then ends at once: seen settled, the model is woken and the case tried again."""
@@ -396,10 +411,10 @@ def test_sidecar_sigkill(
         assert audit.status_code == 409, audit.text
     sidecar.kill()
     if long is not None:
-        # The engine finishes it, then stays paused: nobody resumes it. Waited for to the
-        # end: on a starved machine a request still running would hold the next case's drain.
-        long.join(600)
-        assert not long.is_alive(), "the long request did not end"
+        # Its client goes away: the engine aborts it, its drain ends, and it stays paused
+        # (nobody resumes it). Waited for to the end: on a starved machine a request still
+        # running would hold the next case's drain.
+        long.cancel(120)
     t0 = time.monotonic()
     sidecar.start()
     _settle_and_check(sidecar, eng, baseline, case, t0)
