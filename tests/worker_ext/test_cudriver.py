@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 import pytest
+from support.fds import fd_closed, pipe_fd
 
 from worker_ext.cudriver import Driver, DriverError
 
@@ -228,20 +229,6 @@ def test_a_create_refused_for_memory_is_asked_again_within_oom_wait_s() -> None:
     assert [c[0] for c in cuda.calls] == ["create"]
 
 
-def _pipe_fd() -> int:
-    r, w = os.pipe()
-    os.close(w)
-    return r
-
-
-def _closed(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-    except OSError:
-        return True
-    return False
-
-
 @pytest.mark.parametrize(("lent", "maps"), [(8, [8]), (6, [6, 2])])
 def test_a_record_maps_memory_lent_to_it_in_place_of_a_create(lent: int, maps: list[int]) -> None:
     """kvlend: the allocation behind a lent descriptor is imported and mapped (all of it,
@@ -251,7 +238,7 @@ def test_a_record_maps_memory_lent_to_it_in_place_of_a_create(lent: int, maps: l
     g = GRANULARITY
     cuda = FakeCuda(fabric=False)
     drv = Driver(0, lib=cuda, oom_wait_s=5.0)
-    fd = _pipe_fd()
+    fd = pipe_fd()
     handle, slot = record(0x7000_0000, 8 * g)
     drv.create_and_map(handle, lambda n: (fd, lent * g))
     kinds = [c[0] for c in cuda.calls]
@@ -265,14 +252,14 @@ def test_a_record_maps_memory_lent_to_it_in_place_of_a_create(lent: int, maps: l
         assert kinds.index("release") > kinds.index("map", kinds.index("create"))
     assert kinds[-1] == "access"
     assert drv.kept == {0x7000_0000: (fd, lent * g)}
-    assert not _closed(fd)
+    assert not fd_closed(fd)
     assert drv.imported == lent * g
     again, n = drv.export_fd(handle)  # lent on: the same memory, its own size
     assert n == lent * g
     assert "export" not in [c[0] for c in cuda.calls]
     os.close(again)
     drv.forget(0x7000_0000)  # the record released: its descriptor closed
-    assert _closed(fd)
+    assert fd_closed(fd)
     assert drv.kept == {}
 
 
@@ -282,11 +269,11 @@ def test_a_larger_lent_allocation_is_not_mapped_in_part() -> None:
     g = GRANULARITY
     cuda = FakeCuda(fabric=False)
     drv = Driver(0, lib=cuda)
-    fd = _pipe_fd()
+    fd = pipe_fd()
     handle, _slot = record(0x7000_0000, 8 * g)
     drv.create_and_map(handle, lambda n: (fd, 10 * g))
     assert [c[0] for c in cuda.calls] == ["create", "map", "access"]
-    assert _closed(fd)
+    assert fd_closed(fd)
     assert drv.import_refused == 1
     assert drv.kept == {}
 
@@ -295,7 +282,7 @@ def test_memory_lent_while_a_create_waits_is_taken_in_its_place() -> None:
     cuda = FakeCuda(fabric=False)
     cuda.free_now = 0  # the victim's memory is still its own
     drv = Driver(0, lib=cuda, oom_wait_s=5.0)
-    fd = _pipe_fd()
+    fd = pipe_fd()
     polls = {"n": 0}
 
     def lent(n: int) -> tuple[int, int] | None:
@@ -317,10 +304,10 @@ def test_a_lent_descriptor_that_fails_is_closed_and_the_record_created() -> None
     cuda = FakeCuda(fabric=False)
     cuda.fail["map"] = [1]  # the lent memory's mapping refused
     drv = Driver(0, lib=cuda)
-    fd = _pipe_fd()
+    fd = pipe_fd()
     handle, slot = record(0x7000_0000)
     drv.create_and_map(handle, lambda n: (fd, n))
-    assert _closed(fd)
+    assert fd_closed(fd)
     assert drv.import_refused == 1
     kinds = [c[0] for c in cuda.calls]
     assert kinds == ["import", "map", "release", "create", "map", "access"]

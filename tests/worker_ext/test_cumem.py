@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.fds import fd_closed
 
 from worker_ext.cudart import CudaRT
 from worker_ext.cudriver import Driver, DriverError
@@ -537,11 +538,7 @@ def test_the_discarded_pools_go_on_a_thread_beside_the_weights_releases(
     calls = _threaded_release(monkeypatch, weights_gone)
     b = _backend(alloc, kv_thread=True)
 
-    def prepare(go_on: Callable[[], None]) -> list[tuple[int, int]]:
-        go_on()
-        return []
-
-    r = b.suspend(1, ["weights", "kv_cache"], during=prepare)  # nothing released first
+    r = b.suspend(1, ["weights", "kv_cache"], during=_go_on)  # nothing released first
     assert [(p, ok) for p, _t, ok in calls] == [(kv[0], True), (kv[1], True)]
     assert threading.get_ident() not in {t for _p, t, _ok in calls}
     assert all(d.is_asleep for d in alloc.pointer_to_data.values())
@@ -565,11 +562,7 @@ def test_a_release_thread_without_a_device_context_releases_nothing_and_the_slee
     monkeypatch.setattr(Driver, "bind_context", unbound)
     b = _backend(alloc, kv_thread=True)
 
-    def prepare(go_on: Callable[[], None]) -> list[tuple[int, int]]:
-        go_on()
-        return []
-
-    r = b.suspend(1, ["weights", "kv_cache"], during=prepare, early_kv=[kv[0]])
+    r = b.suspend(1, ["weights", "kv_cache"], during=_go_on, early_kv=[kv[0]])
     assert calls == []  # nothing through the thread's driver
     assert all(d.is_asleep for d in alloc.pointer_to_data.values())
     assert all(alloc.read(p) == bytes([RELEASED]) * len(v) for p, v in before.items())
@@ -580,6 +573,12 @@ def test_a_release_thread_without_a_device_context_releases_nothing_and_the_slee
     b.synchronize()
     for p in _tags(alloc, "weights"):
         assert alloc.read(p) == before[p]
+
+
+def _go_on(go_on: Callable[[], None]) -> list[tuple[int, int]]:
+    """A prepare that protects nothing: it lets the suspend go on at once."""
+    go_on()
+    return []
 
 
 def _exports(monkeypatch: pytest.MonkeyPatch, refuse: set[int] | None = None) -> list[int]:
@@ -597,15 +596,7 @@ def _exports(monkeypatch: pytest.MonkeyPatch, refuse: set[int] | None = None) ->
     return fds
 
 
-def _closed(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-    except OSError:
-        return True
-    return False
-
-
-def test_free_later_releases_every_record_and_answers_once_every_descriptor_is_closed(
+def test_free_later_releases_every_record_and_answers_once_every_descriptor_isfd_closed(
     alloc: _Allocator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The tuning's free_later: each KV record the fused sleep releases (those released
@@ -630,14 +621,10 @@ def test_free_later_releases_every_record_and_answers_once_every_descriptor_is_c
     monkeypatch.setattr(os, "close", close)
     b = _backend(alloc, free_later=True)
 
-    def prepare(go_on: Callable[[], None]) -> list[tuple[int, int]]:
-        go_on()
-        return []
-
-    r = b.suspend(1, ["weights", "kv_cache"], during=prepare, early_kv=[kv[0]])
+    r = b.suspend(1, ["weights", "kv_cache"], during=_go_on, early_kv=[kv[0]])
     monkeypatch.setattr(os, "close", real_close)
     assert len(fds) == 2  # the two exportable KV records; no weights record
-    assert all(_closed(fd) for fd in fds)
+    assert all(fd_closed(fd) for fd in fds)
     by = {t for fd, t in closer if fd in fds}
     assert by
     assert threading.get_ident() not in by  # closed on the closer thread
@@ -667,7 +654,7 @@ def test_free_later_frees_the_early_records_before_a_failed_prepare_maps_them_ba
     at_map: list[bool] = []
 
     def create_and_map(_s: Driver, h: Any, lent: Any = None) -> None:
-        at_map.append(all(_closed(fd) for fd in fds))
+        at_map.append(all(fd_closed(fd) for fd in fds))
         _scribble(h, MAPPED)
 
     monkeypatch.setattr(Driver, "create_and_map", create_and_map)
@@ -909,11 +896,7 @@ def test_kv_records_released_first_are_lent_to_a_rank_waking_on_the_device(
     waking._lending.open()  # its first resume (the weights') opened it
     sleeping = _backend(alloc, kv_thread=kv_thread)
 
-    def prepare(go_on: Callable[[], None]) -> list[tuple[int, int]]:
-        go_on()
-        return []
-
-    r = sleeping.suspend(1, ["weights", "kv_cache"], during=prepare, early_kv=kv)
+    r = sleeping.suspend(1, ["weights", "kv_cache"], during=_go_on, early_kv=kv)
     assert r["timings"].get("kv_thread", 0.0) == float(kv_thread)
     assert sorted(exported) == sorted(alloc.pointer_to_data[p].handle[1] for p in kv)
     assert r["timings"]["kv_lent_records"] == len(kv)

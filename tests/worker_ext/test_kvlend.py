@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from support.fds import fd_closed, pipe_fd
 
 from worker_ext.cumem import kvlend
 from worker_ext.settings import Tuning, WorkerSettings
@@ -20,20 +21,6 @@ def name() -> Iterator[str]:
     return kvlend.address(f"test-{uuid.uuid4()}")
 
 
-def _fd() -> int:
-    r, w = os.pipe()
-    os.close(w)
-    return r
-
-
-def _is_open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-    except OSError:
-        return False
-    return True
-
-
 def test_nothing_listens_so_nothing_is_lent(name: str) -> None:
     assert kvlend.connect(name) is None
 
@@ -42,7 +29,7 @@ def test_lent_descriptors_reach_the_inbox_and_those_not_taken_are_closed(name: s
     box = kvlend.Inbox.open(name)
     assert box is not None
     assert kvlend.Inbox.open(name) is None  # one listener per device
-    mine = [(_fd(), 4096), (_fd(), 8192), (_fd(), 8192)]
+    mine = [(pipe_fd(), 4096), (pipe_fd(), 8192), (pipe_fd(), 8192)]
     sock = kvlend.connect(name)
     assert sock is not None
     assert kvlend.lend(sock, mine) == 3
@@ -51,12 +38,12 @@ def test_lent_descriptors_reach_the_inbox_and_those_not_taken_are_closed(name: s
     got = box.take(8192)
     assert got is not None
     assert got[1] == 8192
-    assert _is_open(got[0])
+    assert not fd_closed(got[0])
     os.close(got[0])
     assert box.received == 3
     left = [fds for fds in box._lent.values() for fds in fds]
     assert box.close() == 2
-    assert not any(_is_open(fd) for fd in left)
+    assert all(fd_closed(fd) for fd in left)
     assert kvlend.connect(name) is None  # closed: nobody listens
 
 
@@ -67,7 +54,7 @@ def test_take_is_the_best_fit_by_size(name: str) -> None:
     assert box is not None
     sock = kvlend.connect(name)
     assert sock is not None
-    fds = [_fd() for _ in range(3)]
+    fds = [pipe_fd() for _ in range(3)]
     kvlend.lend(sock, list(zip(fds, [100, 300, 200], strict=True)))
     for fd in fds:
         os.close(fd)
@@ -114,7 +101,7 @@ def test_a_lending_sleep_exports_releases_then_sends(name: str) -> None:
 
     def export(handle: Any) -> tuple[int, int]:
         order.append(f"export {handle[1]}")
-        return _fd(), handle[1]
+        return pipe_fd(), handle[1]
 
     def release(data: Any) -> None:
         order.append(f"release {data.handle[1]}")
@@ -206,17 +193,17 @@ def test_lent_memory_that_fits_no_record_goes_back_after_a_while(
     assert box is not None
     sock = kvlend.connect(name)
     assert sock is not None
-    fds = [_fd(), _fd()]
+    fds = [pipe_fd(), pipe_fd()]
     kvlend.lend(sock, [(fds[0], 100), (fds[1], 100)])
     for fd in fds:
         os.close(fd)
     assert box.take(1000) is None  # too small: kept a while (another record may fit)
     held = [fd for fds in box._lent.values() for fd in fds]
     assert len(held) == 2
-    assert all(_is_open(fd) for fd in held)
+    assert all(not fd_closed(fd) for fd in held)
     now = [kvlend.time.monotonic() + kvlend.STALE_S + 1]
     monkeypatch.setattr(kvlend.time, "monotonic", lambda: now[0])
     assert box.take(1000) is None
     assert box.dropped == 2
-    assert not any(_is_open(fd) for fd in held)
+    assert all(fd_closed(fd) for fd in held)
     box.close()
