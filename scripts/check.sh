@@ -17,7 +17,7 @@
 # lane more than the cores runs at once.
 #
 # vLLM's caches: VLLM_CACHE_ROOT and TORCHINDUCTOR_CACHE_DIR persist next to the cached venv
-# (the first engine of each architecture spends ~10 s inspecting the model, once per machine;
+# (the first engine of each architecture inspects the model at length, once per machine;
 # compiled kernels likewise); TMPDIR is private to this run (vLLM drops its dist-init files
 # there) and removed at exit, together with any /dev/shm/vllm_dist_* segment this run left.
 set -euo pipefail
