@@ -3,8 +3,8 @@
 # import-linter, then pytest with our own warnings as errors.
 #
 #   scripts/check.sh          every check and every test, in lanes that run side by side
-#                             (HOTSWAP_CHECK_JOBS at once, default: the machine's cores plus
-#                             one), the longest first; each lane's output is printed as
+#                             (HOTSWAP_CHECK_JOBS at once, default: the machine's cores, at
+#                             least 2), the longest first; each lane's output is printed as
 #                             it ends, and the wall and CPU time of each lane at the end
 #   scripts/check.sh ARGS     the static checks, then pytest ARGS (one lane)
 #   scripts/check.sh --lanes  the lanes, one a line: NAME:PYTEST WORDS[:beside|:version]
@@ -12,9 +12,8 @@
 # Lanes are separate pytest processes over separate folders: nothing of one reaches another
 # (engines on Unix sockets in private folders, ports bound by the servers themselves, a
 # private tmp dir per pytest). Most of a lane's time is spent waiting on something else than
-# the CPU (a soak's fixed two minutes, an RPC left to time out, podman's layers, a prometheus
-# scrape): as many lanes as cores leave a core partly idle (docs/benchmarks.md, CI), so one
-# lane more than the cores runs at once.
+# the CPU (an engine's start-up, podman's layers, a prometheus scrape), so two lanes on two
+# cores finish well before one after the other.
 #
 # vLLM's caches: VLLM_CACHE_ROOT and TORCHINDUCTOR_CACHE_DIR persist next to the cached venv
 # (the first engine of each architecture inspects the model at length, once per machine;
@@ -112,7 +111,7 @@ if [ $# -gt 0 ]; then
   exit "$rc"
 fi
 
-jobs_max=${HOTSWAP_CHECK_JOBS:-$(($(nproc) + 1))}
+jobs_max=${HOTSWAP_CHECK_JOBS:-$(nproc)}
 [ "$jobs_max" -ge 2 ] || jobs_max=2
 logs=$run_tmp/lanes
 mkdir -p "$logs"
