@@ -7,17 +7,14 @@
 #                             one), the longest first; each lane's output is printed as it
 #                             ends, and the wall and CPU time of each lane at the end
 #   scripts/check.sh ARGS     the static checks, then pytest ARGS (one lane)
-#   scripts/check.sh --lanes  the lanes, one a line: NAME:PYTEST WORDS[:beside|:version|:first]
+#   scripts/check.sh --lanes  the lanes, one a line: NAME:PYTEST WORDS[:beside|:version]
 #
 # Lanes are separate pytest processes over separate folders: nothing of one reaches another
 # (engines on Unix sockets in private folders, ports bound by the servers themselves, a
 # private tmp dir per pytest). Most of a lane's time is spent waiting on something else than
 # the CPU (a soak's fixed two minutes, an RPC left to time out, podman's layers, a prometheus
 # scrape): as many lanes as cores leave a core partly idle, so one lane more than the cores
-# runs at once. The lane marked "first" holds a latency bound (the soak's /livez p99, which
-# the sidecar misses when it waits for a core behind two other lanes): it runs at the
-# priority CI gave it, every other lane HOTSWAP_CHECK_NICE (default 5) nice levels below,
-# so they fill the cores' idle time without keeping its processes waiting.
+# runs at once.
 #
 # vLLM's caches: VLLM_CACHE_ROOT and TORCHINDUCTOR_CACHE_DIR persist next to the cached venv
 # (the first engine of each architecture inspects the model at length, once per machine;
@@ -28,13 +25,13 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 # Every test file is in exactly one lane (tests/test_lanes.py holds it); the longest first.
 # A lane marked "beside" waits on the network almost all its time: it starts at once and
-# does not count against the lanes running at once. The lane marked "first": see above.
+# does not count against the lanes running at once.
 # A lane's words go to pytest as they are (paths, --ignore=PATH).
 observe=tests/deploy/test_observability_e2e.py
 faults="tests/integration/test_fault_matrix.py tests/integration/test_soak.py tests/integration/test_density_cpu.py"
 lanes=(
   "bootstrap:tests/test_bootstrap.py:beside"
-  "faults:$faults:first"
+  "faults:$faults"
   # test_observability_e2e shares the integration lane's demo pair (tests/conftest.py).
   "integration:tests/integration ${faults//tests\//--ignore=tests/} $observe"
   "worker:tests/worker_ext"
@@ -124,8 +121,6 @@ begin=$(date +%s)
 
 run_lane() { # NAME PATHS KIND: the lane's output to its log, its exit code to NAME.rc
   local name=$1 paths=$2 kind=$3 rc=0
-  # Relative to the priority this script runs at (renice's -n is absolute in util-linux 2.38).
-  [ "$kind" = first ] || renice -n $(($(nice) + ${HOTSWAP_CHECK_NICE:-5})) -p "$BASHPID" >/dev/null
   # Its own TMPDIR: pytest's numbered folders and vLLM's files stay apart from the others'.
   export TMPDIR=$run_tmp/tmp-$name
   mkdir -p "$TMPDIR"

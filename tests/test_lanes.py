@@ -10,17 +10,12 @@ from pathlib import Path, PurePosixPath
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def listed() -> list[str]:
-    """scripts/check.sh --lanes: NAME:WORDS[:KIND], a line each."""
+def lanes() -> dict[str, list[str]]:
     out = subprocess.run(
         ["scripts/check.sh", "--lanes"], cwd=ROOT, capture_output=True, text=True, check=True
     )
-    return out.stdout.splitlines()
-
-
-def lanes() -> dict[str, list[str]]:
     found = {}
-    for line in listed():
+    for line in out.stdout.splitlines():
         name, words, *_ = line.split(":")
         found[name] = words.split()
     return found
@@ -48,11 +43,3 @@ def test_every_test_file_is_in_exactly_one_lane() -> None:
 
 def test_the_static_checks_have_their_own_lane() -> None:
     assert lanes().get("static") == []
-
-
-def test_the_soak_runs_in_the_one_lane_first_in_line_for_the_cpu() -> None:
-    """The soak holds a latency bound (/livez p99): its lane is the one that keeps CI's own
-    priority while the others run below it (scripts/check.sh)."""
-    first = [line.split(":") for line in listed() if line.endswith(":first")]
-    assert len(first) == 1, first
-    assert "tests/integration/test_soak.py" in first[0][1].split()
