@@ -94,12 +94,13 @@ class Report:
 
     def summary(self) -> dict[str, Any]:
         lat = sorted(self.livez_s)
-        waits = zip(self.livez_prober_wait_s, self.livez_sidecar_wait_s, strict=True)
-        less = [(t - w, t - w - s) for t, (w, s) in zip(self.livez_s, waits, strict=True)]
-        own = sorted(p for p, _ in less)
+        probes = list(
+            zip(self.livez_s, self.livez_prober_wait_s, self.livez_sidecar_wait_s, strict=True)
+        )
+        own = sorted(t - w for t, w, _ in probes)
         # less both waits, at least 0: the two can overlap (the loop waited for a CPU for
         # other work while the prober waited for one), which makes this a lower bound
-        sidecars = sorted(max(0.0, s) for _, s in less)
+        sidecars = sorted(max(0.0, t - w - s) for t, w, s in probes)
 
         def pct(q: float, of: list[float] = lat) -> float:
             return round(of[min(len(of) - 1, int(q * len(of)))] * 1000, 1) if of else 0.0
