@@ -29,7 +29,9 @@ names an OP to fail ("lock", "checkpoint", "restore", "unlock", or "OP PID" for 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import functools
 import json
 import os
@@ -174,13 +176,28 @@ class FakeDriver:
             parts = line.split()
             if parts:
                 self.cuda[int(parts[0])] = int(parts[1]) if len(parts) > 1 else 1 << 30
-        path = self.dir / "state.json"
-        self.states = (
-            {int(k): v for k, v in json.loads(path.read_text()).items()} if path.exists() else {}
-        )
+        with self._locked():
+            self.states = self._read()
 
-    def _save(self) -> None:
-        (self.dir / "state.json").write_text(json.dumps(self.states))
+    @contextlib.contextmanager
+    def _locked(self) -> Any:
+        """The state file to this helper alone: helpers for two engines run at once."""
+        with open(self.dir / "state.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    def _read(self) -> dict[int, str]:
+        path = self.dir / "state.json"
+        return {int(k): v for k, v in json.loads(path.read_text()).items()} if path.exists() else {}
+
+    def _save(self, pid: int) -> None:
+        """This process's state into the file, the other processes' as the file has them now
+        (another helper may have changed theirs since this one read it)."""
+        with self._locked():
+            states = {**self._read(), pid: self.states[pid]}
+            tmp = self.dir / "state.json.tmp"
+            tmp.write_text(json.dumps(states))
+            tmp.replace(self.dir / "state.json")
 
     def _op(self, op: str, pid: int, before: str, after: str) -> None:
         fail = self.dir / "fail"
@@ -188,14 +205,14 @@ class FakeDriver:
         if told and told[0] == op and (len(told) == 1 or int(told[1]) == pid):
             if op == "checkpoint":
                 self.states[pid] = "locked"  # the driver leaves a failed checkpoint locked
-                self._save()
+                self._save(pid)
             raise DriverError(op, f"cuCheckpointProcess{op.title()}: CUDA_ERROR_UNKNOWN (fake)")
         if self.state(pid) != before:
             raise DriverError(
                 op, f"cuCheckpointProcess{op.title()}: CUDA_ERROR_ILLEGAL_STATE (fake)"
             )
         self.states[pid] = after
-        self._save()
+        self._save(pid)
 
     def state(self, pid: int) -> str:
         if pid not in self.cuda:
